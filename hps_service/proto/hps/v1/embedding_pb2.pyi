@@ -1,0 +1,95 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SOURCE_UNSPECIFIED: _ClassVar[Source]
+    SOURCE_CACHE: _ClassVar[Source]
+    SOURCE_VOLATILE: _ClassVar[Source]
+    SOURCE_PERSISTENT: _ClassVar[Source]
+    SOURCE_DEFAULT: _ClassVar[Source]
+SOURCE_UNSPECIFIED: Source
+SOURCE_CACHE: Source
+SOURCE_VOLATILE: Source
+SOURCE_PERSISTENT: Source
+SOURCE_DEFAULT: Source
+
+class TableKeys(_message.Message):
+    __slots__ = ("table", "keys")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    keys: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("model", "tables", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tables: _containers.RepeatedCompositeFieldContainer[TableKeys]
+    request_id: int
+    def __init__(self, model: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class TableVectors(_message.Message):
+    __slots__ = ("table", "dim", "count", "vectors", "sources")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dim: int
+    count: int
+    vectors: bytes
+    sources: bytes
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., count: _Optional[int] = ..., vectors: _Optional[bytes] = ..., sources: _Optional[bytes] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("model", "tables", "request_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    tables: _containers.RepeatedCompositeFieldContainer[TableVectors]
+    request_id: int
+    def __init__(self, model: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableVectors, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TableInfo(_message.Message):
+    __slots__ = ("name", "dim")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("name", "tables")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tables: _containers.RepeatedCompositeFieldContainer[TableInfo]
+    def __init__(self, name: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableInfo, _Mapping]]] = ...) -> None: ...
+
+class ListModelsResponse(_message.Message):
+    __slots__ = ("models",)
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ...) -> None: ...
+
+class GetModelRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,95 @@
+"""The one small interface every storage tier implements.
+
+A tier stores versioned float32 rows per table, addressed by int64 key. Tables are named
+``"<model>.<table>"`` (see :func:`table_id`). Every method takes and returns whole batches as NumPy
+arrays; implementations never loop over keys in Python.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+#: Version stored with a row when the writer gives none (bulk import without a version).
+NO_VERSION = 0
+
+
+def table_id(model: str, table: str) -> str:
+    """The tier-level name of a model's table. Names never contain '.', so this is unambiguous."""
+    return f"{model}.{table}"
+
+
+@dataclass(slots=True)
+class Rows:
+    """The answer of a batch get: one entry per asked key, in the order asked."""
+
+    vectors: np.ndarray  # (n, dim) float32; rows where found is False are undefined
+    versions: np.ndarray  # (n,) int64; undefined where found is False
+    found: np.ndarray  # (n,) bool
+
+    @classmethod
+    def empty(cls, n: int, dim: int) -> "Rows":
+        return cls(
+            vectors=np.zeros((n, dim), dtype=np.float32),
+            versions=np.zeros(n, dtype=np.int64),
+            found=np.zeros(n, dtype=bool),
+        )
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Row counts and tier-internal counters for one table (hits and misses are counted by the engine)."""
+
+    rows: int
+    capacity: int | None  # None: unbounded
+    evictions: int = 0
+    errors: int = 0  # batches or keys that failed and fell through to the next tier
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class Tier(ABC):
+    """A batch key-value store of versioned embedding rows."""
+
+    #: Short name used in stats and logs: "volatile" or "persistent".
+    kind: str = "tier"
+
+    @abstractmethod
+    def create_table(self, table: str, dim: int) -> None:
+        """Make ``table`` ready to hold rows of width ``dim`` (idempotent; dim must match if it exists)."""
+
+    @abstractmethod
+    def get(self, table: str, keys: np.ndarray) -> Rows:
+        """Look up ``keys`` (int64, 1-D). Missing keys have ``found == False``; never raises for a miss."""
+
+    @abstractmethod
+    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Upsert rows, keeping a stored row whose version is newer than the offered one.
+
+        Returns a bool mask of the rows written. Keys within one batch are unique.
+        """
+
+    @abstractmethod
+    def delete(self, table: str, keys: np.ndarray) -> int:
+        """Remove ``keys``; returns how many were present."""
+
+    @abstractmethod
+    def count(self, table: str) -> int:
+        """Rows currently held for ``table`` (an estimate where the store only offers one)."""
+
+    @abstractmethod
+    def stats(self, table: str) -> TierStats:
+        """Rows, capacity and internal counters of ``table``."""
+
+    def drop_table(self, table: str) -> None:
+        """Forget every row of ``table``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot drop tables")
+
+    def healthy(self) -> bool:
+        """Whether the tier can currently serve (used by readiness)."""
+        return True
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections, files and memory."""

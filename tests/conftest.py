@@ -1,0 +1,1 @@
+"""Shared pytest fixtures: real servers started for the session and stopped after."""
