@@ -82,6 +82,10 @@ class Tier(ABC):
     def stats(self, table: str) -> TierStats:
         """Rows, capacity and internal counters of ``table``."""
 
+    def scan_keys(self, table: str, limit: int) -> np.ndarray:
+        """Up to ``limit`` stored keys of ``table`` in the store's own order (used for cache warm start)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot scan keys")
+
     def drop_table(self, table: str) -> None:
         """Forget every row of ``table``."""
         raise NotImplementedError(f"{type(self).__name__} cannot drop tables")

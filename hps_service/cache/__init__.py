@@ -1,0 +1,1 @@
+"""L1 embedding cache: set-associative, one code path for NumPy and CuPy."""

@@ -1,0 +1,44 @@
+"""The seam between the lookup engine and the L1 embedding cache of one table.
+
+The engine asks the L1 first, then the lower tiers for what it missed, and hands the rows it fetched
+back with :meth:`TableCache.admit`; where and when they are inserted is the cache's decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+#: Reads true rows for keys from the tiers below L1: ``fetch(keys) -> (n, dim) float32``.
+FetchBelow = Callable[[np.ndarray], np.ndarray]
+
+
+@runtime_checkable
+class TableCache(Protocol):
+    """L1 cache of one table, safe to call from many threads at once."""
+
+    dim: int
+    capacity: int
+
+    def lookup(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the (n,) bool hit mask."""
+
+    def admit(self, keys: np.ndarray, vectors: np.ndarray, batch_hit_rate: float) -> None:
+        """Offer rows fetched from lower tiers (unique keys); inline or deferred per hit_rate_threshold."""
+
+    def update(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+        """Online update: overwrite rows of keys that are cached, leave the others out."""
+
+    def invalidate(self, keys: np.ndarray) -> None:
+        """Drop keys from the cache (deletes)."""
+
+    def clear(self) -> None:
+        """Drop everything."""
+
+    def stats(self) -> dict[str, float]:
+        """At least: rows, capacity, evictions (hits and misses are counted by the engine)."""
+
+    def close(self) -> None:
+        """Stop background work; persist what warm start needs."""

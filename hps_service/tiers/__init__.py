@@ -1,0 +1,1 @@
+"""Storage tiers behind one interface (see :mod:`hps_service.tiers.base`)."""
