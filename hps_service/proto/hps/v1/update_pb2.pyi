@@ -1,0 +1,27 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class EmbeddingUpdate(_message.Message):
+    __slots__ = ("model", "table", "dim", "keys", "vectors", "versions", "produced_at_ns", "delete_keys", "delete_versions")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VECTORS_FIELD_NUMBER: _ClassVar[int]
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PRODUCED_AT_NS_FIELD_NUMBER: _ClassVar[int]
+    DELETE_KEYS_FIELD_NUMBER: _ClassVar[int]
+    DELETE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    table: str
+    dim: int
+    keys: bytes
+    vectors: bytes
+    versions: bytes
+    produced_at_ns: int
+    delete_keys: bytes
+    delete_versions: bytes
+    def __init__(self, model: _Optional[str] = ..., table: _Optional[str] = ..., dim: _Optional[int] = ..., keys: _Optional[bytes] = ..., vectors: _Optional[bytes] = ..., versions: _Optional[bytes] = ..., produced_at_ns: _Optional[int] = ..., delete_keys: _Optional[bytes] = ..., delete_versions: _Optional[bytes] = ...) -> None: ...
