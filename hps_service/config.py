@@ -92,6 +92,7 @@ class PersistentConfig(_Section):
     path: Path = Path("./var/rocksdb")
     read_only: bool = False
     block_cache_mb: int = Field(256, ge=0)
+    sync_writes: bool = Field(True, description="fsync the WAL on every update batch before its offset is committed")
 
 
 class UpdatesConfig(_Section):

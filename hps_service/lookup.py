@@ -1,0 +1,386 @@
+"""The lookup hierarchy: L1 cache -> volatile tier -> persistent tier -> default vector.
+
+The engine knows nothing of gRPC or HTTP. It dedupes what the cache missed, asks each tier only for
+what is still missing, promotes rows found lower into the tiers above, and answers in request order
+with, per key, the level that answered.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+from hps_service.cache.protocol import TableCache
+from hps_service.config import DefaultSpec, ModelConfig, TableConfig
+from hps_service.defaults import default_rows
+from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from hps_service.tiers.base import Tier, table_id
+
+log = logging.getLogger(__name__)
+
+
+class Source(IntEnum):
+    """Which level answered a key; the values are those of the ``hps.v1.Source`` protobuf enum."""
+
+    CACHE = 1
+    VOLATILE = 2
+    PERSISTENT = 3
+    DEFAULT = 4
+
+
+LEVELS = ("cache", "volatile", "persistent")
+
+
+@dataclass(slots=True)
+class LookupResult:
+    vectors: np.ndarray  # (n, dim) float32, in the order asked
+    sources: np.ndarray  # (n,) uint8 Source values
+
+
+@dataclass
+class _Counters:
+    """Hits and misses per level of one table (updated under the table's lock)."""
+
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEVELS, 0))
+    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEVELS, 0))
+    defaults: int = 0
+
+
+@dataclass
+class ServedTable:
+    """One table of a loaded model, with its L1 cache and counters."""
+
+    model: str
+    name: str
+    dim: int
+    default: DefaultSpec
+    cache: TableCache | None = None
+    counters: _Counters = field(default_factory=_Counters)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Bumped by every update or delete; a lookup admits fetched rows to L1 only if it did not move.
+    epoch: int = 0
+
+    @property
+    def id(self) -> str:
+        return table_id(self.model, self.name)
+
+    def count(self, level: str, hits: int, misses: int) -> None:
+        with self.lock:
+            self.counters.hits[level] += hits
+            self.counters.misses[level] += misses
+
+
+#: Builds the L1 cache of a table, or None: ``factory(table, fetch_below, warm_keys)``.
+CacheFactory = Callable[[ServedTable, Callable[[np.ndarray], np.ndarray], Callable[[int], np.ndarray] | None], TableCache | None]
+
+
+def as_keys(keys: np.ndarray | Iterable[int], max_keys: int | None = None) -> np.ndarray:
+    """Validate and convert keys to a 1-D int64 array; raise InvalidArgumentError / ResourceExhaustedError."""
+    arr = np.asarray(keys)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"keys must be a 1-D array, got shape {arr.shape}")
+    if arr.dtype != np.int64:
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidArgumentError(f"keys must be integers, got dtype {arr.dtype}")
+        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise InvalidArgumentError("keys must fit in int64")
+        arr = arr.astype(np.int64)
+    if max_keys is not None and arr.shape[0] > max_keys:
+        raise ResourceExhaustedError(f"{arr.shape[0]} keys in one request exceeds server.max_batch_keys={max_keys}")
+    return arr
+
+
+def as_rows(vectors: np.ndarray, n: int, dim: int, what: str) -> np.ndarray:
+    """Validate rows for ``n`` keys of width ``dim``: float32, finite."""
+    arr = np.asarray(vectors, dtype=np.float32)
+    if arr.shape != (n, dim):
+        raise InvalidArgumentError(f"{what}: expected rows of shape ({n}, {dim}), got {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise InvalidArgumentError(f"{what}: rows contain NaN or infinite values")
+    return arr
+
+
+def latest_per_key(keys: np.ndarray, versions: np.ndarray) -> np.ndarray:
+    """Indices that keep one entry per key: the highest version, the last one among equals."""
+    order = np.lexsort((np.arange(keys.shape[0]), versions, keys))
+    sorted_keys = keys[order]
+    last = np.ones(order.shape[0], dtype=bool)
+    last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
+    return order[last]
+
+
+class LookupEngine:
+    """Answers batched lookups through the tier hierarchy and applies writes to every tier."""
+
+    def __init__(
+        self,
+        volatile: Tier | None,
+        persistent: Tier | None,
+        cache_factory: CacheFactory | None = None,
+        max_batch_keys: int = 65536,
+    ) -> None:
+        self.volatile = volatile
+        self.persistent = persistent
+        self.cache_factory = cache_factory
+        self.max_batch_keys = max_batch_keys
+        self._models: dict[str, dict[str, ServedTable]] = {}
+        self._configs: dict[str, ModelConfig] = {}
+        self._registry_lock = threading.Lock()
+
+    # ---- models -------------------------------------------------------------------------------
+    def register_model(self, model: ModelConfig) -> None:
+        """Create the model's tables in every tier and build their L1 caches (replaces a loaded model)."""
+        tables: dict[str, ServedTable] = {}
+        for tc in model.tables:
+            tables[tc.name] = self._make_table(model.name, tc)
+        with self._registry_lock:
+            old = self._models.get(model.name)
+            self._models = {**self._models, model.name: tables}
+            self._configs = {**self._configs, model.name: model}
+        if old:
+            self._close_tables(old.values())
+        log.info("model %s loaded: %s", model.name, ", ".join(f"{t.name}(dim {t.dim})" for t in model.tables))
+
+    def unregister_model(self, name: str) -> None:
+        """Stop serving a model (its stored rows stay in the tiers)."""
+        with self._registry_lock:
+            if name not in self._models:
+                raise NotFoundError(f"model '{name}' is not loaded")
+            old = self._models[name]
+            self._models = {k: v for k, v in self._models.items() if k != name}
+            self._configs = {k: v for k, v in self._configs.items() if k != name}
+        self._close_tables(old.values())
+
+    def models(self) -> list[ModelConfig]:
+        return list(self._configs.values())
+
+    def model(self, name: str) -> ModelConfig:
+        try:
+            return self._configs[name]
+        except KeyError:
+            raise NotFoundError(f"model '{name}' is not loaded") from None
+
+    def table(self, model: str, table: str) -> ServedTable:
+        """The served table, or NotFoundError naming what is missing."""
+        tables = self._models.get(model)
+        if tables is None:
+            raise NotFoundError(f"model '{model}' is not loaded")
+        t = tables.get(table)
+        if t is None:
+            raise NotFoundError(f"model '{model}' has no table '{table}'")
+        return t
+
+    def _make_table(self, model: str, tc: TableConfig) -> ServedTable:
+        t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default)
+        for tier in (self.volatile, self.persistent):
+            if tier is not None:
+                tier.create_table(t.id, tc.dim)
+        if self.cache_factory is not None:
+            warm = None
+            if self.persistent is not None:
+                persistent = self.persistent
+                warm = lambda limit, tid=t.id: persistent.scan_keys(tid, limit)  # noqa: E731
+            t.cache = self.cache_factory(t, lambda keys, tt=t: self._fetch_below_cache(tt, keys, count=False)[0], warm)
+        return t
+
+    def _close_tables(self, tables: Iterable[ServedTable]) -> None:
+        for t in tables:
+            if t.cache is not None:
+                t.cache.close()
+
+    # ---- reads --------------------------------------------------------------------------------
+    def lookup(self, model: str, table: str, keys: np.ndarray) -> LookupResult:
+        """Rows of ``keys`` in request order (duplicates included) and the level that answered each."""
+        t = self.table(model, table)
+        keys = as_keys(keys, self.max_batch_keys)
+        n = keys.shape[0]
+        out = np.empty((n, t.dim), dtype=np.float32)
+        sources = np.empty(n, dtype=np.uint8)
+        epoch = t.epoch
+        if t.cache is not None and n:
+            hit = t.cache.lookup(keys, out)
+            n_hit = int(np.count_nonzero(hit))
+            t.count("cache", n_hit, n - n_hit)
+            if n_hit == n:
+                sources.fill(Source.CACHE)
+                return LookupResult(out, sources)
+            sources[hit] = Source.CACHE
+            miss_idx = np.flatnonzero(~hit)
+            batch_hit_rate = n_hit / n
+        else:
+            miss_idx = None
+            batch_hit_rate = 0.0
+        miss_keys = keys if miss_idx is None else keys[miss_idx]
+        if miss_keys.shape[0] == 0:
+            return LookupResult(out, sources)
+        uniq, inverse = np.unique(miss_keys, return_inverse=True)
+        rows, src = self._fetch_below_cache(t, uniq)
+        if miss_idx is None:
+            np.take(rows, inverse, axis=0, out=out)
+            np.take(src, inverse, out=sources)
+        else:
+            out[miss_idx] = rows[inverse]
+            sources[miss_idx] = src[inverse]
+        if t.cache is not None:
+            stored = src != Source.DEFAULT
+            if stored.any() and t.epoch == epoch:
+                t.cache.admit(uniq[stored], rows[stored], batch_hit_rate)
+        return LookupResult(out, sources)
+
+    def _fetch_below_cache(self, t: ServedTable, keys: np.ndarray, count: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of unique ``keys`` from volatile, then persistent, then the default; promotes L3 hits to L2."""
+        m = keys.shape[0]
+        rows = np.empty((m, t.dim), dtype=np.float32)
+        src = np.full(m, Source.DEFAULT, dtype=np.uint8)
+        pending = np.arange(m)
+        for level, code, tier in (
+            ("volatile", Source.VOLATILE, self.volatile),
+            ("persistent", Source.PERSISTENT, self.persistent),
+        ):
+            if tier is None or pending.shape[0] == 0:
+                continue
+            got = tier.get(t.id, keys[pending])
+            n_found = int(np.count_nonzero(got.found))
+            if count:
+                t.count(level, n_found, pending.shape[0] - n_found)
+            if n_found:
+                hit_idx = pending[got.found]
+                rows[hit_idx] = got.vectors[got.found]
+                src[hit_idx] = code
+                if code == Source.PERSISTENT and self.volatile is not None:
+                    self._promote(t, keys[hit_idx], got.vectors[got.found], got.versions[got.found])
+                pending = pending[~got.found]
+        if pending.shape[0]:
+            rows[pending] = default_rows(t.default, keys[pending], t.dim)
+            if count:
+                with t.lock:
+                    t.counters.defaults += int(pending.shape[0])
+        return rows, src
+
+    def _promote(self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> None:
+        """Copy rows found in L3 into L2; versioned puts keep a newer row written meanwhile."""
+        assert self.volatile is not None
+        try:
+            self.volatile.put(t.id, keys, vectors, versions)
+        except Exception:  # a failed promotion only costs a later L3 read
+            log.warning("promotion of %d rows of %s into the volatile tier failed", keys.shape[0], t.id, exc_info=True)
+
+    # ---- writes -------------------------------------------------------------------------------
+    def apply_updates(
+        self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int
+    ) -> int:
+        """Write rows to persistent (durable) -> volatile -> rows present in L1. Returns rows written.
+
+        A stored row with a newer version is never replaced, so replays and lagging writers are harmless.
+        """
+        t = self.table(model, table)
+        keys = as_keys(keys)
+        n = keys.shape[0]
+        vectors = as_rows(vectors, n, t.dim, f"update of {t.id}")
+        versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,))
+        if n == 0:
+            return 0
+        keep = latest_per_key(keys, versions)
+        if keep.shape[0] != n:
+            keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+        else:
+            versions = np.ascontiguousarray(versions)
+        written = np.ones(keys.shape[0], dtype=bool)
+        if self.persistent is not None:
+            written = self.persistent.put(t.id, keys, vectors, versions)
+        with t.lock:
+            t.epoch += 1
+        if self.volatile is not None:
+            volatile_written = self.volatile.put(t.id, keys, vectors, versions)
+            if self.persistent is None:
+                written = volatile_written
+        if t.cache is not None and written.any():
+            t.cache.update(keys[written], vectors[written])
+        return int(np.count_nonzero(written))
+
+    def apply_deletes(self, model: str, table: str, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
+        """Delete keys from every tier and the L1 cache. Returns how many the lowest enabled tier held."""
+        t = self.table(model, table)
+        keys = np.unique(as_keys(keys))
+        if keys.shape[0] == 0:
+            return 0
+        removed = 0
+        with t.lock:
+            t.epoch += 1
+        if self.persistent is not None:
+            removed = self.persistent.delete(t.id, keys)
+        if self.volatile is not None:
+            n = self.volatile.delete(t.id, keys)
+            if self.persistent is None:
+                removed = n
+        if t.cache is not None:
+            t.cache.invalidate(keys)
+        return removed
+
+    # ---- stats and lifecycle ------------------------------------------------------------------
+    def table_stats(self, model: str, table: str) -> dict[str, dict[str, float | int | None]]:
+        """Per level: hits, misses, hit_rate, rows, capacity, evictions (+ errors for lower tiers)."""
+        t = self.table(model, table)
+        with t.lock:
+            hits = dict(t.counters.hits)
+            misses = dict(t.counters.misses)
+            defaults = t.counters.defaults
+        out: dict[str, dict[str, float | int | None]] = {}
+        for level in LEVELS:
+            h, m = hits[level], misses[level]
+            entry: dict[str, float | int | None] = {
+                "hits": h,
+                "misses": m,
+                "hit_rate": (h / (h + m)) if (h + m) else 0.0,
+                "rows": 0,
+                "capacity": 0,
+                "evictions": 0,
+            }
+            if level == "cache":
+                entry["enabled"] = t.cache is not None
+                if t.cache is not None:
+                    cs = t.cache.stats()
+                    entry.update({k: v for k, v in cs.items() if k not in ("hits", "misses", "hit_rate")})
+            else:
+                tier = self.volatile if level == "volatile" else self.persistent
+                entry["enabled"] = tier is not None
+                if tier is not None:
+                    ts = tier.stats(t.id)
+                    entry.update(rows=ts.rows, capacity=ts.capacity, evictions=ts.evictions, errors=ts.errors)
+                    entry.update(ts.extra)
+            out[level] = entry
+        out["default"] = {"hits": defaults}
+        return out
+
+    def stats(self) -> dict:
+        """The ``/v1/stats`` shape: ``{"models": {M: {"tables": {T: {level: {...}}}}}}``."""
+        return {
+            "models": {
+                m: {"tables": {name: self.table_stats(m, name) for name in tables}}
+                for m, tables in self._models.items()
+            }
+        }
+
+    def healthy(self) -> dict[str, bool]:
+        """Reachability of each enabled tier."""
+        out = {}
+        if self.volatile is not None:
+            out["volatile"] = self.volatile.healthy()
+        if self.persistent is not None:
+            out["persistent"] = self.persistent.healthy()
+        return out
+
+    def close(self) -> None:
+        """Stop caches (saving warm-start snapshots) and close the tiers."""
+        with self._registry_lock:
+            models, self._models, self._configs = self._models, {}, {}
+        for tables in models.values():
+            self._close_tables(tables.values())
+        for tier in (self.volatile, self.persistent):
+            if tier is not None:
+                tier.close()
