@@ -1,0 +1,414 @@
+"""L3 persistent tier: every row of every table in RocksDB (rocksdict, raw mode), one column family per table.
+
+Keys are 8-byte big-endian (so byte order is unsigned key order), values ``codec`` rows
+(``<version i8><dim f4>``). A metadata column family keeps each table's dim and its exact row count, so a
+reopened store knows its tables without the config. Batches go through one multi-get / one WriteBatch each;
+per-row calls into rocksdict are driven by ``map`` (C-level iteration), never by a Python loop of ours.
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+import uuid
+from collections import deque
+from collections.abc import Callable
+from itertools import islice, repeat
+from pathlib import Path
+
+import numpy as np
+from rocksdict import (
+    AccessType,
+    BlockBasedOptions,
+    Cache,
+    Checkpoint,
+    DataBlockIndexType,
+    IngestExternalFileOptions,
+    Options,
+    Rdict,
+    SstFileWriter,
+    WriteBatch,
+    WriteOptions,
+)
+
+from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.tiers.base import Rows, Tier, TierStats
+from hps_service.tiers.codec import decode_rows, encode_keys, encode_rows, row_dtype
+
+#: Column family holding ``dim:<table>`` and ``count:<table>`` entries (int64 little-endian values).
+META_CF = "__hps_meta__"
+#: Rows per SST file written by :meth:`RocksDBTier.bulk_import` (one progress report per file).
+IMPORT_CHUNK_ROWS = 262_144
+_MiB = 1 << 20
+
+
+def _meta_key(kind: str, table: str) -> bytes:
+    return f"{kind}:{table}".encode()
+
+
+def _int_value(value: int) -> bytes:
+    return int(value).to_bytes(8, "little", signed=True)
+
+
+def _drain(iterator) -> None:
+    """Run an iterator of side effects to completion at C speed."""
+    deque(iterator, maxlen=0)
+
+
+class RocksDBTier(Tier):
+    """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
+
+    kind = "persistent"
+
+    def __init__(
+        self,
+        path: Path,
+        read_only: bool = False,
+        block_cache_mb: int = 256,
+        sync_writes: bool = True,
+        row_cache_mb: int = 0,
+    ) -> None:
+        """Open (or create) the store at ``path``; every existing table reopens with the tuned options."""
+        if block_cache_mb < 0 or row_cache_mb < 0:
+            raise InvalidArgumentError("block_cache_mb and row_cache_mb must be >= 0")
+        self.path = Path(path)
+        self.read_only = read_only
+        self.sync_writes = sync_writes
+        self._lock = threading.Lock()
+        self._block_cache = Cache(block_cache_mb * _MiB) if block_cache_mb else None
+        self._row_cache = Cache(row_cache_mb * _MiB) if row_cache_mb else None
+        self._write_opts = WriteOptions()
+        self._write_opts.sync = sync_writes
+        if read_only and not (self.path / "CURRENT").exists():
+            raise UnavailableError(f"no RocksDB store at {self.path} to open read-only")
+        self.path.mkdir(parents=True, exist_ok=True)
+        existing = set(Rdict.list_cf(str(self.path), self._options())) if (self.path / "CURRENT").exists() else set()
+        column_families = {name: self._options() for name in existing | {META_CF}}
+        if read_only:
+            column_families = {name: opts for name, opts in column_families.items() if name in existing}
+            access = AccessType.read_only(False)
+        else:
+            access = AccessType.read_write()
+        try:
+            self._db = Rdict(str(self.path), self._options(), column_families=column_families, access_type=access)
+        except Exception as exc:  # rocksdict raises bare Exception for I/O and lock errors
+            raise UnavailableError(f"cannot open RocksDB at {self.path}: {exc}") from exc
+        self._closed = False
+        self._meta = self._db.get_column_family(META_CF) if META_CF in column_families else None
+        self._dims: dict[str, int] = {}
+        self._cfs: dict[str, Rdict] = {}
+        self._handles: dict[str, object] = {}
+        for name in column_families:
+            if name in (META_CF, "default"):
+                continue
+            dim = self._meta_int("dim", name)
+            if dim is not None:
+                self._attach(name, dim)
+
+    # ---- options and metadata -------------------------------------------------------------------------
+
+    def _options(self) -> Options:
+        """Options for the DB and for every column family (rocksdict forgets table options not passed per CF)."""
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.create_missing_column_families(True)
+        table = BlockBasedOptions()
+        if self._block_cache is not None:
+            table.set_block_cache(self._block_cache)
+        else:
+            table.disable_cache()
+        table.set_bloom_filter(10, False)
+        table.set_cache_index_and_filter_blocks(True)
+        table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+        table.set_data_block_index_type(DataBlockIndexType.binary_and_hash())
+        table.set_data_block_hash_ratio(0.75)
+        opts.set_block_based_table_factory(table)
+        if self._row_cache is not None:
+            opts.set_row_cache(self._row_cache)
+        opts.set_level_compaction_dynamic_level_bytes(True)
+        return opts
+
+    def _meta_int(self, kind: str, table: str) -> int | None:
+        if self._meta is None:
+            return None
+        raw = self._meta.get(_meta_key(kind, table))
+        return None if raw is None else int.from_bytes(raw, "little", signed=True)
+
+    def _attach(self, table: str, dim: int) -> None:
+        self._cfs[table] = self._db.get_column_family(table)
+        self._handles[table] = self._db.get_column_family_handle(table)
+        self._dims[table] = dim
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise UnavailableError(f"RocksDB tier at {self.path} is closed")
+
+    def _check_writable(self, what: str) -> None:
+        self._check_open()
+        if self.read_only:
+            raise UnavailableError(f"cannot {what}: RocksDB at {self.path} is opened read-only")
+
+    def _table(self, table: str) -> tuple[Rdict, int]:
+        self._check_open()
+        try:
+            return self._cfs[table], self._dims[table]
+        except KeyError:
+            raise NotFoundError(f"table {table} does not exist in the persistent tier") from None
+
+    @staticmethod
+    def _keys(keys: np.ndarray) -> np.ndarray:
+        arr = np.asarray(keys)
+        if arr.ndim != 1:
+            raise InvalidArgumentError(f"keys must be 1-D, got shape {arr.shape}")
+        if arr.size and arr.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"keys must be int64, got {arr.dtype}")
+        return arr.astype(np.int64, copy=False)
+
+    @staticmethod
+    def _vectors(vectors: np.ndarray, n: int, dim: int, table: str) -> np.ndarray:
+        arr = np.asarray(vectors)
+        if arr.ndim != 2 or arr.shape[0] != n or arr.shape[1] != dim:
+            raise InvalidArgumentError(f"vectors for {table} must have shape ({n}, {dim}), got {arr.shape}")
+        return arr.astype(np.float32, copy=False)
+
+    # ---- Tier interface -------------------------------------------------------------------------------
+
+    def tables(self) -> dict[str, int]:
+        """Every table this store holds, with its dim."""
+        return dict(self._dims)
+
+    def create_table(self, table: str, dim: int) -> None:
+        """Create the column family of ``table`` (idempotent); an existing table must have the same dim."""
+        self._check_open()
+        if not table or table in (META_CF, "default"):
+            raise InvalidArgumentError(f"invalid table name {table!r}")
+        if not 1 <= int(dim) <= 16384:
+            raise InvalidArgumentError(f"dim must be in [1, 16384], got {dim}")
+        with self._lock:
+            stored = self._dims.get(table)
+            if stored is not None:
+                if stored != dim:
+                    raise InvalidArgumentError(f"table {table} has dim {stored} in the store, not {dim}")
+                return
+            self._check_writable(f"create table {table}")
+            self._db.create_column_family(table, self._options())
+            batch = WriteBatch(raw_mode=True)
+            meta = self._db.get_column_family_handle(META_CF)
+            batch.put(_meta_key("dim", table), _int_value(dim), meta)
+            batch.put(_meta_key("count", table), _int_value(0), meta)
+            self._db.write(batch, self._write_opts)
+            self._attach(table, int(dim))
+
+    def get(self, table: str, keys: np.ndarray) -> Rows:
+        """One multi-get for the whole batch; missing keys come back with ``found == False``."""
+        cf, dim = self._table(table)
+        keys = self._keys(keys)
+        if keys.size == 0:
+            return Rows.empty(0, dim)
+        return decode_rows(cf.get(encode_keys(keys)), dim)
+
+    def _stored_versions(self, cf: Rdict, encoded_keys: list[bytes], dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """(found mask, stored versions) of the encoded keys, read with one multi-get."""
+        values = cf.get(encoded_keys)
+        n = len(values)
+        found = np.fromiter(map(bool, values), dtype=bool, count=n)
+        versions = np.zeros(n, dtype=np.int64)
+        if found.any():
+            if found.all():
+                present = values
+            else:
+                boxed = np.empty(n, dtype=object)
+                boxed[:] = values
+                present = boxed[found].tolist()
+            rec = np.frombuffer(b"".join(present), dtype=row_dtype(dim))
+            versions[found] = rec["version"]
+        return found, versions
+
+    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Write rows whose version is >= the stored one, in one synced WriteBatch; returns the written mask."""
+        self._check_writable(f"write to {table}")
+        cf, dim = self._table(table)
+        keys = self._keys(keys)
+        n = keys.size
+        vectors = self._vectors(vectors, n, dim, table)
+        offered = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,))
+        if n == 0:
+            return np.zeros(0, dtype=bool)
+        encoded = encode_keys(keys)
+        with self._lock:
+            found, stored = self._stored_versions(cf, encoded, dim)
+            written = ~found | (offered >= stored)
+            idx = np.flatnonzero(written)
+            if idx.size:
+                batch = WriteBatch(raw_mode=True)
+                handle = self._handles[table]
+                sel_keys = encoded if idx.size == n else encode_keys(keys[idx])
+                values = encode_rows(vectors[idx], offered[idx])
+                _drain(map(batch.put, sel_keys, values, repeat(handle)))
+                new_rows = int(np.count_nonzero(~found[idx]))
+                if new_rows:
+                    count = (self._meta_int("count", table) or 0) + new_rows
+                    batch.put(_meta_key("count", table), _int_value(count), self._db.get_column_family_handle(META_CF))
+                self._db.write(batch, self._write_opts)
+        return written
+
+    def delete(self, table: str, keys: np.ndarray) -> int:
+        """Remove ``keys`` in one WriteBatch; returns how many were present."""
+        self._check_writable(f"delete from {table}")
+        cf, _ = self._table(table)
+        keys = self._keys(keys)
+        if keys.size == 0:
+            return 0
+        encoded = encode_keys(np.unique(keys))
+        with self._lock:
+            values = cf.get(encoded)
+            present = len(values) - values.count(None)
+            batch = WriteBatch(raw_mode=True)
+            handle = self._handles[table]
+            _drain(map(batch.delete, encoded, repeat(handle)))
+            if present:
+                count = max(0, (self._meta_int("count", table) or 0) - present)
+                batch.put(_meta_key("count", table), _int_value(count), self._db.get_column_family_handle(META_CF))
+            self._db.write(batch, self._write_opts)
+        return present
+
+    def count(self, table: str) -> int:
+        """Exact row count, kept in the metadata CF by put/delete/import (same batch as the rows for put/delete)."""
+        self._table(table)
+        return self._meta_int("count", table) or 0
+
+    def stats(self, table: str) -> TierStats:
+        """Rows plus RocksDB's own size figures for the table."""
+        cf, _ = self._table(table)
+        extra = {
+            "estimate_num_keys": float(cf.property_int_value("rocksdb.estimate-num-keys") or 0),
+            "sst_bytes": float(cf.property_int_value("rocksdb.total-sst-files-size") or 0),
+            "memtable_bytes": float(cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0),
+        }
+        if self._block_cache is not None:
+            extra["block_cache_bytes"] = float(self._block_cache.get_usage())
+        if self._row_cache is not None:
+            extra["row_cache_bytes"] = float(self._row_cache.get_usage())
+        return TierStats(rows=self.count(table), capacity=None, extra=extra)
+
+    def scan_keys(self, table: str, limit: int) -> np.ndarray:
+        """The first ``limit`` keys in store order (unsigned key order), for cache warm start."""
+        cf, _ = self._table(table)
+        if limit <= 0:
+            return np.zeros(0, dtype=np.int64)
+        raw = b"".join(islice(cf.keys(), limit))
+        return np.frombuffer(raw, dtype=">i8").astype(np.int64)
+
+    def drop_table(self, table: str) -> None:
+        """Drop the table's column family and its metadata."""
+        self._check_writable(f"drop table {table}")
+        self._table(table)
+        with self._lock:
+            self._cfs.pop(table)
+            self._handles.pop(table)
+            self._dims.pop(table)
+            self._db.drop_column_family(table)
+            batch = WriteBatch(raw_mode=True)
+            meta = self._db.get_column_family_handle(META_CF)
+            batch.delete(_meta_key("dim", table), meta)
+            batch.delete(_meta_key("count", table), meta)
+            self._db.write(batch, self._write_opts)
+
+    def healthy(self) -> bool:
+        """Open and answering a property read."""
+        if self._closed:
+            return False
+        try:
+            return self._db.property_value("rocksdb.num-running-compactions") is not None
+        except Exception:  # rocksdict raises bare Exception on a broken DB
+            return False
+
+    def checkpoint(self, dest: Path) -> None:
+        """A consistent, hard-linked snapshot of the whole store at ``dest`` (which must not exist)."""
+        self._check_open()
+        dest = Path(dest)
+        if dest.exists():
+            raise InvalidArgumentError(f"checkpoint destination {dest} already exists")
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        Checkpoint(self._db).create_checkpoint(str(dest))
+
+    def close(self) -> None:
+        """Flush nothing extra (writes are in the WAL) and release the files and the lock."""
+        if self._closed:
+            return
+        with self._lock:
+            self._closed = True
+            self._cfs.clear()
+            self._handles.clear()
+            self._meta = None
+            self._db.close()
+
+    # ---- bulk import ----------------------------------------------------------------------------------
+
+    def bulk_import(
+        self,
+        table: str,
+        keys: np.ndarray,
+        vectors: np.ndarray,
+        version: int = 0,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Write rows as sorted SST files and ingest them atomically; returns the rows now stored from this import.
+
+        Atomic: rows are checked (finite) while the SST files are written, and all files are ingested in one call
+        at the end, so a failure leaves the table as it was. Duplicate keys: the last occurrence wins. Rows already
+        stored with a newer version are kept, so an import never takes a row backwards. ``progress(rows_done)`` is called after each SST file.
+        """
+        self._check_writable(f"import into {table}")
+        cf, dim = self._table(table)
+        keys = self._keys(keys)
+        vectors = self._vectors(vectors, keys.size, dim, table)
+        if keys.size == 0:
+            return 0
+        order = np.argsort(keys.view(np.uint64), kind="stable")
+        sorted_keys = keys.view(np.uint64)[order]
+        last = np.ones(order.size, dtype=bool)
+        last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
+        order = order[last]
+        tmp = self.path / f"import-{uuid.uuid4().hex}"
+        tmp.mkdir()
+        try:
+            with self._lock:
+                count_before = self._meta_int("count", table) or 0
+                files, written, new_rows = [], 0, 0
+                for start in range(0, order.size, IMPORT_CHUNK_ROWS):
+                    chunk = order[start : start + IMPORT_CHUNK_ROWS]
+                    chunk_vectors = vectors[chunk]
+                    bad = np.flatnonzero(~np.isfinite(chunk_vectors).all(axis=1))
+                    if bad.size:
+                        raise InvalidArgumentError(f"row {int(chunk[bad[0]])} has NaN or inf values; nothing imported")
+                    encoded = encode_keys(keys[chunk])
+                    if count_before:
+                        found, stored = self._stored_versions(cf, encoded, dim)
+                        keep = ~found | (version >= stored)
+                        new_rows += int(np.count_nonzero(~found))
+                        if not keep.all():
+                            chunk, chunk_vectors = chunk[keep], chunk_vectors[keep]
+                            encoded = encode_keys(keys[chunk])
+                    else:
+                        new_rows += chunk.size
+                    if chunk.size:
+                        values = encode_rows(chunk_vectors, np.full(chunk.size, version, dtype=np.int64))
+                        sst = tmp / f"{len(files):06d}.sst"
+                        writer = SstFileWriter(self._options())
+                        writer.open(str(sst))
+                        _drain(map(writer.__setitem__, encoded, values))
+                        writer.finish()
+                        files.append(str(sst))
+                        written += chunk.size
+                    if progress is not None:
+                        progress(min(start + IMPORT_CHUNK_ROWS, order.size))
+                if files:
+                    ingest = IngestExternalFileOptions()
+                    ingest.set_move_files(True)
+                    cf.ingest_external_file(files, ingest)
+                if new_rows:
+                    self._meta.put(_meta_key("count", table), _int_value(count_before + new_rows), self._write_opts)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return written
