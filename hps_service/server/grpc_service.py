@@ -1,0 +1,146 @@
+"""gRPC EmbeddingService: translates protobuf requests to LookupEngine calls and domain errors to status codes."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+
+from hps_service.config import ServerConfig
+from hps_service.errors import (
+    HPSError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from hps_service.lookup import LookupEngine
+from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+_STATUS = {
+    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnavailableError: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def status_for(err: HPSError) -> grpc.StatusCode:
+    """The gRPC status code of a domain error."""
+    for cls, code in _STATUS.items():
+        if isinstance(err, cls):
+            return code
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ServingGate:
+    """Whether lookups are accepted: closed while starting and while draining."""
+
+    def __init__(self) -> None:
+        self._open = threading.Event()
+        self.reason = "the server is starting"
+
+    def open(self) -> None:
+        self._open.set()
+
+    def close(self, reason: str) -> None:
+        self.reason = reason
+        self._open.clear()
+
+    @property
+    def is_open(self) -> bool:
+        return self._open.is_set()
+
+    def check(self) -> None:
+        if not self._open.is_set():
+            raise UnavailableError(self.reason)
+
+
+def _model_info(engine: LookupEngine, name: str) -> pb.ModelInfo:
+    m = engine.model(name)
+    return pb.ModelInfo(name=m.name, tables=[pb.TableInfo(name=t.name, dim=t.dim) for t in m.tables])
+
+
+class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
+    """The hps.v1.EmbeddingService implementation."""
+
+    def __init__(self, engine: LookupEngine, limits: ServerConfig, gate: ServingGate) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.gate = gate
+
+    def lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        """Answer one LookupRequest (raises domain errors)."""
+        self.gate.check()
+        if not request.model:
+            raise InvalidArgumentError("model name is empty")
+        if not request.tables:
+            raise InvalidArgumentError("the request names no table")
+        if len(request.tables) > self.limits.max_tables_per_request:
+            raise ResourceExhaustedError(
+                f"{len(request.tables)} tables in one request exceeds "
+                f"server.max_tables_per_request={self.limits.max_tables_per_request}"
+            )
+        total = 0
+        for tk in request.tables:
+            if len(tk.keys) % 8:
+                raise InvalidArgumentError(
+                    f"table '{tk.table}': keys is {len(tk.keys)} bytes, not a multiple of 8 (packed int64)"
+                )
+            total += len(tk.keys) // 8
+        if total > self.limits.max_batch_keys:
+            raise ResourceExhaustedError(
+                f"{total} keys in one request exceeds server.max_batch_keys={self.limits.max_batch_keys}"
+            )
+        answers = []
+        for tk in request.tables:
+            keys = np.frombuffer(tk.keys, dtype="<i8")
+            res = self.engine.lookup(request.model, tk.table, keys)
+            answers.append(
+                pb.TableVectors(
+                    table=tk.table,
+                    dim=res.vectors.shape[1],
+                    count=keys.shape[0],
+                    vectors=res.vectors.tobytes(),
+                    sources=res.sources.tobytes(),
+                )
+            )
+        return pb.LookupResponse(model=request.model, tables=answers, request_id=request.request_id)
+
+    def _abort(self, context: grpc.ServicerContext, err: Exception) -> None:
+        if isinstance(err, HPSError):
+            context.abort(status_for(err), str(err))
+        log.exception("unexpected error serving a lookup")
+        context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:  # noqa: N802
+        try:
+            return self.lookup(request)
+        except Exception as err:  # translated to a status code, never a stack trace to the caller
+            self._abort(context, err)
+            raise  # unreachable: abort raises
+
+    def StreamLookup(  # noqa: N802
+        self, request_iterator: Iterator[pb.LookupRequest], context: grpc.ServicerContext
+    ) -> Iterator[pb.LookupResponse]:
+        try:
+            for request in request_iterator:
+                yield self.lookup(request)
+        except Exception as err:
+            self._abort(context, err)
+
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:  # noqa: N802
+        return pb.ListModelsResponse(models=[_model_info(self.engine, m.name) for m in self.engine.models()])
+
+    def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:  # noqa: N802
+        try:
+            return _model_info(self.engine, request.model)
+        except Exception as err:
+            self._abort(context, err)
+            raise
