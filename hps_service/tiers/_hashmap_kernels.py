@@ -1,0 +1,248 @@
+"""Numba kernels of the in-process hash map tier: an open-addressing index over compact row storage.
+
+The index is an int32 array of row ids (-1 = empty), a power of two long, probed linearly from a
+splitmix64 hash of the key; keys live once, in the row-aligned ``keys`` array. Rows are kept dense in
+``[0, n_rows)``: removing a row moves the last row into its place, and deletions from the index shift
+the following probe run back, so no tombstones accumulate. Every kernel loops over the whole batch
+inside numba and releases the GIL; callers hold the table's lock.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+EMPTY = np.int32(-1)
+
+_C1 = np.uint64(0xBF58476D1CE4E5B9)
+_C2 = np.uint64(0x94D049BB133111EB)
+_S30 = np.uint64(30)
+_S27 = np.uint64(27)
+_S31 = np.uint64(31)
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _home(key: np.int64, mask: np.int64) -> np.int64:
+    """The first index slot to probe for ``key`` (splitmix64 finaliser, masked to the table size)."""
+    x = np.uint64(key)
+    x = (x ^ (x >> _S30)) * _C1
+    x = (x ^ (x >> _S27)) * _C2
+    x = x ^ (x >> _S31)
+    return np.int64(x & np.uint64(mask))
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _probe(index: np.ndarray, keys: np.ndarray, key: np.int64, mask: np.int64) -> tuple[np.int64, bool]:
+    """The slot holding ``key`` and True, or the empty slot where it would go and False."""
+    pos = _home(key, mask)
+    while True:
+        row = index[pos]
+        if row < 0:
+            return pos, False
+        if keys[row] == key:
+            return pos, True
+        pos = (pos + 1) & mask
+
+
+@njit(cache=True, nogil=True)
+def _remove_slot(index: np.ndarray, keys: np.ndarray, pos: np.int64, mask: np.int64) -> None:
+    """Empty index slot ``pos`` and shift back later entries of its probe run (backward-shift deletion)."""
+    hole = pos
+    j = pos
+    while True:
+        j = (j + 1) & mask
+        row = index[j]
+        if row < 0:
+            break
+        home = _home(keys[row], mask)
+        if hole <= j:
+            stays = hole < home <= j
+        else:
+            stays = home > hole or home <= j
+        if stays:
+            continue
+        index[hole] = row
+        hole = j
+    index[hole] = EMPTY
+
+
+@njit(cache=True, nogil=True)
+def _drop_row(
+    index: np.ndarray,
+    keys: np.ndarray,
+    rows: np.ndarray,
+    versions: np.ndarray,
+    stamps: np.ndarray,
+    row: np.int64,
+    n_rows: np.int64,
+    mask: np.int64,
+) -> np.int64:
+    """Remove ``row`` (already out of the index) by moving the last row into it; returns the new row count."""
+    last = n_rows - 1
+    if row != last:
+        pos, _ = _probe(index, keys, keys[last], mask)
+        index[pos] = np.int32(row)
+        keys[row] = keys[last]
+        rows[row, :] = rows[last, :]
+        versions[row] = versions[last]
+        stamps[row] = stamps[last]
+    return last
+
+
+@njit(cache=True, nogil=True)
+def rebuild_index(index: np.ndarray, keys: np.ndarray, n_rows: np.int64) -> None:
+    """Fill a fresh ``index`` with rows ``[0, n_rows)`` (after the index grew)."""
+    mask = np.int64(index.size - 1)
+    index[:] = EMPTY
+    for r in range(n_rows):
+        pos, _ = _probe(index, keys, keys[r], mask)
+        index[pos] = np.int32(r)
+
+
+@njit(cache=True, nogil=True)
+def get_rows(
+    index: np.ndarray,
+    keys: np.ndarray,
+    rows: np.ndarray,
+    versions: np.ndarray,
+    stamps: np.ndarray,
+    query: np.ndarray,
+    out_vectors: np.ndarray,
+    out_versions: np.ndarray,
+    found: np.ndarray,
+    clock: np.int64,
+    lfu: bool,
+) -> np.int64:
+    """Copy the rows of ``query`` into the outputs and stamp every hit; returns the number of hits."""
+    mask = np.int64(index.size - 1)
+    dim = rows.shape[1]
+    hits = 0
+    for i in range(query.size):
+        pos, ok = _probe(index, keys, query[i], mask)
+        if ok:
+            r = index[pos]
+            for d in range(dim):
+                out_vectors[i, d] = rows[r, d]
+            out_versions[i] = versions[r]
+            found[i] = True
+            if lfu:
+                stamps[r] += 1
+            else:
+                stamps[r] = clock
+            hits += 1
+        else:
+            found[i] = False
+    return hits
+
+
+@njit(cache=True, nogil=True)
+def locate_rows(index: np.ndarray, keys: np.ndarray, query: np.ndarray, out_rows: np.ndarray) -> np.int64:
+    """Write the row id of each ``query`` key (-1 if absent) into ``out_rows``; returns how many are absent."""
+    mask = np.int64(index.size - 1)
+    missing = 0
+    for i in range(query.size):
+        pos, ok = _probe(index, keys, query[i], mask)
+        if ok:
+            out_rows[i] = index[pos]
+        else:
+            out_rows[i] = -1
+            missing += 1
+    return missing
+
+
+@njit(cache=True, nogil=True)
+def put_rows(
+    index: np.ndarray,
+    keys: np.ndarray,
+    rows: np.ndarray,
+    versions: np.ndarray,
+    stamps: np.ndarray,
+    n_rows: np.int64,
+    row_limit: np.int64,
+    query: np.ndarray,
+    vectors: np.ndarray,
+    offered_versions: np.ndarray,
+    written: np.ndarray,
+    clock: np.int64,
+    lfu: bool,
+) -> np.int64:
+    """Upsert rows in batch order; a stored row with a newer version is kept; returns the new row count.
+
+    New keys are appended while fewer than ``row_limit`` rows are held; the rest are not written.
+    """
+    mask = np.int64(index.size - 1)
+    dim = rows.shape[1]
+    n = n_rows
+    for i in range(query.size):
+        key = query[i]
+        pos, ok = _probe(index, keys, key, mask)
+        if ok:
+            r = np.int64(index[pos])
+            if offered_versions[i] < versions[r]:
+                written[i] = False
+                continue
+            if not lfu:
+                stamps[r] = clock
+        else:
+            if n >= row_limit:
+                written[i] = False
+                continue
+            r = n
+            n += 1
+            index[pos] = np.int32(r)
+            keys[r] = key
+            stamps[r] = 1 if lfu else clock
+        for d in range(dim):
+            rows[r, d] = vectors[i, d]
+        versions[r] = offered_versions[i]
+        written[i] = True
+    return n
+
+
+@njit(cache=True, nogil=True)
+def delete_keys(
+    index: np.ndarray,
+    keys: np.ndarray,
+    rows: np.ndarray,
+    versions: np.ndarray,
+    stamps: np.ndarray,
+    n_rows: np.int64,
+    query: np.ndarray,
+) -> tuple[np.int64, np.int64]:
+    """Remove the ``query`` keys that are present; returns (new row count, how many were present)."""
+    mask = np.int64(index.size - 1)
+    n = n_rows
+    removed = 0
+    for i in range(query.size):
+        pos, ok = _probe(index, keys, query[i], mask)
+        if not ok:
+            continue
+        r = np.int64(index[pos])
+        _remove_slot(index, keys, pos, mask)
+        n = _drop_row(index, keys, rows, versions, stamps, r, n, mask)
+        removed += 1
+    return n, removed
+
+
+@njit(cache=True, nogil=True)
+def evict_rows(
+    index: np.ndarray,
+    keys: np.ndarray,
+    rows: np.ndarray,
+    versions: np.ndarray,
+    stamps: np.ndarray,
+    n_rows: np.int64,
+    victims_descending: np.ndarray,
+) -> np.int64:
+    """Remove the distinct row ids ``victims_descending`` (sorted high to low); returns the new row count.
+
+    Going from the highest id down, the last row moved into a hole is never a victim still to remove.
+    """
+    mask = np.int64(index.size - 1)
+    n = n_rows
+    for i in range(victims_descending.size):
+        r = np.int64(victims_descending[i])
+        pos, _ = _probe(index, keys, keys[r], mask)
+        _remove_slot(index, keys, pos, mask)
+        n = _drop_row(index, keys, rows, versions, stamps, r, n, mask)
+    return n

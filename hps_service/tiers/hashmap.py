@@ -1,0 +1,286 @@
+"""The in-process volatile tier: a bounded hash map of versioned rows per table, with LRU or LFU overflow.
+
+Each table keeps dense row storage (vectors, keys, versions, one access stamp per row) that grows in small
+geometric steps up to the capacity, plus an open-addressing int32 index (see ``_hashmap_kernels``). When a
+put would exceed the capacity, the ``evict_fraction`` of rows with the oldest stamp (LRU: the table clock
+at the last access) or the lowest access count (LFU) is removed in one vectorised step.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Literal
+
+import numpy as np
+
+from hps_service.errors import InvalidArgumentError, NotFoundError
+from hps_service.tiers import _hashmap_kernels as kernels
+from hps_service.tiers.base import Rows, Tier, TierStats
+
+#: Rows allocated for a new table's storage before the first growth step.
+_INITIAL_ROWS = 1024
+#: Storage grows by this factor: small enough that unused slack stays within the memory target.
+_GROWTH = 1.125
+#: The index has at least this many slots per allocated row (load factor at most 0.7 when full).
+_INDEX_SLOTS_PER_ROW = 1.0 / 0.7
+
+
+def _index_size(row_capacity: int) -> int:
+    """The power-of-two index length for ``row_capacity`` rows."""
+    return 1 << max(4, math.ceil(math.log2(row_capacity * _INDEX_SLOTS_PER_ROW)))
+
+
+class _Table:
+    """Storage, index and counters of one table; every access holds ``lock``."""
+
+    def __init__(self, dim: int, initial_rows: int) -> None:
+        self.dim = dim
+        self.lock = threading.RLock()
+        self.n_rows = 0
+        self.clock = 0
+        self.evictions = 0
+        self._allocate_rows(initial_rows)
+        self.index = np.full(_index_size(initial_rows), kernels.EMPTY, dtype=np.int32)
+
+    def _allocate_rows(self, row_capacity: int) -> None:
+        self.keys = np.empty(row_capacity, dtype=np.int64)
+        self.rows = np.empty((row_capacity, self.dim), dtype=np.float32)
+        self.versions = np.empty(row_capacity, dtype=np.int64)
+        self.stamps = np.empty(row_capacity, dtype=np.int64)
+
+    @property
+    def row_capacity(self) -> int:
+        return int(self.keys.shape[0])
+
+    def memory_bytes(self) -> int:
+        return int(
+            self.keys.nbytes
+            + self.rows.nbytes
+            + self.versions.nbytes
+            + self.stamps.nbytes
+            + self.index.nbytes
+        )
+
+    def reserve(self, needed_rows: int, max_rows: int) -> None:
+        """Make room for ``needed_rows`` rows (at most ``max_rows``), growing storage by ``_GROWTH`` steps."""
+        if needed_rows <= self.row_capacity:
+            return
+        new_capacity = min(max_rows, max(needed_rows, math.ceil(self.row_capacity * _GROWTH)))
+        n = self.n_rows
+        old_keys, old_rows, old_versions, old_stamps = self.keys, self.rows, self.versions, self.stamps
+        self._allocate_rows(new_capacity)
+        self.keys[:n] = old_keys[:n]
+        self.rows[:n] = old_rows[:n]
+        self.versions[:n] = old_versions[:n]
+        self.stamps[:n] = old_stamps[:n]
+        index_size = _index_size(new_capacity)
+        if index_size != self.index.shape[0]:
+            self.index = np.empty(index_size, dtype=np.int32)
+            kernels.rebuild_index(self.index, self.keys, np.int64(n))
+
+    def tick(self) -> np.int64:
+        """Advance the table clock (one tick per batch) and return it."""
+        self.clock += 1
+        return np.int64(self.clock)
+
+
+class HashMapTier(Tier):
+    """Bounded in-process tier; ``capacity_rows`` applies to each table separately."""
+
+    kind = "volatile"
+
+    def __init__(
+        self,
+        capacity_rows: int,
+        overflow_policy: Literal["lru", "lfu"] = "lru",
+        evict_fraction: float = 0.1,
+    ) -> None:
+        if (
+            not isinstance(capacity_rows, (int, np.integer))
+            or isinstance(capacity_rows, bool)
+            or capacity_rows < 1
+        ):
+            raise InvalidArgumentError(f"capacity_rows must be a positive integer, got {capacity_rows!r}")
+        if capacity_rows >= np.iinfo(np.int32).max:
+            raise InvalidArgumentError(
+                f"capacity_rows must be below 2**31-1 (int32 row ids), got {capacity_rows}"
+            )
+        if overflow_policy not in ("lru", "lfu"):
+            raise InvalidArgumentError(f"overflow_policy must be 'lru' or 'lfu', got {overflow_policy!r}")
+        if not 0.0 < evict_fraction <= 1.0:
+            raise InvalidArgumentError(f"evict_fraction must be in (0, 1], got {evict_fraction!r}")
+        self.capacity_rows = int(capacity_rows)
+        self.overflow_policy = overflow_policy
+        self.evict_fraction = float(evict_fraction)
+        self._lfu = overflow_policy == "lfu"
+        self._tables: dict[str, _Table] = {}
+        self._tables_lock = threading.Lock()
+
+    def _table(self, table: str) -> _Table:
+        try:
+            return self._tables[table]
+        except KeyError:
+            raise NotFoundError(f"volatile hashmap tier has no table {table!r}") from None
+
+    @staticmethod
+    def _keys(keys: np.ndarray) -> np.ndarray:
+        arr = np.asarray(keys)
+        if arr.ndim != 1:
+            raise InvalidArgumentError(f"keys must be a 1-D array, got shape {arr.shape}")
+        if arr.dtype == np.int64:
+            return np.ascontiguousarray(arr)
+        if arr.dtype.kind == "i" or (arr.dtype.kind == "u" and arr.dtype.itemsize < 8):
+            return arr.astype(np.int64)
+        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
+            raise InvalidArgumentError("keys must fit in int64; got uint64 keys above 2**63-1")
+        if arr.dtype.kind == "u" or arr.size == 0:
+            return arr.astype(np.int64)
+        raise InvalidArgumentError(f"keys must be integers (int64), got dtype {arr.dtype}")
+
+    @staticmethod
+    def _vectors(vectors: np.ndarray, n: int, dim: int) -> np.ndarray:
+        arr = np.asarray(vectors)
+        if arr.shape != (n, dim):
+            raise InvalidArgumentError(f"vectors must have shape ({n}, {dim}) for {n} keys, got {arr.shape}")
+        if arr.dtype.kind != "f":
+            raise InvalidArgumentError(f"vectors must be float32, got dtype {arr.dtype}")
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    @staticmethod
+    def _versions(versions: np.ndarray, n: int) -> np.ndarray:
+        arr = np.asarray(versions)
+        if arr.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"versions must be integers (int64), got dtype {arr.dtype}")
+        if arr.ndim == 0:
+            return np.full(n, int(arr), dtype=np.int64)
+        if arr.shape != (n,):
+            raise InvalidArgumentError(f"versions must have shape ({n},) for {n} keys, got {arr.shape}")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    def create_table(self, table: str, dim: int) -> None:
+        """Make ``table`` ready for rows of width ``dim``; idempotent when the dim matches."""
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < 1:
+            raise InvalidArgumentError(f"dim of table {table!r} must be a positive integer, got {dim!r}")
+        with self._tables_lock:
+            existing = self._tables.get(table)
+            if existing is not None:
+                if existing.dim != dim:
+                    raise InvalidArgumentError(
+                        f"table {table!r} exists with dim {existing.dim}, asked for dim {dim}"
+                    )
+                return
+            self._tables[table] = _Table(int(dim), min(_INITIAL_ROWS, self.capacity_rows))
+
+    def get(self, table: str, keys: np.ndarray) -> Rows:
+        """Look up ``keys``; hits get their access stamp refreshed (LRU clock or LFU count)."""
+        t = self._table(table)
+        query = self._keys(keys)
+        out = Rows(
+            vectors=np.empty((query.size, t.dim), dtype=np.float32),
+            versions=np.empty(query.size, dtype=np.int64),
+            found=np.empty(query.size, dtype=bool),
+        )
+        with t.lock:
+            kernels.get_rows(
+                t.index, t.keys, t.rows, t.versions, t.stamps, query,
+                out.vectors, out.versions, out.found, t.tick(), self._lfu,
+            )  # fmt: skip
+        return out
+
+    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Upsert rows unless the stored version is newer; evicts by policy when the table is full.
+
+        Returns the mask of rows written. With duplicate keys in a batch, they apply in batch order.
+        """
+        t = self._table(table)
+        query = self._keys(keys)
+        vecs = self._vectors(vectors, query.size, t.dim)
+        vers = self._versions(versions, query.size)
+        written = np.zeros(query.size, dtype=bool)
+        with t.lock:
+            present_rows = np.empty(query.size, dtype=np.int64)
+            missing = int(kernels.locate_rows(t.index, t.keys, query, present_rows))
+            if t.n_rows + missing > self.capacity_rows:
+                self._evict(t, present_rows, t.n_rows + missing - self.capacity_rows)
+            t.reserve(min(self.capacity_rows, t.n_rows + missing), self.capacity_rows)
+            t.n_rows = int(
+                kernels.put_rows(
+                    t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(t.n_rows),
+                    np.int64(min(self.capacity_rows, t.row_capacity)),
+                    query, vecs, vers, written, t.tick(), self._lfu,
+                )
+            )  # fmt: skip
+        return written
+
+    def _evict(self, t: _Table, batch_rows: np.ndarray, overflow: int) -> None:
+        """Remove at least ``overflow`` rows (normally ``evict_fraction`` of capacity), sparing the batch's rows."""
+        n = t.n_rows
+        spared = np.unique(batch_rows[batch_rows >= 0])
+        evictable = n - spared.size
+        count = min(evictable, max(overflow, math.ceil(self.evict_fraction * self.capacity_rows)))
+        if count <= 0:
+            return
+        stamps = t.stamps[:n].copy()
+        stamps[spared] = np.iinfo(np.int64).max
+        if count < n:
+            victims = np.argpartition(stamps, count - 1)[:count]
+        else:
+            victims = np.arange(n)
+        victims = np.sort(victims)[::-1].copy()
+        t.n_rows = int(
+            kernels.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(n), victims)
+        )
+        t.evictions += count
+
+    def delete(self, table: str, keys: np.ndarray) -> int:
+        """Remove ``keys``; returns how many were present."""
+        t = self._table(table)
+        query = self._keys(keys)
+        with t.lock:
+            n, removed = kernels.delete_keys(
+                t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(t.n_rows), query
+            )
+            t.n_rows = int(n)
+        return int(removed)
+
+    def count(self, table: str) -> int:
+        """Rows currently held for ``table``."""
+        return self._table(table).n_rows
+
+    def memory_bytes(self, table: str) -> int:
+        """Bytes held by every array of ``table``: vectors, keys, versions, stamps and index."""
+        t = self._table(table)
+        with t.lock:
+            return t.memory_bytes()
+
+    def stats(self, table: str) -> TierStats:
+        """Rows, capacity, evictions and memory use (bytes per row, and that over the raw row bytes)."""
+        t = self._table(table)
+        with t.lock:
+            rows, memory, evictions = t.n_rows, t.memory_bytes(), t.evictions
+        raw_row_bytes = t.dim * 4
+        extra = {"memory_bytes": float(memory), "raw_row_bytes": float(raw_row_bytes)}
+        if rows:
+            extra["bytes_per_row"] = memory / rows
+            extra["memory_ratio"] = memory / (rows * raw_row_bytes)
+        return TierStats(rows=rows, capacity=self.capacity_rows, evictions=evictions, extra=extra)
+
+    def scan_keys(self, table: str, limit: int) -> np.ndarray:
+        """Up to ``limit`` stored keys, in storage order."""
+        if limit < 0:
+            raise InvalidArgumentError(f"limit must be non-negative, got {limit}")
+        t = self._table(table)
+        with t.lock:
+            return t.keys[: min(limit, t.n_rows)].copy()
+
+    def drop_table(self, table: str) -> None:
+        """Forget ``table`` and free its memory."""
+        with self._tables_lock:
+            if self._tables.pop(table, None) is None:
+                raise NotFoundError(f"volatile hashmap tier has no table {table!r}")
+
+    def close(self) -> None:
+        """Free every table."""
+        with self._tables_lock:
+            self._tables.clear()
