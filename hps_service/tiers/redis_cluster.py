@@ -1,0 +1,472 @@
+"""The shared L2 volatile tier on a Redis Cluster: partitioned hashes, pipelined per node, versioned writes.
+
+Layout: table ``T`` is split into ``partitions`` hashes ``hps:{T:p}`` (``p = key mod partitions``); the hash tag
+puts one partition in one slot, so one HMGET/HDEL/script call serves every key of a partition. Fields are 8-byte
+big-endian keys, values are ``codec`` rows (int64 LE version + float32 vector). ``hps:meta:{T}`` holds the dim.
+
+Every batch sends all its commands to all nodes before it reads any reply (one round trip for the whole batch).
+A node that fails (refused, timeout, CLUSTERDOWN, MOVED) makes its keys fall through as misses; it is then skipped
+for ``node_retry_after_s``, after which one caller probes it again with a fresh view of the cluster topology.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.retry import Retry
+
+from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.tiers import codec
+from hps_service.tiers.base import Rows, Tier, TierStats
+
+log = logging.getLogger(__name__)
+
+#: Writes each offered row unless the stored row of that field has a newer version; returns one '1'/'0' per
+#: field. Versions are the first 8 bytes (int64 little-endian) of a row, compared byte-wise from the most
+#: significant byte with the sign bit flipped, so negatives and values beyond 2^53 compare exactly.
+_PUT_IF_NOT_OLDER_LUA = """
+local function not_newer(stored, offered)
+  if #stored < 8 then return true end
+  for i = 8, 1, -1 do
+    local a = string.byte(stored, i)
+    local b = string.byte(offered, i)
+    if i == 8 then a = (a + 128) % 256; b = (b + 128) % 256 end
+    if a ~= b then return a < b end
+  end
+  return true
+end
+local h = KEYS[1]
+local out = {}
+for i = 1, #ARGV, 2 do
+  local cur = redis.call('HGET', h, ARGV[i])
+  if (not cur) or not_newer(cur, ARGV[i + 1]) then
+    redis.call('HSET', h, ARGV[i], ARGV[i + 1])
+    out[#out + 1] = '1'
+  else
+    out[#out + 1] = '0'
+  end
+end
+return table.concat(out)
+"""
+
+
+class _Failed:
+    """Result placeholder of a command whose node failed or was skipped."""
+
+
+_FAILED = _Failed()
+
+
+@dataclass(slots=True)
+class _TableLayout:
+    """Where a table's partitions live: hash names and their cluster slots."""
+
+    dim: int
+    hashes: list[bytes]
+    slots: list[int]
+
+
+@dataclass(slots=True)
+class _Counters:
+    """Failure counters of one table (node batches that fell through, keys that fell through)."""
+
+    node_failures: int = 0
+    node_skips: int = 0
+    failed_keys: int = 0
+
+
+def _parse_node(node: str) -> ClusterNode:
+    host, sep, port = node.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidArgumentError(f"redis node {node!r} is not host:port")
+    return ClusterNode(host, int(port))
+
+
+def _as_keys(keys: np.ndarray) -> np.ndarray:
+    arr = np.asarray(keys)
+    if arr.ndim != 1:
+        raise InvalidArgumentError(f"keys must be 1-D, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"keys must be integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _check_table_name(table: str) -> None:
+    if not table or "{" in table or "}" in table:
+        raise InvalidArgumentError(f"table name {table!r} must be non-empty and contain no braces")
+
+
+class RedisClusterTier(Tier):
+    """Versioned embedding rows in a Redis Cluster, read and written one pipelined round trip per batch."""
+
+    kind = "volatile"
+
+    def __init__(
+        self,
+        nodes: list[str],
+        partitions: int = 64,
+        password: str | None = None,
+        socket_timeout_s: float = 0.5,
+        node_retry_after_s: float = 1.0,
+    ) -> None:
+        if not nodes:
+            raise InvalidArgumentError("redis_cluster tier needs at least one node (host:port)")
+        if not 1 <= partitions <= 16384:
+            raise InvalidArgumentError(f"partitions must be in [1, 16384], got {partitions}")
+        if socket_timeout_s <= 0 or node_retry_after_s < 0:
+            raise InvalidArgumentError("socket_timeout_s must be > 0 and node_retry_after_s >= 0")
+        startup = [_parse_node(n) for n in nodes]
+        self._partitions = partitions
+        self._retry_after = node_retry_after_s
+        try:
+            self._rc = RedisCluster(
+                startup_nodes=startup,
+                password=password,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+                require_full_coverage=False,
+                retry=Retry(NoBackoff(), 1),
+                decode_responses=False,
+            )
+        except RedisError as e:
+            raise UnavailableError(f"cannot reach the Redis Cluster at {nodes}: {e}") from e
+        self._put_sha = hashlib.sha1(_PUT_IF_NOT_OLDER_LUA.encode()).hexdigest().encode()
+        try:
+            self._rc.script_load(_PUT_IF_NOT_OLDER_LUA)
+        except RedisError as e:  # a node that misses it answers NOSCRIPT and put falls back to EVAL there
+            log.warning("redis_cluster: put script not loaded on every node: %s", e)
+        self._tables: dict[str, _TableLayout] = {}
+        self._counters: dict[str, _Counters] = {}
+        self._down_until: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ tables
+
+    def create_table(self, table: str, dim: int) -> None:
+        """Record ``dim`` in the table's meta key (or check it against the stored one)."""
+        _check_table_name(table)
+        if dim <= 0:
+            raise InvalidArgumentError(f"dim of table {table!r} must be positive, got {dim}")
+        try:
+            self._rc.set(self._meta_key(table), str(dim).encode(), nx=True)
+            stored = int(self._rc.get(self._meta_key(table)))
+        except RedisError as e:
+            log.warning(
+                "redis_cluster: meta of table %s not reachable (%s); using dim %d locally", table, e, dim
+            )
+            stored = dim
+        if stored != dim:
+            raise InvalidArgumentError(f"table {table!r} exists in Redis with dim {stored}, asked for {dim}")
+        self._tables[table] = self._layout(table, dim)
+
+    def drop_table(self, table: str) -> None:
+        """Delete every partition hash and the meta key of ``table``."""
+        layout = self._table(table)
+        commands = [(slot, (b"DEL", h)) for h, slot in zip(layout.hashes, layout.slots)]
+        results = self._execute(table, commands, keys_per_command=None)
+        failed = sum(isinstance(r, (_Failed, Exception)) for r in results)
+        if failed:
+            raise UnavailableError(
+                f"drop of table {table!r} reached only part of the cluster ({failed} failed)"
+            )
+        try:
+            self._rc.delete(self._meta_key(table))
+        except RedisError as e:
+            raise UnavailableError(f"drop of table {table!r}: meta key not deleted: {e}") from e
+        self._tables.pop(table, None)
+
+    # ------------------------------------------------------------------ rows
+
+    def get(self, table: str, keys: np.ndarray) -> Rows:
+        """HMGET per partition, all nodes in one round trip; keys on failed nodes come back not found."""
+        keys = _as_keys(keys)
+        layout = self._table(table)
+        n = keys.size
+        if n == 0:
+            return Rows.empty(0, layout.dim)
+        order, parts, bounds = self._group(keys)
+        fields = codec.encode_keys(keys[order])
+        commands = [
+            (layout.slots[p], (b"HMGET", layout.hashes[p], *fields[s:e]))
+            for p, s, e in zip(parts, bounds[:-1], bounds[1:])
+        ]
+        results = self._execute(table, commands, keys_per_command=np.diff(bounds))
+        values: list[bytes | None] = []
+        for res, s, e in zip(results, bounds[:-1], bounds[1:]):
+            values.extend(res if isinstance(res, list) else [None] * int(e - s))
+        sorted_rows = codec.decode_rows(values, layout.dim)
+        rows = Rows(
+            vectors=np.empty((n, layout.dim), dtype=np.float32),
+            versions=np.empty(n, dtype=np.int64),
+            found=np.empty(n, dtype=bool),
+        )
+        rows.vectors[order] = sorted_rows.vectors
+        rows.versions[order] = sorted_rows.versions
+        rows.found[order] = sorted_rows.found
+        return rows
+
+    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Write rows whose stored version is not newer (one script call per partition); returns the written mask."""
+        keys = _as_keys(keys)
+        layout = self._table(table)
+        n = keys.size
+        vectors = np.asarray(vectors, dtype=np.float32)
+        versions = np.asarray(versions)
+        if vectors.shape != (n, layout.dim):
+            raise InvalidArgumentError(
+                f"vectors for table {table!r} must have shape ({n}, {layout.dim}), got {vectors.shape}"
+            )
+        if versions.shape != (n,) or (n and versions.dtype.kind not in "iu"):
+            raise InvalidArgumentError(
+                f"versions must be {n} integers, got shape {versions.shape} dtype {versions.dtype}"
+            )
+        written = np.zeros(n, dtype=bool)
+        if n == 0:
+            return written
+        order, parts, bounds = self._group(keys)
+        fields = codec.encode_keys(keys[order])
+        rows = codec.encode_rows(vectors[order], versions[order].astype(np.int64, copy=False))
+        interleaved: list[bytes] = [b""] * (2 * n)
+        interleaved[0::2] = fields
+        interleaved[1::2] = rows
+        commands = [
+            (
+                layout.slots[p],
+                (b"EVALSHA", self._put_sha, b"1", layout.hashes[p], *interleaved[2 * s : 2 * e]),
+            )
+            for p, s, e in zip(parts, bounds[:-1], bounds[1:])
+        ]
+        results = self._execute(table, commands, keys_per_command=np.diff(bounds))
+        retry = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if retry:  # a restarted node lost its script cache: EVAL loads it there again
+            again = [
+                (commands[i][0], (b"EVAL", _PUT_IF_NOT_OLDER_LUA.encode(), *commands[i][1][2:]))
+                for i in retry
+            ]
+            for i, res in zip(retry, self._execute(table, again, keys_per_command=np.diff(bounds)[retry])):
+                results[i] = res
+        mask_sorted = np.zeros(n, dtype=bool)
+        for res, s, e in zip(results, bounds[:-1], bounds[1:]):
+            if isinstance(res, bytes):
+                mask_sorted[s:e] = np.frombuffer(res, dtype=np.uint8) == ord("1")
+        written[order] = mask_sorted
+        return written
+
+    def delete(self, table: str, keys: np.ndarray) -> int:
+        """HDEL per partition in one round trip; returns how many keys were present on the reachable nodes."""
+        keys = _as_keys(keys)
+        layout = self._table(table)
+        if keys.size == 0:
+            return 0
+        order, parts, bounds = self._group(keys)
+        fields = codec.encode_keys(keys[order])
+        commands = [
+            (layout.slots[p], (b"HDEL", layout.hashes[p], *fields[s:e]))
+            for p, s, e in zip(parts, bounds[:-1], bounds[1:])
+        ]
+        results = self._execute(table, commands, keys_per_command=np.diff(bounds))
+        return sum(r for r in results if isinstance(r, int))
+
+    def count(self, table: str) -> int:
+        """Sum of HLEN over the partitions on the reachable nodes."""
+        layout = self._table(table)
+        commands = [(slot, (b"HLEN", h)) for h, slot in zip(layout.hashes, layout.slots)]
+        results = self._execute(table, commands, keys_per_command=None)
+        return sum(r for r in results if isinstance(r, int))
+
+    def stats(self, table: str) -> TierStats:
+        """Rows (reachable nodes), no capacity bound; errors = node batches that fell through (failed or skipped)."""
+        with self._lock:
+            c = self._counters.setdefault(table, _Counters())
+            errors = c.node_failures + c.node_skips
+            extra = {
+                "node_failures": float(c.node_failures),
+                "node_skips": float(c.node_skips),
+                "failed_keys": float(c.failed_keys),
+                "nodes_down": float(len(self._down_until)),
+            }
+        return TierStats(rows=self.count(table), capacity=None, errors=errors, extra=extra)
+
+    def healthy(self) -> bool:
+        """True while at least one primary answers PING (a failed node only turns its keys into misses)."""
+        for node in self._rc.get_primaries():
+            try:
+                if self._rc.get_redis_connection(node).ping():
+                    return True
+            except RedisError:
+                continue
+        return False
+
+    def close(self) -> None:
+        """Close every node connection pool."""
+        self._rc.close()
+
+    # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _meta_key(table: str) -> bytes:
+        return f"hps:meta:{{{table}}}".encode()
+
+    def _layout(self, table: str, dim: int) -> _TableLayout:
+        hashes = [f"hps:{{{table}:{p}}}".encode() for p in range(self._partitions)]
+        return _TableLayout(dim=dim, hashes=hashes, slots=[key_slot(h) for h in hashes])
+
+    def _table(self, table: str) -> _TableLayout:
+        layout = self._tables.get(table)
+        if layout is not None:
+            return layout
+        _check_table_name(table)
+        try:
+            stored = self._rc.get(self._meta_key(table))
+        except RedisError as e:
+            raise UnavailableError(
+                f"table {table!r} is not known locally and its meta key is unreachable: {e}"
+            ) from e
+        if stored is None:
+            raise NotFoundError(f"table {table!r} does not exist in the redis_cluster tier")
+        layout = self._layout(table, int(stored))
+        self._tables[table] = layout
+        return layout
+
+    def _group(self, keys: np.ndarray) -> tuple[np.ndarray, list[int], np.ndarray]:
+        """Sort keys by partition: (order, partition of each run, run bounds into the sorted order)."""
+        part = keys % self._partitions
+        order = np.argsort(part, kind="stable")
+        sorted_part = part[order]
+        starts = np.flatnonzero(np.r_[True, sorted_part[1:] != sorted_part[:-1]])
+        bounds = np.r_[starts, keys.size]
+        return order, sorted_part[starts].tolist(), bounds
+
+    def _claim(self, name: str, now: float) -> bool:
+        """Whether a node may be used now; after its back-off one caller claims the probe, the others keep skipping."""
+        with self._lock:
+            until = self._down_until.get(name)
+            if until is None:
+                return True
+            if now < until:
+                return False
+            self._down_until[name] = now + self._retry_after
+        self._refresh_topology()
+        return True
+
+    def _refresh_topology(self) -> None:
+        """Re-read slots -> nodes from the cluster (a restarted or promoted node is used again)."""
+        if not self._refresh_lock.acquire(blocking=False):
+            return
+        try:
+            self._rc.nodes_manager.initialize()
+        except RedisError as e:
+            log.warning("redis_cluster: topology refresh failed: %s", e)
+        finally:
+            self._refresh_lock.release()
+
+    def _execute(
+        self, table: str, commands: list[tuple[int, tuple]], keys_per_command: np.ndarray | None
+    ) -> list:
+        """Run ``(slot, args)`` commands: group by node, write to every node, then read every reply.
+
+        Results are the replies, an exception instance for an error reply, or ``_FAILED`` where the node failed.
+        """
+        results: list = [_FAILED] * len(commands)
+        slots_cache = self._rc.nodes_manager.slots_cache
+        by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
+        for i, (slot, _) in enumerate(commands):
+            owners = slots_cache.get(slot)
+            if not owners:
+                continue
+            node = owners[0]
+            by_node.setdefault(node.name, (node, []))[1].append(i)
+        now = time.monotonic()
+        failed_nodes: list[tuple[str, list[int]]] = []
+        skipped_nodes: list[list[int]] = []
+        in_flight = []
+        for name, (node, idxs) in by_node.items():
+            if not self._claim(name, now):
+                skipped_nodes.append(idxs)
+                continue
+            pool = self._rc.get_redis_connection(node).connection_pool
+            conn = None
+            try:
+                conn = pool.get_connection()
+                conn.send_packed_command(conn.pack_commands([commands[i][1] for i in idxs]))
+                in_flight.append((name, pool, conn, idxs))
+            except (RedisError, OSError):
+                if conn is not None:
+                    conn.disconnect()
+                    pool.release(conn)
+                failed_nodes.append((name, idxs))
+        refresh = False
+        for name, pool, conn, idxs in in_flight:
+            node_failed = False
+            try:
+                for i in idxs:
+                    try:
+                        results[i] = conn.read_response()
+                    except ResponseError as e:
+                        results[i] = e
+                        if isinstance(e, (MovedError, AskError)):
+                            refresh = True
+                        node_failed |= isinstance(e, (ClusterDownError, TryAgainError))
+            except (RedisError, OSError):
+                conn.disconnect()
+                node_failed = True
+            finally:
+                pool.release(conn)
+            if node_failed:
+                for i in idxs:
+                    if not isinstance(results[i], (list, bytes, int)):
+                        results[i] = _FAILED
+                failed_nodes.append((name, idxs))
+            else:
+                with self._lock:
+                    self._down_until.pop(name, None)
+        unrouted = [i for i, r in enumerate(results) if r is _FAILED and commands[i][0] not in slots_cache]
+        self._record(table, failed_nodes, skipped_nodes, unrouted, results, keys_per_command, now)
+        if refresh or unrouted:
+            self._refresh_topology()
+        return results
+
+    def _record(
+        self,
+        table: str,
+        failed_nodes: list[tuple[str, list[int]]],
+        skipped_nodes: list[list[int]],
+        unrouted: list[int],
+        results: list,
+        keys_per_command: np.ndarray | None,
+        now: float,
+    ) -> None:
+        """Count what fell through and put failed nodes in back-off."""
+        moved = [i for i, r in enumerate(results) if isinstance(r, (MovedError, AskError))]
+        if not (failed_nodes or skipped_nodes or unrouted or moved):
+            return
+        lost = [i for _, idxs in failed_nodes for i in idxs] + [i for idxs in skipped_nodes for i in idxs]
+        lost += unrouted + moved
+        lost_keys = int(np.sum(keys_per_command[lost])) if keys_per_command is not None else 0
+        with self._lock:
+            c = self._counters.setdefault(table, _Counters())
+            c.node_failures += len(failed_nodes) + (1 if unrouted or moved else 0)
+            c.node_skips += len(skipped_nodes)
+            c.failed_keys += lost_keys
+            for name, _ in failed_nodes:
+                self._down_until[name] = now + self._retry_after
+        for name, _ in failed_nodes:
+            log.warning("redis_cluster: node %s failed; skipping it for %.1fs", name, self._retry_after)
