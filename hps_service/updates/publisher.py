@@ -1,0 +1,180 @@
+"""The trainer-side SDK: publish embedding rows and tombstones to ``<prefix>.<model>``, routed by key hash."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+from confluent_kafka import KafkaError, KafkaException, Message, Producer
+from confluent_kafka.admin import AdminClient
+
+from hps_service.config import valid_name
+from hps_service.errors import InvalidArgumentError, UnavailableError
+from hps_service.updates.message import MAX_MESSAGE_BYTES, encode_update, rows_per_message, topic_name
+from hps_service.updates.partitioning import group_by_partition, partition_of
+from hps_service.updates.topics import DEFAULT_PARTITIONS, ensure_topic
+
+_PRODUCER_DEFAULTS: dict[str, Any] = {
+    "enable.idempotence": True,
+    "acks": "all",
+    "linger.ms": 2,
+    "compression.type": "none",
+    # Our payload cap is 1 MiB; leave room for the record batch framing around it.
+    "message.max.bytes": MAX_MESSAGE_BYTES + 64 * 1024,
+}
+
+
+class Publisher:
+    """Publishes versioned rows and deletes of one model; each key always goes to the same partition.
+
+    Delivery errors reported by the broker are collected and raised by the next ``publish``/``delete``/``flush``.
+    ``producer_config`` entries (librdkafka names, e.g. ``**{"linger.ms": 5}``) override the defaults.
+    """
+
+    def __init__(
+        self,
+        brokers: str,
+        model: str,
+        topic_prefix: str = "hps",
+        *,
+        partitions: int = DEFAULT_PARTITIONS,
+        metadata_timeout_s: float = 10.0,
+        **producer_config: Any,
+    ) -> None:
+        if not valid_name(model):
+            raise InvalidArgumentError(f"model name {model!r} is not valid (letters, digits, '_' and '-', <= 64)")
+        if not brokers:
+            raise InvalidArgumentError("brokers must be a non-empty 'host:port[,host:port]' string")
+        self.model = model
+        self.topic = topic_name(model, topic_prefix)
+        conf = {**_PRODUCER_DEFAULTS, **producer_config, "bootstrap.servers": brokers}
+        self._producer = Producer(conf)
+        admin = AdminClient({"bootstrap.servers": brokers})
+        self.partitions = ensure_topic(admin, self.topic, partitions, timeout_s=metadata_timeout_s)
+        self._errors: list[str] = []
+        self._lock = threading.Lock()
+        self.messages_sent = 0
+        self.rows_sent = 0
+
+    def publish(self, table: str, keys: np.ndarray, rows: np.ndarray, version: int | np.ndarray) -> int:
+        """Queue ``rows`` (n, dim) for ``keys`` (n,) at ``version`` (one int or one per row); returns messages queued."""
+        self._check_table(table)
+        keys = self._keys(keys, "keys")
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or rows.shape[0] != len(keys) or rows.shape[1] < 1:
+            raise InvalidArgumentError(f"rows must have shape ({len(keys)}, dim >= 1), got {rows.shape}")
+        if not (np.issubdtype(rows.dtype, np.floating) or np.issubdtype(rows.dtype, np.integer)):
+            raise InvalidArgumentError(f"rows must be numeric (float32), got dtype {rows.dtype}")
+        with np.errstate(over="ignore"):
+            rows = np.ascontiguousarray(rows, dtype=np.float32)
+        if not np.isfinite(rows).all():
+            raise InvalidArgumentError("rows contain NaN or infinity (after conversion to float32)")
+        versions = self._versions(version, len(keys))
+        return self._send(table, keys, rows, versions, deletes=False)
+
+    def delete(self, table: str, keys: np.ndarray, version: int | np.ndarray) -> int:
+        """Queue tombstones for ``keys`` at ``version``: rows stored with an older version are removed everywhere."""
+        self._check_table(table)
+        keys = self._keys(keys, "keys")
+        versions = self._versions(version, len(keys))
+        return self._send(table, keys, None, versions, deletes=True)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Wait until every queued message is acknowledged; raise UnavailableError on a delivery error or timeout."""
+        remaining = self._producer.flush(timeout)
+        self._raise_delivery_errors()
+        if remaining:
+            raise UnavailableError(f"{remaining} update message(s) not acknowledged by the broker within {timeout}s")
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Flush and release the producer."""
+        self.flush(timeout)
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:
+            self.close()
+
+    def _send(
+        self, table: str, keys: np.ndarray, rows: np.ndarray | None, versions: np.ndarray, deletes: bool
+    ) -> int:
+        self._producer.poll(0)
+        self._raise_delivery_errors()
+        if len(keys) == 0:
+            return 0
+        part = partition_of(keys, self.partitions)
+        order, starts = group_by_partition(part, self.partitions)
+        cap = rows_per_message(rows.shape[1] if rows is not None else 0)
+        empty_rows = np.empty((0, 0), dtype=np.float32)
+        no_keys = np.empty(0, dtype=np.int64)
+        sent = 0
+        for p in np.flatnonzero(starts[1:] > starts[:-1]):
+            for lo in range(int(starts[p]), int(starts[p + 1]), cap):
+                idx = order[lo : min(lo + cap, int(starts[p + 1]))]
+                if deletes:
+                    payload = encode_update(self.model, table, no_keys, empty_rows, no_keys, keys[idx], versions[idx])
+                else:
+                    payload = encode_update(self.model, table, keys[idx], rows[idx], versions[idx])
+                self._produce(int(p), payload)
+                sent += 1
+        self.messages_sent += sent
+        self.rows_sent += len(keys)
+        return sent
+
+    def _produce(self, partition: int, payload: bytes) -> None:
+        deadline = time.monotonic() + 60.0
+        while True:
+            try:
+                self._producer.produce(self.topic, value=payload, partition=partition, on_delivery=self._on_delivery)
+                return
+            except BufferError:
+                if time.monotonic() > deadline:
+                    raise UnavailableError("producer queue stayed full for 60 s; is the broker reachable?") from None
+                self._producer.poll(0.05)
+            except KafkaException as exc:
+                raise UnavailableError(f"could not queue an update for {self.topic}: {exc}") from None
+
+    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            with self._lock:
+                self._errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+
+    def _raise_delivery_errors(self) -> None:
+        with self._lock:
+            errors, self._errors = self._errors, []
+        if errors:
+            raise UnavailableError(f"{len(errors)} update message(s) failed delivery; first: {errors[0]}")
+
+    @staticmethod
+    def _check_table(table: str) -> None:
+        if not isinstance(table, str) or not valid_name(table):
+            raise InvalidArgumentError(f"table name {table!r} is not valid (letters, digits, '_' and '-', <= 64)")
+
+    @staticmethod
+    def _keys(keys: np.ndarray, what: str) -> np.ndarray:
+        arr = np.asarray(keys)
+        if arr.ndim != 1:
+            raise InvalidArgumentError(f"{what} must be a 1-D array, got shape {arr.shape}")
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidArgumentError(f"{what} must be integers (int64), got dtype {arr.dtype}")
+        if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+            raise InvalidArgumentError(f"{what} do not fit in int64")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    @staticmethod
+    def _versions(version: int | np.ndarray, n: int) -> np.ndarray:
+        if isinstance(version, (int, np.integer)) and not isinstance(version, bool):
+            if not 0 <= int(version) <= np.iinfo(np.int64).max:
+                raise InvalidArgumentError(f"version must be in [0, 2**63), got {version}")
+            return np.full(n, int(version), dtype=np.int64)
+        arr = np.asarray(version)
+        if arr.shape != (n,) or not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidArgumentError(f"version must be an int or an integer array of shape ({n},), got {arr.dtype} {arr.shape}")
+        arr = np.ascontiguousarray(arr, dtype=np.int64)
+        if n and arr.min() < 0:
+            raise InvalidArgumentError("versions must be >= 0")
+        return arr
