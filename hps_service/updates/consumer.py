@@ -1,0 +1,429 @@
+"""The durable update consumer: Kafka -> engine (persistent -> volatile -> L1), offsets committed after apply.
+
+It assigns itself every partition of ``<prefix>.<model>`` at the group's committed offsets (or the earliest for
+a new group) instead of joining a group with ``subscribe()``: on tansu a group join waits about half of
+``session.timeout.ms``; assign() starts in milliseconds. Each pod uses its own group, so assign() loses nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from hps_service.config import UpdatesConfig
+from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.lookup import LookupEngine
+from hps_service.updates.message import (
+    DecodedUpdate,
+    MalformedUpdateError,
+    decode_update,
+    dlq_topic_name,
+    topic_name,
+)
+from hps_service.updates.metrics import FreshnessStats
+from hps_service.updates.topics import DEFAULT_PARTITIONS, ensure_topic
+
+log = logging.getLogger(__name__)
+
+_CONSUMER_DEFAULTS: dict[str, Any] = {
+    "enable.auto.commit": False,
+    "enable.auto.offset.store": False,
+    "auto.offset.reset": "earliest",
+    "enable.partition.eof": False,
+    # Latency: the broker answers a fetch after at most 10 ms even when it has nothing new.
+    "fetch.wait.max.ms": 10,
+    "fetch.min.bytes": 1,
+    # librdkafka 2.x backs off 1 s once its local queue is over the thresholds below; keep it short.
+    "fetch.queue.backoff.ms": 5,
+    "queued.min.messages": 20000,
+    "socket.nagle.disable": True,
+    "reconnect.backoff.ms": 50,
+    "reconnect.backoff.max.ms": 1000,
+}
+
+
+@dataclass
+class _TableBatch:
+    """Rows and tombstones of one table gathered from the messages of one polled batch."""
+
+    keys: list[np.ndarray] = field(default_factory=list)
+    vectors: list[np.ndarray] = field(default_factory=list)
+    versions: list[np.ndarray] = field(default_factory=list)
+    delete_keys: list[np.ndarray] = field(default_factory=list)
+    delete_versions: list[np.ndarray] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+
+    def add(self, upd: DecodedUpdate, msg: Message) -> None:
+        if upd.keys.shape[0]:
+            self.keys.append(upd.keys)
+            self.vectors.append(upd.vectors)
+            self.versions.append(upd.versions)
+        if upd.delete_keys.shape[0]:
+            self.delete_keys.append(upd.delete_keys)
+            self.delete_versions.append(upd.delete_versions)
+        self.messages.append(msg)
+
+
+def resolve_latest(
+    keys: np.ndarray, versions: np.ndarray, delete_keys: np.ndarray, delete_versions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One winner per key among puts and deletes: the highest version; a delete beats a put at the same version,
+    and among equal puts the later one wins. Returns (put indices, delete indices) into the given arrays."""
+    n = keys.shape[0]
+    all_keys = np.concatenate((keys, delete_keys))
+    all_versions = np.concatenate((versions, delete_versions))
+    is_delete = np.zeros(all_keys.shape[0], dtype=np.int8)
+    is_delete[n:] = 1
+    order = np.lexsort((np.arange(all_keys.shape[0]), is_delete, all_versions, all_keys))
+    sorted_keys = all_keys[order]
+    last = np.ones(order.shape[0], dtype=bool)
+    last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
+    winners = order[last]
+    return winners[winners < n], winners[winners >= n] - n
+
+
+class UpdateConsumer:
+    """Applies the update topics of ``models`` to ``engine`` in a background thread; see the module docstring.
+
+    ``ready`` turns True once every partition is assigned at a known offset, so nothing published afterwards
+    can be missed. ``stop()`` commits what was applied and closes. Malformed messages go to ``<topic>.dlq``.
+    """
+
+    def __init__(
+        self,
+        cfg: UpdatesConfig,
+        engine: LookupEngine,
+        models: Sequence[str],
+        group: str,
+        *,
+        batch_messages: int = 1000,
+        poll_timeout_s: float = 0.05,
+        commit_interval_s: float = 0.1,
+        partitions: int = DEFAULT_PARTITIONS,
+        consumer_config: dict[str, Any] | None = None,
+    ) -> None:
+        if not models:
+            raise InvalidArgumentError("UpdateConsumer needs at least one model")
+        if not group:
+            raise InvalidArgumentError("UpdateConsumer needs a consumer group id")
+        if batch_messages < 1:
+            raise InvalidArgumentError(f"batch_messages must be >= 1, got {batch_messages}")
+        self.cfg = cfg
+        self.engine = engine
+        self.group = group
+        self.topics = {topic_name(m, cfg.topic_prefix): m for m in models}
+        self.batch_messages = batch_messages
+        self.poll_timeout_s = poll_timeout_s
+        self.commit_interval_s = commit_interval_s
+        self.partitions = partitions
+        self._client_config = {"bootstrap.servers": cfg.brokers, "socket.nagle.disable": True}
+        self._consumer_config = {
+            **_CONSUMER_DEFAULTS,
+            **(consumer_config or {}),
+            "bootstrap.servers": cfg.brokers,
+            "group.id": group,
+            "on_commit": self._on_commit,
+            "error_cb": self._on_client_error,
+        }
+        self.metrics = FreshnessStats()
+        self._consumer: Consumer | None = None
+        self._dlq: Producer | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._commit_on_stop = True
+        self._assignment: list[TopicPartition] = []
+        self._start_offsets: dict[tuple[str, int], int] = {}
+        self._applied: dict[tuple[str, int], int] = {}  # next offset to read, per partition, applied to the engine
+        self._committed: dict[tuple[str, int], int] = {}
+        self._commit_in_flight_since: float | None = None
+        self._last_commit = 0.0
+        self._last_lag_refresh = 0.0
+        self._dlq_pending = 0
+        self.last_error: str | None = None
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """True once every partition is assigned at a known offset."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until ``ready`` (or the timeout); returns ``ready``."""
+        return self._ready.wait(timeout)
+
+    def start(self) -> None:
+        """Start the background thread (it connects, assigns, then applies batches until stop())."""
+        if self._thread is not None:
+            raise InvalidArgumentError("UpdateConsumer already started")
+        self._thread = threading.Thread(target=self._run, name=f"hps-updates-{self.group}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0, commit: bool = True) -> None:
+        """Stop the thread; with ``commit`` the offsets of everything applied are committed first, then close."""
+        self._commit_on_stop = commit
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("update consumer %s did not stop within %.1fs", self.group, timeout)
+
+    def stats(self) -> dict:
+        """Freshness and ingest state for /v1/stats."""
+        out = self.metrics.snapshot()
+        out.update(
+            ready=self.ready,
+            group=self.group,
+            topics=sorted(self.topics),
+            applied_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self._applied.items())},
+            committed_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self._committed.items())},
+            last_error=self.last_error,
+        )
+        return out
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                self._connect()
+                break
+            except (UnavailableError, KafkaException) as exc:
+                self.last_error = str(exc)
+                self.metrics.reconnects += 1
+                log.warning("update consumer %s cannot reach Kafka (%s); retrying in %.1fs", self.group, exc, backoff)
+                self._close_clients(commit=False)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+        try:
+            while not self._stopping.is_set():
+                self._poll_once()
+        except Exception:
+            log.exception("update consumer %s stopped on an unexpected error", self.group)
+            self.last_error = "consumer thread crashed; see log"
+            raise
+        finally:
+            self._close_clients(commit=self._commit_on_stop)
+
+    def _connect(self) -> None:
+        admin = AdminClient(self._client_config)
+        partitions: dict[str, int] = {}
+        for topic in self.topics:
+            partitions[topic] = ensure_topic(admin, topic, self.partitions)
+            ensure_topic(admin, dlq_topic_name(topic), 1)
+        consumer = Consumer(self._consumer_config)
+        try:
+            tps = [TopicPartition(t, p) for t, n in partitions.items() for p in range(n)]
+            committed = consumer.committed(tps, timeout=10.0)
+            assignment = []
+            for tp in committed:
+                if tp.error is not None:
+                    raise UnavailableError(f"committed offset of {tp.topic}[{tp.partition}]: {tp.error}")
+                start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+                assignment.append(TopicPartition(tp.topic, tp.partition, start))
+                self._start_offsets[(tp.topic, tp.partition)] = start
+                if tp.offset >= 0:
+                    self._committed[(tp.topic, tp.partition)] = tp.offset
+            consumer.assign(assignment)
+        except Exception:
+            consumer.close()
+            raise
+        self._consumer = consumer
+        self._assignment = assignment
+        self._dlq = Producer({**self._client_config, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
+        self._ready.set()
+        log.info(
+            "update consumer %s assigned %d partitions of %s",
+            self.group, len(assignment), ", ".join(sorted(self.topics)),
+        )
+
+    def _poll_once(self) -> None:
+        assert self._consumer is not None and self._dlq is not None
+        msgs = self._consumer.consume(num_messages=self.batch_messages, timeout=self.poll_timeout_s)
+        if msgs:
+            self._process(msgs)
+        self._dlq.poll(0)
+        now = time.monotonic()
+        if now - self._last_commit >= self.commit_interval_s:
+            self._commit(asynchronous=True)
+        if now - self._last_lag_refresh >= 0.5:
+            self._refresh_consumer_lag()
+            self._last_lag_refresh = now
+
+    def _process(self, msgs: list[Message]) -> None:
+        groups: dict[tuple[str, str], _TableBatch] = {}
+        produced_at: list[int] = []
+        offsets: dict[tuple[str, int], int] = {}
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    self.last_error = err.str()
+                    log.warning("update consumer %s: %s", self.group, err.str())
+                continue
+            topic = msg.topic()
+            offsets[(topic, msg.partition())] = msg.offset() + 1
+            model = self.topics[topic]
+            try:
+                upd = self._validated(model, msg.value())
+            except MalformedUpdateError as exc:
+                self._dead_letter(msg, model, str(exc))
+                continue
+            groups.setdefault((model, upd.table), _TableBatch()).add(upd, msg)
+            produced_at.append(upd.produced_at_ns)
+        if not self._apply(groups):
+            return  # stopping with this batch unapplied: its offsets stay uncommitted and are read again
+        if produced_at:
+            lags = (time.time_ns() - np.asarray(produced_at, dtype=np.int64)) / 1e9
+            self.metrics.record_lags(np.maximum(lags, 0.0))
+        self.metrics.messages_total += len(produced_at)
+        self.metrics.batches_total += 1
+        self._applied.update(offsets)
+
+    def _validated(self, model: str, payload: bytes | None) -> DecodedUpdate:
+        upd = decode_update(payload)
+        if upd.model != model:
+            raise MalformedUpdateError(f"message for model {upd.model!r} on the topic of model {model!r}")
+        try:
+            dim = self.engine.table(model, upd.table).dim
+        except NotFoundError as exc:
+            raise MalformedUpdateError(str(exc)) from None
+        if upd.keys.shape[0] and upd.dim != dim:
+            raise MalformedUpdateError(f"rows of dim {upd.dim} for table {model}.{upd.table} of dim {dim}")
+        return upd
+
+    def _apply(self, groups: dict[tuple[str, str], _TableBatch]) -> bool:
+        """Apply every table's rows and tombstones; retry transient failures until done or stopping."""
+        backoff = 0.05
+        pending = dict(groups)
+        while pending:
+            for (model, table), batch in list(pending.items()):
+                try:
+                    self._apply_table(model, table, batch)
+                    del pending[(model, table)]
+                except (InvalidArgumentError, NotFoundError) as exc:
+                    for msg in batch.messages:
+                        self._dead_letter(msg, model, f"rejected by the engine: {exc}")
+                    del pending[(model, table)]
+                except Exception as exc:  # a tier is down: retry the same rows, commit nothing meanwhile
+                    self.metrics.apply_failures += 1
+                    self.last_error = f"apply to {model}.{table} failed: {exc}"
+                    log.warning("update consumer %s: %s; retrying in %.2fs", self.group, self.last_error, backoff)
+            if pending:
+                if self._stopping.wait(backoff):
+                    return False
+                backoff = min(backoff * 2, 2.0)
+        return True
+
+    def _apply_table(self, model: str, table: str, batch: _TableBatch) -> None:
+        dim = self.engine.table(model, table).dim
+        keys = np.concatenate(batch.keys) if batch.keys else np.empty(0, dtype=np.int64)
+        vectors = np.concatenate(batch.vectors) if batch.vectors else np.empty((0, dim), dtype=np.float32)
+        versions = np.concatenate(batch.versions) if batch.versions else np.empty(0, dtype=np.int64)
+        del_keys = np.concatenate(batch.delete_keys) if batch.delete_keys else np.empty(0, dtype=np.int64)
+        del_versions = (
+            np.concatenate(batch.delete_versions) if batch.delete_versions else np.empty(0, dtype=np.int64)
+        )
+        puts, deletes = resolve_latest(keys, versions, del_keys, del_versions)
+        if puts.shape[0]:
+            self.engine.apply_updates(model, table, keys[puts], vectors[puts], versions[puts])
+        if deletes.shape[0]:
+            self.engine.apply_deletes(model, table, del_keys[deletes], del_versions[deletes])
+        top = max(
+            int(versions.max()) if versions.shape[0] else -1, int(del_versions.max()) if del_versions.shape[0] else -1
+        )
+        self.metrics.record_applied(model, table, int(puts.shape[0] + deletes.shape[0]), top if top >= 0 else None)
+
+    # ---- dead letters, commits, lag -----------------------------------------------------------
+    def _dead_letter(self, msg: Message, model: str, reason: str) -> None:
+        assert self._dlq is not None
+        self.metrics.record_malformed(model)
+        log.warning(
+            "update consumer %s: malformed message %s[%d]@%d: %s",
+            self.group, msg.topic(), msg.partition(), msg.offset(), reason,
+        )
+        headers = [
+            ("hps-error", reason.encode()),
+            ("hps-source", f"{msg.topic()}[{msg.partition()}]@{msg.offset()}".encode()),
+        ]
+        while True:
+            try:
+                self._dlq.produce(dlq_topic_name(msg.topic()), value=msg.value(), headers=headers)
+                return
+            except BufferError:
+                self._dlq.poll(0.05)
+
+    def _commit(self, asynchronous: bool) -> None:
+        """Commit the applied offsets that are ahead of the committed ones (after dead letters are delivered)."""
+        assert self._consumer is not None and self._dlq is not None
+        self._last_commit = time.monotonic()
+        if asynchronous and self._commit_in_flight_since is not None:
+            if self._last_commit - self._commit_in_flight_since < 5.0:
+                return
+        todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
+        if not todo:
+            return
+        if len(self._dlq) and self._dlq.flush(0 if asynchronous else 10.0):
+            return  # dead letters not yet acknowledged: committing past them could lose them
+        try:
+            if asynchronous:
+                self._commit_in_flight_since = self._last_commit
+                self._consumer.commit(offsets=todo, asynchronous=True)
+            else:
+                self._on_commit(None, self._consumer.commit(offsets=todo, asynchronous=False))
+        except KafkaException as exc:
+            self._commit_in_flight_since = None
+            self.metrics.commit_failures += 1
+            self.last_error = f"commit failed: {exc}"
+            log.warning("update consumer %s: %s", self.group, self.last_error)
+
+    def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
+        self._commit_in_flight_since = None
+        if err is not None:
+            self.metrics.commit_failures += 1
+            self.last_error = f"commit failed: {err}"
+            return
+        for tp in partitions or []:
+            if tp.error is None and tp.offset >= 0:
+                key = (tp.topic, tp.partition)
+                self._committed[key] = max(self._committed.get(key, -1), tp.offset)
+
+    def _on_client_error(self, err: KafkaError) -> None:
+        self.last_error = err.str()
+        log.debug("update consumer %s: client error %s", self.group, err.str())
+
+    def _refresh_consumer_lag(self) -> None:
+        assert self._consumer is not None
+        for tp in self._assignment:
+            try:
+                low, high = self._consumer.get_watermark_offsets(tp, cached=True)
+            except KafkaException:
+                continue
+            if high < 0:
+                continue
+            key = (tp.topic, tp.partition)
+            start = self._start_offsets.get(key, OFFSET_BEGINNING)
+            done = self._applied.get(key, start if start >= 0 else max(low, 0))
+            self.metrics.record_consumer_lag(tp.topic, tp.partition, max(0, high - done))
+
+    def _close_clients(self, commit: bool) -> None:
+        if self._consumer is not None:
+            if commit:
+                try:
+                    self._commit(asynchronous=False)
+                except Exception as exc:
+                    log.warning("update consumer %s: final commit failed: %s", self.group, exc)
+            self._consumer.close()
+            self._consumer = None
+        if self._dlq is not None:
+            self._dlq.flush(5.0)
+            self._dlq = None
+        self._ready.clear()
