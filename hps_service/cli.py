@@ -169,7 +169,7 @@ def lookup(
             _fail(str(exc))
     np.set_printoptions(precision=5, suppress=True, linewidth=140, threshold=64)
     for key, row, src in zip(keys, answer.vectors, answer.sources):
-        out_console.print(f"{key} [{names.get(int(src), '?')}] {np.array2string(row)}", highlight=False, soft_wrap=True)
+        typer.echo(f"{key} [{names.get(int(src), '?')}] {np.array2string(row, max_line_width=1 << 30)}")
 
 
 @app.command()

@@ -1,0 +1,176 @@
+"""End to end as a user would: `hps synth`, `hps import`, `hps serve` on real ports, HPSClient and `hps lookup`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hps_service.client import HPSClient
+from hps_service.defaults import hashed_random_rows
+from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from tests.helpers import ServerProcess, free_port, run_hps, write_config
+
+ROWS, DIM = 100_000, 32
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    d = tmp_path_factory.mktemp("e2e")
+    npz = d / "item.npz"
+    r = run_hps("synth", "--rows", str(ROWS), "--dim", str(DIM), "--seed", "7", "--out", str(npz))
+    assert r.returncode == 0, r.stderr
+    hugectr = d / "user_sparse"
+    r = run_hps("synth", "--rows", "1000", "--dim", "8", "--seed", "3", "--hugectr", "--out", str(hugectr))
+    assert r.returncode == 0, r.stderr
+    grpc_port = free_port()
+    cfg = write_config(
+        d / "config.yaml",
+        {
+            "server": {"host": "127.0.0.1", "grpc_port": grpc_port, "http_port": free_port(), "max_batch_keys": 5000},
+            "cache": {"capacity": 0.1},
+            "volatile": {"type": "hashmap", "capacity_rows": 20000},
+            "persistent": {"type": "rocksdb", "path": str(d / "rocksdb")},
+            "models": [
+                {
+                    "name": "demo",
+                    "tables": [
+                        {"name": "item", "dim": DIM, "default": {"constant": 0.5}},
+                        {"name": "user", "dim": 8, "default": "hashed_random"},
+                    ],
+                }
+            ],
+        },
+    )
+    for table, path in (("item", npz), ("user", hugectr)):
+        r = run_hps("import", "--config", str(cfg), "--model", "demo", "--table", table, str(path))
+        assert r.returncode == 0, r.stderr
+        assert "imported" in r.stdout
+    data = np.load(npz)
+    return {"dir": d, "config": cfg, "grpc_port": grpc_port, "keys": data["keys"], "vectors": data["vectors"],
+            "hugectr": hugectr}
+
+
+@pytest.fixture(scope="module")
+def server(model_files: dict):
+    with ServerProcess(model_files["config"], model_files["grpc_port"]) as srv:
+        yield srv
+
+
+def test_lookup_returns_imported_rows_and_defaults_in_order(server: ServerProcess, model_files: dict) -> None:
+    keys, vectors = model_files["keys"], model_files["vectors"]
+    rng = np.random.default_rng(0)
+    idx = rng.integers(0, ROWS, 3000)
+    absent = np.array([-5, 2**62, int(keys.max()) + 1], dtype=np.int64)
+    absent = absent[~np.isin(absent, keys)]
+    query = np.concatenate([keys[idx], absent, keys[idx[:10]]])  # duplicates included
+    with HPSClient(server.target) as client:
+        for _ in range(2):  # second pass is served from the upper tiers
+            answer = client.lookup_with_sources("demo", "item", query)
+            assert answer.vectors.shape == (query.shape[0], DIM)
+            np.testing.assert_array_equal(answer.vectors[:3000], vectors[idx])
+            np.testing.assert_array_equal(answer.vectors[3000:3000 + absent.size], 0.5)
+            np.testing.assert_array_equal(answer.vectors[-10:], vectors[idx[:10]])
+            assert set(answer.sources[3000:3000 + absent.size]) == {4}
+            assert set(answer.sources[:3000]) <= {1, 2, 3}
+
+
+def test_hugectr_table_and_hashed_random_default(server: ServerProcess, model_files: dict) -> None:
+    keys = np.fromfile(model_files["hugectr"] / "key", dtype="<i8")
+    vectors = np.fromfile(model_files["hugectr"] / "emb_vector", dtype="<f4").reshape(-1, 8)
+    with HPSClient(server.target) as client:
+        got = client.lookup_many("demo", {"user": keys[:100], "item": model_files["keys"][:5]})
+        np.testing.assert_array_equal(got["user"].vectors, vectors[:100])
+        np.testing.assert_array_equal(got["item"].vectors, model_files["vectors"][:5])
+        missing = np.array([-123456789], dtype=np.int64)
+        np.testing.assert_array_equal(client.lookup("demo", "user", missing), hashed_random_rows(missing, 8))
+
+
+def test_errors_name_the_problem(server: ServerProcess) -> None:
+    with HPSClient(server.target, retries=0) as client:
+        with pytest.raises(NotFoundError, match="model 'nope'"):
+            client.lookup("nope", "item", [1])
+        with pytest.raises(NotFoundError, match="no table 'nope'"):
+            client.lookup("demo", "nope", [1])
+        with pytest.raises(ResourceExhaustedError, match="max_batch_keys=5000"):
+            client.lookup("demo", "item", np.arange(5001))
+        stub = pb_grpc.EmbeddingServiceStub(client._channels[0])
+        import grpc
+
+        with pytest.raises(grpc.RpcError) as info:
+            stub.Lookup(pb.LookupRequest(model="demo", tables=[pb.TableKeys(table="item", keys=b"\x01" * 13)]))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a multiple of 8" in info.value.details()
+        with pytest.raises(InvalidArgumentError, match="no table"):
+            client.lookup_many("demo", {})
+        assert client.list_models() == {"demo": {"item": DIM, "user": 8}}
+
+
+def test_empty_batch(server: ServerProcess) -> None:
+    with HPSClient(server.target) as client:
+        assert client.lookup("demo", "item", np.array([], dtype=np.int64)).shape == (0, DIM)
+
+
+def test_hps_lookup_cli(server: ServerProcess, model_files: dict) -> None:
+    key = int(model_files["keys"][0])
+    r = run_hps("lookup", "--target", server.target, "--model", "demo", "--table", "item", "--", str(key), "-1")
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    assert lines[0].startswith(f"{key} [")
+    assert lines[1].startswith("-1 [default]")
+    r = run_hps("lookup", "--target", server.target, "--model", "demo", "--table", "zzz", "1")
+    assert r.returncode == 1 and "no table 'zzz'" in r.stderr
+
+
+def test_serve_stops_cleanly_on_sigterm(model_files: dict, tmp_path: Path) -> None:
+    port = free_port()
+    cfg = write_config(tmp_path / "c.yaml", {
+        "server": {"grpc_port": port, "http_port": free_port()},
+        "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
+        "models": [{"name": "m", "tables": [{"name": "t", "dim": 4}]}],
+    })
+    srv = ServerProcess(cfg, port).start()
+    assert srv.stop() == 0
+
+
+def test_invalid_config_exits_2_with_one_line(tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "bad.yaml", {"cache": {"ways": "many"}, "models": []})
+    r = run_hps("serve", "--config", str(cfg))
+    assert r.returncode == 2
+    assert "cache.ways" in r.stderr and "Traceback" not in r.stderr
+    r = run_hps("serve", "--config", str(tmp_path / "bad.yaml"), env={"HPS_SERVER__GRPC_PORT": "notaport"})
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    r = run_hps("serve", "--config", str(tmp_path / "missing.yaml"))
+    assert r.returncode == 2 and "does not exist" in r.stderr
+
+
+def test_import_errors_are_one_line_and_write_nothing(model_files: dict, tmp_path: Path) -> None:
+    cfg = write_config(tmp_path / "c.yaml", {
+        "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
+        "models": [{"name": "m", "tables": [{"name": "t", "dim": 16}]}],
+    })
+    cases = [
+        (tmp_path / "missing.npz", "does not exist"),
+        (model_files["dir"] / "item.npz", "dim"),  # dim 32 into a dim-16 table
+    ]
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, keys=np.arange(10), vectors=np.zeros((9, 16), np.float32))
+    cases.append((bad, "9"))
+    for path, needle in cases:
+        r = run_hps("import", "--config", str(cfg), "--model", "m", "--table", "t", str(path))
+        assert r.returncode != 0
+        assert needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    r = run_hps("import", "--config", str(cfg), "--model", "m", "--table", "nope", str(bad))
+    assert r.returncode != 0 and "no table 'nope'" in r.stderr
+    from hps_service.tiers.rocksdb import RocksDBTier
+
+    tier = RocksDBTier(tmp_path / "db")
+    try:
+        tier.create_table("m.t", 16)
+        assert tier.count("m.t") == 0
+    finally:
+        tier.close()

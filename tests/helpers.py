@@ -1,0 +1,92 @@
+"""Small helpers shared by tests: free ports, starting `hps serve` as a user would."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO = Path(__file__).resolve().parents[1]
+HPS = [sys.executable, "-m", "hps_service.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_config(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def run_hps(*args: str, env: dict | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the `hps` CLI in a subprocess and capture its output."""
+    return subprocess.run(
+        [*HPS, *args], capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=REPO
+    )
+
+
+def wait_serving(target: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
+    """Block until the gRPC health service at ``target`` reports SERVING."""
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == 1:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.1)
+    raise TimeoutError(f"server at {target} not SERVING within {timeout}s")
+
+
+class ServerProcess:
+    """`hps serve --config FILE` as a subprocess; stopped with SIGTERM (then SIGKILL) on exit."""
+
+    def __init__(self, config: Path, grpc_port: int, env: dict | None = None) -> None:
+        self.config = config
+        self.target = f"127.0.0.1:{grpc_port}"
+        self.env = env or {}
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> "ServerProcess":
+        self.proc = subprocess.Popen(
+            [*HPS, "serve", "--config", str(self.config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **self.env},
+            cwd=REPO,
+        )
+        wait_serving(self.target, timeout, self.proc)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
