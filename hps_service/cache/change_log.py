@@ -1,0 +1,52 @@
+"""A bounded log of the keys that online updates and deletes touched, by generation.
+
+Rows read from the lower tiers before an update must not be written into the cache after it (they
+would bring back the old value). Deferred admission, refresh and warm start note the generation
+before they read, and drop the keys changed since then before they write.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+
+class ChangeLog:
+    """Generations of update/invalidate batches; callers serialise access (the cache's write lock)."""
+
+    def __init__(self, max_batches: int = 4096) -> None:
+        self._entries: deque[tuple[int, np.ndarray]] = deque()
+        self._max_batches = max_batches
+        self._generation = 0
+        self._forgotten_through = 0
+
+    @property
+    def generation(self) -> int:
+        """The generation of the newest recorded change (0: none yet)."""
+        return self._generation
+
+    def record(self, keys: np.ndarray) -> None:
+        """Note that ``keys`` changed now."""
+        self._generation += 1
+        self._entries.append((self._generation, np.array(keys, dtype=np.int64, copy=True)))
+        while len(self._entries) > self._max_batches:
+            self._forgotten_through = self._entries.popleft()[0]
+
+    def record_all(self) -> None:
+        """Note that every key changed now (a clear): anything read before is stale."""
+        self._generation += 1
+        self._entries.clear()
+        self._forgotten_through = self._generation
+
+    def changed_since(self, generation: int, keys: np.ndarray) -> np.ndarray | None:
+        """Mask of ``keys`` changed after ``generation``; None when the log no longer reaches back."""
+        if generation < self._forgotten_through:
+            return None
+        changed = np.zeros(keys.shape[0], dtype=bool)
+        if generation == self._generation:
+            return changed
+        newer = [k for g, k in self._entries if g > generation]
+        if newer:
+            changed |= np.isin(keys, np.concatenate(newer))
+        return changed

@@ -1,0 +1,357 @@
+"""The L1 cache of one table as the lookup engine sees it (:class:`protocol.TableCache`).
+
+Wraps a :class:`SetAssociativeCache` with a readers/writer lock (lookups share it, mutations take it
+alone, so a reader never sees a half-written row), decides where fetched rows are inserted (inline
+when the batch hit rate is below ``hit_rate_threshold``, else by a background worker through a
+bounded queue), refreshes cached rows from the lower tiers in strides, warm-starts from a hotness
+snapshot (or the first rows of the table) and saves that snapshot on close.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from hps_service.cache.array_module import is_numpy, to_host
+from hps_service.cache.change_log import ChangeLog
+from hps_service.cache.protocol import FetchBelow
+from hps_service.cache.rwlock import ReadWriteLock
+from hps_service.cache.set_assoc import SetAssociativeCache
+from hps_service.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
+
+#: Rows fetched and inserted per step of warm start.
+WARM_CHUNK_ROWS = 65536
+#: Most rows the background worker coalesces into one insert.
+DEFERRED_MAX_ROWS = 65536
+
+WarmKeys = Callable[[int], np.ndarray]
+
+
+class SetAssocTableCache:
+    """Thread-safe L1 cache of one table with deferred admission, refresh and warm start."""
+
+    def __init__(
+        self,
+        cache: SetAssociativeCache,
+        fetch_below: FetchBelow,
+        *,
+        hit_rate_threshold: float = 0.9,
+        refresh_interval_s: float = 0.0,
+        refresh_fraction: float = 0.1,
+        warm_keys: WarmKeys | None = None,
+        snapshot_path: Path | None = None,
+        warm_start: bool = True,
+        queue_batches: int = 64,
+    ) -> None:
+        if not 0.0 <= hit_rate_threshold <= 1.0:
+            raise InvalidArgumentError(f"hit_rate_threshold must be in [0, 1], got {hit_rate_threshold}")
+        if refresh_interval_s < 0:
+            raise InvalidArgumentError(f"refresh_interval_s must be >= 0, got {refresh_interval_s}")
+        if not 0.0 < refresh_fraction <= 1.0:
+            raise InvalidArgumentError(f"refresh_fraction must be in (0, 1], got {refresh_fraction}")
+        self._cache = cache
+        self._xp: ModuleType = cache.xp
+        self._on_host = is_numpy(cache.xp)
+        self.dim = cache.dim
+        self.capacity = cache.capacity
+        self._fetch_below = fetch_below
+        self._threshold = hit_rate_threshold
+        self._refresh_interval_s = refresh_interval_s
+        self._refresh_stride = max(1, math.ceil(refresh_fraction * cache.capacity))
+        self._refresh_cursor = 0
+        self._snapshot_path = snapshot_path
+        self._lock = ReadWriteLock()
+        self._changes = ChangeLog()
+        self._counter_lock = threading.Lock()
+        self._hits = 0
+        self._misses = 0
+        self._counts = {"admitted_inline": 0, "admitted_deferred": 0, "offers_dropped": 0,
+                        "refreshed_rows": 0, "warm_rows": 0}
+        self._stop = threading.Event()
+        self._closed = False
+        self._queue: queue.Queue[tuple[np.ndarray, np.ndarray, int] | None] = queue.Queue(maxsize=queue_batches)
+        self._worker = threading.Thread(target=self._admit_worker, name="l1-admit", daemon=True)
+        self._worker.start()
+        self._refresher: threading.Thread | None = None
+        if refresh_interval_s > 0:
+            self._refresher = threading.Thread(target=self._refresh_loop, name="l1-refresh", daemon=True)
+            self._refresher.start()
+        self._warm_done = threading.Event()
+        self._warmer: threading.Thread | None = None
+        if warm_start and (warm_keys is not None or (snapshot_path is not None and snapshot_path.is_file())):
+            self._warmer = threading.Thread(target=self._warm, args=(warm_keys,), name="l1-warm", daemon=True)
+            self._warmer.start()
+        else:
+            self._warm_done.set()
+
+    # ------------------------------------------------------------------ arrays in and out
+    def _keys_arg(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.asarray(keys)
+        if keys.ndim != 1 or keys.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"keys must be a 1-D integer array, got {keys.dtype} of shape {keys.shape}")
+        return np.ascontiguousarray(keys, dtype=np.int64)
+
+    def _rows_arg(self, keys: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+        vectors = np.asarray(vectors)
+        if vectors.shape != (keys.shape[0], self.dim):
+            raise InvalidArgumentError(f"vectors must have shape ({keys.shape[0]}, {self.dim}), got {vectors.shape}")
+        return np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def _dev(self, arr: np.ndarray) -> Any:
+        return arr if self._on_host else self._xp.asarray(arr)
+
+    # ------------------------------------------------------------------ protocol
+    def lookup(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the (n,) bool hit mask."""
+        keys = self._keys_arg(keys)
+        if out.shape != (keys.shape[0], self.dim) or out.dtype != np.float32:
+            raise InvalidArgumentError(f"out must be float32 of shape ({keys.shape[0]}, {self.dim}), got {out.shape}")
+        if self._on_host:
+            self._lock.acquire_read()
+            try:
+                hit = self._cache.query(keys, out)
+            finally:
+                self._lock.release_read()
+        else:
+            dev_out = self._xp.empty((keys.shape[0], self.dim), dtype=self._xp.float32)
+            self._lock.acquire_read()
+            try:
+                dev_hit = self._cache.query(self._xp.asarray(keys), dev_out)
+            finally:
+                self._lock.release_read()
+            hit = to_host(dev_hit)
+            if hit.any():
+                out[hit] = to_host(dev_out[dev_hit])
+        nhit = int(np.count_nonzero(hit))
+        with self._counter_lock:
+            self._hits += nhit
+            self._misses += keys.shape[0] - nhit
+        return hit
+
+    def generation(self) -> int:
+        """Change generation to pass as ``fetched_at`` to :meth:`admit` when read before fetching below."""
+        return self._changes.generation
+
+    def admit(
+        self, keys: np.ndarray, vectors: np.ndarray, batch_hit_rate: float, *, fetched_at: int | None = None
+    ) -> None:
+        """Offer rows fetched from lower tiers: inserted now when ``batch_hit_rate`` is below the threshold,
+        else queued for the background worker (dropped and counted when the queue is full).
+
+        ``fetched_at`` (from :meth:`generation`, read before the fetch) lets rows that an update or delete
+        overtook be left out; without it only changes after this call are guarded against.
+        """
+        keys = self._keys_arg(keys)
+        vectors = self._rows_arg(keys, vectors)
+        if keys.shape[0] == 0:
+            return
+        generation = self._changes.generation if fetched_at is None else fetched_at
+        if self._closed:
+            self._count("offers_dropped", 1)
+            return
+        if batch_hit_rate < self._threshold:
+            self._count("admitted_inline", self._insert_fresh(keys, vectors, generation, evict=True))
+            return
+        try:
+            self._queue.put_nowait((keys.copy(), vectors.copy(), generation))
+        except queue.Full:
+            self._count("offers_dropped", 1)
+
+    def update(self, keys: np.ndarray, vectors: np.ndarray) -> None:
+        """Online update: overwrite rows of keys that are cached, leave the others out."""
+        keys = self._keys_arg(keys)
+        vectors = self._rows_arg(keys, vectors)
+        with self._lock.write():
+            self._changes.record(keys)
+            self._cache.update(self._dev(keys), self._dev(vectors))
+
+    def invalidate(self, keys: np.ndarray) -> None:
+        """Drop keys from the cache (deletes)."""
+        keys = self._keys_arg(keys)
+        with self._lock.write():
+            self._changes.record(keys)
+            self._cache.invalidate(self._dev(keys))
+
+    def clear(self) -> None:
+        """Drop everything, including offers still queued."""
+        with self._lock.write():
+            self._changes.record_all()
+            self._cache.clear()
+
+    def stats(self) -> dict[str, float]:
+        """hits, misses, hit_rate (of lookups through this object), rows, occupancy, capacity, evictions and
+        admission/refresh/warm-start counters."""
+        with self._lock.read():
+            base = self._cache.stats()
+        with self._counter_lock:
+            hits, misses = self._hits, self._misses
+            counts = dict(self._counts)
+        total = hits + misses
+        base.update(hits=float(hits), misses=float(misses), hit_rate=hits / total if total else 0.0)
+        base.update({k: float(v) for k, v in counts.items()})
+        base["queued_offers"] = float(self._queue.qsize())
+        return base
+
+    def close(self) -> None:
+        """Stop the worker, refresh and warm-start threads; save the hotness snapshot."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._queue.put(None)
+        for thread in (self._worker, self._refresher, self._warmer):
+            if thread is not None:
+                thread.join()
+        if self._snapshot_path is not None:
+            self._save_snapshot(self._snapshot_path)
+
+    # ------------------------------------------------------------------ extras for tests and admin
+    def flush(self) -> None:
+        """Block until every offer queued so far has been inserted or discarded."""
+        self._queue.join()
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Block until warm start has finished; False on timeout."""
+        return self._warm_done.wait(timeout)
+
+    def hottest_keys(self) -> np.ndarray:
+        """Cached keys, hottest first (what the snapshot holds)."""
+        with self._lock.read():
+            return self._cache.hottest_keys()
+
+    # ------------------------------------------------------------------ internals
+    def _count(self, name: str, amount: int) -> None:
+        with self._counter_lock:
+            self._counts[name] += amount
+
+    def _insert_fresh(self, keys: np.ndarray, vectors: np.ndarray, generation: int, evict: bool) -> int:
+        """Insert rows read at ``generation``, leaving out keys changed since; returns rows placed or written."""
+        with self._lock.write():
+            changed = self._changes.changed_since(generation, keys)
+            if changed is None:
+                return 0
+            if changed.any():
+                keys, vectors = keys[~changed], vectors[~changed]
+            if keys.shape[0] == 0:
+                return 0
+            return self._cache.insert(self._dev(keys), self._dev(vectors), evict=evict).written
+
+    def _admit_worker(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch = [item]
+            rows = 0 if item is None else item[0].shape[0]
+            while item is not None and rows < DEFERRED_MAX_ROWS:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                batch.append(item)
+                rows += 0 if item is None else item[0].shape[0]
+            try:
+                self._insert_deferred([b for b in batch if b is not None])
+            except Exception:  # noqa: BLE001 - a failed insert must not stop admission for good
+                log.exception("deferred L1 insert failed; %d offers discarded", len(batch))
+            finally:
+                for _ in batch:
+                    self._queue.task_done()
+            if any(b is None for b in batch):
+                return
+
+    def _insert_deferred(self, batch: list[tuple[np.ndarray, np.ndarray, int]]) -> None:
+        if not batch:
+            return
+        with self._lock.write():
+            kept_keys, kept_rows = [], []
+            for keys, vectors, generation in batch:
+                changed = self._changes.changed_since(generation, keys)
+                if changed is None:
+                    continue
+                kept_keys.append(keys[~changed])
+                kept_rows.append(vectors[~changed])
+            if not kept_keys:
+                return
+            keys, vectors = np.concatenate(kept_keys), np.concatenate(kept_rows)
+            if keys.shape[0]:
+                written = self._cache.insert(self._dev(keys), self._dev(vectors)).written
+                self._count("admitted_deferred", written)
+
+    def _refresh_loop(self) -> None:
+        while not self._stop.wait(self._refresh_interval_s):
+            try:
+                self.refresh_once()
+            except Exception:  # noqa: BLE001 - a lower tier down for a while must not end refresh
+                log.exception("L1 refresh stride failed; retrying next interval")
+
+    def refresh_once(self) -> int:
+        """Re-read the next stride of cached rows from the lower tiers; returns rows refreshed."""
+        with self._lock.read():
+            generation = self._changes.generation
+            start = self._refresh_cursor
+            keys, _ = self._cache.dump(start, start + self._refresh_stride)
+            keys = to_host(keys)
+        self._refresh_cursor = 0 if start + self._refresh_stride >= self.capacity else start + self._refresh_stride
+        if keys.shape[0] == 0:
+            return 0
+        fresh = self._rows_arg(keys, self._fetch_below(keys))
+        with self._lock.write():
+            changed = self._changes.changed_since(generation, keys)
+            if changed is None:
+                return 0
+            keep = ~changed
+            refreshed = self._cache.update(self._dev(keys[keep]), self._dev(fresh[keep]))
+        self._count("refreshed_rows", refreshed)
+        return refreshed
+
+    def _warm(self, warm_keys: WarmKeys | None) -> None:
+        try:
+            keys = self._load_snapshot()
+            if keys is None and warm_keys is not None:
+                keys = self._keys_arg(warm_keys(self.capacity))
+            if keys is None:
+                return
+            keys = keys[: self.capacity]
+            for start in range(0, keys.shape[0], WARM_CHUNK_ROWS):
+                if self._stop.is_set():
+                    return
+                chunk = keys[start : start + WARM_CHUNK_ROWS]
+                generation = self._changes.generation
+                rows = self._rows_arg(chunk, self._fetch_below(chunk))
+                self._count("warm_rows", self._insert_fresh(chunk, rows, generation, evict=False))
+        except Exception:  # noqa: BLE001 - a failed warm start leaves a cold but working cache
+            log.exception("L1 warm start failed; the cache starts cold")
+        finally:
+            self._warm_done.set()
+
+    def _load_snapshot(self) -> np.ndarray | None:
+        path = self._snapshot_path
+        if path is None or not path.is_file():
+            return None
+        try:
+            keys = np.load(path, allow_pickle=False)
+        except (OSError, ValueError) as exc:
+            log.warning("L1 snapshot %s unreadable (%s); warming from the table instead", path, exc)
+            return None
+        if keys.ndim != 1 or keys.dtype != np.int64:
+            log.warning("L1 snapshot %s holds %s %s, not 1-D int64 keys; ignored", path, keys.dtype, keys.shape)
+            return None
+        return keys
+
+    def _save_snapshot(self, path: Path) -> None:
+        keys = self.hottest_keys()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.save(f, keys, allow_pickle=False)
+        os.replace(tmp, path)
