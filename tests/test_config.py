@@ -1,0 +1,78 @@
+"""Config: YAML + HPS_* environment overrides, one message naming each bad key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hps_service.config import ConfigError, ConstantDefault, load_config
+
+
+def write(tmp_path: Path, data: dict) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_defaults_match_architecture() -> None:
+    cfg = load_config()
+    assert cfg.server.grpc_port == 8500 and cfg.server.http_port == 8000 and cfg.server.max_batch_keys == 65536
+    assert cfg.cache.capacity == 0.2 and cfg.cache.ways == 32 and cfg.cache.policy == "lru"
+    assert cfg.volatile.type == "hashmap" and cfg.persistent.type == "rocksdb" and cfg.updates.type == "disabled"
+
+
+def test_file_and_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = write(tmp_path, {
+        "server": {"grpc_port": 9100, "http_port": 9101},
+        "cache": {"capacity": 5000},
+        "models": [{"name": "demo", "tables": [{"name": "item", "dim": 16, "default": {"constant": 0.1}}]}],
+    })
+    monkeypatch.setenv("HPS_SERVER__GRPC_PORT", "9000")
+    monkeypatch.setenv("HPS_VOLATILE__TYPE", "disabled")
+    cfg = load_config(p)
+    assert cfg.server.grpc_port == 9000  # env wins
+    assert cfg.server.http_port == 9101  # file kept where env is silent
+    assert cfg.volatile.type == "disabled"
+    assert cfg.cache.capacity == 5000 and isinstance(cfg.cache.capacity, int)
+    assert cfg.model("demo").table("item").default == ConstantDefault(constant=0.1)
+
+
+@pytest.mark.parametrize(
+    ("data", "needle"),
+    [
+        ({"cache": {"ways": "many"}}, "cache.ways"),
+        ({"cache": {"capacity": 1.5}}, "cache.capacity"),
+        ({"server": {"grpc_port": 70000}}, "server.grpc_port"),
+        ({"volatile": {"type": "redis_cluster"}}, "volatile.nodes"),
+        ({"volatile": {"type": "memcached"}}, "volatile.type"),
+        ({"bogus": 1}, "bogus"),
+        ({"models": [{"name": "bad name", "tables": [{"name": "t", "dim": 4}]}]}, "models.0.name"),
+        ({"models": [{"name": "m", "tables": [{"name": "t", "dim": 4}, {"name": "t", "dim": 8}]}]}, "duplicate"),
+        ({"models": [{"name": "m", "tables": [{"name": "t", "dim": 0}]}]}, "models.0.tables.0.dim"),
+    ],
+)
+def test_invalid_config_names_the_key(tmp_path: Path, data: dict, needle: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, data))
+    assert needle in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_bad_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+    p = tmp_path / "list.yaml"
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(p)
+    p.write_text("server: {grpc_port: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
+
+
+def test_env_override_is_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPS_SERVER__MAX_BATCH_KEYS", "-3")
+    with pytest.raises(ConfigError, match="server.max_batch_keys"):
+        load_config(write(tmp_path, {}))

@@ -1,0 +1,140 @@
+"""LookupEngine over real tiers (in-process hash map + RocksDB files): hierarchy, promotion, defaults, writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hps_service.config import ConstantDefault, ModelConfig, TableConfig
+from hps_service.defaults import default_rows, hashed_random_rows
+from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from hps_service.lookup import LookupEngine, Source, latest_per_key
+from hps_service.tiers.hashmap import HashMapTier
+from hps_service.tiers.rocksdb import RocksDBTier
+
+DIM = 8
+
+
+@pytest.fixture()
+def engine(tmp_path: Path):
+    eng = LookupEngine(
+        volatile=HashMapTier(capacity_rows=1000),
+        persistent=RocksDBTier(tmp_path / "db"),
+        max_batch_keys=10_000,
+    )
+    eng.register_model(ModelConfig(name="m", tables=[
+        TableConfig(name="t", dim=DIM, default=ConstantDefault(constant=-1.0)),
+        TableConfig(name="u", dim=4, default="hashed_random"),
+    ]))
+    yield eng
+    eng.close()
+
+
+def rows_for(keys: np.ndarray, dim: int = DIM, version: int = 1) -> np.ndarray:
+    return (keys[:, None] * 10 + np.arange(dim)[None, :] + version * 1000).astype(np.float32)
+
+
+def test_levels_answer_in_order_with_duplicates(engine: LookupEngine) -> None:
+    keys = np.arange(0, 200, dtype=np.int64)
+    engine.persistent.bulk_import("m.t", keys, rows_for(keys), version=1)
+    query = np.array([5, 5, 1_000_000, 7, 5, -3], dtype=np.int64)
+    first = engine.lookup("m", "t", query)
+    np.testing.assert_array_equal(first.vectors[[0, 1, 3, 4]], rows_for(query[[0, 1, 3, 4]]))
+    np.testing.assert_array_equal(first.vectors[[2, 5]], -1.0)
+    assert list(first.sources) == [Source.PERSISTENT, Source.PERSISTENT, Source.DEFAULT, Source.PERSISTENT,
+                                   Source.PERSISTENT, Source.DEFAULT]
+    second = engine.lookup("m", "t", query)  # promoted into the volatile tier
+    np.testing.assert_array_equal(second.vectors, first.vectors)
+    assert list(second.sources) == [Source.VOLATILE] * 2 + [Source.DEFAULT, Source.VOLATILE, Source.VOLATILE,
+                                                            Source.DEFAULT]
+    stats = engine.table_stats("m", "t")
+    # each tier is asked only for the unique keys still missing: 4 unique keys per lookup
+    assert stats["volatile"]["hits"] == 2 and stats["volatile"]["misses"] == 4 + 2
+    assert stats["persistent"]["hits"] == 2 and stats["persistent"]["misses"] == 2 + 2
+    assert stats["default"]["hits"] == 4
+    assert stats["volatile"]["rows"] == 2 and stats["persistent"]["rows"] == 200
+
+
+def test_hashed_random_default_is_deterministic(engine: LookupEngine) -> None:
+    keys = np.array([1, 2, 3, 1], dtype=np.int64)
+    a = engine.lookup("m", "u", keys).vectors
+    np.testing.assert_array_equal(a, hashed_random_rows(keys, 4))
+    np.testing.assert_array_equal(a[0], a[3])
+    assert not np.array_equal(a[0], a[1])
+    assert np.abs(a).max() <= 0.5
+
+
+def test_updates_reach_every_tier_and_never_go_back(engine: LookupEngine) -> None:
+    keys = np.array([1, 2, 3], dtype=np.int64)
+    assert engine.apply_updates("m", "t", keys, rows_for(keys, version=5), 5) == 3
+    assert engine.apply_updates("m", "t", keys, rows_for(keys, version=4), 4) == 0  # older: ignored
+    got = engine.lookup("m", "t", keys)
+    np.testing.assert_array_equal(got.vectors, rows_for(keys, version=5))
+    assert set(got.sources) == {Source.VOLATILE}
+    np.testing.assert_array_equal(engine.persistent.get("m.t", keys).vectors, rows_for(keys, version=5))
+    # duplicates in one batch: the highest version wins
+    dup = np.array([9, 9, 9], dtype=np.int64)
+    vecs = np.stack([np.full(DIM, v, np.float32) for v in (7, 9, 8)])
+    engine.apply_updates("m", "t", dup, vecs, np.array([7, 9, 8]))
+    np.testing.assert_array_equal(engine.lookup("m", "t", np.array([9])).vectors[0], 9.0)
+
+
+def test_deletes_fall_back_to_default(engine: LookupEngine) -> None:
+    keys = np.array([1, 2], dtype=np.int64)
+    engine.apply_updates("m", "t", keys, rows_for(keys), 1)
+    assert engine.apply_deletes("m", "t", np.array([1, 1, 77])) == 1
+    got = engine.lookup("m", "t", keys)
+    assert list(got.sources) == [Source.DEFAULT, Source.VOLATILE]
+    np.testing.assert_array_equal(got.vectors[0], -1.0)
+
+
+def test_bad_input(engine: LookupEngine) -> None:
+    with pytest.raises(NotFoundError, match="model 'x'"):
+        engine.lookup("x", "t", np.array([1]))
+    with pytest.raises(NotFoundError, match="no table 'x'"):
+        engine.lookup("m", "x", np.array([1]))
+    with pytest.raises(ResourceExhaustedError, match="max_batch_keys=10000"):
+        engine.lookup("m", "t", np.arange(10_001))
+    with pytest.raises(InvalidArgumentError, match="1-D"):
+        engine.lookup("m", "t", np.zeros((2, 2), np.int64))
+    with pytest.raises(InvalidArgumentError, match="integers"):
+        engine.lookup("m", "t", np.array([1.5]))
+    with pytest.raises(InvalidArgumentError, match="shape"):
+        engine.apply_updates("m", "t", np.array([1]), np.zeros((1, DIM + 1)), 1)
+    with pytest.raises(InvalidArgumentError, match="NaN"):
+        engine.apply_updates("m", "t", np.array([1]), np.full((1, DIM), np.nan), 1)
+
+
+def test_register_and_unregister(engine: LookupEngine) -> None:
+    engine.register_model(ModelConfig(name="n", tables=[TableConfig(name="t", dim=2)]))
+    assert {m.name for m in engine.models()} == {"m", "n"}
+    np.testing.assert_array_equal(engine.lookup("n", "t", np.array([1])).vectors, [[0, 0]])
+    engine.unregister_model("n")
+    with pytest.raises(NotFoundError):
+        engine.lookup("n", "t", np.array([1]))
+    assert set(engine.stats()["models"]) == {"m"}
+
+
+def test_without_volatile_and_persistent(tmp_path: Path) -> None:
+    eng = LookupEngine(volatile=None, persistent=RocksDBTier(tmp_path / "db"))
+    eng.register_model(ModelConfig(name="m", tables=[TableConfig(name="t", dim=2)]))
+    eng.apply_updates("m", "t", np.array([4]), np.ones((1, 2)), 1)
+    assert list(eng.lookup("m", "t", np.array([4, 5])).sources) == [Source.PERSISTENT, Source.DEFAULT]
+    eng.close()
+    only_defaults = LookupEngine(volatile=None, persistent=None)
+    only_defaults.register_model(ModelConfig(name="m", tables=[TableConfig(name="t", dim=2)]))
+    assert list(only_defaults.lookup("m", "t", np.array([4])).sources) == [Source.DEFAULT]
+
+
+def test_latest_per_key() -> None:
+    keys = np.array([3, 1, 3, 1, 2])
+    versions = np.array([5, 1, 5, 2, 0])
+    idx = latest_per_key(keys, versions)
+    assert sorted(idx.tolist()) == [2, 3, 4]
+
+
+def test_default_rows_constant() -> None:
+    np.testing.assert_array_equal(default_rows(ConstantDefault(constant=0.1), np.array([1, 2]), 3),
+                                  np.full((2, 3), 0.1, np.float32))
