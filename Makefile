@@ -8,7 +8,7 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test run proto bench lint clean
+.PHONY: help install install-dev test-deps test run proto bench lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
@@ -56,6 +56,17 @@ bench: install-dev
 
 lint: install-dev
 	$(VENV)/bin/ruff check hps_service tests loadtest
+
+# Lint, render and validate the Helm chart with Helm's Go engine (helm-python-sdk), offline.
+helm-lint: install-dev
+	$(PY) deploy/values_schema.py
+	$(PY) deploy/check_chart.py
+
+IMAGE ?= hps-service
+IMAGE_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+docker-build:
+	docker build -f docker/Dockerfile -t $(IMAGE):$(IMAGE_VERSION) .
+	docker build -f docker/Dockerfile.cuda -t $(IMAGE):$(IMAGE_VERSION)-cuda .
 
 clean:
 	rm -rf var build *.egg-info .pytest_cache

@@ -1,0 +1,143 @@
+{{/* Chart name, truncated to the 63 characters a label allows. */}}
+{{- define "hps.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Fully qualified app name; StatefulSet pod names append "-N", so keep room under 63. */}}
+{{- define "hps.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "hps.headlessName" -}}
+{{- printf "%s-headless" (include "hps.fullname" .) }}
+{{- end }}
+
+{{- define "hps.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "hps.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "hps.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{- define "hps.labels" -}}
+helm.sh/chart: {{ include "hps.chart" . }}
+{{ include "hps.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/component: server
+{{- end }}
+
+{{- define "hps.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "hps.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The image: an explicit tag, else appVersion (+ "-cuda" for GPU pods). */}}
+{{- define "hps.image" -}}
+{{- $suffix := ternary "-cuda" "" .Values.gpu.enabled }}
+{{- $tag := .Values.image.tag | default (printf "%s%s" .Chart.AppVersion $suffix) }}
+{{- printf "%s:%s" .Values.image.repository $tag }}
+{{- end }}
+
+{{- define "hps.adminSecretName" -}}
+{{- .Values.adminToken.existingSecret | default (printf "%s-admin" (include "hps.fullname" .)) }}
+{{- end }}
+
+{{- define "hps.consumerGroupPrefix" -}}
+{{- .Values.kafka.consumerGroupPrefix | default (printf "hps.%s.%s" .Release.Namespace (include "hps.fullname" .)) }}
+{{- end }}
+
+{{/*
+The server's config as YAML: .Values.config with the redisCluster and kafka switches applied.
+The consumer group and the secrets come from the environment (see the StatefulSet).
+*/}}
+{{- define "hps.serverConfig" -}}
+{{- $cfg := deepCopy .Values.config }}
+{{- if .Values.redisCluster.enabled }}
+{{- $volatile := mergeOverwrite (deepCopy ($cfg.volatile | default dict)) (dict "type" "redis_cluster" "nodes" .Values.redisCluster.nodes) }}
+{{- $_ := set $cfg "volatile" $volatile }}
+{{- end }}
+{{- if .Values.kafka.enabled }}
+{{- $updates := mergeOverwrite (deepCopy ($cfg.updates | default dict)) (dict "type" "kafka" "brokers" (join "," .Values.kafka.brokers) "topic_prefix" .Values.kafka.topicPrefix) }}
+{{- $_ := set $cfg "updates" $updates }}
+{{- end }}
+{{- toYaml $cfg }}
+{{- end }}
+
+{{/* Seconds the pod may take to stop: preStop sleep + the server's drain period + a margin. */}}
+{{- define "hps.terminationGracePeriod" -}}
+{{- $drain := .Values.config.server.grace_period_s | default 30 | float64 | ceil | int }}
+{{- add (int .Values.termination.preStopSleepSeconds) $drain (int .Values.termination.extraGraceSeconds) }}
+{{- end }}
+
+{{/* TCP ports of "host:port" entries, deduplicated. */}}
+{{- define "hps.endpointPorts" -}}
+{{- $ports := list }}
+{{- range . }}
+{{- $ports = append $ports (splitList ":" . | last | int) }}
+{{- end }}
+{{- toJson ($ports | uniq) }}
+{{- end }}
+
+{{/* Container environment: per-pod consumer group, secrets, JIT cache on the writable /tmp. */}}
+{{- define "hps.env" -}}
+- name: POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: HPS_UPDATES__GROUP
+  value: {{ printf "%s.$(POD_NAME)" (include "hps.consumerGroupPrefix" .) | quote }}
+- name: HPS_SERVER__ADMIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "hps.adminSecretName" . }}
+      key: {{ .Values.adminToken.key }}
+{{- if and .Values.redisCluster.enabled .Values.redisCluster.existingSecret }}
+- name: HPS_VOLATILE__PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redisCluster.existingSecret }}
+      key: {{ .Values.redisCluster.passwordKey }}
+{{- end }}
+- name: NUMBA_CACHE_DIR
+  value: /tmp/numba
+{{- with .Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{- define "hps.volumeMounts" -}}
+- name: config
+  mountPath: /etc/hps
+  readOnly: true
+- name: data
+  mountPath: {{ include "hps.dataPath" . }}
+- name: tmp
+  mountPath: /tmp
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* Where the per-pod volume is mounted: config.persistent.path, which must be absolute. */}}
+{{- define "hps.dataPath" -}}
+{{- $path := .Values.config.persistent.path | default "/var/lib/hps/rocksdb" | toString }}
+{{- if not (isAbs $path) }}
+{{- fail (printf "config.persistent.path must be an absolute path for the volume mount, got %q" $path) }}
+{{- end }}
+{{- $path }}
+{{- end }}
