@@ -6,6 +6,7 @@ Loaded from a YAML file; every key can be overridden from the environment as ``H
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -33,6 +34,16 @@ class ServerConfig(_Section):
     max_tables_per_request: int = Field(64, ge=1)
     grpc_workers: int = Field(8, ge=1)
     grace_period_s: float = Field(30.0, ge=0)
+    max_concurrent_requests: int = Field(256, ge=1, description="gRPC calls in flight; more get RESOURCE_EXHAUSTED")
+    snapshots_path: Path | None = Field(None, description="RocksDB checkpoints; default: <persistent.path>/../snapshots")
+
+    @model_validator(mode="after")
+    def _admin_token_alias(self) -> "ServerConfig":
+        """``HPS_ADMIN_TOKEN`` sets the admin token when the config and ``HPS_SERVER__ADMIN_TOKEN`` do not."""
+        alias = os.environ.get("HPS_ADMIN_TOKEN")
+        if self.admin_token is None and alias:
+            self.admin_token = SecretStr(alias)
+        return self
 
 
 class CacheConfig(_Section):
@@ -41,6 +52,7 @@ class CacheConfig(_Section):
     enabled: bool = True
     backend: Literal["auto", "numpy", "cupy"] = "auto"
     capacity: Union[int, float] = Field(0.2, description="float in (0, 1]: fraction of each table's rows; int: rows")
+    min_rows: int = Field(8192, ge=0, description="a fractional capacity never gives fewer rows than this")
     ways: int = Field(32, ge=1, le=1024)
     policy: Literal["lru", "lfu"] = "lru"
     hit_rate_threshold: float = Field(0.9, ge=0.0, le=1.0)

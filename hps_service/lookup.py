@@ -62,8 +62,6 @@ class ServedTable:
     cache: TableCache | None = None
     counters: _Counters = field(default_factory=_Counters)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    #: Bumped by every update or delete; a lookup admits fetched rows to L1 only if it did not move.
-    epoch: int = 0
 
     @property
     def id(self) -> str:
@@ -201,8 +199,8 @@ class LookupEngine:
         n = keys.shape[0]
         out = np.empty((n, t.dim), dtype=np.float32)
         sources = np.empty(n, dtype=np.uint8)
-        epoch = t.epoch
         if t.cache is not None and n:
+            fetched_at = t.cache.generation()
             hit = t.cache.lookup(keys, out)
             n_hit = int(np.count_nonzero(hit))
             t.count("cache", n_hit, n - n_hit)
@@ -228,8 +226,8 @@ class LookupEngine:
             sources[miss_idx] = src[inverse]
         if t.cache is not None:
             stored = src != Source.DEFAULT
-            if stored.any() and t.epoch == epoch:
-                t.cache.admit(uniq[stored], rows[stored], batch_hit_rate)
+            if stored.any():
+                t.cache.admit(uniq[stored], rows[stored], batch_hit_rate, fetched_at=fetched_at)
         return LookupResult(out, sources)
 
     def _fetch_below_cache(self, t: ServedTable, keys: np.ndarray, count: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -293,8 +291,6 @@ class LookupEngine:
         written = np.ones(keys.shape[0], dtype=bool)
         if self.persistent is not None:
             written = self.persistent.put(t.id, keys, vectors, versions)
-        with t.lock:
-            t.epoch += 1
         if self.volatile is not None:
             volatile_written = self.volatile.put(t.id, keys, vectors, versions)
             if self.persistent is None:
@@ -310,8 +306,6 @@ class LookupEngine:
         if keys.shape[0] == 0:
             return 0
         removed = 0
-        with t.lock:
-            t.epoch += 1
         if self.persistent is not None:
             removed = self.persistent.delete(t.id, keys)
         if self.volatile is not None:

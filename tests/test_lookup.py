@@ -138,3 +138,40 @@ def test_latest_per_key() -> None:
 def test_default_rows_constant() -> None:
     np.testing.assert_array_equal(default_rows(ConstantDefault(constant=0.1), np.array([1, 2]), 3),
                                   np.full((2, 3), 0.1, np.float32))
+
+
+@pytest.fixture()
+def cached_engine(tmp_path: Path):
+    from hps_service.cache import build_table_cache
+    from hps_service.config import CacheConfig
+
+    cfg = CacheConfig(backend="numpy", capacity=256, ways=8, hit_rate_threshold=1.0, warm_start=False)
+    eng = LookupEngine(
+        volatile=HashMapTier(capacity_rows=1000),
+        persistent=RocksDBTier(tmp_path / "db"),
+        cache_factory=lambda t, fetch, warm: build_table_cache(cfg, t.dim, 0, fetch, None, None),
+    )
+    eng.register_model(ModelConfig(name="m", tables=[TableConfig(name="t", dim=DIM)]))
+    yield eng
+    eng.close()
+
+
+def test_cache_serves_repeats_and_follows_updates_and_deletes(cached_engine: LookupEngine) -> None:
+    eng = cached_engine
+    keys = np.arange(100, dtype=np.int64)
+    eng.persistent.bulk_import("m.t", keys, rows_for(keys), version=1)
+    first = eng.lookup("m", "t", keys)
+    assert set(first.sources) == {Source.PERSISTENT}
+    second = eng.lookup("m", "t", keys)
+    assert set(second.sources) == {Source.CACHE}
+    np.testing.assert_array_equal(second.vectors, rows_for(keys))
+    eng.apply_updates("m", "t", keys[:10], rows_for(keys[:10], version=2), 2)
+    third = eng.lookup("m", "t", keys[:20])
+    assert set(third.sources) == {Source.CACHE}
+    np.testing.assert_array_equal(third.vectors[:10], rows_for(keys[:10], version=2))
+    np.testing.assert_array_equal(third.vectors[10:], rows_for(keys[10:20]))
+    eng.apply_deletes("m", "t", keys[:5])
+    fourth = eng.lookup("m", "t", keys[:6])
+    assert list(fourth.sources) == [Source.DEFAULT] * 5 + [Source.CACHE]
+    stats = eng.table_stats("m", "t")["cache"]
+    assert stats["enabled"] and stats["hits"] == 100 + 20 + 1 and stats["capacity"] == 256

@@ -25,8 +25,16 @@ class TableCache(Protocol):
     def lookup(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the (n,) bool hit mask."""
 
-    def admit(self, keys: np.ndarray, vectors: np.ndarray, batch_hit_rate: float) -> None:
-        """Offer rows fetched from lower tiers (unique keys); inline or deferred per hit_rate_threshold."""
+    def generation(self) -> int:
+        """A change counter; read it before fetching below and pass it to :meth:`admit` as ``fetched_at``."""
+
+    def admit(
+        self, keys: np.ndarray, vectors: np.ndarray, batch_hit_rate: float, *, fetched_at: int | None = None
+    ) -> None:
+        """Offer rows fetched from lower tiers (unique keys); inline or deferred per hit_rate_threshold.
+
+        Rows of keys updated or deleted since ``fetched_at`` are left out, so L1 never keeps a stale row.
+        """
 
     def update(self, keys: np.ndarray, vectors: np.ndarray) -> None:
         """Online update: overwrite rows of keys that are cached, leave the others out."""

@@ -1,22 +1,35 @@
-"""The hps-service process: builds tiers and the engine from config, serves gRPC, drains on SIGTERM."""
+"""The hps-service process: builds tiers and the engine from config, serves gRPC and the REST admin API, drains on
+SIGTERM."""
 
 from __future__ import annotations
 
 import logging
 import signal
+import socket
 import threading
+from collections.abc import Callable
 from concurrent import futures
+from pathlib import Path
 
 import grpc
+import numpy as np
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+import uvicorn
 
+from hps_service.cache import FetchBelow, TableCache, build_table_cache
+from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
-from hps_service.lookup import LookupEngine
+from hps_service.lookup import CacheFactory, LookupEngine, ServedTable
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
+from hps_service.server.jobs import JobRunner
+from hps_service.server.metrics import ServerMetrics
+from hps_service.server.rest import AdminContext, ReadinessCheck, create_app
+from hps_service.server.snapshots import SnapshotStore
+from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
 
 log = logging.getLogger(__name__)
@@ -36,12 +49,28 @@ def build_engine(config: HPSConfig) -> LookupEngine:
     engine = LookupEngine(
         volatile=volatile,
         persistent=persistent,
-        cache_factory=None,
+        cache_factory=l1_cache_factory(config, volatile, persistent),
         max_batch_keys=config.server.max_batch_keys,
     )
     for model in config.models:
         engine.register_model(model)
     return engine
+
+
+def l1_cache_factory(config: HPSConfig, volatile: Tier | None, persistent: Tier | None) -> CacheFactory | None:
+    """Builds each table's L1 cache, sized from the rows the lower tiers hold when the table is loaded."""
+    if not config.cache.enabled:
+        return None
+    snapshot_dir = Path(f"{config.persistent.path}.l1") if persistent is not None else None
+
+    def factory(t: ServedTable, fetch_below: FetchBelow, warm_keys: WarmKeys | None) -> TableCache | None:
+        rows = max((tier.count(t.id) for tier in (volatile, persistent) if tier is not None), default=0)
+        if isinstance(config.cache.capacity, float):
+            rows = max(rows, int(np.ceil(config.cache.min_rows / config.cache.capacity)))
+        snapshot = snapshot_dir / f"{t.id}.hot.npy" if snapshot_dir is not None else None
+        return build_table_cache(config.cache, t.dim, rows, fetch_below, warm_keys, snapshot)
+
+    return factory
 
 
 def message_limits(config: HPSConfig) -> tuple[int, int]:
@@ -53,8 +82,15 @@ def message_limits(config: HPSConfig) -> tuple[int, int]:
     return receive, send
 
 
+def snapshots_root(config: HPSConfig) -> Path:
+    """Where RocksDB checkpoints go: server.snapshots_path, else a ``snapshots`` directory beside the DB."""
+    if config.server.snapshots_path is not None:
+        return Path(config.server.snapshots_path)
+    return Path(config.persistent.path).parent / "snapshots"
+
+
 class HPSServer:
-    """One server process: the lookup engine behind gRPC (with health checking and reflection)."""
+    """One server process: the lookup engine behind gRPC (health checking, reflection) and the REST admin API."""
 
     def __init__(self, config: HPSConfig, engine: LookupEngine | None = None) -> None:
         self.config = config
@@ -63,6 +99,17 @@ class HPSServer:
         self.health = health.HealthServicer()
         self._grpc: grpc.Server | None = None
         self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self.metrics: ServerMetrics | None = None
+        self.jobs = JobRunner()
+        #: Readiness checks added by other parts (the update consumer): each returns None or what is not ready.
+        self.readiness: list[ReadinessCheck] = []
+        #: Extra /v1/stats sections, e.g. ``{"updates": consumer.stats}``.
+        self.stats_sections: dict[str, Callable[[], dict]] = {}
+        self._http: uvicorn.Server | None = None
+        self._http_thread: threading.Thread | None = None
+        self._served_models: set[str] = set()
+        self._health_lock = threading.Lock()
         self._stopped = threading.Event()
 
     def start(self) -> None:
@@ -72,15 +119,19 @@ class HPSServer:
         if self.engine is None:
             self.engine = build_engine(self.config)
         receive, send = message_limits(self.config)
+        self.metrics = ServerMetrics(self.engine)
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
+            maximum_concurrent_rpcs=cfg.max_concurrent_requests,
             options=[
                 ("grpc.max_receive_message_length", receive),
                 ("grpc.max_send_message_length", send),
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_EmbeddingServiceServicer_to_server(EmbeddingServicer(self.engine, cfg, self.gate), server)
+        pb_grpc.add_EmbeddingServiceServicer_to_server(
+            EmbeddingServicer(self.engine, cfg, self.gate, self.metrics), server
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -92,13 +143,63 @@ class HPSServer:
         server.start()
         self._grpc = server
         self.grpc_port = port
+        try:
+            self._start_http()
+        except Exception:
+            server.stop(0)
+            raise
         self.gate.open()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         health_name = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
         self.health.set(health_name, health_pb2.HealthCheckResponse.SERVING)
-        for m in self.engine.models():
-            self.health.set(m.name, health_pb2.HealthCheckResponse.SERVING)
-        log.info("gRPC listening on %s:%d", cfg.host, port)
+        self.sync_model_health()
+        log.info("gRPC listening on %s:%d, REST admin on %s:%d", cfg.host, port, cfg.host, self.http_port)
+
+    def sync_model_health(self) -> None:
+        """gRPC health per model: SERVING for every loaded model, NOT_SERVING for one unloaded since."""
+        assert self.engine is not None
+        with self._health_lock:
+            loaded = {m.name for m in self.engine.models()}
+            for name in loaded:
+                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            for name in self._served_models - loaded:
+                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+            self._served_models = loaded
+
+    def _start_http(self) -> None:
+        """Serve the REST admin API with uvicorn on its own thread and event loop (bound before this returns)."""
+        assert self.engine is not None and self.metrics is not None
+        cfg = self.config.server
+        ctx = AdminContext(
+            engine=self.engine,
+            config=self.config,
+            metrics=self.metrics,
+            gate=self.gate,
+            jobs=self.jobs,
+            snapshots=SnapshotStore(self.engine, snapshots_root(self.config)),
+            readiness=self.readiness,
+            stats_sections=self.stats_sections,
+            on_models_changed=self.sync_model_health,
+        )
+        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((cfg.host, cfg.http_port))
+        except OSError as exc:
+            sock.close()
+            raise UnavailableError(f"cannot bind the REST port {cfg.host}:{cfg.http_port}: {exc}") from None
+        self.http_port = sock.getsockname()[1]
+        http = uvicorn.Server(
+            uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        )
+        thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="hps-http", daemon=True)
+        thread.start()
+        while not http.started:
+            if not thread.is_alive():
+                sock.close()
+                raise UnavailableError(f"the REST server on {cfg.host}:{self.http_port} failed to start")
+            thread.join(0.01)
+        self._http, self._http_thread = http, thread
 
     def stop(self, grace: float | None = None) -> None:
         """Refuse new lookups, let in-flight ones finish within ``grace`` seconds, close the tiers."""
@@ -109,6 +210,10 @@ class HPSServer:
         self.health.enter_graceful_shutdown()
         if self._grpc is not None:
             self._grpc.stop(grace).wait(grace + 1)
+        self.jobs.close(wait=True)
+        if self._http is not None and self._http_thread is not None:
+            self._http.should_exit = True
+            self._http_thread.join(grace + 5)
         if self.engine is not None:
             self.engine.close()
         self._stopped.set()
