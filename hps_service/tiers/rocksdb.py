@@ -13,6 +13,7 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from itertools import islice, repeat
 from pathlib import Path
 
@@ -94,6 +95,8 @@ class RocksDBTier(Tier):
         except Exception as exc:  # rocksdict raises bare Exception for I/O and lock errors
             raise UnavailableError(f"cannot open RocksDB at {self.path}: {exc}") from exc
         self._closed = False
+        if not read_only:  # SST files of an import that a crash interrupted (never ingested)
+            _drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
         self._meta = self._db.get_column_family(META_CF) if META_CF in column_families else None
         self._dims: dict[str, int] = {}
         self._cfs: dict[str, Rdict] = {}
@@ -273,7 +276,8 @@ class RocksDBTier(Tier):
         return present
 
     def count(self, table: str) -> int:
-        """Exact row count, kept in the metadata CF by put/delete/import (same batch as the rows for put/delete)."""
+        """Exact row count kept in the metadata CF: written in the same batch as the rows by put/delete, and right
+        after the ingest by bulk_import (a crash between the ingest and that write leaves it low by the import)."""
         self._table(table)
         return self._meta_int("count", table) or 0
 

@@ -105,9 +105,11 @@ def test_reopen_keeps_rows_dims_and_options(tmp_path: Path) -> None:
     t.put("m.a", keys, vecs, np.ones(50, np.int64))
     t.bulk_import("m.a", keys[:10] + 10**7, vecs[:10])
     t.close()
+    (path / "import-interrupted").mkdir()  # what a crash mid-import leaves behind
     t = RocksDBTier(path, block_cache_mb=8)
     try:
         assert t.tables() == {"m.a": 4}
+        assert not (path / "import-interrupted").exists()
         assert t.count("m.a") == 60
         np.testing.assert_array_equal(t.get("m.a", keys).vectors, vecs)
         with pytest.raises(InvalidArgumentError):
