@@ -72,6 +72,7 @@ class _Failed:
 
 
 _FAILED = _Failed()
+_CRLF = np.frombuffer(b"\r\n", dtype=np.uint8)
 
 
 @dataclass(slots=True)
@@ -81,6 +82,7 @@ class _TableLayout:
     dim: int
     hashes: list[bytes]
     slots: list[int]
+    hashes_resp: list[bytes]  # each hash name as a RESP bulk string
 
 
 @dataclass(slots=True)
@@ -111,6 +113,25 @@ def _as_keys(keys: np.ndarray) -> np.ndarray:
 def _check_table_name(table: str) -> None:
     if not table or "{" in table or "}" in table:
         raise InvalidArgumentError(f"table name {table!r} must be non-empty and contain no braces")
+
+
+def _resp_command(*args: bytes) -> bytes:
+    """One small command in the Redis wire protocol (RESP)."""
+    return b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+
+
+def _resp_bulk_columns(n: int, *columns: np.ndarray) -> np.ndarray:
+    """Per row, each ``(n, width)`` uint8 column as a RESP bulk string: one ``(n, total)`` uint8 array, no Python loop."""
+    pieces = []
+    for col in columns:
+        head = np.frombuffer(b"$%d\r\n" % col.shape[1], dtype=np.uint8)
+        pieces += [np.broadcast_to(head, (n, head.size)), col, np.broadcast_to(_CRLF, (n, 2))]
+    return np.concatenate(pieces, axis=1)
+
+
+def _key_bytes(keys: np.ndarray) -> np.ndarray:
+    """Keys as ``codec.encode_keys`` stores them (8-byte big-endian), as an ``(n, 8)`` uint8 array."""
+    return np.ascontiguousarray(keys, dtype=">i8").view(np.uint8).reshape(-1, 8)
 
 
 class RedisClusterTier(Tier):
@@ -180,7 +201,7 @@ class RedisClusterTier(Tier):
     def drop_table(self, table: str) -> None:
         """Delete every partition hash and the meta key of ``table``."""
         layout = self._table(table)
-        commands = [(slot, (b"DEL", h)) for h, slot in zip(layout.hashes, layout.slots)]
+        commands = [(slot, [_resp_command(b"DEL", h)]) for h, slot in zip(layout.hashes, layout.slots)]
         results = self._execute(table, commands, keys_per_command=None)
         failed = sum(isinstance(r, (_Failed, Exception)) for r in results)
         if failed:
@@ -203,9 +224,9 @@ class RedisClusterTier(Tier):
         if n == 0:
             return Rows.empty(0, layout.dim)
         order, parts, bounds = self._group(keys)
-        fields = codec.encode_keys(keys[order])
+        fields = _resp_bulk_columns(n, _key_bytes(keys[order]))
         commands = [
-            (layout.slots[p], (b"HMGET", layout.hashes[p], *fields[s:e]))
+            (layout.slots[p], [b"*%d\r\n$5\r\nHMGET\r\n" % (e - s + 2), layout.hashes_resp[p], fields[s:e]])
             for p, s, e in zip(parts, bounds[:-1], bounds[1:])
         ]
         results = self._execute(table, commands, keys_per_command=np.diff(bounds))
@@ -242,25 +263,26 @@ class RedisClusterTier(Tier):
         if n == 0:
             return written
         order, parts, bounds = self._group(keys)
-        fields = codec.encode_keys(keys[order])
-        rows = codec.encode_rows(vectors[order], versions[order].astype(np.int64, copy=False))
-        interleaved: list[bytes] = [b""] * (2 * n)
-        interleaved[0::2] = fields
-        interleaved[1::2] = rows
+        records = np.empty(n, dtype=codec.row_dtype(layout.dim))
+        records["version"] = versions[order]
+        records["vector"] = vectors[order]
+        field_values = _resp_bulk_columns(
+            n, _key_bytes(keys[order]), records.view(np.uint8).reshape(n, records.dtype.itemsize)
+        )
+        evalsha = b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % self._put_sha
         commands = [
             (
                 layout.slots[p],
-                (b"EVALSHA", self._put_sha, b"1", layout.hashes[p], *interleaved[2 * s : 2 * e]),
+                [b"*%d\r\n" % (2 * (e - s) + 4), evalsha, layout.hashes_resp[p], field_values[s:e]],
             )
             for p, s, e in zip(parts, bounds[:-1], bounds[1:])
         ]
         results = self._execute(table, commands, keys_per_command=np.diff(bounds))
         retry = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
         if retry:  # a restarted node lost its script cache: EVAL loads it there again
-            again = [
-                (commands[i][0], (b"EVAL", _PUT_IF_NOT_OLDER_LUA.encode(), *commands[i][1][2:]))
-                for i in retry
-            ]
+            script = _PUT_IF_NOT_OLDER_LUA.encode()
+            eval_head = b"$4\r\nEVAL\r\n$%d\r\n%s\r\n$1\r\n1\r\n" % (len(script), script)
+            again = [(commands[i][0], [commands[i][1][0], eval_head, *commands[i][1][2:]]) for i in retry]
             for i, res in zip(retry, self._execute(table, again, keys_per_command=np.diff(bounds)[retry])):
                 results[i] = res
         mask_sorted = np.zeros(n, dtype=bool)
@@ -277,9 +299,9 @@ class RedisClusterTier(Tier):
         if keys.size == 0:
             return 0
         order, parts, bounds = self._group(keys)
-        fields = codec.encode_keys(keys[order])
+        fields = _resp_bulk_columns(keys.size, _key_bytes(keys[order]))
         commands = [
-            (layout.slots[p], (b"HDEL", layout.hashes[p], *fields[s:e]))
+            (layout.slots[p], [b"*%d\r\n$4\r\nHDEL\r\n" % (e - s + 2), layout.hashes_resp[p], fields[s:e]])
             for p, s, e in zip(parts, bounds[:-1], bounds[1:])
         ]
         results = self._execute(table, commands, keys_per_command=np.diff(bounds))
@@ -288,7 +310,7 @@ class RedisClusterTier(Tier):
     def count(self, table: str) -> int:
         """Sum of HLEN over the partitions on the reachable nodes."""
         layout = self._table(table)
-        commands = [(slot, (b"HLEN", h)) for h, slot in zip(layout.hashes, layout.slots)]
+        commands = [(slot, [_resp_command(b"HLEN", h)]) for h, slot in zip(layout.hashes, layout.slots)]
         results = self._execute(table, commands, keys_per_command=None)
         return sum(r for r in results if isinstance(r, int))
 
@@ -327,7 +349,12 @@ class RedisClusterTier(Tier):
 
     def _layout(self, table: str, dim: int) -> _TableLayout:
         hashes = [f"hps:{{{table}:{p}}}".encode() for p in range(self._partitions)]
-        return _TableLayout(dim=dim, hashes=hashes, slots=[key_slot(h) for h in hashes])
+        return _TableLayout(
+            dim=dim,
+            hashes=hashes,
+            slots=[key_slot(h) for h in hashes],
+            hashes_resp=[b"$%d\r\n%s\r\n" % (len(h), h) for h in hashes],
+        )
 
     def _table(self, table: str) -> _TableLayout:
         layout = self._tables.get(table)
@@ -379,9 +406,9 @@ class RedisClusterTier(Tier):
             self._refresh_lock.release()
 
     def _execute(
-        self, table: str, commands: list[tuple[int, tuple]], keys_per_command: np.ndarray | None
+        self, table: str, commands: list[tuple[int, list]], keys_per_command: np.ndarray | None
     ) -> list:
-        """Run ``(slot, args)`` commands: group by node, write to every node, then read every reply.
+        """Run ``(slot, RESP pieces)`` commands: group by node, write to every node, then read every reply.
 
         Results are the replies, an exception instance for an error reply, or ``_FAILED`` where the node failed.
         """
@@ -406,7 +433,7 @@ class RedisClusterTier(Tier):
             conn = None
             try:
                 conn = pool.get_connection()
-                conn.send_packed_command(conn.pack_commands([commands[i][1] for i in idxs]))
+                conn.send_packed_command([b"".join([piece for i in idxs for piece in commands[i][1]])])
                 in_flight.append((name, pool, conn, idxs))
             except (RedisError, OSError):
                 if conn is not None:
@@ -439,7 +466,7 @@ class RedisClusterTier(Tier):
                 with self._lock:
                     self._down_until.pop(name, None)
         unrouted = [i for i, r in enumerate(results) if r is _FAILED and commands[i][0] not in slots_cache]
-        self._record(table, failed_nodes, skipped_nodes, unrouted, results, keys_per_command, now)
+        self._record(table, failed_nodes, skipped_nodes, unrouted, results, keys_per_command)
         if refresh or unrouted:
             self._refresh_topology()
         return results
@@ -452,7 +479,6 @@ class RedisClusterTier(Tier):
         unrouted: list[int],
         results: list,
         keys_per_command: np.ndarray | None,
-        now: float,
     ) -> None:
         """Count what fell through and put failed nodes in back-off."""
         moved = [i for i, r in enumerate(results) if isinstance(r, (MovedError, AskError))]
@@ -461,12 +487,15 @@ class RedisClusterTier(Tier):
         lost = [i for _, idxs in failed_nodes for i in idxs] + [i for idxs in skipped_nodes for i in idxs]
         lost += unrouted + moved
         lost_keys = int(np.sum(keys_per_command[lost])) if keys_per_command is not None else 0
+        until = (
+            time.monotonic() + self._retry_after
+        )  # back-off counts from the failure, not the request start
         with self._lock:
             c = self._counters.setdefault(table, _Counters())
             c.node_failures += len(failed_nodes) + (1 if unrouted or moved else 0)
             c.node_skips += len(skipped_nodes)
             c.failed_keys += lost_keys
             for name, _ in failed_nodes:
-                self._down_until[name] = now + self._retry_after
+                self._down_until[name] = until
         for name, _ in failed_nodes:
             log.warning("redis_cluster: node %s failed; skipping it for %.1fs", name, self._retry_after)

@@ -239,3 +239,29 @@ def test_killed_master_falls_through_then_recovers(
     assert rows.found.all()
     np.testing.assert_array_equal(rows.vectors, vectors + 2)
     assert tier.stats("m.t").extra["nodes_down"] == 0
+
+
+def test_hung_master_times_out_and_is_skipped(
+    tier: RedisClusterTier, redis_cluster_clean: RedisClusterProcess
+) -> None:
+    cluster = redis_cluster_clean
+    tier.create_table("m.t", 4)
+    keys = np.arange(600, dtype=np.int64)
+    vectors = _rows(keys.size, 4, 11)
+    tier.put("m.t", keys, vectors, np.zeros(keys.size, dtype=np.int64))
+    on_victim = _owner_ports(cluster, "m.t", keys) == cluster.ports[2]
+    cluster.pause(2)
+    try:
+        rows = tier.get("m.t", keys)  # the hung node's reply times out after socket_timeout_s
+        np.testing.assert_array_equal(rows.found, ~on_victim)
+        np.testing.assert_array_equal(rows.vectors[~on_victim], vectors[~on_victim])
+        rows = tier.get("m.t", keys)
+        np.testing.assert_array_equal(rows.found, ~on_victim)
+        stats = tier.stats("m.t")
+        assert stats.extra["node_failures"] == 1 and stats.extra["node_skips"] >= 1
+    finally:
+        cluster.resume(2)
+    time.sleep(RETRY_AFTER_S * 1.5)
+    rows = tier.get("m.t", keys)
+    assert rows.found.all()
+    np.testing.assert_array_equal(rows.vectors, vectors)
