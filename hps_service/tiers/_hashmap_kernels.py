@@ -113,25 +113,43 @@ def get_rows(
     clock: np.int64,
     lfu: bool,
 ) -> np.int64:
-    """Copy the rows of ``query`` into the outputs and stamp every hit; returns the number of hits."""
+    """Copy the rows of ``query`` into the outputs and stamp every hit; returns the number of hits.
+
+    Works in passes (first index slots, then key checks, then row copies) so that the loads of one
+    pass are independent of each other and their cache misses overlap.
+    """
     mask = np.int64(index.size - 1)
+    n = query.size
     dim = rows.shape[1]
+    row_ids = np.empty(n, dtype=np.int64)
+    for i in range(n):
+        row_ids[i] = index[_home(query[i], mask)]
+    for i in range(n):
+        r = row_ids[i]
+        if r >= 0 and keys[r] != query[i]:
+            pos, ok = _probe(index, keys, query[i], mask)
+            row_ids[i] = index[pos] if ok else -1
     hits = 0
-    for i in range(query.size):
-        pos, ok = _probe(index, keys, query[i], mask)
-        if ok:
-            r = index[pos]
-            for d in range(dim):
-                out_vectors[i, d] = rows[r, d]
-            out_versions[i] = versions[r]
-            found[i] = True
-            if lfu:
-                stamps[r] += 1
-            else:
-                stamps[r] = clock
-            hits += 1
-        else:
+    for i in range(n):
+        r = row_ids[i]
+        if r < 0:
             found[i] = False
+            continue
+        src = rows[r]
+        dst = out_vectors[i]
+        for d in range(dim):
+            dst[d] = src[d]
+        out_versions[i] = versions[r]
+        found[i] = True
+        hits += 1
+    if lfu:
+        for i in range(n):
+            if row_ids[i] >= 0:
+                stamps[row_ids[i]] += 1
+    else:
+        for i in range(n):
+            if row_ids[i] >= 0:
+                stamps[row_ids[i]] = clock
     return hits
 
 

@@ -44,23 +44,19 @@ class _Table:
         self.index = np.full(_index_size(initial_rows), kernels.EMPTY, dtype=np.int32)
 
     def _allocate_rows(self, row_capacity: int) -> None:
-        self.keys = np.empty(row_capacity, dtype=np.int64)
+        # Key, version and stamp of a row share one cache line: a lookup misses once for all three.
+        self.meta = np.empty((row_capacity, 3), dtype=np.int64)
+        self.keys = self.meta[:, 0]
+        self.versions = self.meta[:, 1]
+        self.stamps = self.meta[:, 2]
         self.rows = np.empty((row_capacity, self.dim), dtype=np.float32)
-        self.versions = np.empty(row_capacity, dtype=np.int64)
-        self.stamps = np.empty(row_capacity, dtype=np.int64)
 
     @property
     def row_capacity(self) -> int:
         return int(self.keys.shape[0])
 
     def memory_bytes(self) -> int:
-        return int(
-            self.keys.nbytes
-            + self.rows.nbytes
-            + self.versions.nbytes
-            + self.stamps.nbytes
-            + self.index.nbytes
-        )
+        return int(self.meta.nbytes + self.rows.nbytes + self.index.nbytes)
 
     def reserve(self, needed_rows: int, max_rows: int) -> None:
         """Make room for ``needed_rows`` rows (at most ``max_rows``), growing storage by ``_GROWTH`` steps."""
@@ -68,12 +64,10 @@ class _Table:
             return
         new_capacity = min(max_rows, max(needed_rows, math.ceil(self.row_capacity * _GROWTH)))
         n = self.n_rows
-        old_keys, old_rows, old_versions, old_stamps = self.keys, self.rows, self.versions, self.stamps
+        old_meta, old_rows = self.meta, self.rows
         self._allocate_rows(new_capacity)
-        self.keys[:n] = old_keys[:n]
+        self.meta[:n] = old_meta[:n]
         self.rows[:n] = old_rows[:n]
-        self.versions[:n] = old_versions[:n]
-        self.stamps[:n] = old_stamps[:n]
         index_size = _index_size(new_capacity)
         if index_size != self.index.shape[0]:
             self.index = np.empty(index_size, dtype=np.int32)
