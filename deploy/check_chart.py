@@ -174,6 +174,14 @@ def server_config(rendered: Rendered, pod_name: str) -> HPSConfig:
             return load_config(path)
 
 
+def _snapshots_path(cfg: HPSConfig) -> Path | None:
+    """Where the server writes RocksDB snapshots: server.snapshots_path, by default beside persistent.path."""
+    if cfg.persistent.type != "rocksdb":
+        return None
+    explicit = getattr(cfg.server, "snapshots_path", None)
+    return Path(explicit) if explicit else Path(cfg.persistent.path).parent / "snapshots"
+
+
 def _server_container(sts: dict[str, Any]) -> dict[str, Any]:
     containers = sts["spec"]["template"]["spec"]["containers"]
     return next(c for c in containers if c["name"] == "hps")
@@ -239,15 +247,19 @@ def check_consistency(rendered: Rendered, report: Report) -> None:
         report.add(f"terminationGracePeriodSeconds {grace} must exceed preStop sleep {sleep_s} "
                    f"+ server.grace_period_s {server.grace_period_s}")
 
-    if cfg.persistent.type == "rocksdb":
-        mount = next((m for m in container.get("volumeMounts", [])
-                      if Path(m["mountPath"]) == Path(cfg.persistent.path)), None)
-        claims = {t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])}
-        volumes = {v["name"] for v in pod_spec.get("volumes", [])}
-        if mount is None or mount.get("readOnly"):
-            report.add(f"no writable volume is mounted at persistent.path {cfg.persistent.path}")
+    writable = [m for m in container.get("volumeMounts", []) if not m.get("readOnly")]
+    claims = {t["metadata"]["name"] for t in sts["spec"].get("volumeClaimTemplates", [])}
+    volumes = {v["name"] for v in pod_spec.get("volumes", [])}
+    data_dirs = {"persistent.path": cfg.persistent.path if cfg.persistent.type == "rocksdb" else None,
+                 "server.snapshots_path": _snapshots_path(cfg)}
+    for key, path in data_dirs.items():
+        if path is None:
+            continue
+        mount = next((m for m in writable if Path(path).is_relative_to(m["mountPath"])), None)
+        if mount is None or not Path(path).is_absolute():
+            report.add(f"{key} {path} is on no writable volume (the root filesystem is read-only)")
         elif mount["name"] not in claims | volumes:
-            report.add(f"volume {mount['name']} at {cfg.persistent.path} is neither a claim template nor a volume")
+            report.add(f"volume {mount['name']} at {mount['mountPath']} is neither a claim template nor a volume")
 
     if not cfg.server.admin_token:
         report.add("the server gets no admin token")

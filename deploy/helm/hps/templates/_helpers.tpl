@@ -133,11 +133,21 @@ The consumer group and the secrets come from the environment (see the StatefulSe
 {{- end }}
 {{- end }}
 
-{{/* Where the per-pod volume is mounted: config.persistent.path, which must be absolute. */}}
+{{/*
+Where the per-pod data volume is mounted (persistence.mountPath). RocksDB (config.persistent.path) and
+RocksDB snapshots (config.server.snapshots_path, by default next to it) must live on it: the root
+filesystem is read-only.
+*/}}
 {{- define "hps.dataPath" -}}
+{{- $mount := .Values.persistence.mountPath | default "/var/lib/hps" | trimSuffix "/" }}
 {{- $path := .Values.config.persistent.path | default "/var/lib/hps/rocksdb" | toString }}
-{{- if not (isAbs $path) }}
-{{- fail (printf "config.persistent.path must be an absolute path for the volume mount, got %q" $path) }}
+{{- if not (hasPrefix (printf "%s/" $mount) $path) }}
+{{- fail (printf "config.persistent.path %q must be an absolute path inside persistence.mountPath %q" $path $mount) }}
 {{- end }}
-{{- $path }}
+{{- with .Values.config.server.snapshots_path }}
+{{- if not (hasPrefix (printf "%s/" $mount) (toString .)) }}
+{{- fail (printf "config.server.snapshots_path %q must be inside persistence.mountPath %q" (toString .) $mount) }}
+{{- end }}
+{{- end }}
+{{- $mount }}
 {{- end }}

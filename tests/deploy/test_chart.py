@@ -1,0 +1,225 @@
+"""The Helm chart, rendered by Helm's own Go engine (helm-python-sdk) and checked against Kubernetes schemas.
+
+Each scenario (defaults, every deploy/examples file) is linted strictly, rendered, validated against the
+Kubernetes schemas, and its server config loaded with the server's own model. The negative tests show that
+each check catches the mistake it exists for.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import helm_python
+import pytest
+import yaml
+
+from hps_service.config import HPSConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+check_chart = _load("check_chart", REPO / "deploy" / "check_chart.py")
+values_schema = _load("values_schema", REPO / "deploy" / "values_schema.py")
+GPU_EXAMPLE = REPO / "deploy" / "examples" / "values-gpu-redis-kafka.yaml"
+ALL_FEATURES = REPO / "deploy" / "examples" / "values-all-features.yaml"
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, object]:
+    """Each scenario rendered once for the module."""
+    return {name: check_chart.render(check_chart.load_values(path)) for name, path in check_chart.scenarios()}
+
+
+def test_scenarios_cover_defaults_and_examples() -> None:
+    names = [name for name, _ in check_chart.scenarios()]
+    assert names[0] == "defaults"
+    assert GPU_EXAMPLE.name in names and ALL_FEATURES.name in names
+
+
+@pytest.mark.parametrize("name,path", check_chart.scenarios(), ids=[n for n, _ in check_chart.scenarios()])
+def test_chart_lints_renders_and_validates(name: str, path: Path | None) -> None:
+    report = check_chart.check(name, path)
+    assert report.problems == []
+
+
+def test_every_template_renders_something_in_some_scenario(rendered: dict) -> None:
+    templates = {t.name for t in (REPO / "deploy/helm/hps/templates").glob("*.yaml")}
+    produced = {Path(s).name for r in rendered.values() for s in r.sources}
+    assert templates - produced == set()
+
+
+def test_defaults_install_self_contained(rendered: dict) -> None:
+    r = rendered["defaults"]
+    cfg = check_chart.server_config(r, "hps-0")
+    assert cfg.volatile.type == "hashmap" and cfg.updates.type == "disabled"
+    assert cfg.persistent.type == "rocksdb" and str(cfg.persistent.path) == "/var/lib/hps/rocksdb"
+    sts = r.one("StatefulSet")
+    claims = sts["spec"]["volumeClaimTemplates"]
+    assert [c["metadata"]["name"] for c in claims] == ["data"]
+    container = sts["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == "hps-service:0.1.0"
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert sts["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+    assert not r.find("HorizontalPodAutoscaler") and not r.find("ServiceMonitor") and not r.find("NetworkPolicy")
+    services = {s["metadata"]["name"]: s for s in r.find("Service")}
+    assert services["hps-headless"]["spec"]["clusterIP"] == "None"
+    assert sts["spec"]["serviceName"] == "hps-headless"
+    secret = r.one("Secret")
+    token = base64.b64decode(secret["data"]["admin-token"]).decode()
+    assert len(token) >= 32
+    assert cfg.server.admin_token is not None and cfg.server.admin_token.get_secret_value() == token
+
+
+def test_gpu_redis_kafka_example(rendered: dict) -> None:
+    r = rendered[GPU_EXAMPLE.name]
+    configs = [check_chart.server_config(r, f"hps-{i}") for i in range(3)]
+    cfg = configs[0]
+    assert cfg.cache.backend == "cupy" and cfg.cache.capacity == 0.25
+    assert cfg.volatile.type == "redis_cluster" and len(cfg.volatile.nodes) == 3
+    assert cfg.volatile.password is not None  # from the existing Secret named in the example
+    assert cfg.updates.type == "kafka" and cfg.updates.brokers.count(":9092") == 3
+    assert len({c.updates.group for c in configs}) == 3
+    assert all(c.updates.group.endswith(f"hps-{i}") for i, c in enumerate(configs))
+    assert [m.name for m in cfg.models] == ["dlrm"]
+    sts = r.one("StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["image"].endswith(":0.1.0-cuda")
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert "replicas" not in sts["spec"]  # the HPA owns the replica count
+    hpa = r.one("HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 12)
+    monitor = r.one("ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert pod["terminationGracePeriodSeconds"] > 10 + cfg.server.grace_period_s
+
+
+def test_all_features_example(rendered: dict) -> None:
+    r = rendered[ALL_FEATURES.name]
+    sts = r.one("StatefulSet")
+    pod = sts["spec"]["template"]["spec"]
+    assert "volumeClaimTemplates" not in sts["spec"]
+    assert {"name": "data", "emptyDir": {}} in pod["volumes"]
+    init = pod["initContainers"][0]
+    assert "hps import --config /etc/hps/config.yaml" in init["args"][0] and "--if-empty" in init["args"][0]
+    assert not r.find("Secret")  # the admin token comes from the existing Secret
+    token_ref = next(e for e in pod["containers"][0]["env"] if e["name"] == "HPS_SERVER__ADMIN_TOKEN")
+    assert token_ref["valueFrom"]["secretKeyRef"] == {"name": "hps-admin-token", "key": "token"}
+    policy = r.one("NetworkPolicy")
+    egress_ports = {p["port"] for rule in policy["spec"]["egress"] for p in rule["ports"]}
+    assert egress_ports == {53, 7000, 7001, 9092, 9093}
+    assert r.one("PodDisruptionBudget")["spec"] == {
+        "minAvailable": 1, "selector": r.one("PodDisruptionBudget")["spec"]["selector"]}
+    cfg = check_chart.server_config(r, "hps-full-0")
+    assert cfg.cache.refresh_interval_s == 60.0  # extraEnv reaches the server
+    assert cfg.updates.group == "hps-full.hps-full-0"
+
+
+def test_config_map_is_a_valid_server_config_file(rendered: dict) -> None:
+    for r in rendered.values():
+        data = yaml.safe_load(r.one("ConfigMap")["data"]["config.yaml"])
+        HPSConfig(**data)  # valid on its own, before any environment override
+
+
+def test_values_schema_matches_the_config_model() -> None:
+    current = json.loads(values_schema.SCHEMA_PATH.read_text())
+    assert values_schema.is_current(current), (
+        "values.schema.json is stale: run `python deploy/values_schema.py --write`")
+
+
+@pytest.mark.parametrize("values,complaint", [
+    ({"config": {"server": {"grpc_prot": 9000}}}, "grpc_prot"),
+    ({"config": {"cache": {"policy": "fifo"}}}, "policy"),
+    ({"config": {"server": {"grpc_port": 70000}}}, "grpc_port"),
+    ({"kafka": {"enabled": True}}, "brokers"),
+    ({"redisCluster": {"enabled": True, "nodes": ["no-port"]}}, "nodes"),
+    ({"replicas": 3}, "replicas"),
+])
+def test_schema_rejects_bad_values(values: dict, complaint: str) -> None:
+    with pytest.raises(helm_python.HelmError) as exc:
+        check_chart.render(values)
+    assert complaint in str(exc.value)
+
+
+@pytest.mark.parametrize("path", ["./var/rocksdb", "/opt/rocksdb", "/var/lib/hpsx/rocksdb"])
+def test_rocksdb_path_off_the_volume_fails_the_render(path: str) -> None:
+    with pytest.raises(helm_python.HelmError, match="inside persistence.mountPath"):
+        check_chart.render({"config": {"persistent": {"path": path}}})
+
+
+def test_ports_follow_the_config(rendered: dict) -> None:
+    r = check_chart.render({"config": {"server": {"grpc_port": 9500, "http_port": 9000}}})
+    report = check_chart.Report("ports")
+    check_chart.check_consistency(r, report)
+    assert report.problems == []
+    container = r.one("StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["grpc"]["port"] == 9500
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": 9500, "http": 9000}
+
+
+def _mutated(r: object, mutate) -> object:
+    clone = copy.deepcopy(r)
+    mutate(clone)
+    return clone
+
+
+def _container(r: object) -> dict:
+    return r.one("StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("mutation,complaint", [
+    (lambda r: _container(r)["readinessProbe"]["grpc"].update(port=9999), "readiness probe"),
+    (lambda r: _container(r)["livenessProbe"]["httpGet"].update(path="/"), "livenessProbe"),
+    (lambda r: _container(r)["ports"][0].update(containerPort=1234), "container port grpc"),
+    (lambda r: r.one("StatefulSet")["spec"]["template"]["spec"].update(terminationGracePeriodSeconds=30),
+     "terminationGracePeriodSeconds"),
+    (lambda r: [e.update(value="fixed-group") for e in _container(r)["env"] if e["name"] == "HPS_UPDATES__GROUP"],
+     "consumer group"),
+    (lambda r: _container(r)["volumeMounts"].pop(1), "persistent.path"),
+    (lambda r: r.one("ConfigMap")["data"].update(
+        {"config.yaml": "server: {host: 0.0.0.0}\npersistent: {path: /opt/rocksdb}\n"}), "persistent.path"),
+    (lambda r: r.one("ConfigMap")["data"].update({"config.yaml": "server: {host: 127.0.0.1}\n"}), "server.host"),
+    (lambda r: r.one("ConfigMap")["data"].update({"config.yaml": "cache: {ways: 0}\n"}), "cache.ways"),
+])
+def test_consistency_check_catches_mistakes(rendered: dict, mutation, complaint: str) -> None:
+    broken = _mutated(rendered[GPU_EXAMPLE.name], mutation)
+    report = check_chart.Report("broken")
+    check_chart.check_consistency(broken, report)
+    assert any(complaint in p for p in report.problems), report.problems
+
+
+def test_kubernetes_schema_validation_catches_mistakes(rendered: dict) -> None:
+    def typo(r: object) -> None:
+        _container(r)["livenessProbe"]["httpGett"] = _container(r)["livenessProbe"].pop("httpGet")
+
+    def bad_type(r: object) -> None:
+        r.one("StatefulSet")["spec"]["replicas"] = "three"
+
+    for mutation, where in ((typo, "livenessProbe"), (bad_type, "replicas")):
+        report = check_chart.Report("broken")
+        check_chart.validate_schemas(_mutated(rendered["defaults"], mutation), report)
+        assert report.problems and all(where in p for p in report.problems), report.problems
+
+
+def test_notes_tell_how_to_reach_the_service(rendered: dict) -> None:
+    notes = rendered["defaults"].notes
+    assert "hps.ml.svc:8500" in notes and "port-forward svc/hps" in notes and "/metrics" in notes
+    assert "scale statefulset/hps" in notes
