@@ -102,11 +102,14 @@ def _parse_node(node: str) -> ClusterNode:
 
 
 def _as_keys(keys: np.ndarray) -> np.ndarray:
+    """Validated 1-D int64 keys."""
     arr = np.asarray(keys)
     if arr.ndim != 1:
         raise InvalidArgumentError(f"keys must be 1-D, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise InvalidArgumentError(f"keys must be integers, got dtype {arr.dtype}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        raise InvalidArgumentError("keys must fit in int64")
     return arr.astype(np.int64, copy=False)
 
 
