@@ -234,7 +234,10 @@ class RocksDBTier(Tier):
         keys = self._keys(keys)
         n = keys.size
         vectors = self._vectors(vectors, n, dim, table)
-        offered = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,))
+        offered = np.asarray(versions, dtype=np.int64)
+        if offered.shape not in ((), (n,)):
+            raise InvalidArgumentError(f"versions for {table} must have shape ({n},), got {offered.shape}")
+        offered = np.broadcast_to(offered, (n,))
         if n == 0:
             return np.zeros(0, dtype=bool)
         encoded = encode_keys(keys)
