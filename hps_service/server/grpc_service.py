@@ -20,10 +20,17 @@ from hps_service.errors import (
 from hps_service.lookup import LookupEngine
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_service.server.metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
 
+
+class DeadlineExceededError(HPSError):
+    """The caller's deadline passed before the server began the work (gRPC DEADLINE_EXCEEDED)."""
+
+
 _STATUS = {
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -37,6 +44,13 @@ def status_for(err: HPSError) -> grpc.StatusCode:
         if isinstance(err, cls):
             return code
     return grpc.StatusCode.FAILED_PRECONDITION
+
+
+def check_deadline(context: grpc.ServicerContext) -> None:
+    """Refuse work whose deadline has already passed (it would be thrown away by the caller)."""
+    remaining = context.time_remaining()
+    if remaining is not None and remaining <= 0:
+        raise DeadlineExceededError(f"the deadline passed {-remaining * 1000:.1f} ms before the lookup began")
 
 
 class ServingGate:
@@ -70,10 +84,13 @@ def _model_info(engine: LookupEngine, name: str) -> pb.ModelInfo:
 class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
     """The hps.v1.EmbeddingService implementation."""
 
-    def __init__(self, engine: LookupEngine, limits: ServerConfig, gate: ServingGate) -> None:
+    def __init__(
+        self, engine: LookupEngine, limits: ServerConfig, gate: ServingGate, metrics: ServerMetrics | None = None
+    ) -> None:
         self.engine = engine
         self.limits = limits
         self.gate = gate
+        self.metrics = metrics if metrics is not None else ServerMetrics(engine)
 
     def lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         """Answer one LookupRequest (raises domain errors)."""
@@ -98,6 +115,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             raise ResourceExhaustedError(
                 f"{total} keys in one request exceeds server.max_batch_keys={self.limits.max_batch_keys}"
             )
+        self.metrics.keys.observe(total)
         answers = []
         for tk in request.tables:
             keys = np.frombuffer(tk.keys, dtype="<i8")
@@ -119,21 +137,25 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         log.exception("unexpected error serving a lookup")
         context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
 
+    def _serve_one(self, method: str, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        """Check the deadline, answer, count and time the request; errors become status codes."""
+        with self.metrics.observe(method) as status:
+            try:
+                check_deadline(context)
+                return self.lookup(request)
+            except Exception as err:  # translated to a status code, never a stack trace to the caller
+                status[0] = status_for(err).name if isinstance(err, HPSError) else grpc.StatusCode.INTERNAL.name
+                self._abort(context, err)
+                raise  # unreachable: abort raises
+
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:  # noqa: N802
-        try:
-            return self.lookup(request)
-        except Exception as err:  # translated to a status code, never a stack trace to the caller
-            self._abort(context, err)
-            raise  # unreachable: abort raises
+        return self._serve_one("Lookup", request, context)
 
     def StreamLookup(  # noqa: N802
         self, request_iterator: Iterator[pb.LookupRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.LookupResponse]:
-        try:
-            for request in request_iterator:
-                yield self.lookup(request)
-        except Exception as err:
-            self._abort(context, err)
+        for request in request_iterator:
+            yield self._serve_one("StreamLookup", request, context)
 
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:  # noqa: N802
         return pb.ListModelsResponse(models=[_model_info(self.engine, m.name) for m in self.engine.models()])

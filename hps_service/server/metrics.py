@@ -1,0 +1,129 @@
+"""Prometheus metrics of one server: request counters and latency histograms, plus a collector over engine stats.
+
+Request metrics live in a per-server CollectorRegistry (so several servers in one process stay apart). Tier and
+cache figures are not counted twice: a custom collector reads ``LookupEngine.table_stats`` at scrape time, the one
+source of truth that ``/v1/stats`` also shows. ``/metrics`` serves this registry followed by the default registry,
+which holds the process metrics and the update consumer's series.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hps_service.lookup import LEVELS, LookupEngine
+
+log = logging.getLogger(__name__)
+
+#: Latency buckets (seconds): 100 us to 5 s, dense around the sub-millisecond to tens-of-milliseconds range.
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.005, 0.0075, 0.01,
+    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)
+#: Keys per request: powers of two up to the largest sensible batch.
+KEYS_BUCKETS = tuple(float(2**i) for i in range(0, 18))
+
+
+class EngineCollector(Collector):
+    """Per table and tier hits, misses, rows, capacity and evictions, read from the engine at scrape time."""
+
+    def __init__(self, engine: LookupEngine) -> None:
+        self.engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []  # series depend on the models loaded at scrape time
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["model", "table", "tier"]
+        hits = CounterMetricFamily("hps_tier_hits", "Keys answered by a tier, per table", labels=labels)
+        misses = CounterMetricFamily("hps_tier_misses", "Keys a tier was asked for and did not hold", labels=labels)
+        rows = GaugeMetricFamily("hps_tier_rows", "Rows held by a tier for a table", labels=labels)
+        evictions = CounterMetricFamily("hps_tier_evictions", "Rows evicted by a bounded tier", labels=labels)
+        defaults = CounterMetricFamily(
+            "hps_default_vectors", "Keys answered with the table default (stored nowhere)", labels=["model", "table"]
+        )
+        cache_rows = GaugeMetricFamily("hps_cache_rows", "Rows in the L1 embedding cache", labels=["model", "table"])
+        cache_capacity = GaugeMetricFamily(
+            "hps_cache_capacity_rows", "Capacity of the L1 embedding cache in rows", labels=["model", "table"]
+        )
+        cache_evictions = CounterMetricFamily(
+            "hps_cache_evictions", "Rows evicted from the L1 embedding cache", labels=["model", "table"]
+        )
+        queue = GaugeMetricFamily(
+            "hps_cache_promotion_queue_depth", "Rows waiting for deferred insertion into L1", labels=["model", "table"]
+        )
+        for model in self.engine.models():
+            for tc in model.tables:
+                try:
+                    stats = self.engine.table_stats(model.name, tc.name)
+                except Exception:  # a model unloaded during the scrape, or a tier failing its stats call
+                    log.debug("stats of %s.%s unavailable for /metrics", model.name, tc.name, exc_info=True)
+                    continue
+                for level in LEVELS:
+                    entry = stats[level]
+                    if not entry.get("enabled", True):
+                        continue
+                    lv = [model.name, tc.name, level]
+                    hits.add_metric(lv, float(entry["hits"] or 0))
+                    misses.add_metric(lv, float(entry["misses"] or 0))
+                    rows.add_metric(lv, float(entry["rows"] or 0))
+                    evictions.add_metric(lv, float(entry["evictions"] or 0))
+                mt = [model.name, tc.name]
+                defaults.add_metric(mt, float(stats["default"]["hits"] or 0))
+                cache = stats["cache"]
+                if cache.get("enabled"):
+                    cache_rows.add_metric(mt, float(cache["rows"] or 0))
+                    cache_capacity.add_metric(mt, float(cache["capacity"] or 0))
+                    cache_evictions.add_metric(mt, float(cache["evictions"] or 0))
+                    depth = cache.get("queued_offers")
+                    if depth is not None:
+                        queue.add_metric(mt, float(depth))
+        yield from (hits, misses, rows, evictions, defaults, cache_rows, cache_capacity, cache_evictions, queue)
+
+
+class ServerMetrics:
+    """The request metrics of one server and the registry that exposes them with the engine's figures."""
+
+    def __init__(self, engine: LookupEngine) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "hps_lookup_requests", "Lookup requests by method and final status", ["method", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "hps_lookup_latency_seconds", "Server-side lookup latency by method", ["method"],
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.keys = Histogram(
+            "hps_lookup_keys", "Keys per lookup request (all tables)", buckets=KEYS_BUCKETS, registry=self.registry
+        )
+        self.in_flight = Gauge("hps_lookup_in_flight", "Lookup requests being served", registry=self.registry)
+        self.registry.register(EngineCollector(engine))
+
+    @contextmanager
+    def observe(self, method: str) -> Iterator[list[str]]:
+        """Time one request; the body sets ``status[0]`` to the gRPC status name (OK unless it says otherwise)."""
+        status = ["OK"]
+        start = time.perf_counter()
+        self.in_flight.inc()
+        try:
+            yield status
+        except BaseException:
+            if status[0] == "OK":
+                status[0] = grpc.StatusCode.UNKNOWN.name
+            raise
+        finally:
+            self.in_flight.dec()
+            self.latency.labels(method).observe(time.perf_counter() - start)
+            self.requests.labels(method, status[0]).inc()
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition: this server's registry, then the process-wide default registry."""
+        return generate_latest(self.registry) + generate_latest(REGISTRY)

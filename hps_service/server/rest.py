@@ -1,0 +1,356 @@
+"""The REST admin API (FastAPI): health, readiness, metrics, models, rows, import jobs, snapshots, stats, cache.
+
+Only protocol translation lives here: every endpoint calls the engine, the job runner or the snapshot store.
+Endpoints are plain ``def`` functions, so FastAPI runs them in its thread pool and a lookup never blocks the event
+loop. Mutating endpoints need ``Authorization: Bearer <server.admin_token>``. Errors are ``{"error": message}``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import numpy as np
+from fastapi import Depends, FastAPI, Query, Request, Response, status
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
+
+from hps_service.config import HPSConfig, ModelConfig
+from hps_service.errors import (
+    HPSError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from hps_service.lookup import LEVELS, LookupEngine, Source
+from hps_service.server.grpc_service import ServingGate, status_for
+from hps_service.server.jobs import JobRunner, import_job, persistent_rocksdb
+from hps_service.server.metrics import ServerMetrics
+from hps_service.server.snapshots import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+#: A readiness check: None when ready, else a short reason naming what is not.
+ReadinessCheck = Callable[[], "str | None"]
+
+_HTTP_STATUS: dict[type[HPSError], int] = {
+    InvalidArgumentError: status.HTTP_400_BAD_REQUEST,
+    NotFoundError: status.HTTP_404_NOT_FOUND,
+    ResourceExhaustedError: 413,
+    UnavailableError: status.HTTP_503_SERVICE_UNAVAILABLE,
+}
+_SOURCE_NAMES = np.array(["unspecified", "cache", "volatile", "persistent", "default"])
+
+
+def http_status_for(err: HPSError) -> int:
+    """The HTTP status of a domain error."""
+    for cls, code in _HTTP_STATUS.items():
+        if isinstance(err, cls):
+            return code
+    return status.HTTP_400_BAD_REQUEST
+
+
+@dataclass
+class AdminContext:
+    """What the admin API works on; owned by HPSServer."""
+
+    engine: LookupEngine
+    config: HPSConfig
+    metrics: ServerMetrics
+    gate: ServingGate
+    jobs: JobRunner
+    snapshots: SnapshotStore
+    #: Extra readiness checks (the update consumer adds one: ready once it holds its partitions).
+    readiness: list[ReadinessCheck] = field(default_factory=list)
+    #: Extra sections of /v1/stats, e.g. ``{"updates": consumer.stats}``.
+    stats_sections: dict[str, Callable[[], dict]] = field(default_factory=dict)
+    #: Called after a model is registered or unloaded (keeps gRPC health in sync).
+    on_models_changed: Callable[[], None] = lambda: None
+
+
+# ---- request bodies ------------------------------------------------------------------------------------
+class RowsPut(BaseModel):
+    """Rows to upsert: ``vectors[i]`` is the row of ``keys[i]``; a stored row with a newer version is kept."""
+
+    keys: list[Int64]
+    vectors: list[list[float]]
+    version: Int64 = 0
+
+
+class KeysBody(BaseModel):
+    keys: list[Int64]
+
+
+class ImportRequest(BaseModel):
+    path: str = Field(description="server-side HugeCTR sparse model directory or .npz with keys/vectors")
+    version: Int64 = 0
+
+
+def _error(code: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=code, headers=headers)
+
+
+def parse_keys(text: str) -> np.ndarray:
+    """``"1,2,3"`` as an int64 array; InvalidArgumentError naming the bad entry."""
+    parts = [p.strip() for p in text.split(",")] if text.strip() else []
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        bad = next(p for p in parts if not p.lstrip("-").isdigit())
+        raise InvalidArgumentError(f"keys must be comma-separated integers, got {bad!r}") from None
+    try:
+        return np.array(values, dtype=np.int64)
+    except OverflowError:
+        raise InvalidArgumentError("keys must fit in int64") from None
+
+
+def rows_array(vectors: list[list[float]], n: int) -> np.ndarray:
+    """JSON rows as a float32 (n, dim) array; ragged rows are an InvalidArgumentError."""
+    if n == 0 and not vectors:
+        return np.zeros((0, 0), dtype=np.float32)
+    try:
+        with np.errstate(over="ignore"):  # out-of-range values become inf and are rejected by the engine
+            return np.asarray(vectors, dtype=np.float32)
+    except ValueError:
+        raise InvalidArgumentError("vectors must be a list of rows of equal length") from None
+
+
+def describe_model(engine: LookupEngine, name: str) -> dict[str, Any]:
+    """Tables, dims, defaults and rows per tier of a loaded model."""
+    mc = engine.model(name)
+    tables = []
+    for tc in mc.tables:
+        stats = engine.table_stats(name, tc.name)
+        rows = {level: (int(stats[level]["rows"] or 0) if stats[level].get("enabled") else None) for level in LEVELS}
+        tables.append({"name": tc.name, "dim": tc.dim, "default": tc.model_dump()["default"], "ttl_s": tc.ttl_s,
+                       "rows": rows})
+    return {"name": mc.name, "tables": tables}
+
+
+def create_app(ctx: AdminContext) -> FastAPI:
+    """The admin FastAPI application over ``ctx``."""
+    engine = ctx.engine
+    app = FastAPI(
+        title="hps-service admin API",
+        version="1",
+        description="Models, rows, import, snapshots, stats and cache control of one hps-service process. "
+        "Mutating endpoints need `Authorization: Bearer <admin token>`.",
+    )
+    bearer = HTTPBearer(auto_error=False, description="server.admin_token (or HPS_ADMIN_TOKEN)")
+
+    def require_admin(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        token = ctx.config.server.admin_token
+        if token is None:
+            raise HTTPException(403, "the admin API is disabled: set server.admin_token or HPS_ADMIN_TOKEN")
+        if credentials is None:
+            raise HTTPException(401, "missing 'Authorization: Bearer <admin token>'", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(credentials.credentials.encode(), token.get_secret_value().encode()):
+            raise HTTPException(403, "invalid admin token")
+
+    admin = [Depends(require_admin)]
+
+    # ---- errors -----------------------------------------------------------------------------------
+    @app.exception_handler(HPSError)
+    def _domain_error(_request: Request, exc: HPSError) -> JSONResponse:
+        return _error(http_status_for(exc), str(exc))
+
+    @app.exception_handler(HTTPException)
+    def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""), "type": e.get("type", "")}
+                  for e in exc.errors()]
+        summary = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors[:5])
+        return _error(422, f"invalid request: {summary}", detail=errors)
+
+    @app.exception_handler(Exception)
+    def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.error("unexpected error in the admin API", exc_info=exc)
+        return _error(500, "internal error; see the server log")
+
+    # ---- health -----------------------------------------------------------------------------------
+    @app.get("/healthz", tags=["health"], summary="Liveness: the process answers")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], summary="Readiness: tiers reachable, models loaded, hooks ready",
+             responses={503: {"description": "not ready; `not_ready` names what"}})
+    def readyz() -> JSONResponse:
+        not_ready = []
+        if not ctx.gate.is_open:
+            not_ready.append(ctx.gate.reason)
+        not_ready += [f"{tier} tier is unreachable" for tier, ok in engine.healthy().items() if not ok]
+        if not engine.models():
+            not_ready.append("no model is loaded")
+        for check in ctx.readiness:
+            reason = check()
+            if reason:
+                not_ready.append(reason)
+        if not_ready:
+            return _error(503, "not ready: " + "; ".join(not_ready), ready=False, not_ready=not_ready)
+        return JSONResponse({"ready": True, "models": [m.name for m in engine.models()]})
+
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)
+    def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---- models -----------------------------------------------------------------------------------
+    @app.get("/v1/models", tags=["models"], summary="Loaded models")
+    def list_models() -> dict[str, Any]:
+        return {"models": [describe_model(engine, m.name) for m in engine.models()]}
+
+    @app.post("/v1/models", tags=["models"], status_code=201, dependencies=admin,
+              summary="Register a model and its tables at runtime")
+    def register_model(model: ModelConfig, replace: bool = False) -> dict[str, Any]:
+        if not replace and any(m.name == model.name for m in engine.models()):
+            raise HTTPException(409, f"model '{model.name}' is already loaded (pass replace=true to replace it)")
+        engine.register_model(model)
+        ctx.on_models_changed()
+        return describe_model(engine, model.name)
+
+    @app.get("/v1/models/{model}", tags=["models"], summary="Describe a model: tables, dims, rows per tier")
+    def get_model(model: str) -> dict[str, Any]:
+        return describe_model(engine, model)
+
+    @app.delete("/v1/models/{model}", tags=["models"], dependencies=admin,
+                summary="Unload a model (its rows stay stored)")
+    def unload_model(model: str) -> dict[str, str]:
+        engine.unregister_model(model)
+        ctx.on_models_changed()
+        return {"unloaded": model}
+
+    # ---- rows -------------------------------------------------------------------------------------
+    rows_path = "/v1/models/{model}/tables/{table}/embeddings"
+
+    @app.get(rows_path, tags=["rows"], summary="Rows of keys, and which level answered each")
+    def get_rows(model: str, table: str,
+                 keys: str = Query(..., description="comma-separated int64 keys", examples=["1,2,3"])) -> dict[str, Any]:
+        with ctx.metrics.observe("RestGetEmbeddings") as outcome:
+            try:
+                arr = parse_keys(keys)
+                result = engine.lookup(model, table, arr)
+            except HPSError as err:
+                outcome[0] = status_for(err).name
+                raise
+            ctx.metrics.keys.observe(arr.shape[0])
+        return {
+            "model": model,
+            "table": table,
+            "dim": int(result.vectors.shape[1]),
+            "keys": arr.tolist(),
+            "vectors": result.vectors.tolist(),
+            "sources": _SOURCE_NAMES[result.sources].tolist(),
+        }
+
+    @app.put(rows_path, tags=["rows"], dependencies=admin, summary="Upsert rows (dim checked, NaN/inf rejected)")
+    def put_rows(model: str, table: str, body: RowsPut) -> dict[str, int]:
+        n = len(body.keys)
+        if n > ctx.config.server.max_batch_keys:
+            raise ResourceExhaustedError(f"{n} rows exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
+        t = engine.table(model, table)
+        vectors = rows_array(body.vectors, n)
+        if n == 0 and vectors.size == 0:
+            return {"written": 0}
+        if vectors.ndim != 2 or vectors.shape[1] != t.dim:
+            width = vectors.shape[1] if vectors.ndim == 2 else "?"
+            raise InvalidArgumentError(f"table '{table}' has dim {t.dim}; rows have {width} values")
+        written = engine.apply_updates(model, table, np.array(body.keys, dtype=np.int64), vectors, body.version)
+        return {"written": written}
+
+    @app.delete(rows_path, tags=["rows"], dependencies=admin, summary="Delete rows from every tier")
+    def delete_rows(model: str, table: str, body: KeysBody) -> dict[str, int]:
+        if len(body.keys) > ctx.config.server.max_batch_keys:
+            raise ResourceExhaustedError(
+                f"{len(body.keys)} keys exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
+        return {"deleted": engine.apply_deletes(model, table, np.array(body.keys, dtype=np.int64))}
+
+    # ---- import jobs ------------------------------------------------------------------------------
+    @app.post("/v1/models/{model}/tables/{table}/import", tags=["jobs"], status_code=202, dependencies=admin,
+              summary="Import a table from a server-side path as a background job")
+    def import_rows(model: str, table: str, body: ImportRequest) -> dict[str, Any]:
+        engine.table(model, table)
+        persistent_rocksdb(engine, "import")
+        path = Path(body.path)
+        if not path.exists():
+            raise InvalidArgumentError(f"model source {path} does not exist on the server")
+        job = ctx.jobs.submit("import", {"model": model, "table": table, "path": str(path)},
+                              import_job(engine, model, table, path, body.version))
+        return job.view()
+
+    @app.get("/v1/jobs", tags=["jobs"], summary="Known jobs, oldest first")
+    def list_jobs() -> dict[str, Any]:
+        return {"jobs": [j.view() for j in ctx.jobs.list()]}
+
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"], summary="State and progress of a job")
+    def get_job(job_id: str) -> dict[str, Any]:
+        return ctx.jobs.get(job_id).view()
+
+    # ---- snapshots --------------------------------------------------------------------------------
+    @app.post("/v1/models/{model}/snapshots", tags=["snapshots"], status_code=201, dependencies=admin,
+              summary="Checkpoint the persistent store for this model")
+    def create_snapshot(model: str) -> dict[str, Any]:
+        return ctx.snapshots.create(model)
+
+    @app.get("/v1/models/{model}/snapshots", tags=["snapshots"], summary="Snapshots of a model")
+    def list_snapshots(model: str) -> dict[str, Any]:
+        engine.model(model)
+        return {"snapshots": ctx.snapshots.list(model)}
+
+    @app.get("/v1/models/{model}/snapshots/{snapshot_id}", tags=["snapshots"], summary="One snapshot")
+    def get_snapshot(model: str, snapshot_id: str) -> dict[str, Any]:
+        return ctx.snapshots.get(model, snapshot_id)
+
+    @app.delete("/v1/models/{model}/snapshots/{snapshot_id}", tags=["snapshots"], dependencies=admin,
+                summary="Delete a snapshot")
+    def delete_snapshot(model: str, snapshot_id: str) -> dict[str, str]:
+        ctx.snapshots.delete(model, snapshot_id)
+        return {"deleted": snapshot_id}
+
+    @app.post("/v1/models/{model}/snapshots/{snapshot_id}/restore", tags=["snapshots"], status_code=202,
+              dependencies=admin, summary="Restore a model's tables from a snapshot (background job)")
+    def restore_snapshot(model: str, snapshot_id: str) -> dict[str, Any]:
+        ctx.snapshots.check_restorable(model, snapshot_id)
+        job = ctx.jobs.submit("restore", {"model": model, "snapshot": snapshot_id},
+                              lambda j: ctx.snapshots.restore(model, snapshot_id, j))
+        return job.view()
+
+    # ---- stats and cache --------------------------------------------------------------------------
+    @app.get("/v1/stats", tags=["stats"], summary="Per model, table and tier: hits, misses, rows, evictions")
+    def stats() -> dict[str, Any]:
+        out = engine.stats()
+        out["updates"] = {"enabled": False}
+        for name, section in ctx.stats_sections.items():
+            out[name] = section()
+        return out
+
+    @app.get("/v1/cache", tags=["cache"], summary="L1 cache stats of every table")
+    def cache_stats() -> dict[str, Any]:
+        return {"models": {m.name: {"tables": {t.name: engine.table_stats(m.name, t.name)["cache"] for t in m.tables}}
+                           for m in engine.models()}}
+
+    @app.get("/v1/cache/{model}/{table}", tags=["cache"], summary="L1 cache stats of one table")
+    def table_cache_stats(model: str, table: str) -> dict[str, Any]:
+        return engine.table_stats(model, table)["cache"]
+
+    @app.post("/v1/cache/{model}/{table}/clear", tags=["cache"], dependencies=admin,
+              summary="Drop every row of a table's L1 cache")
+    def clear_cache(model: str, table: str) -> dict[str, Any]:
+        t = engine.table(model, table)
+        if t.cache is None:
+            return {"cleared": False, "enabled": False}
+        t.cache.clear()
+        return {"cleared": True, "enabled": True}
+
+    return app

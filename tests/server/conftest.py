@@ -1,0 +1,76 @@
+"""In-process HPSServer instances on free ports (gRPC + REST), stopped after their tests."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from hps_service.config import HPSConfig, load_config
+from hps_service.server.app import HPSServer
+from tests.helpers import free_port
+
+TOKEN = "test-admin-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ITEM_DIM, USER_DIM = 8, 4
+
+
+def server_config(tmp: Path, token: str | None = TOKEN, **server: Any) -> HPSConfig:
+    """Two tables (item: zeros default, user: constant 0.5), embedded tiers under ``tmp``."""
+    return load_config(
+        None,
+        server={"host": "127.0.0.1", "grpc_port": free_port(), "http_port": 0, "admin_token": token,
+                "grpc_workers": 4, "max_batch_keys": 4096, **server},
+        cache={"capacity": 4096},
+        volatile={"type": "hashmap", "capacity_rows": 100_000},
+        persistent={"type": "rocksdb", "path": str(tmp / "rocksdb"), "block_cache_mb": 8},
+        models=[{"name": "demo", "tables": [{"name": "item", "dim": ITEM_DIM},
+                                             {"name": "user", "dim": USER_DIM, "default": {"constant": 0.5}}]}],
+    )
+
+
+@contextmanager
+def running(config: HPSConfig) -> Iterator[HPSServer]:
+    """Start an HPSServer; stop it (and close its tiers) on exit."""
+    srv = HPSServer(config)
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop(grace=1)
+
+
+def target(srv: HPSServer) -> str:
+    return f"127.0.0.1:{srv.grpc_port}"
+
+
+def base_url(srv: HPSServer) -> str:
+    return f"http://127.0.0.1:{srv.http_port}"
+
+
+def wait_job(http: httpx.Client, job_id: str, timeout: float = 60.0) -> dict:
+    """Poll GET /v1/jobs/{id} until the job has finished; returns its final view."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        view = http.get(f"/v1/jobs/{job_id}").json()
+        if view["state"] in ("succeeded", "failed"):
+            return view
+        time.sleep(0.05)
+    raise TimeoutError(f"job {job_id} did not finish within {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HPSServer]:
+    with running(server_config(tmp_path_factory.mktemp("srv"))) as srv:
+        yield srv
+
+
+@pytest.fixture
+def http(server: HPSServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url(server), timeout=30) as client:
+        yield client

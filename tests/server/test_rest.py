@@ -1,0 +1,283 @@
+"""The REST admin API through httpx against a real in-process server (gRPC and HTTP on free ports)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from hps_service.client import HPSClient
+from hps_service.importer import synthesize_model, write_hugectr_dir
+from hps_service.server.app import HPSServer
+from tests.helpers import ServerProcess, free_port, write_config
+from tests.server.conftest import AUTH, ITEM_DIM, TOKEN, USER_DIM, base_url, running, server_config, target, wait_job
+
+ROWS = "/v1/models/demo/tables/{table}/embeddings"
+
+
+def _put(http: httpx.Client, table: str, keys: list[int], vectors: np.ndarray, version: int = 0) -> httpx.Response:
+    return http.put(ROWS.format(table=table), json={"keys": keys, "vectors": vectors.tolist(), "version": version},
+                    headers=AUTH)
+
+
+def _get(http: httpx.Client, table: str, keys: list[int]) -> dict:
+    r = http.get(ROWS.format(table=table), params={"keys": ",".join(map(str, keys))})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_health_ready_docs_and_openapi(http: httpx.Client) -> None:
+    assert http.get("/healthz").json() == {"status": "ok"}
+    ready = http.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["models"] == ["demo"]
+    assert "swagger" in http.get("/docs").text.lower()
+    paths = http.get("/openapi.json").json()["paths"]
+    for p in ("/v1/models", "/v1/models/{model}", "/v1/models/{model}/tables/{table}/embeddings", "/v1/stats",
+              "/v1/models/{model}/snapshots", "/v1/jobs/{job_id}", "/metrics", "/readyz"):
+        assert p in paths
+
+
+def test_readiness_hooks_and_gate(server: HPSServer, http: httpx.Client) -> None:
+    def not_assigned() -> str:
+        return "update consumer has no partitions yet"
+
+    server.readiness.append(not_assigned)
+    try:
+        r = http.get("/readyz")
+        assert r.status_code == 503
+        assert r.json()["not_ready"] == ["update consumer has no partitions yet"]
+        assert "not ready" in r.json()["error"]
+    finally:
+        server.readiness.remove(not_assigned)
+    assert http.get("/readyz").status_code == 200
+
+
+def _mutating_operations(http: httpx.Client) -> list[tuple[str, str]]:
+    spec = http.get("/openapi.json").json()
+    fill = {"{model}": "demo", "{table}": "item", "{snapshot_id}": "none", "{job_id}": "none"}
+    ops = []
+    for path, methods in spec["paths"].items():
+        for method in methods:
+            if method in ("post", "put", "delete"):
+                for k, v in fill.items():
+                    path = path.replace(k, v)
+                ops.append((method.upper(), path))
+    return ops
+
+
+def test_every_mutating_endpoint_needs_the_token(http: httpx.Client) -> None:
+    ops = _mutating_operations(http)
+    assert len(ops) >= 9
+    for method, path in ops:
+        missing = http.request(method, path, json={})
+        assert missing.status_code == 401, (method, path, missing.text)
+        assert missing.headers["www-authenticate"] == "Bearer"
+        assert "Authorization" in missing.json()["error"]
+        wrong = http.request(method, path, json={}, headers={"Authorization": "Bearer not-the-token"})
+        assert wrong.status_code == 403, (method, path, wrong.text)
+        assert wrong.json() == {"error": "invalid admin token"}
+        basic = http.request(method, path, json={}, headers={"Authorization": f"Basic {TOKEN}"})
+        assert basic.status_code == 401
+    ok = _put(http, "item", [900_001], np.ones((1, ITEM_DIM), np.float32))
+    assert ok.status_code == 200 and ok.json() == {"written": 1}
+
+
+def test_admin_disabled_without_a_token(tmp_path: Path) -> None:
+    with running(server_config(tmp_path, token=None)) as srv, httpx.Client(base_url=base_url(srv)) as http:
+        for method, path in _mutating_operations(http):
+            r = http.request(method, path, json={}, headers=AUTH)
+            assert r.status_code == 403 and "disabled" in r.json()["error"], (method, path)
+        assert http.get("/v1/models/demo").status_code == 200
+
+
+def test_put_get_delete_round_trip_with_versions(http: httpx.Client) -> None:
+    keys = [11, 12, -13, 2**62]
+    rows = np.arange(len(keys) * ITEM_DIM, dtype=np.float32).reshape(len(keys), ITEM_DIM) / 7
+    assert _put(http, "item", keys, rows, version=5).json() == {"written": len(keys)}
+    got = _get(http, "item", keys + [14])
+    np.testing.assert_array_equal(np.array(got["vectors"][:4], np.float32), rows)
+    assert got["vectors"][4] == [0.0] * ITEM_DIM and got["sources"][4] == "default"
+    assert set(got["sources"][:4]) <= {"cache", "volatile", "persistent"}
+    assert got["keys"] == keys + [14] and got["dim"] == ITEM_DIM
+    # an older version never replaces a newer row
+    assert _put(http, "item", keys[:2], rows[:2] + 1, version=4).json() == {"written": 0}
+    np.testing.assert_array_equal(np.array(_get(http, "item", keys)["vectors"], np.float32), rows)
+    r = http.request("DELETE", ROWS.format(table="item"), json={"keys": keys[:2] + [999_999]}, headers=AUTH)
+    assert r.status_code == 200 and r.json() == {"deleted": 2}
+    after = _get(http, "item", keys)
+    assert after["sources"][:2] == ["default", "default"] and after["vectors"][0] == [0.0] * ITEM_DIM
+    np.testing.assert_array_equal(np.array(after["vectors"][2:], np.float32), rows[2:])
+
+
+@pytest.mark.parametrize(
+    "body, status, fragment",
+    [
+        (b'{"keys": [1], "vectors": [[NaN, 1, 2, 3]]}', 400, "NaN"),
+        (b'{"keys": [1], "vectors": [[Infinity, 1, 2, 3]]}', 400, "NaN or infinite"),
+        (b'{"keys": [1], "vectors": [[1e39, 1, 2, 3]]}', 400, "NaN or infinite"),
+        (b'{"keys": [1], "vectors": [[1, 2, 3]]}', 400, "dim 4"),
+        (b'{"keys": [1, 2], "vectors": [[1, 2, 3, 4]]}', 400, "shape"),
+        (b'{"keys": [1, 2], "vectors": [[1, 2, 3, 4], [1, 2]]}', 400, "equal length"),
+        (b'{"keys": [1], "vectors": [["a", 2, 3, 4]]}', 422, "vectors"),
+        (b'{"keys": [18446744073709551615], "vectors": [[1, 2, 3, 4]]}', 422, "keys"),
+        (b'{"vectors": [[1, 2, 3, 4]]}', 422, "keys"),
+        (b'not json', 422, "invalid request"),
+    ],
+)
+def test_put_rejects_bad_rows(http: httpx.Client, body: bytes, status: int, fragment: str) -> None:
+    r = http.put(ROWS.format(table="user"), content=body, headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    assert fragment in r.json()["error"]
+    assert _get(http, "user", [1, 2])["sources"] == ["default", "default"]
+
+
+def test_lookup_errors_are_json(http: httpx.Client, server: HPSServer) -> None:
+    cases = [
+        (ROWS.format(table="nope") + "?keys=1", 404, "no table 'nope'"),
+        ("/v1/models/nope/tables/item/embeddings?keys=1", 404, "model 'nope' is not loaded"),
+        (ROWS.format(table="item") + "?keys=1,x", 400, "'x'"),
+        (ROWS.format(table="item") + "?keys=99999999999999999999", 400, "int64"),
+        (ROWS.format(table="item"), 422, "keys"),
+        ("/v1/models/nope", 404, "not loaded"),
+        ("/v1/jobs/nope", 404, "no job"),
+    ]
+    for url, status, fragment in cases:
+        r = http.get(url)
+        assert r.status_code == status, (url, r.text)
+        assert fragment in r.json()["error"], (url, r.text)
+    too_many = ",".join(map(str, range(server.config.server.max_batch_keys + 1)))
+    r = http.get(ROWS.format(table="item"), params={"keys": too_many})
+    assert r.status_code == 413 and "max_batch_keys" in r.json()["error"]
+
+
+def test_import_job_then_lookups(http: httpx.Client, server: HPSServer, tmp_path: Path) -> None:
+    keys, vectors = synthesize_model(3000, ITEM_DIM, seed=5)
+    stale_key = int(keys[0])
+    assert _put(http, "item", [stale_key], np.full((1, ITEM_DIM), 9.0, np.float32), version=0).status_code == 200
+    assert _get(http, "item", [stale_key])["vectors"][0] == [9.0] * ITEM_DIM  # now held in L1/L2 too
+    src = tmp_path / "item_sparse"
+    write_hugectr_dir(src, keys, vectors)
+    r = http.post("/v1/models/demo/tables/item/import", json={"path": str(src), "version": 1}, headers=AUTH)
+    assert r.status_code == 202, r.text
+    job = wait_job(http, r.json()["id"])
+    assert job["state"] == "succeeded", job
+    assert job["rows_total"] == job["rows_done"] == 3000 and job["progress"] == 1.0
+    assert job["result"]["rows_written"] == 3000
+    with HPSClient(target(server)) as client:
+        got = client.lookup("demo", "item", keys)
+    np.testing.assert_array_equal(got, vectors)  # the stale upper-tier copy of keys[0] was evicted
+    assert any(j["id"] == job["id"] for j in http.get("/v1/jobs").json()["jobs"])
+
+
+def test_import_errors(http: httpx.Client, tmp_path: Path) -> None:
+    missing = http.post("/v1/models/demo/tables/item/import", json={"path": str(tmp_path / "nope.npz")}, headers=AUTH)
+    assert missing.status_code == 400 and "does not exist" in missing.json()["error"]
+    wrong_dim = tmp_path / "wrong.npz"
+    np.savez(wrong_dim, keys=np.arange(10, dtype=np.int64), vectors=np.ones((10, ITEM_DIM + 1), np.float32))
+    r = http.post("/v1/models/demo/tables/item/import", json={"path": str(wrong_dim)}, headers=AUTH)
+    job = wait_job(http, r.json()["id"])
+    assert job["state"] == "failed" and f"dim {ITEM_DIM + 1}" in job["error"]
+    unknown = http.post("/v1/models/demo/tables/nope/import", json={"path": str(wrong_dim)}, headers=AUTH)
+    assert unknown.status_code == 404
+
+
+def test_snapshot_create_list_restore(http: httpx.Client, server: HPSServer) -> None:
+    keys = list(range(5000, 5100))
+    original = np.random.default_rng(1).standard_normal((100, USER_DIM)).astype(np.float32)
+    assert _put(http, "user", keys, original, version=3).status_code == 200
+    r = http.post("/v1/models/demo/snapshots", headers=AUTH)
+    assert r.status_code == 201, r.text
+    snap = r.json()
+    assert snap["model"] == "demo" and snap["tables"]["user"]["rows"] >= 100
+    listed = http.get("/v1/models/demo/snapshots").json()["snapshots"]
+    assert snap["id"] in [s["id"] for s in listed]
+    assert http.get(f"/v1/models/demo/snapshots/{snap['id']}").json()["id"] == snap["id"]
+    # after the snapshot: newer versions of half the rows, and rows the snapshot never had
+    assert _put(http, "user", keys[:50], original[:50] + 100, version=7).json() == {"written": 50}
+    assert _put(http, "user", [77_000, 77_001], np.ones((2, USER_DIM), np.float32), version=9).status_code == 200
+    assert _get(http, "user", [77_000])["sources"] != ["default"]
+    r = http.post(f"/v1/models/demo/snapshots/{snap['id']}/restore", headers=AUTH)
+    assert r.status_code == 202, r.text
+    job = wait_job(http, r.json()["id"])
+    assert job["state"] == "succeeded", job
+    assert job["result"]["tables"]["user"]["rows_deleted"] >= 2
+    with HPSClient(target(server)) as client:
+        got = client.lookup_with_sources("demo", "user", np.array(keys + [77_000, 77_001]))
+    np.testing.assert_array_equal(got.vectors[:100], original)
+    np.testing.assert_array_equal(got.vectors[100:], 0.5)
+    assert set(got.sources[100:]) == {4}
+    assert http.post("/v1/models/demo/snapshots/nope/restore", headers=AUTH).status_code == 404
+    assert http.get("/v1/models/demo/snapshots/..%2f..").status_code in (400, 404)
+    assert http.delete(f"/v1/models/demo/snapshots/{snap['id']}", headers=AUTH).status_code == 200
+    assert snap["id"] not in [s["id"] for s in http.get("/v1/models/demo/snapshots").json()["snapshots"]]
+
+
+def test_register_describe_unload_model_keeps_grpc_health_in_sync(http: httpx.Client, server: HPSServer) -> None:
+    body = {"name": "runtime", "tables": [{"name": "t", "dim": 3, "default": {"constant": 0.25}}]}
+    r = http.post("/v1/models", json=body, headers=AUTH)
+    assert r.status_code == 201, r.text
+    assert r.json()["tables"][0]["dim"] == 3
+    assert http.post("/v1/models", json=body, headers=AUTH).status_code == 409
+    bad = http.post("/v1/models", json={"name": "bad name!", "tables": []}, headers=AUTH)
+    assert bad.status_code == 422 and "error" in bad.json()
+    assert _put_model_rows(http) == 1
+    desc = http.get("/v1/models/runtime").json()
+    assert desc["tables"][0]["rows"]["persistent"] == 1
+    with grpc.insecure_channel(target(server)) as channel, HPSClient(target(server)) as client:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(service="runtime")).status == 1
+        assert "runtime" in client.list_models()
+        np.testing.assert_array_equal(client.lookup("runtime", "t", [1, 2]),
+                                      [[1, 2, 3], [0.25, 0.25, 0.25]])
+        assert http.delete("/v1/models/runtime", headers=AUTH).json() == {"unloaded": "runtime"}
+        assert health.Check(health_pb2.HealthCheckRequest(service="runtime")).status == 2  # NOT_SERVING
+        assert "runtime" not in client.list_models()
+    assert http.get("/v1/models/runtime").status_code == 404
+    assert http.delete("/v1/models/runtime", headers=AUTH).status_code == 404
+
+
+def _put_model_rows(http: httpx.Client) -> int:
+    r = http.put("/v1/models/runtime/tables/t/embeddings", json={"keys": [1], "vectors": [[1, 2, 3]]}, headers=AUTH)
+    return r.json()["written"]
+
+
+def test_stats_shape_and_cache_control(http: httpx.Client) -> None:
+    keys = list(range(60_000, 60_050))
+    assert _put(http, "item", keys, np.ones((50, ITEM_DIM), np.float32)).status_code == 200
+    _get(http, "item", keys)
+    _get(http, "item", keys)
+    stats = http.get("/v1/stats").json()
+    table = stats["models"]["demo"]["tables"]["item"]
+    for level in ("cache", "volatile", "persistent"):
+        for field in ("hits", "misses", "hit_rate", "rows", "capacity", "evictions"):
+            assert field in table[level], (level, field)
+    assert table["cache"]["hits"] >= 50
+    assert "updates" in stats
+    cache = http.get("/v1/cache/demo/item").json()
+    assert cache["rows"] >= 50
+    assert http.get("/v1/cache").json()["models"]["demo"]["tables"]["item"]["rows"] == cache["rows"]
+    assert http.post("/v1/cache/demo/item/clear", headers=AUTH).json() == {"cleared": True, "enabled": True}
+    assert http.get("/v1/cache/demo/item").json()["rows"] == 0
+    assert set(_get(http, "item", keys)["sources"]) == {"volatile"}
+    assert http.post("/v1/cache/demo/nope/clear", headers=AUTH).status_code == 404
+
+
+def test_hps_serve_serves_rest_with_env_token(tmp_path: Path) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    cfg = write_config(tmp_path / "config.yaml", {
+        "server": {"host": "127.0.0.1", "grpc_port": grpc_port, "http_port": http_port},
+        "persistent": {"type": "rocksdb", "path": str(tmp_path / "rocksdb")},
+        "models": [{"name": "demo", "tables": [{"name": "item", "dim": 2}]}],
+    })
+    with ServerProcess(cfg, grpc_port, env={"HPS_ADMIN_TOKEN": "from-env"}), \
+            httpx.Client(base_url=f"http://127.0.0.1:{http_port}") as http:
+        assert http.get("/readyz").status_code == 200
+        body = {"keys": [5], "vectors": [[0.5, 1.5]]}
+        assert http.put("/v1/models/demo/tables/item/embeddings", json=body).status_code == 401
+        r = http.put("/v1/models/demo/tables/item/embeddings", json=body, headers={"Authorization": "Bearer from-env"})
+        assert r.json() == {"written": 1}
+        assert _get(http, "item", [5])["vectors"] == [[0.5, 1.5]]
