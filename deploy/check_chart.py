@@ -217,8 +217,13 @@ def check_consistency(rendered: Rendered, report: Report) -> None:
         report.add(f"container port http={ports.get('http')} but the server listens on {server.http_port}")
 
     readiness = container.get("readinessProbe", {})
-    if readiness.get("grpc", {}).get("port") != server.grpc_port:
-        report.add(f"readiness probe is not gRPC health on port {server.grpc_port}: {readiness}")
+    ready_http = readiness.get("httpGet", {})
+    grpc_ready = readiness.get("grpc", {}).get("port") == server.grpc_port
+    http_ready = ready_http.get("path") == "/readyz" and _resolve_port(container, ready_http.get("port", "")) == \
+        server.http_port
+    if not (grpc_ready or http_ready):
+        report.add(f"readiness probe is neither gRPC health on port {server.grpc_port} nor GET /readyz on "
+                   f"port {server.http_port}: {readiness}")
     for probe_name in ("livenessProbe", "startupProbe"):
         http = container.get(probe_name, {}).get("httpGet", {})
         if http.get("path") != "/healthz" or _resolve_port(container, http.get("port", "")) != server.http_port:

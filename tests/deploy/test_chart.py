@@ -175,6 +175,14 @@ def test_ports_follow_the_config(rendered: dict) -> None:
     assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": 9500, "http": 9000}
 
 
+def test_readiness_through_readyz_when_asked() -> None:
+    r = check_chart.render({"probes": {"readinessCheck": "http"}})
+    report = check_chart.Report("readyz")
+    check_chart.check_consistency(r, report)
+    assert report.problems == []
+    assert _container(r)["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+
+
 def _mutated(r: object, mutate) -> object:
     clone = copy.deepcopy(r)
     mutate(clone)
