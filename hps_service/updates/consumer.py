@@ -340,7 +340,13 @@ class UpdateConsumer:
         top = max(
             int(versions.max()) if versions.shape[0] else -1, int(del_versions.max()) if del_versions.shape[0] else -1
         )
-        self.metrics.record_applied(model, table, int(puts.shape[0] + deletes.shape[0]), top if top >= 0 else None)
+        self.metrics.record_applied(
+            model,
+            table,
+            rows=int(puts.shape[0] + deletes.shape[0]),
+            received=int(keys.shape[0] + del_keys.shape[0]),
+            max_version=top if top >= 0 else None,
+        )
 
     # ---- dead letters, commits, lag -----------------------------------------------------------
     def _dead_letter(self, msg: Message, model: str, reason: str) -> None:

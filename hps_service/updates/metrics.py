@@ -35,6 +35,7 @@ class FreshnessStats:
         self._rate_window_s = rate_window_s
         self._applied: deque[tuple[float, int]] = deque()
         self.rows_total = 0
+        self.rows_received = 0
         self.messages_total = 0
         self.batches_total = 0
         self.malformed: dict[str, int] = {}
@@ -61,12 +62,14 @@ class FreshnessStats:
                 self._lags[: end - size] = lags[first:]
             self._n_lags += lags.shape[0]
 
-    def record_applied(self, model: str, table: str, rows: int, max_version: int | None) -> None:
-        """Count rows applied to one table and remember its highest version."""
+    def record_applied(self, model: str, table: str, rows: int, received: int, max_version: int | None) -> None:
+        """Count rows applied to one table (after keeping the latest per key of a batch) and remember its
+        highest version; ``received`` counts every row and tombstone the batch carried."""
         APPLIED_ROWS.labels(model, table).inc(rows)
         key = f"{model}.{table}"
         with self._lock:
             self.rows_total += rows
+            self.rows_received += received
             self._applied.append((time.monotonic(), rows))
             if max_version is not None and max_version > self.last_version.get(key, -1):
                 self.last_version[key] = max_version
@@ -108,6 +111,7 @@ class FreshnessStats:
         with self._lock:
             return {
                 "rows_applied": self.rows_total,
+                "rows_received": self.rows_received,
                 "messages_applied": self.messages_total,
                 "batches_applied": self.batches_total,
                 "malformed": dict(self.malformed),

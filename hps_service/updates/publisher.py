@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -55,6 +56,7 @@ class Publisher:
         self.partitions = ensure_topic(admin, self.topic, partitions, timeout_s=metadata_timeout_s)
         self._errors: list[str] = []
         self._lock = threading.Lock()
+        self._on_delivery = self._delivery_callback(self._errors, self._lock)
         self.messages_sent = 0
         self.rows_sent = 0
 
@@ -138,14 +140,21 @@ class Publisher:
             except KafkaException as exc:
                 raise UnavailableError(f"could not queue an update for {self.topic}: {exc}") from None
 
-    def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        if err is not None:
-            with self._lock:
-                self._errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+    @staticmethod
+    def _delivery_callback(errors: list[str], lock: threading.Lock) -> Callable[[KafkaError | None, Message], None]:
+        # A closure, not a bound method: the producer holding a reference to self would make a cycle that
+        # keeps a dropped Publisher's producer alive (and reconnecting) until the garbage collector runs.
+        def on_delivery(err: KafkaError | None, msg: Message) -> None:
+            if err is not None:
+                with lock:
+                    errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+
+        return on_delivery
 
     def _raise_delivery_errors(self) -> None:
         with self._lock:
-            errors, self._errors = self._errors, []
+            errors = self._errors[:]
+            self._errors.clear()
         if errors:
             raise UnavailableError(f"{len(errors)} update message(s) failed delivery; first: {errors[0]}")
 

@@ -25,7 +25,8 @@ def ensure_topic(admin: AdminClient, topic: str, partitions: int = DEFAULT_PARTI
         if remaining <= 0:
             raise UnavailableError(f"Kafka topic {topic!r}: broker did not answer metadata within {timeout_s}s")
         try:
-            md = admin.list_topics(topic=topic, timeout=min(remaining, 5.0))
+            # All topics: asking for one topic by name lets brokers auto-create it with their default partitions.
+            md = admin.list_topics(timeout=min(remaining, 5.0))
         except KafkaException as exc:
             raise UnavailableError(f"Kafka topic {topic!r}: metadata request failed: {exc}") from None
         meta = md.topics.get(topic)
