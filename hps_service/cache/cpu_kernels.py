@@ -40,7 +40,7 @@ def _find(table: np.ndarray, s: np.int64, key: np.uint64) -> np.int64:
 
 
 @numba.njit(cache=True, nogil=True)
-def _query(table, clock, values, keys, out, hit, sets, tick, lfu):  # noqa: ANN001, ANN202
+def _query(table, clock, values, keys, out, hit, sets, tick, lfu):
     ways = table.shape[1]
     dim = values.shape[1]
     usets = np.uint64(sets)
@@ -70,7 +70,7 @@ def _query(table, clock, values, keys, out, hit, sets, tick, lfu):  # noqa: ANN0
 
 
 @numba.njit(cache=True, nogil=True)
-def _insert(table, clock, values, keys, vectors, sets, tick, lfu, evict):  # noqa: ANN001, ANN202
+def _insert(table, clock, values, keys, vectors, sets, tick, lfu, evict):
     ways = table.shape[1]
     dim = values.shape[1]
     usets = np.uint64(sets)
@@ -132,7 +132,7 @@ def _insert(table, clock, values, keys, vectors, sets, tick, lfu, evict):  # noq
 
 
 @numba.njit(cache=True, nogil=True)
-def _update(table, values, keys, vectors, sets):  # noqa: ANN001, ANN202
+def _update(table, values, keys, vectors, sets):
     ways = table.shape[1]
     dim = values.shape[1]
     usets = np.uint64(sets)
@@ -152,7 +152,7 @@ def _update(table, values, keys, vectors, sets):  # noqa: ANN001, ANN202
 
 
 @numba.njit(cache=True, nogil=True)
-def _invalidate(table, clock, keys, sets):  # noqa: ANN001, ANN202
+def _invalidate(table, clock, keys, sets):
     usets = np.uint64(sets)
     removed = 0
     for i in range(keys.shape[0]):

@@ -8,7 +8,7 @@ set mapping is the same splitmix64 + multiply-shift as :func:`hps_service.cache.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import Any
+from typing import Any, ClassVar
 
 _SOURCE = r"""
 extern "C" __device__ __forceinline__ long long hps_set_of(unsigned long long x, unsigned long long sets) {
@@ -60,7 +60,7 @@ _THREADS = 256
 class CudaProbe:
     """Compiles the query kernel once per process and launches it on CuPy arrays."""
 
-    _kernel_cache: dict[int, Any] = {}
+    _kernel_cache: ClassVar[dict[int, Any]] = {}
 
     def __init__(self, cp: ModuleType) -> None:
         self.cp = cp

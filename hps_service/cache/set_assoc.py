@@ -191,7 +191,6 @@ class SetAssociativeCache:
         return hit
 
     def _query_reference(self, keys: Any, out: Any) -> Any:
-        xp = self.xp
         sets, way, present = self._probe(keys)
         hs, hw = sets[present], way[present]
         out[present] = self.values[hs * self.ways + hw]

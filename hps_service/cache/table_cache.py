@@ -261,7 +261,7 @@ class SetAssocTableCache:
                 rows += 0 if item is None else item[0].shape[0]
             try:
                 self._insert_deferred([b for b in batch if b is not None])
-            except Exception:  # noqa: BLE001 - a failed insert must not stop admission for good
+            except Exception:
                 log.exception("deferred L1 insert failed; %d offers discarded", len(batch))
             finally:
                 for _ in batch:
@@ -291,7 +291,7 @@ class SetAssocTableCache:
         while not self._stop.wait(self._refresh_interval_s):
             try:
                 self.refresh_once()
-            except Exception:  # noqa: BLE001 - a lower tier down for a while must not end refresh
+            except Exception:
                 log.exception("L1 refresh stride failed; retrying next interval")
 
     def refresh_once(self) -> int:
@@ -329,7 +329,7 @@ class SetAssocTableCache:
                 generation = self._changes.generation
                 rows = self._rows_arg(chunk, self._fetch_below(chunk))
                 self._count("warm_rows", self._insert_fresh(chunk, rows, generation, evict=False))
-        except Exception:  # noqa: BLE001 - a failed warm start leaves a cold but working cache
+        except Exception:
             log.exception("L1 warm start failed; the cache starts cold")
         finally:
             self._warm_done.set()
