@@ -9,10 +9,9 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from hps_service.config import ModelConfig, TableConfig, UpdatesConfig
+from hps_service.config import HPSConfig, ModelConfig, TableConfig, UpdatesConfig
 from hps_service.lookup import LookupEngine
-from hps_service.tiers.hashmap import HashMapTier
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.server.app import build_engine
 
 TABLE = "item"
 DIM = 16
@@ -29,12 +28,16 @@ def updates_cfg(kafka_broker) -> UpdatesConfig:
     return UpdatesConfig(type="kafka", brokers=kafka_broker.bootstrap, topic_prefix="hps")
 
 
-def make_engine(path, model: str, tables: dict[str, int] | None = None) -> LookupEngine:
-    """An engine over a fresh hash map tier and the RocksDB store at ``path``, serving ``model``."""
-    engine = LookupEngine(volatile=HashMapTier(capacity_rows=1_000_000), persistent=RocksDBTier(path, block_cache_mb=8))
+def make_engine(path, model: str, tables: dict[str, int] | None = None, cache_rows: int = 200_000) -> LookupEngine:
+    """The server's engine (NumPy L1 cache, hash map L2, RocksDB L3 at ``path``) serving ``model``."""
     tables = tables or {TABLE: DIM}
-    engine.register_model(ModelConfig(name=model, tables=[TableConfig(name=t, dim=d) for t, d in tables.items()]))
-    return engine
+    config = HPSConfig(
+        cache={"backend": "numpy", "capacity": cache_rows, "warm_start": False},
+        volatile={"type": "hashmap", "capacity_rows": 1_000_000},
+        persistent={"type": "rocksdb", "path": str(path), "block_cache_mb": 8},
+        models=[ModelConfig(name=model, tables=[TableConfig(name=t, dim=d) for t, d in tables.items()])],
+    )
+    return build_engine(config)
 
 
 @pytest.fixture

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -13,7 +16,8 @@ from hps_service.proto.hps.v1.update_pb2 import EmbeddingUpdate
 from hps_service.updates import Publisher, UpdateConsumer, make_version
 from hps_service.updates.consumer import resolve_latest
 from hps_service.updates.message import encode_update
-from tests.updates.conftest import DIM, TABLE, rows_for, served, stored_versions, wait_until
+from tests.helpers import REPO
+from tests.updates.conftest import DIM, TABLE, make_engine, rows_for, served, stored_versions, wait_until
 
 
 def all_served(engine, model, keys, versions) -> bool:
@@ -128,12 +132,13 @@ def test_tombstones_delete_from_every_tier(kafka_broker, engine, model_name, sta
     pub.publish(TABLE, keys, rows_for(keys, 1), 1)
     pub.flush()
     assert wait_until(lambda: all_served(engine, model_name, keys, 1))
+    assert wait_until(lambda: (served(engine, model_name, keys)[1] == Source.CACHE).all())  # admitted to L1
     gone = keys[:300]
     pub.delete(TABLE, gone, 2)
     pub.flush()
     assert wait_until(lambda: not any(f.any() for f, _ in stored_versions(engine, model_name, gone).values()))
     vectors, sources = served(engine, model_name, gone)
-    assert (sources == Source.DEFAULT).all() and not vectors.any()  # default: zeros
+    assert (sources == Source.DEFAULT).all() and not vectors.any()  # gone from L1 too; default: zeros
     kept_found, kept_versions = stored_versions(engine, model_name, keys[300:])["persistent"]
     assert kept_found.all() and (kept_versions == 1).all()
     assert consumer.stats()["last_version"][f"{model_name}.{TABLE}"] == 2
@@ -223,6 +228,7 @@ def test_broker_paused_then_resumed_consumer_catches_up(
     pub.flush()
     assert wait_until(lambda: all_served(engine, model_name, before, 1))
     after = np.arange(2_000, 4_000, dtype=np.int64)
+    assert wait_until(lambda: (served(engine, model_name, before)[1] == Source.CACHE).all())  # rows in L1
     kafka_broker.pause()
     try:
         pub.publish(TABLE, after, rows_for(after, 2), 2)  # queued in the producer while the broker is frozen
@@ -237,3 +243,46 @@ def test_broker_paused_then_resumed_consumer_catches_up(
     both = np.concatenate((before, after))
     assert wait_until(lambda: all_served(engine, model_name, both, 2), timeout=60), consumer.stats()
     assert consumer.ready
+
+
+def test_consumer_sigkilled_mid_ingest_loses_nothing(kafka_broker, tmp_path, model_name, updates_cfg) -> None:
+    pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
+    keys = np.arange(20_000, dtype=np.int64)
+    rounds = 3
+    for step in range(1, rounds + 1):
+        for lo in range(0, keys.shape[0], 250):
+            k = keys[lo : lo + 250]
+            pub.publish(TABLE, k, rows_for(k, step), step)
+    pub.flush()
+    total = keys.shape[0] * rounds
+    db = tmp_path / "db"
+    child = subprocess.Popen(
+        [sys.executable, "-m", "tests.updates.consumer_process", kafka_broker.bootstrap, model_name, "pod-0", str(db)],
+        cwd=REPO, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        received = 0
+        assert child.stdout is not None
+        for line in child.stdout:
+            received = int(line)
+            if received >= total // 3:
+                break
+        child.send_signal(signal.SIGKILL)  # no stop(), no final commit, RocksDB not closed
+        child.wait(10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert total // 3 <= received < total, "the child finished before it was killed; the test proves nothing"
+    engine = make_engine(db, model_name)  # the same RocksDB volume, a fresh process state
+    consumer = UpdateConsumer(updates_cfg, engine, [model_name], "pod-0", partitions=4)
+    try:
+        consumer.start()
+        assert consumer.wait_ready(30)
+        assert any(o >= 0 for o in consumer._start_offsets.values()), "the killed consumer never committed"
+        assert wait_until(lambda: all_served(engine, model_name, keys, rounds), timeout=120), consumer.stats()
+        found, versions = stored_versions(engine, model_name, keys)["persistent"]
+        assert found.all() and (versions == rounds).all()
+    finally:
+        consumer.stop()
+        engine.close()
