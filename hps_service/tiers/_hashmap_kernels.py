@@ -1,24 +1,61 @@
 """Numba kernels of the in-process hash map tier: an open-addressing index over compact row storage.
 
 The index is an int32 array of row ids (-1 = empty), a power of two long, probed linearly from a
-splitmix64 hash of the key; keys live once, in the row-aligned ``keys`` array. Rows are kept dense in
+splitmix64 hash of the key; keys live once, in the row-aligned ``keys`` array (with ``versions`` and
+``stamps`` it may be a strided view of one (rows, 3) array, so the three share a cache line). Rows are kept dense in
 ``[0, n_rows)``: removing a row moves the last row into its place, and deletions from the index shift
 the following probe run back, so no tombstones accumulate. Every kernel loops over the whole batch
-inside numba and releases the GIL; callers hold the table's lock.
+inside numba and releases the GIL; callers hold the table's lock. The batch get works in passes and
+prefetches rows ahead, so that the cache misses of different keys overlap.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 EMPTY = np.int32(-1)
+#: How many keys ahead the row copy loop asks the CPU to fetch rows, so their cache misses overlap.
+PREFETCH_AHEAD = 8
 
 _C1 = np.uint64(0xBF58476D1CE4E5B9)
 _C2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
+
+
+@intrinsic
+def _prefetch(typingctx, array, row, col):  # type: ignore[no-untyped-def]
+    """Hint the CPU to load the cache line holding ``array[row, col]`` (LLVM prefetch; no effect on results)."""
+    sig = types.void(array, row, col)
+
+    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        indices = [args[1], args[2]][: array_type.ndim]
+        address = cgutils.get_item_pointer(context, builder, array_type, view, indices)
+        byte_pointer = builder.bitcast(address, ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn_type = ir.FunctionType(ir.VoidType(), [byte_pointer.type, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fn_type, "llvm.prefetch.p0")
+        builder.call(fn, [byte_pointer, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, nogil=True, inline="always")
+def _prefetch_row(rows: np.ndarray, meta: np.ndarray, r: np.int64) -> None:
+    """Prefetch every cache line of row ``r`` of ``rows`` and its entry of the 1-D ``meta`` view."""
+    dim = rows.shape[1]
+    for d in range(0, dim, 16):
+        _prefetch(rows, r, d)
+    _prefetch(rows, r, dim - 1)
+    _prefetch(meta, r, 0)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -129,8 +166,14 @@ def get_rows(
         if r >= 0 and keys[r] != query[i]:
             pos, ok = _probe(index, keys, query[i], mask)
             row_ids[i] = index[pos] if ok else -1
+    for i in range(min(PREFETCH_AHEAD, n)):
+        if row_ids[i] >= 0:
+            _prefetch_row(rows, versions, row_ids[i])
     hits = 0
     for i in range(n):
+        ahead = i + PREFETCH_AHEAD
+        if ahead < n and row_ids[ahead] >= 0:
+            _prefetch_row(rows, versions, row_ids[ahead])
         r = row_ids[i]
         if r < 0:
             found[i] = False
