@@ -80,7 +80,7 @@ def check_finite(vectors: np.ndarray) -> None:
 
 
 def read_model_source(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read ``(keys int64 (n,), vectors float32 (n, dim))`` from a HugeCTR directory or an ``.npz``, validated."""
+    """Read validated ``(keys int64 (n,), vectors float32 (n, dim))`` from a HugeCTR dir or a ``.npz``."""
     path = Path(path)
     if not path.exists():
         raise InvalidArgumentError(f"model source {path} does not exist")
@@ -103,7 +103,7 @@ def import_table(
     version: int = 0,
     progress: Callable[[int], None] | None = None,
 ) -> int:
-    """Check the file's dim against the configured one, create the table, bulk-load it; returns rows written."""
+    """Check the file's dim against the configured one, create the table, bulk-load; return rows written."""
     if vectors.ndim != 2:
         raise InvalidArgumentError(f"vectors must be 2-D (rows, dim), got shape {vectors.shape}")
     if vectors.shape[1] != dim:
@@ -115,10 +115,12 @@ def import_table(
 
 
 def write_hugectr_dir(path: Path, keys: np.ndarray, vectors: np.ndarray) -> None:
-    """Write ``keys``/``vectors`` as a HugeCTR sparse-model directory (``key`` int64 LE, ``emb_vector`` f32 LE)."""
+    """Write a HugeCTR sparse-model directory: ``key`` (int64 LE) and ``emb_vector`` (float32 LE)."""
     keys, vectors = np.asarray(keys), np.asarray(vectors)
     if vectors.ndim != 2 or keys.shape != (vectors.shape[0],):
-        raise InvalidArgumentError(f"need keys (n,) and vectors (n, dim), got {keys.shape} and {vectors.shape}")
+        raise InvalidArgumentError(
+            f"need keys (n,) and vectors (n, dim), got {keys.shape} and {vectors.shape}"
+        )
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     np.ascontiguousarray(keys, dtype="<i8").tofile(path / "key")

@@ -97,7 +97,9 @@ def test_validation_messages(tmp_path: Path) -> None:
     cases.append((_hugectr(tmp_path / "empty", b"", b""), "empty model"))
     nan_vecs = np.zeros((2, 3), dtype="<f4")
     nan_vecs[1, 0] = np.nan
-    cases.append((_hugectr(tmp_path / "nan", np.arange(2, dtype="<i8").tobytes(), nan_vecs.tobytes()), "row 1"))
+    cases.append(
+        (_hugectr(tmp_path / "nan", np.arange(2, dtype="<i8").tobytes(), nan_vecs.tobytes()), "row 1")
+    )
     np.savez(tmp_path / "count.npz", keys=np.arange(3), vectors=np.zeros((2, 4), np.float32))
     cases.append((tmp_path / "count.npz", "3 keys but 2 vectors"))
     np.savez(tmp_path / "flat.npz", keys=np.arange(3), vectors=np.zeros(3, np.float32))

@@ -83,7 +83,9 @@ class RocksDBTier(Tier):
         if read_only and not (self.path / "CURRENT").exists():
             raise UnavailableError(f"no RocksDB store at {self.path} to open read-only")
         self.path.mkdir(parents=True, exist_ok=True)
-        existing = set(Rdict.list_cf(str(self.path), self._options())) if (self.path / "CURRENT").exists() else set()
+        existing = (
+            set(Rdict.list_cf(str(self.path), self._options())) if (self.path / "CURRENT").exists() else set()
+        )
         column_families = {name: self._options() for name in existing | {META_CF}}
         if read_only:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
@@ -91,7 +93,9 @@ class RocksDBTier(Tier):
         else:
             access = AccessType.read_write()
         try:
-            self._db = Rdict(str(self.path), self._options(), column_families=column_families, access_type=access)
+            self._db = Rdict(
+                str(self.path), self._options(), column_families=column_families, access_type=access
+            )
         except Exception as exc:  # rocksdict raises bare Exception for I/O and lock errors
             raise UnavailableError(f"cannot open RocksDB at {self.path}: {exc}") from exc
         self._closed = False
@@ -111,7 +115,7 @@ class RocksDBTier(Tier):
     # ---- options and metadata -------------------------------------------------------------------------
 
     def _options(self) -> Options:
-        """Options for the DB and for every column family (rocksdict forgets table options not passed per CF)."""
+        """Options for the DB and each column family (rocksdict forgets table options not passed per CF)."""
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
@@ -210,7 +214,9 @@ class RocksDBTier(Tier):
             return Rows.empty(0, dim)
         return decode_rows(cf.get(encode_keys(keys)), dim)
 
-    def _stored_versions(self, cf: Rdict, encoded_keys: list[bytes], dim: int) -> tuple[np.ndarray, np.ndarray]:
+    def _stored_versions(
+        self, cf: Rdict, encoded_keys: list[bytes], dim: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """(found mask, stored versions) of the encoded keys, read with one multi-get."""
         values = cf.get(encoded_keys)
         n = len(values)
@@ -228,7 +234,7 @@ class RocksDBTier(Tier):
         return found, versions
 
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
-        """Write rows whose version is >= the stored one, in one synced WriteBatch; returns the written mask."""
+        """Write rows whose version is >= the stored one, in one synced batch; return the written mask."""
         self._check_writable(f"write to {table}")
         cf, dim = self._table(table)
         keys = self._keys(keys)
@@ -254,7 +260,11 @@ class RocksDBTier(Tier):
                 new_rows = int(np.count_nonzero(~found[idx]))
                 if new_rows:
                     count = (self._meta_int("count", table) or 0) + new_rows
-                    batch.put(_meta_key("count", table), _int_value(count), self._db.get_column_family_handle(META_CF))
+                    batch.put(
+                        _meta_key("count", table),
+                        _int_value(count),
+                        self._db.get_column_family_handle(META_CF),
+                    )
                 self._db.write(batch, self._write_opts)
         return written
 
@@ -274,13 +284,18 @@ class RocksDBTier(Tier):
             _drain(map(batch.delete, encoded, repeat(handle)))
             if present:
                 count = max(0, (self._meta_int("count", table) or 0) - present)
-                batch.put(_meta_key("count", table), _int_value(count), self._db.get_column_family_handle(META_CF))
+                batch.put(
+                    _meta_key("count", table), _int_value(count), self._db.get_column_family_handle(META_CF)
+                )
             self._db.write(batch, self._write_opts)
         return present
 
     def count(self, table: str) -> int:
-        """Exact row count kept in the metadata CF: written in the same batch as the rows by put/delete, and right
-        after the ingest by bulk_import (a crash between the ingest and that write leaves it low by the import)."""
+        """Exact row count kept in the metadata CF.
+
+        put/delete write it in the same batch as the rows; bulk_import writes it right after the ingest
+        (a crash between the two leaves it low by the import's new rows).
+        """
         self._table(table)
         return self._meta_int("count", table) or 0
 
@@ -327,7 +342,7 @@ class RocksDBTier(Tier):
             return False
         try:
             return self._db.property_value("rocksdb.num-running-compactions") is not None
-        except Exception:  # rocksdict raises bare Exception on a broken DB
+        except Exception:  # noqa: BLE001  rocksdict raises bare Exception on a closed or broken DB
             return False
 
     def checkpoint(self, dest: Path) -> None:
@@ -360,11 +375,12 @@ class RocksDBTier(Tier):
         version: int = 0,
         progress: Callable[[int], None] | None = None,
     ) -> int:
-        """Write rows as sorted SST files and ingest them atomically; returns the rows now stored from this import.
+        """Write rows as sorted SST files and ingest them atomically; returns how many rows this import wrote.
 
-        Atomic: rows are checked (finite) while the SST files are written, and all files are ingested in one call
-        at the end, so a failure leaves the table as it was. Duplicate keys: the last occurrence wins. Rows already
-        stored with a newer version are kept, so an import never takes a row backwards. ``progress(rows_done)`` is called after each SST file.
+        Atomic: rows are checked (finite) while the SST files are written, and all files are ingested in one
+        call at the end, so a failure leaves the table as it was. Duplicate keys: the last occurrence wins.
+        Rows already stored with a newer version are kept, so an import never takes a row backwards.
+        ``progress(rows_done)`` is called after each SST file.
         """
         self._check_writable(f"import into {table}")
         cf, dim = self._table(table)
@@ -388,7 +404,9 @@ class RocksDBTier(Tier):
                     chunk_vectors = vectors[chunk]
                     bad = np.flatnonzero(~np.isfinite(chunk_vectors).all(axis=1))
                     if bad.size:
-                        raise InvalidArgumentError(f"row {int(chunk[bad[0]])} has NaN or inf values; nothing imported")
+                        raise InvalidArgumentError(
+                            f"row {int(chunk[bad[0]])} has NaN or inf values; nothing imported"
+                        )
                     encoded = encode_keys(keys[chunk])
                     if count_before:
                         found, stored = self._stored_versions(cf, encoded, dim)
@@ -415,7 +433,9 @@ class RocksDBTier(Tier):
                     ingest.set_move_files(True)
                     cf.ingest_external_file(files, ingest)
                 if new_rows:
-                    self._meta.put(_meta_key("count", table), _int_value(count_before + new_rows), self._write_opts)
+                    self._meta.put(
+                        _meta_key("count", table), _int_value(count_before + new_rows), self._write_opts
+                    )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return written
