@@ -239,6 +239,9 @@ def test_memory_within_target_at_200k_rows() -> None:
             ratios.append(tier.memory_bytes(TABLE) / (tier.count(TABLE) * dim * 4))
     assert tier.count(TABLE) == 200_000
     assert max(ratios) <= 1.3, ratios
+    all_keys = np.arange(200_000, dtype=np.int64) * 7919
+    assert tier.get(TABLE, all_keys).found.all()
+    assert not tier.get(TABLE, all_keys + 1).found.any()
     assert tier.stats(TABLE).extra["memory_ratio"] == pytest.approx(ratios[-1])
 
 
