@@ -15,7 +15,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient
 
 from hps_service.config import UpdatesConfig
@@ -247,7 +255,7 @@ class UpdateConsumer:
 
     def _poll_once(self) -> None:
         assert self._consumer is not None and self._dlq is not None
-        msgs = self._consumer.consume(num_messages=self.batch_messages, timeout=self.poll_timeout_s)
+        msgs = self._next_batch()
         if msgs:
             self._process(msgs)
         self._dlq.poll(0)
@@ -257,6 +265,23 @@ class UpdateConsumer:
         if now - self._last_lag_refresh >= 0.5:
             self._refresh_consumer_lag()
             self._last_lag_refresh = now
+
+    def _next_batch(self) -> list[Message]:
+        """What is queued now, up to batch_messages; if nothing is, wait for the first message only.
+
+        consume(n, timeout) waits out its whole timeout unless n messages arrive, which would add the poll
+        timeout to every update's freshness when traffic is light.
+        """
+        assert self._consumer is not None
+        msgs = self._consumer.consume(num_messages=self.batch_messages, timeout=0)
+        if msgs:
+            return msgs
+        first = self._consumer.poll(self.poll_timeout_s)
+        if first is None:
+            return []
+        if self.batch_messages == 1:
+            return [first]
+        return [first, *self._consumer.consume(num_messages=self.batch_messages - 1, timeout=0)]
 
     def _process(self, msgs: list[Message]) -> None:
         groups: dict[tuple[str, str], _TableBatch] = {}
@@ -313,7 +338,7 @@ class UpdateConsumer:
                     for msg in batch.messages:
                         self._dead_letter(msg, model, f"rejected by the engine: {exc}")
                     del pending[(model, table)]
-                except Exception as exc:  # a tier is down: retry the same rows, commit nothing meanwhile
+                except Exception as exc:  # noqa: BLE001  (a tier is down: retry the same rows, commit nothing)
                     self.metrics.apply_failures += 1
                     self.last_error = f"apply to {model}.{table} failed: {exc}"
                     log.warning("update consumer %s: %s; retrying in %.2fs", self.group, self.last_error, backoff)
@@ -371,9 +396,9 @@ class UpdateConsumer:
         """Commit the applied offsets that are ahead of the committed ones (after dead letters are delivered)."""
         assert self._consumer is not None and self._dlq is not None
         self._last_commit = time.monotonic()
-        if asynchronous and self._commit_in_flight_since is not None:
-            if self._last_commit - self._commit_in_flight_since < 5.0:
-                return
+        in_flight = self._commit_in_flight_since
+        if asynchronous and in_flight is not None and self._last_commit - in_flight < 5.0:
+            return
         todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
         if not todo:
             return
@@ -425,7 +450,7 @@ class UpdateConsumer:
             if commit:
                 try:
                     self._commit(asynchronous=False)
-                except Exception as exc:
+                except KafkaException as exc:
                     log.warning("update consumer %s: final commit failed: %s", self.group, exc)
             self._consumer.close()
             self._consumer = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 from confluent_kafka import KafkaError, KafkaException, Message, Producer
@@ -94,7 +94,7 @@ class Publisher:
         """Flush and release the producer."""
         self.flush(timeout)
 
-    def __enter__(self) -> "Publisher":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
