@@ -10,6 +10,7 @@ import asyncio
 import itertools
 import random
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Self
 
 import grpc
 import numpy as np
@@ -93,7 +94,7 @@ class AsyncHPSClient:
         for c in channels:
             await c.close()
 
-    async def __aenter__(self) -> "AsyncHPSClient":
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import uvicorn
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-import uvicorn
 
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
 from hps_service.cache.table_cache import WarmKeys

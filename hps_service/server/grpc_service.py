@@ -92,8 +92,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         self.gate = gate
         self.metrics = metrics if metrics is not None else ServerMetrics(engine)
 
-    def lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
-        """Answer one LookupRequest (raises domain errors)."""
+    def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> pb.LookupResponse:
+        """Answer one LookupRequest (raises domain errors); with ``context``, the deadline is checked per table."""
         self.gate.check()
         if not request.model:
             raise InvalidArgumentError("model name is empty")
@@ -118,6 +118,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         self.metrics.keys.observe(total)
         answers = []
         for tk in request.tables:
+            if context is not None:
+                check_deadline(context)
             keys = np.frombuffer(tk.keys, dtype="<i8")
             res = self.engine.lookup(request.model, tk.table, keys)
             answers.append(
@@ -141,26 +143,25 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         """Check the deadline, answer, count and time the request; errors become status codes."""
         with self.metrics.observe(method) as status:
             try:
-                check_deadline(context)
-                return self.lookup(request)
+                return self.lookup(request, context)
             except Exception as err:  # translated to a status code, never a stack trace to the caller
                 status[0] = status_for(err).name if isinstance(err, HPSError) else grpc.StatusCode.INTERNAL.name
                 self._abort(context, err)
                 raise  # unreachable: abort raises
 
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:  # noqa: N802
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         return self._serve_one("Lookup", request, context)
 
-    def StreamLookup(  # noqa: N802
+    def StreamLookup(
         self, request_iterator: Iterator[pb.LookupRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.LookupResponse]:
         for request in request_iterator:
             yield self._serve_one("StreamLookup", request, context)
 
-    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:  # noqa: N802
+    def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
         return pb.ListModelsResponse(models=[_model_info(self.engine, m.name) for m in self.engine.models()])
 
-    def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:  # noqa: N802
+    def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
         try:
             return _model_info(self.engine, request.model)
         except Exception as err:

@@ -28,7 +28,7 @@ LATENCY_BUCKETS = (
     0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
 )
 #: Keys per request: powers of two up to the largest sensible batch.
-KEYS_BUCKETS = tuple(float(2**i) for i in range(0, 18))
+KEYS_BUCKETS = tuple(float(2**i) for i in range(18))
 
 
 class EngineCollector(Collector):

@@ -31,7 +31,7 @@ from hps_service.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from hps_service.lookup import LEVELS, LookupEngine, Source
+from hps_service.lookup import LEVELS, LookupEngine
 from hps_service.server.grpc_service import ServingGate, status_for
 from hps_service.server.jobs import JobRunner, import_job, persistent_rocksdb
 from hps_service.server.metrics import ServerMetrics
@@ -49,6 +49,11 @@ _HTTP_STATUS: dict[type[HPSError], int] = {
     ResourceExhaustedError: 413,
     UnavailableError: status.HTTP_503_SERVICE_UNAVAILABLE,
 }
+#: The bearer credentials of a request (None when the header is missing or not a Bearer one).
+AdminCredentials = Annotated[
+    HTTPAuthorizationCredentials | None,
+    Depends(HTTPBearer(auto_error=False, description="server.admin_token (or HPS_ADMIN_TOKEN)")),
+]
 _SOURCE_NAMES = np.array(["unspecified", "cache", "volatile", "persistent", "default"])
 
 
@@ -146,9 +151,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         description="Models, rows, import, snapshots, stats and cache control of one hps-service process. "
         "Mutating endpoints need `Authorization: Bearer <admin token>`.",
     )
-    bearer = HTTPBearer(auto_error=False, description="server.admin_token (or HPS_ADMIN_TOKEN)")
-
-    def require_admin(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+    def require_admin(credentials: AdminCredentials) -> None:
         token = ctx.config.server.admin_token
         if token is None:
             raise HTTPException(403, "the admin API is disabled: set server.admin_token or HPS_ADMIN_TOKEN")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,8 @@ import httpx
 import pytest
 
 from hps_service.config import HPSConfig, load_config
+from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.app import HPSServer
 from tests.helpers import free_port
 
@@ -62,6 +65,27 @@ def wait_job(http: httpx.Client, job_id: str, timeout: float = 60.0) -> dict:
             return view
         time.sleep(0.05)
     raise TimeoutError(f"job {job_id} did not finish within {timeout}s")
+
+
+class OpenStream:
+    """A StreamLookup call fed from a queue, so a test controls when each request is sent."""
+
+    def __init__(self, stub: pb_grpc.EmbeddingServiceStub, timeout: float | None = None) -> None:
+        self._requests: queue.Queue = queue.Queue()
+        self.responses = stub.StreamLookup(self._feed(), timeout=timeout)
+
+    def _feed(self) -> Iterator[pb.LookupRequest]:
+        while (request := self._requests.get()) is not None:
+            yield request
+
+    def ask(self, request: pb.LookupRequest) -> pb.LookupResponse:
+        self._requests.put(request)
+        return next(self.responses)
+
+    def close(self) -> None:
+        self._requests.put(None)
+        for _ in self.responses:
+            pass
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,17 @@ from hps_service.client import HPSClient
 from hps_service.importer import synthesize_model, write_hugectr_dir
 from hps_service.server.app import HPSServer
 from tests.helpers import ServerProcess, free_port, write_config
-from tests.server.conftest import AUTH, ITEM_DIM, TOKEN, USER_DIM, base_url, running, server_config, target, wait_job
+from tests.server.conftest import (
+    AUTH,
+    ITEM_DIM,
+    TOKEN,
+    USER_DIM,
+    base_url,
+    running,
+    server_config,
+    target,
+    wait_job,
+)
 
 ROWS = "/v1/models/demo/tables/{table}/embeddings"
 
