@@ -39,33 +39,45 @@ def _find(table: np.ndarray, s: np.int64, key: np.uint64) -> np.int64:
     return -1
 
 
-@numba.njit(cache=True, nogil=True)
-def _query(table, clock, values, keys, out, hit, sets, tick, lfu):
-    ways = table.shape[1]
+@numba.njit(cache=True, nogil=True, inline="never")
+def _copy_rows(values, slots, out):
     dim = values.shape[1]
+    for i in range(slots.shape[0]):
+        slot = slots[i]
+        if slot >= 0:
+            for d in range(dim):
+                out[i, d] = values[slot, d]
+
+
+@numba.njit(cache=True, nogil=True)
+def query_kernel(table, clock, values, keys, out, hit, sets, tick, lfu):
+    # Three tight loops (probe, copy, touch) measured faster than one loop doing all three per key:
+    # the copy loop stays a plain gather the compiler vectorises.
+    ways = table.shape[1]
     usets = np.uint64(sets)
-    slots = np.empty(keys.shape[0], np.int64)
+    n = keys.shape[0]
+    slots = np.empty(n, np.int64)
     nhit = 0
-    for i in range(keys.shape[0]):
+    for i in range(n):
         k = keys[i]
         s = _set_of(k, usets)
         w = _find(table, s, k)
         if w < 0:
             hit[i] = False
-            continue
-        slot = s * ways + w
-        for d in range(dim):
-            out[i, d] = values[slot, d]
-        slots[nhit] = slot
-        hit[i] = True
-        nhit += 1
-    # Clock writes after the copies: interleaving them slowed the copy loop about 1.5x.
-    flat_clock = clock.ravel()
-    for j in range(nhit):
-        if lfu:
-            flat_clock[slots[j]] += 1
+            slots[i] = -1
         else:
-            flat_clock[slots[j]] = tick
+            hit[i] = True
+            slots[i] = s * ways + w
+            nhit += 1
+    _copy_rows(values, slots, out)
+    flat_clock = clock.ravel()
+    for i in range(n):
+        slot = slots[i]
+        if slot >= 0:
+            if lfu:
+                flat_clock[slot] += 1
+            else:
+                flat_clock[slot] = tick
     return nhit
 
 
@@ -175,7 +187,7 @@ def query(
     hit: np.ndarray, sets: int, tick: int, lfu: bool,
 ) -> int:
     """Probe and copy hits into ``out``, set ``hit``, touch clocks; returns the number of hits."""
-    return _query(table.view(np.uint64), clock, values, _u64(keys), out, hit, sets, tick, lfu)
+    return query_kernel(table.view(np.uint64), clock, values, _u64(keys), out, hit, sets, tick, lfu)
 
 
 def insert(

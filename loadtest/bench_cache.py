@@ -1,0 +1,117 @@
+"""L1 cache hit path vs a raw NumPy gather of the same rows, side by side in one run.
+
+``python -m loadtest.bench_cache``: for each batch size, times (interleaved, median of repeats)
+``np.take(table, idx, axis=0, out=buf, mode="clip")`` from a preallocated array, the cache's compiled
+query, the same query behind a plain mutex, and ``SetAssocTableCache.lookup`` (readers/writer lock,
+argument checks, hit counters); prints times and the speed ratio gather_time / cache_time (target:
+>= 0.5 at batch 1024, i.e. the cache within 2x of the gather).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from hps_service.cache import SetAssociativeCache, SetAssocTableCache
+
+
+def _time_per_call(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def build(rows: int, dim: int, ways: int, seed: int) -> tuple[np.ndarray, np.ndarray, SetAssociativeCache]:
+    """A cache at half load and, as a preallocated array, exactly the rows it ended up holding.
+
+    Returns (keys, table, cache): ``table[i]`` is the row of ``keys[i]``, so gathering ``table[idx]``
+    and looking up ``keys[idx]`` produce the same rows.
+    """
+    rng = np.random.default_rng(seed)
+    offered = rng.choice(np.iinfo(np.int64).max, size=rows, replace=False).astype(np.int64)
+    cache = SetAssociativeCache(-(-2 * rows // ways) * ways, dim, ways=ways)
+    cache.insert(offered, rng.random((rows, dim), dtype=np.float32))
+    keys, table = cache.dump()
+    return keys, np.ascontiguousarray(table), cache
+
+
+def run(rows: int, dim: int, ways: int, batches: list[int], repeats: int, budget_s: float) -> list[dict]:
+    """Median seconds per call of each contender at each batch size."""
+    keys, table, cache = build(rows, dim, ways, seed=0)
+    print(f"table {len(keys)} rows x {dim} float32 ({table.nbytes / 2**20:.0f} MiB), all of them in a cache of "
+          f"capacity {cache.capacity} ({cache.values.nbytes / 2**20:.0f} MiB values), {ways} ways")
+    table_cache = SetAssocTableCache(cache, lambda k: np.zeros((len(k), dim), np.float32), hit_rate_threshold=0.0)
+    mutex = threading.Lock()
+    rng = np.random.default_rng(1)
+    results = []
+    try:
+        for batch in batches:
+            idx = rng.integers(0, len(keys), size=batch, dtype=np.int64)
+            batch_keys = keys[idx]
+            buf = np.empty((batch, dim), np.float32)
+            out = np.empty((batch, dim), np.float32)
+
+            def mutex_query(batch_keys: np.ndarray = batch_keys, out: np.ndarray = out) -> None:
+                with mutex:
+                    cache.query(batch_keys, out)
+
+            contenders = {
+                "gather": lambda idx=idx, buf=buf: np.take(table, idx, axis=0, out=buf, mode="clip"),
+                "query": lambda k=batch_keys, out=out: cache.query(k, out),
+                "query+mutex": mutex_query,
+                "TableCache.lookup": lambda k=batch_keys, out=out: table_cache.lookup(k, out),
+            }
+            for fn in contenders.values():
+                fn()
+            assert table_cache.lookup(batch_keys, out).all() and np.array_equal(out, table[idx])
+            single = _time_per_call(contenders["gather"], 20)
+            calls = max(5, int(budget_s / repeats / max(single, 1e-7) / len(contenders)))
+            samples: dict[str, list[float]] = {name: [] for name in contenders}
+            for _ in range(repeats):
+                for name, fn in contenders.items():
+                    samples[name].append(_time_per_call(fn, calls))
+            med = {name: statistics.median(v) for name, v in samples.items()}
+            results.append({"batch": batch, **med})
+    finally:
+        table_cache.close()
+    return results
+
+
+def report(results: list[dict]) -> None:
+    """Print microseconds per call and speed ratios (gather time / contender time)."""
+    print(f"{'batch':>6} {'gather us':>10} {'query us':>9} {'ratio':>6} {'+mutex us':>10} {'ratio':>6} "
+          f"{'lookup us':>10} {'ratio':>6} {'lookup Mkeys/s':>15}")
+    for r in results:
+        g = r["gather"]
+        print(f"{r['batch']:>6} {g * 1e6:>10.1f} {r['query'] * 1e6:>9.1f} {g / r['query']:>6.2f} "
+              f"{r['query+mutex'] * 1e6:>10.1f} {g / r['query+mutex']:>6.2f} "
+              f"{r['TableCache.lookup'] * 1e6:>10.1f} {g / r['TableCache.lookup']:>6.2f} "
+              f"{r['batch'] / r['TableCache.lookup'] / 1e6:>15.2f}")
+    at_1024 = next((r for r in results if r["batch"] == 1024), None)
+    if at_1024 is not None:
+        ratio = at_1024["gather"] / at_1024["query"]
+        verdict = "meets" if ratio >= 0.5 else "misses"
+        print(f"batch 1024: cache query speed = {ratio:.2f}x the raw gather ({verdict} the >= 0.5 target); "
+              f"TableCache.lookup {at_1024['gather'] / at_1024['TableCache.lookup']:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=1 << 17)
+    parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--ways", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024, 4096, 16384])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--budget-s", type=float, default=2.0, help="seconds of timing per batch size")
+    args = parser.parse_args()
+    report(run(args.rows, args.dim, args.ways, args.batches, args.repeats, args.budget_s))
+
+
+if __name__ == "__main__":
+    main()
