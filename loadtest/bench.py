@@ -1,0 +1,579 @@
+"""The benchmark suite (``make bench``): every ratio measured side by side in one run on this machine.
+
+1. L1 hit lookup in process vs a raw NumPy gather (loadtest.bench_cache), batch 256..16384; target >= 0.5.
+2. Served over gRPC from other processes (batch 1024, dim 64, zipf(1.05), hot set cached after a warm-up):
+   vs the transport floor (loadtest.floor_server, same proto and payload, same calls in flight), target >= 0.8x;
+   vs a plain Redis Cluster client (hash-tagged MGET per master, all sent before reading), target >= 3.5x keys/s.
+3. L3 miss path (no L1, no volatile tier) vs raw rocksdict multi-get of the same keys on the same store; >= 0.67x.
+4. Bytes per row held by the in-process tiers (hash map, L1 arrays) over the raw row bytes; target <= 1.3x.
+5. Cost curves over gRPC: keys/s and p99 vs batch size, table size and cache fraction (PNG).
+6. Freshness under load: loadtest.bench_updates run beside the lookup numbers (reported as not run if it fails).
+
+    python -m loadtest.bench            # ~10 min on 2 cores
+    python -m loadtest.bench --quick    # ~2-3 min
+    python -m loadtest.bench --table-sizes 1000000,5000000,20000000 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Self
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from hps_service.config import load_config
+from hps_service.server.app import build_engine
+from hps_service.tiers.base import table_id
+from loadtest.embedded import EmbeddedServer
+from loadtest.loadgen import RESULTS, LoadSpec, run_load
+from loadtest.report import write_json
+from loadtest.workload import KeySampler, load_keys
+
+MODEL, TABLE, DIM = "demo", "item", 64
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Sizes and durations of one suite run."""
+
+    rows: int
+    table_sizes: tuple[int, ...]
+    batches: tuple[int, ...]
+    cache_fractions: tuple[float, ...]
+    measure_s: float
+    warmup_s: float
+    rounds: int
+    curve_s: float
+    l1_repeats: int
+    l1_budget_s: float
+    l3_batches: int
+    workers: int
+    concurrency: int
+    freshness_samples: int
+
+
+def plan(quick: bool, table_sizes: str | None) -> Plan:
+    if quick:
+        p = Plan(rows=200_000, table_sizes=(200_000, 1_000_000), batches=(256, 1024, 4096, 16384),
+                 cache_fractions=(0.01, 0.2, 1.0), measure_s=3.0, warmup_s=3.0, rounds=1, curve_s=2.0,
+                 l1_repeats=3, l1_budget_s=0.5, l3_batches=100, workers=2, concurrency=8, freshness_samples=30)
+    else:
+        p = Plan(rows=1_000_000, table_sizes=(1_000_000, 5_000_000), batches=(256, 1024, 4096, 16384),
+                 cache_fractions=(0.01, 0.1, 0.5, 1.0), measure_s=6.0, warmup_s=5.0, rounds=2, curve_s=4.0,
+                 l1_repeats=5, l1_budget_s=1.0, l3_batches=300, workers=2, concurrency=8, freshness_samples=100)
+    if table_sizes:
+        p = replace(p, table_sizes=tuple(int(s) for s in table_sizes.split(",") if s.strip()))
+    return p
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "python": platform.python_version(),
+            "platform": platform.platform(), "load_average_at_start": os.getloadavg()}
+
+
+# ---------------------------------------------------------------------------------------------- 1. L1
+def bench_l1(p: Plan, console: Console) -> dict[str, Any]:
+    """bench_cache's interleaved medians; ratio = gather time / our time (speed relative to the gather)."""
+    from loadtest import bench_cache
+
+    results = bench_cache.run(rows=1 << 17, dim=DIM, ways=32, batches=list(p.batches), repeats=p.l1_repeats,
+                              budget_s=p.l1_budget_s)
+    rows = [{"batch": r["batch"], "gather_us": r["gather"] * 1e6, "query_us": r["query"] * 1e6,
+             "lookup_us": r["TableCache.lookup"] * 1e6, "ratio_query": r["gather"] / r["query"],
+             "ratio_lookup": r["gather"] / r["TableCache.lookup"]} for r in results]
+    return {"per_batch": rows, "ratio_min_lookup": min(r["ratio_lookup"] for r in rows), "target": 0.5}
+
+
+# ---------------------------------------------------------------------------------------------- 2. gRPC
+class FloorServer:
+    """loadtest.floor_server as a subprocess."""
+
+    def __init__(self, mode: str, batch: int, workdir: Path) -> None:
+        from tests.helpers import free_port
+
+        self.port = free_port()
+        self.log_path = workdir / f"floor-{mode}.log"
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "loadtest.floor_server", "--port", str(self.port), "--mode", mode,
+                 "--batch", str(batch), "--dim", str(DIM), "--table", TABLE, "--model", MODEL],
+                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+            )
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Self:
+        import grpc
+
+        with grpc.insecure_channel(self.target) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=30)
+            except grpc.FutureTimeoutError:
+                self.__exit__()
+                raise RuntimeError(f"the floor server on {self.target} did not start; see {self.log_path}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _summary(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: report[k] for k in ("qps", "keys_per_s", "latency_ms", "requests", "responses", "errors", "dropped",
+                                   "client_cache_hit_rate", "server_hit_rate")}
+
+
+def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rounds of one contender: mean keys/s and QPS, median p50/p99, every round kept."""
+    return {
+        "keys_per_s": statistics.mean(r["keys_per_s"] for r in runs),
+        "qps": statistics.mean(r["qps"] for r in runs),
+        "p50_ms": statistics.median(r["latency_ms"]["p50"] or float("nan") for r in runs),
+        "p99_ms": statistics.median(r["latency_ms"]["p99"] or float("nan") for r in runs),
+        "errors": sum(sum(r["errors"].values()) for r in runs),
+        "rounds": [_summary(r) for r in runs],
+    }
+
+
+def bench_grpc(p: Plan, server: EmbeddedServer, workdir: Path, console: Console, profile: bool) -> dict[str, Any]:
+    """Ours vs the floors (aio and thread-pool) vs Redis Cluster, interleaved round by round."""
+    base = LoadSpec(target=server.target, model=MODEL, tables=(TABLE,), batch=1024, workers=p.workers,
+                    concurrency=p.concurrency, duration_s=p.measure_s, warmup_s=1.0, keys_file=str(server.keys_file),
+                    http_target=server.http_target, dim=DIM)
+    console.print(f"  warming the L1 with {p.warmup_s:.0f} s of zipf(1.05) load")
+    run_load(replace(base, duration_s=p.warmup_s, warmup_s=0.0))
+    sampler = KeySampler(load_keys(server.keys_file), "zipf", 1.05)
+    cache_fraction = 0.2
+    out: dict[str, Any] = {"expected_hit_rate_perfect_cache": sampler.hot_fraction(cache_fraction),
+                           "cache_fraction": cache_fraction, "rows": p.rows, "in_flight": p.concurrency,
+                           "client_processes": p.workers}
+    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "floor_aio": [], "floor_sync": [], "redis": []}
+    redis_ctx = _redis_cluster(server, workdir, console)
+    try:
+        redis_seed = redis_ctx.__enter__()
+        for r in range(p.rounds):
+            console.print(f"  round {r + 1}/{p.rounds}: ours, floor (aio), floor (thread pool), redis")
+            runs["ours"].append(run_load(base))
+            for mode in ("aio", "sync"):
+                with FloorServer(mode, 1024, workdir) as floor:
+                    runs[f"floor_{mode}"].append(run_load(replace(base, target=floor.target, http_target=None)))
+            if redis_seed is not None:
+                runs["redis"].append(run_load(replace(base, backend="redis", target=redis_seed, http_target=None)))
+        if profile:
+            out["profile"] = _profile_server(server, base, workdir, console)
+    finally:
+        redis_ctx.__exit__(None, None, None)
+    for name, rs in runs.items():
+        out[name] = _combine(rs) if rs else None
+    floors = [out[k]["keys_per_s"] for k in ("floor_aio", "floor_sync") if out[k]]
+    out["floor_best_keys_per_s"] = max(floors)
+    out["ratio_vs_floor"] = out["ours"]["keys_per_s"] / out["floor_best_keys_per_s"]
+    out["ratio_vs_floor_same_kind"] = (out["ours"]["keys_per_s"] / out["floor_sync"]["keys_per_s"]
+                                       if out["floor_sync"] else None)
+    out["ratio_vs_redis"] = out["ours"]["keys_per_s"] / out["redis"]["keys_per_s"] if out["redis"] else None
+    return out
+
+
+class _NoRedis:
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class _RedisCluster:
+    """A real 3-master cluster (tests.fixtures.redis_cluster) holding every row of the table."""
+
+    def __init__(self, server: EmbeddedServer, workdir: Path, console: Console) -> None:
+        self.server, self.workdir, self.console = server, workdir / "redis", console
+        self.cluster = None
+
+    def __enter__(self) -> str:
+        from loadtest.redis_baseline import cluster_layout, load_rows
+        from tests.fixtures.redis_cluster import start_redis_cluster
+
+        self.workdir.mkdir(exist_ok=True)
+        self.cluster = start_redis_cluster(self.workdir)
+        t0 = time.perf_counter()
+        with np.load(self.server.keys_file) as archive:
+            keys, vectors = archive["keys"], archive["vectors"]
+        load_rows(cluster_layout(self.cluster.nodes[0]), keys, vectors)
+        self.console.print(f"  Redis Cluster on {', '.join(self.cluster.nodes)}: {keys.shape[0]} rows loaded in "
+                           f"{time.perf_counter() - t0:.1f} s")
+        return self.cluster.nodes[0]
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def _redis_cluster(server: EmbeddedServer, workdir: Path, console: Console) -> Any:
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        reason = "redis-server/redis-cli not on PATH (make test-deps installs them): Redis baseline skipped"
+        console.print(f"  [yellow]{reason}[/]")
+        return _NoRedis(reason)
+    return _RedisCluster(server, workdir, console)
+
+
+def _profile_server(server: EmbeddedServer, base: LoadSpec, workdir: Path, console: Console) -> dict[str, Any]:
+    """py-spy samples of the server while the load generator runs; on-CPU share per category."""
+    import threading
+
+    from loadtest import profiling
+
+    assert server.proc is not None
+    seconds = max(3.0, base.duration_s)
+    out_file = workdir / "server-profile.txt"
+    result: dict[str, Any] = {}
+
+    def sample() -> None:
+        time.sleep(1.0)
+        result["file"] = profiling.record(server.proc.pid, seconds, out_file)
+
+    thread = threading.Thread(target=sample)
+    thread.start()
+    run_load(replace(base, duration_s=seconds + 2.0))
+    thread.join()
+    if result.get("file") is None:
+        console.print("  [yellow]py-spy could not sample the server (missing or ptrace not allowed)[/]")
+        return {"error": "py-spy could not sample the server"}
+    kept = RESULTS / "bench-server-profile.txt"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(out_file, kept)
+    return {"gil_busy": profiling.gil_busy(out_file, seconds), "by_category": profiling.breakdown(out_file),
+            "top_frames": profiling.top_frames(out_file), "collapsed_stacks": str(kept)}
+
+
+# ---------------------------------------------------------------------------------------------- 5. curves
+def curve_point(server: EmbeddedServer, p: Plan, batch: int = 1024) -> dict[str, Any]:
+    spec = LoadSpec(target=server.target, model=MODEL, tables=(TABLE,), batch=batch, workers=p.workers,
+                    concurrency=p.concurrency, duration_s=p.curve_s, warmup_s=1.0, keys_file=str(server.keys_file),
+                    http_target=server.http_target)
+    r = run_load(spec)
+    return {"keys_per_s": r["keys_per_s"], "qps": r["qps"], "p99_ms": r["latency_ms"]["p99"],
+            "p50_ms": r["latency_ms"]["p50"], "errors": sum(r["errors"].values()),
+            "server_hit_rate": r["server_hit_rate"]}
+
+
+def curve_batches(server: EmbeddedServer, p: Plan) -> list[dict[str, Any]]:
+    return [{"batch": b, **curve_point(server, p, b)} for b in p.batches]
+
+
+def curve_table_sizes(p: Plan, workdir: Path, base_point: dict[str, Any], console: Console) -> list[dict[str, Any]]:
+    points = []
+    for rows in p.table_sizes:
+        if rows == p.rows:
+            points.append({"rows": rows, **base_point})
+            continue
+        console.print(f"  table of {rows:,} rows: hps synth + hps import + serve")
+        t0 = time.perf_counter()
+        srv = EmbeddedServer(workdir / f"rows-{rows}", rows=rows, table_dim=DIM).prepare()
+        prepared = time.perf_counter() - t0
+        srv.start()
+        try:
+            run_load(LoadSpec(target=srv.target, model=MODEL, tables=(TABLE,), workers=p.workers,
+                              concurrency=p.concurrency, duration_s=p.warmup_s, warmup_s=0.0,
+                              keys_file=str(srv.keys_file)))
+            points.append({"rows": rows, "prepare_s": prepared, **curve_point(srv, p)})
+        finally:
+            srv.stop()
+            shutil.rmtree(srv.workdir, ignore_errors=True)
+    return points
+
+
+def curve_cache_fractions(p: Plan, workdir: Path) -> list[dict[str, Any]]:
+    points = []
+    for fraction in p.cache_fractions:
+        srv = EmbeddedServer(workdir / "base", rows=p.rows, table_dim=DIM,
+                             overrides={"cache": {"capacity": fraction}}).prepare().start()
+        try:
+            run_load(LoadSpec(target=srv.target, model=MODEL, tables=(TABLE,), workers=p.workers,
+                              concurrency=p.concurrency, duration_s=p.warmup_s, warmup_s=0.0,
+                              keys_file=str(srv.keys_file)))
+            points.append({"cache_fraction": fraction, **curve_point(srv, p)})
+        finally:
+            srv.stop()
+    return points
+
+
+def plot_curves(curves: dict[str, list[dict[str, Any]]], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [("batch", "batch size (keys)", True), ("rows", "table rows", True),
+              ("cache_fraction", "L1 cache fraction of the table", True)]
+    names = {"batch": "batches", "rows": "table_sizes", "cache_fraction": "cache_fractions"}
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, (x, label, logx) in zip(axes, panels):
+        pts = curves.get(names[x]) or []
+        if not pts:
+            ax.set_visible(False)
+            continue
+        xs = [q[x] for q in pts]
+        ax.plot(xs, [q["keys_per_s"] / 1e6 for q in pts], marker="o", color="tab:blue")
+        ax.set_xlabel(label)
+        ax.set_ylabel("M keys/s", color="tab:blue")
+        if logx:
+            ax.set_xscale("log")
+        twin = ax.twinx()
+        twin.plot(xs, [q["p99_ms"] or np.nan for q in pts], marker="s", color="tab:red")
+        twin.set_ylabel("p99 ms", color="tab:red")
+        ax.grid(True, alpha=0.3)
+    fig.suptitle("cost curves over gRPC (closed loop, zipf 1.05)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- 3. L3
+def bench_l3(p: Plan, db_path: Path, keys: np.ndarray) -> dict[str, Any]:
+    """engine.lookup with no L1 and no volatile tier vs rocksdict multi-get on the very column family it reads,
+    batches of 1024 distinct present keys, interleaved and alternated, after warming both."""
+    config = load_config(None, cache={"enabled": False}, volatile={"type": "disabled"},
+                         persistent={"type": "rocksdb", "path": str(db_path)},
+                         models=[{"name": MODEL, "tables": [{"name": TABLE, "dim": DIM}]}])
+    engine = build_engine(config)
+    try:
+        cf = engine.persistent._cfs[table_id(MODEL, TABLE)]  # the same store and options: isolates our overhead
+        rng = np.random.default_rng(5)
+        batches = [keys[rng.choice(keys.shape[0], 1024, replace=False)] for _ in range(p.l3_batches)]
+        encoded = [b.astype(">i8").view("V8").tolist() for b in batches]
+        for b, e in zip(batches, encoded):
+            engine.lookup(MODEL, TABLE, b)
+            cf.get(e)
+        t_ours, t_raw = [], []
+        for i, (b, e) in enumerate(zip(batches, encoded)):
+            for ours_turn in (True, False) if i % 2 == 0 else (False, True):  # alternate who goes first
+                t = time.perf_counter()
+                if ours_turn:
+                    engine.lookup(MODEL, TABLE, b)
+                    t_ours.append(time.perf_counter() - t)
+                else:
+                    cf.get(e)
+                    t_raw.append(time.perf_counter() - t)
+        sources = engine.lookup(MODEL, TABLE, batches[0]).sources
+        del cf
+    finally:
+        engine.close()
+    ours, raw = statistics.median(t_ours), statistics.median(t_raw)
+    return {"ours_ms": ours * 1e3, "raw_ms": raw * 1e3, "ratio": raw / ours, "target": 0.67,
+            "all_from_persistent": bool((sources == 3).all()), "batches": p.l3_batches}
+
+
+# ---------------------------------------------------------------------------------------------- 4. memory
+def bench_memory(p: Plan) -> dict[str, Any]:
+    """Bytes held per stored row by the hash-map tier and by the L1 cache arrays, over dim * 4."""
+    from hps_service.cache import SetAssociativeCache
+    from hps_service.tiers.hashmap import HashMapTier
+
+    rows = p.rows
+    raw_row = DIM * 4
+    tier = HashMapTier(capacity_rows=rows)
+    tier.create_table("m.t", DIM)
+    rng = np.random.default_rng(0)
+    keys = rng.permutation(np.arange(rows, dtype=np.int64) * 7 + 1)
+    vectors = rng.standard_normal((rows, DIM), dtype=np.float32)
+    for lo in range(0, rows, 65536):
+        tier.put("m.t", keys[lo:lo + 65536], vectors[lo:lo + 65536], np.ones(min(65536, rows - lo), np.int64))
+    held = tier.count("m.t")
+    hashmap_bytes = tier.memory_bytes("m.t")
+    tier.close()
+    capacity = -(-rows // 32) * 32
+    cache = SetAssociativeCache(capacity, DIM, ways=32)
+    cache_bytes = cache.keys.nbytes + cache.clock.nbytes + cache.values.nbytes
+    return {"rows": held, "raw_row_bytes": raw_row, "hashmap_bytes_per_row": hashmap_bytes / held,
+            "hashmap_ratio": hashmap_bytes / (held * raw_row), "l1_bytes_per_row": cache_bytes / capacity,
+            "l1_ratio": cache_bytes / (capacity * raw_row), "target": 1.3}
+
+
+# ---------------------------------------------------------------------------------------------- 6. freshness
+def bench_freshness(p: Plan, console: Console) -> dict[str, Any]:
+    """loadtest.bench_updates (owned by the updates work) as a subprocess; its printed freshness lines parsed."""
+    cmd = [sys.executable, "-m", "loadtest.bench_updates", "--rows", "50000", "--samples", str(p.freshness_samples)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
+                              cwd=Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired:
+        return {"run": False, "reason": "bench_updates did not finish within 300 s"}
+    if proc.returncode != 0:
+        return {"run": False, "reason": f"bench_updates exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+    text = proc.stdout
+    match = re.search(r"served by engine\.lookup p50 ([\d.]+) ms, p99 ([\d.]+) ms", text)
+    lookups = re.search(r"lookups ([\d,]+) keys/s meanwhile", text)
+    return {"run": True, "p50_ms": float(match.group(1)) if match else None,
+            "p99_ms": float(match.group(2)) if match else None,
+            "lookup_keys_per_s_meanwhile": float(lookups.group(1).replace(",", "")) if lookups else None,
+            "target_p99_ms": 1000.0, "output": text.strip().splitlines()}
+
+
+# ---------------------------------------------------------------------------------------------- report
+def ratio_table(res: dict[str, Any]) -> Table:
+    t = Table(title="hps-service benchmarks: ratios measured side by side in this run", header_style="bold")
+    for col in ("benchmark", "ours", "baseline", "ratio", "target", "met"):
+        t.add_column(col, justify="right" if col not in ("benchmark",) else "left")
+
+    def row(name: str, ours: str, base: str, ratio: float | None, target: str, ok: bool | None) -> None:
+        t.add_row(name, ours, base, "-" if ratio is None else f"{ratio:.2f}x", target,
+                  "-" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]"))
+
+    for r in res.get("l1", {}).get("per_batch", []):
+        row(f"1. L1 hit lookup, batch {r['batch']}", f"{r['lookup_us']:.0f} us", f"gather {r['gather_us']:.0f} us",
+            r["ratio_lookup"], ">= 0.5", r["ratio_lookup"] >= 0.5)
+    g = res.get("grpc")
+    if g:
+        o = g["ours"]
+        row("2. gRPC b1024 vs floor (best of aio/thread pool)",
+            f"{o['keys_per_s'] / 1e6:.2f} M keys/s p99 {o['p99_ms']:.1f} ms",
+            f"{g['floor_best_keys_per_s'] / 1e6:.2f} M keys/s", g["ratio_vs_floor"], ">= 0.8", g["ratio_vs_floor"] >= 0.8)
+        if g.get("floor_sync"):
+            row("   vs thread-pool floor (our server's kind)", "", f"{g['floor_sync']['keys_per_s'] / 1e6:.2f} M keys/s "
+                f"p99 {g['floor_sync']['p99_ms']:.1f} ms", g["ratio_vs_floor_same_kind"], "-", None)
+        if g.get("redis"):
+            rd = g["redis"]
+            row("2. gRPC b1024 vs Redis Cluster MGET/node", f"p99 {o['p99_ms']:.1f} ms",
+                f"{rd['keys_per_s'] / 1e6:.2f} M keys/s p99 {rd['p99_ms']:.1f} ms", g["ratio_vs_redis"], ">= 3.5",
+                g["ratio_vs_redis"] >= 3.5)
+        else:
+            row("2. gRPC vs Redis Cluster", "", "not run (no redis-server)", None, ">= 3.5", None)
+    l3 = res.get("l3")
+    if l3:
+        row("3. L3 miss path vs rocksdict multi-get", f"{l3['ours_ms']:.2f} ms", f"{l3['raw_ms']:.2f} ms",
+            l3["ratio"], ">= 0.67", l3["ratio"] >= 0.67)
+    m = res.get("memory")
+    if m:
+        row("4. memory: hash map tier bytes/row", f"{m['hashmap_bytes_per_row']:.0f} B", f"raw {m['raw_row_bytes']} B",
+            m["hashmap_ratio"], "<= 1.3", m["hashmap_ratio"] <= 1.3)
+        row("4. memory: L1 cache bytes/row", f"{m['l1_bytes_per_row']:.0f} B", f"raw {m['raw_row_bytes']} B",
+            m["l1_ratio"], "<= 1.3", m["l1_ratio"] <= 1.3)
+    f = res.get("freshness")
+    if f:
+        if f.get("run") and f.get("p99_ms") is not None:
+            row("6. freshness under load (publish -> served)", f"p99 {f['p99_ms']:.0f} ms", "", None, "p99 <= 1 s",
+                f["p99_ms"] <= 1000)
+        else:
+            row("6. freshness under load", "not run", f.get("reason", "")[:60], None, "p99 <= 1 s", None)
+    return t
+
+
+def curves_table(curves: dict[str, list[dict[str, Any]]]) -> Table:
+    t = Table(title="5. cost curves over gRPC", header_style="bold")
+    for col in ("curve", "x", "M keys/s", "QPS", "p50 ms", "p99 ms", "server L1 hit", "errors"):
+        t.add_column(col, justify="right")
+    for name, key in (("batches", "batch"), ("table_sizes", "rows"), ("cache_fractions", "cache_fraction")):
+        for q in curves.get(name, []):
+            hit = (q.get("server_hit_rate") or {}).get("cache")
+            t.add_row(name, f"{q[key]:,}" if isinstance(q[key], int) else f"{q[key]:g}", f"{q['keys_per_s'] / 1e6:.2f}",
+                      f"{q['qps']:.0f}", f"{q['p50_ms'] or float('nan'):.1f}", f"{q['p99_ms'] or float('nan'):.1f}",
+                      "-" if hit is None else f"{hit:.3f}", str(q["errors"]))
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smaller tables and shorter runs (~2-3 min)")
+    ap.add_argument("--table-sizes", default=None, help="rows of the table-size curve, e.g. 1000000,5000000,20000000")
+    ap.add_argument("--profile", action="store_true", help="py-spy the server under the gRPC load")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    p = plan(args.quick, args.table_sizes)
+    console = Console(width=max(Console().width, 150))
+    started = time.perf_counter()
+    res: dict[str, Any] = {"machine": machine(), "plan": asdict(p), "quick": args.quick}
+    workdir = Path(tempfile.mkdtemp(prefix="hps-bench-"))
+    try:
+        if "l1" not in skip:
+            console.rule("1. L1 hit path vs raw NumPy gather (loadtest.bench_cache)")
+            res["l1"] = bench_l1(p, console)
+        base = EmbeddedServer(workdir / "base", rows=p.rows, table_dim=DIM)
+        if {"grpc", "curves", "l3"} - skip:
+            console.rule(f"setup: hps synth + hps import of {p.rows:,} x {DIM} rows")
+            t0 = time.perf_counter()
+            base.prepare()
+            res["setup_s"] = time.perf_counter() - t0
+        if {"grpc", "curves"} - skip:
+            base.start()
+            try:
+                if "grpc" not in skip:
+                    console.rule("2. served over gRPC vs the transport floor and Redis Cluster")
+                    res["grpc"] = bench_grpc(p, base, workdir, console, args.profile)
+                if "curves" not in skip:
+                    console.rule("5. cost curves: batch size")
+                    res.setdefault("curves", {})["batches"] = curve_batches(base, p)
+            finally:
+                base.stop()
+        if "l3" not in skip:
+            console.rule("3. L3 miss path vs raw rocksdict multi-get")
+            res["l3"] = bench_l3(p, base.workdir / "rocksdb", load_keys(base.keys_file))
+        if "memory" not in skip:
+            console.rule("4. memory per row")
+            res["memory"] = bench_memory(p)
+        if "curves" not in skip:
+            curves = res.setdefault("curves", {})
+            console.rule("5. cost curves: cache fraction")
+            curves["cache_fractions"] = curve_cache_fractions(p, workdir)
+            console.rule("5. cost curves: table size")
+            at_1024 = next((q for q in curves.get("batches", []) if q["batch"] == 1024), None)
+            curves["table_sizes"] = curve_table_sizes(p, workdir, at_1024 or {}, console) if at_1024 else []
+            res["curves_png"] = str(plot_curves(curves, args.out / "bench-cost-curves.png"))
+        if "freshness" not in skip:
+            console.rule("6. freshness under load (loadtest.bench_updates)")
+            res["freshness"] = bench_freshness(p, console)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        res["elapsed_s"] = time.perf_counter() - started
+        path = write_json(res, args.out / time.strftime("bench-%Y%m%d-%H%M%S.json"))
+        shutil.copyfile(path, args.out / "bench-latest.json")
+    console.print(ratio_table(res))
+    if res.get("curves"):
+        console.print(curves_table(res["curves"]))
+    prof = (res.get("grpc") or {}).get("profile")
+    if prof and "by_category" in prof:
+        console.print(f"server under gRPC load (py-spy --gil): GIL held {prof['gil_busy']:.0%} of the time; by part: " + ", ".join(
+            f"{k} {v:.0%}" for k, v in prof["by_category"].items()))
+    console.print(f"machine: {res['machine']['cpu']}, {res['machine']['cores']} cores, "
+                  f"{res['machine']['memory_gib']} GiB; load average at start {res['machine']['load_average_at_start']}")
+    console.print(f"wrote {path} (and bench-latest.json) in {res['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

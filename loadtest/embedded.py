@@ -1,0 +1,136 @@
+"""Start the embedded default server (examples/embedded.yaml) on free ports with a generated model, the way a
+user would: ``hps synth``, ``hps import``, ``hps serve`` as subprocesses. Used by ``make loadtest``, the
+benchmarks and the load generator's test.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Self
+
+import yaml
+
+from hps_service.errors import InvalidArgumentError, UnavailableError
+from tests.helpers import free_port, wait_serving
+
+REPO = Path(__file__).resolve().parents[1]
+EMBEDDED_CONFIG = REPO / "examples" / "embedded.yaml"
+HPS = [sys.executable, "-m", "hps_service.cli"]
+
+
+def _run(*args: str, timeout: float = 1800) -> None:
+    proc = subprocess.run([*HPS, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
+    if proc.returncode != 0:
+        raise UnavailableError(f"hps {args[0]} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+
+
+def synth_model(path: Path, rows: int, dim: int, seed: int = 0) -> Path:
+    """``hps synth`` into ``path`` unless it is already there."""
+    if not path.is_file():
+        _run("synth", "--out", str(path), "--rows", str(rows), "--dim", str(dim), "--seed", str(seed))
+    return path
+
+
+class EmbeddedServer:
+    """``hps serve`` on the embedded default config with one generated table, on free loopback ports.
+
+    ``overrides`` are merged into the config's sections (e.g. ``{"cache": {"capacity": 1.0}}``);
+    ``table_dim`` replaces the dim of ``model.table`` in the config's model list.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        rows: int = 100_000,
+        table_dim: int = 64,
+        model: str = "demo",
+        table: str = "item",
+        overrides: dict[str, dict[str, Any]] | None = None,
+        seed: int = 0,
+    ) -> None:
+        if rows < 1:
+            raise InvalidArgumentError(f"rows must be >= 1, got {rows}")
+        self.workdir = Path(workdir)
+        self.rows, self.dim, self.model, self.table, self.seed = rows, table_dim, model, table, seed
+        self.overrides = overrides or {}
+        self.keys_file = self.workdir / f"{model}-{table}-{rows}x{table_dim}.npz"
+        self.config_path = self.workdir / "config.yaml"
+        self.log_path = self.workdir / "server.log"
+        self.grpc_port = self.http_port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def http_target(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    def _config(self) -> dict[str, Any]:
+        config = yaml.safe_load(EMBEDDED_CONFIG.read_text())
+        config = copy.deepcopy(config)
+        for section, values in self.overrides.items():
+            config.setdefault(section, {}).update(values)
+        config["server"].update(grpc_port=self.grpc_port, http_port=self.http_port, host="127.0.0.1")
+        config["persistent"]["path"] = str(self.workdir / "rocksdb")
+        model = next((m for m in config["models"] if m["name"] == self.model), None)
+        if model is None:
+            raise InvalidArgumentError(f"model '{self.model}' is not in {EMBEDDED_CONFIG}")
+        table = next((t for t in model["tables"] if t["name"] == self.table), None)
+        if table is None:
+            raise InvalidArgumentError(f"model '{self.model}' has no table '{self.table}' in {EMBEDDED_CONFIG}")
+        table["dim"] = self.dim
+        return config
+
+    def prepare(self) -> EmbeddedServer:
+        """Generate the table and import it into RocksDB (both skipped when already done)."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        synth_model(self.keys_file, self.rows, self.dim, self.seed)
+        self.config_path.write_text(yaml.safe_dump(self._config()))
+        _run("import", "--config", str(self.config_path), "--model", self.model, "--table", self.table,
+             "--if-empty", str(self.keys_file))
+        return self
+
+    def start(self, timeout: float = 120.0, env: dict[str, str] | None = None) -> EmbeddedServer:
+        """Write the config with fresh free ports and start ``hps serve``; returns once gRPC is SERVING."""
+        if self.proc is not None:
+            raise UnavailableError("the embedded server is already running")
+        self.grpc_port, self.http_port = free_port(), free_port()
+        self.config_path.write_text(yaml.safe_dump(self._config()))
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*HPS, "serve", "--config", str(self.config_path), "--log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})},
+            )
+        try:
+            wait_serving(self.target, timeout, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM (drain), then SIGKILL after ``timeout``; returns the exit status."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def __enter__(self) -> Self:
+        return self.prepare().start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,100 @@
+"""The transport floor: a bare hps.v1 Lookup server that parses each request and answers with one fixed,
+pre-serialised LookupResponse of the size ours sends (same proto, same rows and sources bytes), so any gap
+between it and hps-service is the cost of our server beyond moving the bytes.
+
+    python -m loadtest.floor_server --port 9500 --batch 1024 --dim 64 --table item --mode aio
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import threading
+from concurrent import futures
+
+import grpc
+import numpy as np
+
+from hps_service.lookup import Source
+from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from loadtest.drivers import LOOKUP_METHOD
+
+_OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)]
+
+
+def fixed_response(model: str, tables: list[str], batch: int, dim: int) -> bytes:
+    """A LookupResponse answering ``batch`` keys of each table, every key from the cache."""
+    rows = np.random.default_rng(0).standard_normal((batch, dim), dtype=np.float32)
+    sources = np.full(batch, Source.CACHE, dtype=np.uint8)
+    return pb.LookupResponse(
+        model=model,
+        tables=[pb.TableVectors(table=t, dim=dim, count=batch, vectors=rows.tobytes(), sources=sources.tobytes())
+                for t in tables],
+    ).SerializeToString()
+
+
+def _handler(payload: bytes, is_async: bool) -> grpc.GenericRpcHandler:
+    if is_async:
+        async def lookup(request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:
+            return payload
+    else:
+        def lookup(request: pb.LookupRequest, context: grpc.ServicerContext) -> bytes:  # type: ignore[misc]
+            return payload
+    method = grpc.unary_unary_rpc_method_handler(
+        lookup, request_deserializer=pb.LookupRequest.FromString, response_serializer=None
+    )
+    service, name = LOOKUP_METHOD.rsplit("/", 1)
+    return grpc.method_handlers_generic_handler(service.lstrip("/"), {name: method})
+
+
+async def serve_aio(port: int, payload: bytes) -> None:
+    """grpc.aio server until SIGTERM/SIGINT."""
+    server = grpc.aio.server(options=_OPTIONS)
+    server.add_generic_rpc_handlers((_handler(payload, True),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"floor (aio) on 127.0.0.1:{port}", flush=True)
+    await stop.wait()
+    await server.stop(1)
+
+
+def serve_sync(port: int, payload: bytes, workers: int) -> None:
+    """Thread-pool grpc server (the kind hps-service runs) until SIGTERM/SIGINT."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_OPTIONS)
+    server.add_generic_rpc_handlers((_handler(payload, False),))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"floor (sync, {workers} threads) on 127.0.0.1:{port}", flush=True)
+    stop.wait()
+    server.stop(1).wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", default="demo")
+    p.add_argument("--table", dest="tables", action="append")
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--mode", choices=("aio", "sync"), default="aio")
+    p.add_argument("--workers", type=int, default=8, help="sync mode: server threads")
+    args = p.parse_args(argv)
+    payload = fixed_response(args.model, args.tables or ["item"], args.batch, args.dim)
+    if args.mode == "aio":
+        asyncio.run(serve_aio(args.port, payload))
+    else:
+        serve_sync(args.port, payload, args.workers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""The plain Redis Cluster baseline: rows stored as raw float32 values under hash-tagged keys, one tag per
+master, so a batch costs one MGET per node; every node's MGET is sent before any answer is read.
+
+This is the fastest layout measured for a plain client (``mget_nonatomic`` sends one command per slot and is
+several times slower); the benchmark compares our served keys/s with it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import redis
+import redis.asyncio
+from redis.crc import key_slot
+
+from hps_service.errors import InvalidArgumentError
+from loadtest.drivers import BAD_RESPONSE, CLIENT_ERROR, CallResult
+
+#: Key/value pairs per MSET while loading.
+LOAD_CHUNK = 20_000
+
+
+@dataclass(frozen=True)
+class ClusterLayout:
+    """Masters (``host:port``) and, per master, a hash tag whose slot it serves."""
+
+    nodes: list[str]
+    tags: list[bytes]
+
+    def node_of(self, keys: np.ndarray) -> np.ndarray:
+        """The master index that holds each key."""
+        return (keys.view(np.uint64) % np.uint64(len(self.nodes))).astype(np.int64)
+
+    def names(self, keys: np.ndarray, node: int) -> list[bytes]:
+        """Redis key names of ``keys`` on master ``node``: its tag followed by the 8-byte big-endian key."""
+        tag = self.tags[node]
+        rec = np.empty(keys.shape[0], dtype=[("tag", f"V{len(tag)}"), ("key", "V8")])
+        rec["tag"] = np.frombuffer(tag, dtype=f"V{len(tag)}")[0]
+        rec["key"] = keys.astype(">i8").view("V8")
+        return rec.view(f"V{len(tag) + 8}").tolist()
+
+
+def cluster_layout(seed_node: str) -> ClusterLayout:
+    """Read the masters and their slot ranges from ``seed_node`` and pick one hash tag per master."""
+    host, _, port = seed_node.rpartition(":")
+    with redis.Redis(host=host, port=int(port), socket_timeout=5) as client:
+        slots = client.execute_command("CLUSTER", "SLOTS")
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for entry in slots:
+        start, end, master = int(entry[0]), int(entry[1]), entry[2]
+        h = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+        ranges.setdefault(f"{h}:{int(master[1])}", []).append((start, end))
+    nodes = sorted(ranges)
+    tags = []
+    for node in nodes:
+        i = 0
+        while not any(lo <= key_slot(b"{%d}" % i) <= hi for lo, hi in ranges[node]):
+            i += 1
+        tags.append(b"{%d}" % i)
+    return ClusterLayout(nodes=nodes, tags=tags)
+
+
+def load_rows(layout: ClusterLayout, keys: np.ndarray, vectors: np.ndarray) -> None:
+    """Store every row (raw float32 bytes) on its master with pipelined MSETs."""
+    vectors = np.ascontiguousarray(vectors, dtype="<f4")
+    node = layout.node_of(keys)
+    for n, address in enumerate(layout.nodes):
+        idx = np.flatnonzero(node == n)
+        host, _, port = address.rpartition(":")
+        with redis.Redis(host=host, port=int(port), socket_timeout=30) as client:
+            pipe = client.pipeline(transaction=False)
+            for start in range(0, idx.shape[0], LOAD_CHUNK):
+                chunk = idx[start : start + LOAD_CHUNK]
+                names = layout.names(keys[chunk], n)
+                values = vectors[chunk].view(f"V{vectors.shape[1] * 4}").ravel().tolist()
+                flat: list[bytes] = [None] * (2 * len(names))  # type: ignore[list-item]
+                flat[0::2], flat[1::2] = names, values
+                pipe.execute_command("MSET", *flat)
+            pipe.execute()
+
+
+@dataclass
+class _Batch:
+    names: list[list[bytes]]  # per master, the key names (empty list: no MGET to that master)
+    order: np.ndarray  # request positions in master-concatenated order
+
+
+@dataclass
+class RedisMgetDriver:
+    """One MGET per master per batch, all sent before reading; rows decoded into one (n, dim) array in the
+    order asked. Each call borrows its own set of connections (one per master)."""
+
+    layout: ClusterLayout
+    pool: np.ndarray  # (batches, batch) int64
+    dim: int
+    timeout_s: float = 10.0
+    _batches: list[_Batch] = field(default_factory=list, init=False)
+    _idle: list[list[redis.asyncio.Connection]] = field(default_factory=list, init=False)
+
+    def __post_init__(self) -> None:
+        for keys in self.pool:
+            node = self.layout.node_of(keys)
+            order = np.argsort(node, kind="stable")
+            names = [self.layout.names(keys[node == n], n) for n in range(len(self.layout.nodes))]
+            self._batches.append(_Batch(names=names, order=order))
+
+    async def _connections(self) -> list[redis.asyncio.Connection]:
+        if self._idle:
+            return self._idle.pop()
+        conns = []
+        for address in self.layout.nodes:
+            host, _, port = address.rpartition(":")
+            conn = redis.asyncio.Connection(host=host, port=int(port), socket_timeout=self.timeout_s)
+            await conn.connect()
+            conns.append(conn)
+        return conns
+
+    async def open(self) -> None:
+        self._idle.append(await self._connections())
+
+    async def call(self, i: int) -> CallResult:
+        batch = self._batches[i % len(self._batches)]
+        conns = await self._connections()
+        try:
+            sent = [n for n, names in enumerate(batch.names) if names]
+            for n in sent:
+                await conns[n].send_command("MGET", *batch.names[n])
+            values: list[bytes | None] = []
+            for n in sent:
+                values.extend(await conns[n].read_response())
+        except (TimeoutError, redis.RedisError, OSError):
+            for conn in conns:
+                await conn.disconnect()
+            return CallResult(CLIENT_ERROR, 0)
+        self._idle.append(conns)
+        try:
+            rows = np.frombuffer(b"".join(values), dtype="<f4").reshape(len(values), self.dim)  # type: ignore[arg-type]
+        except (TypeError, ValueError):  # a missing key (None) or a value of the wrong size
+            return CallResult(BAD_RESPONSE, 0)
+        out = np.empty_like(rows)
+        out[batch.order] = rows
+        return CallResult(0, out.shape[0])
+
+    async def close(self) -> None:
+        idle, self._idle = self._idle, []
+        for conns in idle:
+            for conn in conns:
+                await conn.disconnect()
+
+
+def validate_single_table(tables: list[str]) -> None:
+    """The Redis baseline stores one table."""
+    if len(tables) != 1:
+        raise InvalidArgumentError(f"the Redis baseline serves exactly one table, got {len(tables)}")
