@@ -8,13 +8,14 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test run proto bench lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test run proto bench loadtest lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
 	@echo "make test    - install with dev extras, install redis-server if missing, run the test suite"
 	@echo "make proto   - regenerate gRPC stubs from protos/"
 	@echo "make bench   - run the benchmarks under loadtest/ and print the ratios"
+	@echo "make loadtest - load the embedded default over gRPC: QPS, latency percentiles, hit rates, plots"
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -52,7 +53,12 @@ run: install var/demo/demo.npz
 	$(HPS) serve --config $(RUN_CONFIG)
 
 bench: install-dev
-	$(PY) -m loadtest.bench
+	-@$(MAKE) --no-print-directory test-deps
+	$(PY) -m loadtest.bench $(BENCH_ARGS)
+
+# A short closed-loop run and an open-loop sweep against the embedded default, started on free ports.
+loadtest: install-dev
+	$(PY) -m loadtest.loadgen --embedded --duration 5 --sweep 50,100,200,300 $(LOADTEST_ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check hps_service tests loadtest
