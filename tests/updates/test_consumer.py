@@ -78,28 +78,40 @@ def test_100k_rows_all_served_at_latest_version(kafka_broker, engine, model_name
     assert len(consumer.stats()["consumer_lag"]) == 4
 
 
+def publish_distinct_then_newer(pub: Publisher, n: int, chunk: int) -> np.ndarray:
+    """Every key once at version 1 (so a lost message means missing keys), then the first tenth again at 2.
+
+    Returns the version each key must end at."""
+    keys = np.arange(n, dtype=np.int64)
+    for lo in range(0, n, chunk):
+        k = keys[lo : lo + chunk]
+        pub.publish(TABLE, k, rows_for(k, 1), 1)
+    newer = keys[: n // 10]
+    pub.publish(TABLE, newer, rows_for(newer, 2), 2)
+    pub.flush()
+    expected = np.ones(n, dtype=np.int64)
+    expected[: n // 10] = 2
+    return expected
+
+
 def test_stop_without_commit_then_restart_loses_nothing(
     kafka_broker, engine, model_name, start_consumer
 ) -> None:
     pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
-    keys = np.arange(40_000, dtype=np.int64)
-    rounds = 4
-    for step in range(1, rounds + 1):
-        for lo in range(0, keys.shape[0], 500):
-            k = keys[lo : lo + 500]
-            pub.publish(TABLE, k, rows_for(k, step), step)
-    pub.flush()
+    expected = publish_distinct_then_newer(pub, 60_000, 250)
+    keys = np.arange(expected.shape[0], dtype=np.int64)
+    total = expected.shape[0] * 11 // 10
     first = start_consumer(batch_messages=8)  # small batches: it is stopped part-way through the log
-    assert wait_until(lambda: first.metrics.rows_received >= 20_000, timeout=60)
-    first.stop(commit=False)  # a crash: whatever was applied but not committed is read again
-    applied = first.metrics.rows_received
+    assert wait_until(lambda: first.metrics.rows_received >= total // 3, timeout=60)
+    first.stop(commit=False)  # as after a crash: whatever was applied but not committed is read again
+    received = first.metrics.rows_received
     committed = dict(first._committed)
-    assert 0 < applied < keys.shape[0] * rounds, "stopped too late to exercise a restart"
+    assert total // 3 <= received < total, "stopped too late to exercise a restart"
     second = start_consumer()  # same group: resumes from the committed offsets
     assert {k: v for k, v in second._start_offsets.items() if v >= 0} == committed
-    assert wait_until(lambda: all_served(engine, model_name, keys, rounds), timeout=120), second.stats()
+    assert wait_until(lambda: all_served(engine, model_name, keys, expected), timeout=120), second.stats()
     found, versions = stored_versions(engine, model_name, keys)["persistent"]
-    assert found.all() and (versions == rounds).all()
+    assert found.all() and (versions == expected).all()
 
 
 def test_replayed_and_out_of_order_versions_never_regress(
@@ -247,14 +259,9 @@ def test_broker_paused_then_resumed_consumer_catches_up(
 
 def test_consumer_sigkilled_mid_ingest_loses_nothing(kafka_broker, tmp_path, model_name, updates_cfg) -> None:
     pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
-    keys = np.arange(20_000, dtype=np.int64)
-    rounds = 3
-    for step in range(1, rounds + 1):
-        for lo in range(0, keys.shape[0], 250):
-            k = keys[lo : lo + 250]
-            pub.publish(TABLE, k, rows_for(k, step), step)
-    pub.flush()
-    total = keys.shape[0] * rounds
+    expected = publish_distinct_then_newer(pub, 60_000, 250)
+    keys = np.arange(expected.shape[0], dtype=np.int64)
+    total = expected.shape[0] * 11 // 10
     db = tmp_path / "db"
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.updates.consumer_process", kafka_broker.bootstrap, model_name, "pod-0", str(db)],
@@ -280,9 +287,33 @@ def test_consumer_sigkilled_mid_ingest_loses_nothing(kafka_broker, tmp_path, mod
         consumer.start()
         assert consumer.wait_ready(30)
         assert any(o >= 0 for o in consumer._start_offsets.values()), "the killed consumer never committed"
-        assert wait_until(lambda: all_served(engine, model_name, keys, rounds), timeout=120), consumer.stats()
+        assert wait_until(lambda: all_served(engine, model_name, keys, expected), timeout=120), consumer.stats()
         found, versions = stored_versions(engine, model_name, keys)["persistent"]
-        assert found.all() and (versions == rounds).all()
+        assert found.all() and (versions == expected).all()
     finally:
         consumer.stop()
         engine.close()
+
+
+def test_consumer_started_while_broker_down_becomes_ready_after(
+    kafka_broker, engine, model_name, updates_cfg
+) -> None:
+    pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)  # the topic exists before the outage
+    keys = np.arange(1_000, dtype=np.int64)
+    pub.publish(TABLE, keys, rows_for(keys, 1), 1)
+    pub.flush()
+    consumer = UpdateConsumer(updates_cfg, engine, [model_name], "pod-0", partitions=4)
+    kafka_broker.pause()
+    try:
+        consumer.start()
+        assert not consumer.wait_ready(1.5)  # cannot know its offsets yet: not ready, and not crashed
+        assert consumer._thread is not None and consumer._thread.is_alive()
+        _, sources = served(engine, model_name, keys)  # serving is unaffected meanwhile
+        assert (sources == Source.DEFAULT).all()
+    finally:
+        kafka_broker.resume()
+    try:
+        assert consumer.wait_ready(60), consumer.stats()
+        assert wait_until(lambda: all_served(engine, model_name, keys, 1), timeout=60), consumer.stats()
+    finally:
+        consumer.stop()
