@@ -115,6 +115,7 @@ class UpdateConsumer:
         batch_messages: int = 1000,
         poll_timeout_s: float = 0.05,
         commit_interval_s: float = 0.1,
+        close_timeout_s: float = 10.0,
         partitions: int = DEFAULT_PARTITIONS,
         consumer_config: dict[str, Any] | None = None,
     ) -> None:
@@ -131,6 +132,7 @@ class UpdateConsumer:
         self.batch_messages = batch_messages
         self.poll_timeout_s = poll_timeout_s
         self.commit_interval_s = commit_interval_s
+        self.close_timeout_s = close_timeout_s
         self.partitions = partitions
         self._client_config = {"bootstrap.servers": cfg.brokers, "socket.nagle.disable": True}
         self._consumer_config = {
@@ -155,7 +157,8 @@ class UpdateConsumer:
         self._commit_in_flight_since: float | None = None
         self._last_commit = 0.0
         self._last_lag_refresh = 0.0
-        self._dlq_pending = 0
+        #: Dead letters the broker refused (topic, value, headers): produced again; no commit until they land.
+        self._dlq_failed: list[tuple[str, bytes | None, list]] = []
         self.last_error: str | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -259,9 +262,13 @@ class UpdateConsumer:
         if msgs:
             self._process(msgs)
         self._dlq.poll(0)
+        if self._dlq_failed:
+            retry, self._dlq_failed = self._dlq_failed, []
+            for topic, value, headers in retry:
+                self._produce_dead_letter(topic, value, headers)
         now = time.monotonic()
         if now - self._last_commit >= self.commit_interval_s:
-            self._commit(asynchronous=True)
+            self._commit()
         if now - self._last_lag_refresh >= 0.5:
             self._refresh_consumer_lag()
             self._last_lag_refresh = now
@@ -385,31 +392,39 @@ class UpdateConsumer:
             ("hps-error", reason.encode()),
             ("hps-source", f"{msg.topic()}[{msg.partition()}]@{msg.offset()}".encode()),
         ]
+        self._produce_dead_letter(dlq_topic_name(msg.topic()), msg.value(), headers)
+
+    def _produce_dead_letter(self, topic: str, value: bytes | None, headers: list) -> None:
+        assert self._dlq is not None
         while True:
             try:
-                self._dlq.produce(dlq_topic_name(msg.topic()), value=msg.value(), headers=headers)
+                self._dlq.produce(topic, value=value, headers=headers, on_delivery=self._on_dead_letter_delivery)
                 return
             except BufferError:
                 self._dlq.poll(0.05)
 
-    def _commit(self, asynchronous: bool) -> None:
-        """Commit the applied offsets that are ahead of the committed ones (after dead letters are delivered)."""
+    def _on_dead_letter_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        if err is not None:
+            self.last_error = f"dead letter to {msg.topic()} failed: {err.str()}"
+            self._dlq_failed.append((msg.topic(), msg.value(), list(msg.headers() or [])))
+
+    def _commit(self) -> None:
+        """Start an async commit of the applied offsets ahead of the committed ones (once dead letters landed)."""
         assert self._consumer is not None and self._dlq is not None
         self._last_commit = time.monotonic()
         in_flight = self._commit_in_flight_since
-        if asynchronous and in_flight is not None and self._last_commit - in_flight < 5.0:
+        if in_flight is not None and self._last_commit - in_flight < 5.0:
             return
         todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
         if not todo:
             return
-        if len(self._dlq) and self._dlq.flush(0 if asynchronous else 10.0):
+        if len(self._dlq) and self._dlq.flush(0):
             return  # dead letters not yet acknowledged: committing past them could lose them
+        if self._dlq_failed:
+            return
         try:
-            if asynchronous:
-                self._commit_in_flight_since = self._last_commit
-                self._consumer.commit(offsets=todo, asynchronous=True)
-            else:
-                self._on_commit(None, self._consumer.commit(offsets=todo, asynchronous=False))
+            self._commit_in_flight_since = self._last_commit
+            self._consumer.commit(offsets=todo, asynchronous=True)
         except KafkaException as exc:
             self._commit_in_flight_since = None
             self.metrics.commit_failures += 1
@@ -445,16 +460,36 @@ class UpdateConsumer:
             done = self._applied.get(key, start if start >= 0 else max(low, 0))
             self.metrics.record_consumer_lag(tp.topic, tp.partition, max(0, high - done))
 
+    def _final_commit(self, timeout_s: float) -> None:
+        """Commit everything applied, waiting at most ``timeout_s`` (a frozen broker must not block stop())."""
+        assert self._consumer is not None and self._dlq is not None
+        deadline = time.monotonic() + timeout_s
+        self._consumer.pause(self._assignment)  # nothing more is fetched while we wait for the commit
+        if len(self._dlq):
+            self._dlq.flush(timeout_s / 2)
+        if len(self._dlq) or self._dlq_failed:
+            log.warning("update consumer %s: dead letters undelivered; offsets left uncommitted", self.group)
+            return
+        todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
+        if not todo:
+            return
+        self._consumer.commit(offsets=todo, asynchronous=True)
+        while time.monotonic() < deadline:
+            if all(self._committed.get((tp.topic, tp.partition), -1) >= tp.offset for tp in todo):
+                return
+            self._consumer.poll(0.05)  # serves the commit callback
+        log.warning("update consumer %s: final commit not confirmed within %.1fs", self.group, timeout_s)
+
     def _close_clients(self, commit: bool) -> None:
         if self._consumer is not None:
             if commit:
                 try:
-                    self._commit(asynchronous=False)
+                    self._final_commit(self.close_timeout_s)
                 except KafkaException as exc:
                     log.warning("update consumer %s: final commit failed: %s", self.group, exc)
             self._consumer.close()
             self._consumer = None
         if self._dlq is not None:
-            self._dlq.flush(5.0)
+            self._dlq.flush(self.close_timeout_s / 2)
             self._dlq = None
         self._ready.clear()
