@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.lookup import LookupEngine
 from hps_service.server.jobs import Job, persistent_rocksdb
 from hps_service.tiers.base import table_id
@@ -56,7 +56,13 @@ class SnapshotStore:
         snapshot_id = f"{model}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
         path, meta_path = self._paths(snapshot_id)
         self.root.mkdir(parents=True, exist_ok=True)
-        tier.checkpoint(path)
+        try:
+            tier.checkpoint(path)
+        except HPSError:
+            raise
+        except Exception as exc:  # rocksdict raises bare Exception for I/O errors
+            shutil.rmtree(path, ignore_errors=True)
+            raise UnavailableError(f"cannot checkpoint the store into {path}: {exc}") from exc
         src = RocksDBTier(path, read_only=True, block_cache_mb=0)
         try:
             held = src.tables()
