@@ -126,6 +126,8 @@ def test_draining_server_answers_unavailable_on_open_streams(tmp_path: Path) -> 
             stopper.start()
             while srv.gate.is_open:
                 time.sleep(0.01)
+            ready = httpx.get(base_url(srv) + "/readyz", timeout=10)
+            assert ready.status_code == 503 and "draining" in ready.json()["error"]
             with pytest.raises(grpc.RpcError) as err:
                 stream.ask(build_request("demo", {"item": [1]}))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in err.value.details()
