@@ -67,7 +67,11 @@ def serve(
         logging.getLogger("hps").debug("start failed", exc_info=True)
         _fail(f"cannot start: {type(exc).__name__}: {exc}")
     host = cfg.server.host
-    out_console.print(f"hps-service: gRPC on {host}:{server.grpc_port}", highlight=False)
+    out_console.print(
+        f"hps-service: gRPC on {host}:{server.grpc_port}, REST admin on http://{host}:{server.http_port} "
+        f"(docs at /docs, metrics at /metrics)",
+        highlight=False,
+    )
     example = _example_lookup(server, cfg, f"{host}:{server.grpc_port}")
     if example:
         out_console.print(f"try:  {example}", highlight=False, soft_wrap=True)

@@ -31,6 +31,7 @@ from hps_service.server.rest import AdminContext, ReadinessCheck, create_app
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
+from hps_service.updates import UpdateConsumer
 
 log = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class HPSServer:
         self._served_models: set[str] = set()
         self._health_lock = threading.Lock()
         self._stopped = threading.Event()
+        self.consumer: UpdateConsumer | None = None
 
     def start(self) -> None:
         """Open tiers, load models, bind the gRPC port; lookups are accepted once this returns."""
@@ -148,12 +150,27 @@ class HPSServer:
         except Exception:
             server.stop(0)
             raise
+        self._start_updates()
         self.gate.open()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         health_name = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
         self.health.set(health_name, health_pb2.HealthCheckResponse.SERVING)
         self.sync_model_health()
         log.info("gRPC listening on %s:%d, REST admin on %s:%d", cfg.host, port, cfg.host, self.http_port)
+
+    def _start_updates(self) -> None:
+        """Run the Kafka update consumer when ``updates.type`` is kafka; /readyz waits for its partitions."""
+        if self.config.updates.type != "kafka":
+            return
+        assert self.engine is not None
+        ucfg = self.config.updates
+        group = ucfg.group or f"{ucfg.topic_prefix}.{socket.gethostname()}"
+        consumer = UpdateConsumer(ucfg, self.engine, [m.name for m in self.engine.models()], group)
+        consumer.start()
+        self.consumer = consumer
+        self.readiness.append(lambda: None if consumer.ready else f"update consumer (group {group}) has no partitions yet")
+        self.stats_sections["updates"] = consumer.stats
+        log.info("consuming updates from %s as group %s", ucfg.brokers, group)
 
     def sync_model_health(self) -> None:
         """gRPC health per model: SERVING for every loaded model, NOT_SERVING for one unloaded since."""
@@ -210,6 +227,8 @@ class HPSServer:
         self.health.enter_graceful_shutdown()
         if self._grpc is not None:
             self._grpc.stop(grace).wait(grace + 1)
+        if self.consumer is not None:
+            self.consumer.stop(timeout=min(grace, 10.0) if grace else 1.0, commit=True)
         self.jobs.close(wait=True)
         if self._http is not None and self._http_thread is not None:
             self._http.should_exit = True
