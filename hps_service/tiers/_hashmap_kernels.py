@@ -4,7 +4,10 @@ The index is an int32 array of row ids (-1 = empty), a power of two long, probed
 splitmix64 hash of the key; keys live once, in the row-aligned ``keys`` array (with ``versions`` and
 ``stamps`` it may be a strided view of one (rows, 3) array, so the three share a cache line). Rows are kept dense in
 ``[0, n_rows)``: removing a row moves the last row into its place, and deletions from the index shift
-the following probe run back, so no tombstones accumulate. Every kernel loops over the whole batch
+the following probe run back, so no index tombstones accumulate. A *row* tombstone (a versioned delete) is
+a row whose stamp is negative (the table clock when written minus ``TOMBSTONE_BASE``): it keeps its key
+and version, is never returned by a get, refuses puts at or below its version, and is evicted before live
+rows, oldest first. Every kernel loops over the whole batch
 inside numba and releases the GIL; callers hold the table's lock. The batch get works in passes and
 prefetches rows ahead, so that the cache misses of different keys overlap.
 """
@@ -18,6 +21,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 EMPTY = np.int32(-1)
+#: Subtracted from the table clock to stamp a tombstone: negative, and older tombstones sort (and evict) first.
+TOMBSTONE_BASE = np.int64(1 << 62)
 #: How many keys ahead the row copy loop asks the CPU to fetch rows, so their cache misses overlap.
 PREFETCH_AHEAD = 8
 
@@ -152,6 +157,8 @@ def get_rows(
 ) -> np.int64:
     """Copy the rows of ``query`` into the outputs and stamp every hit; returns the number of hits.
 
+    Tombstones count as misses and keep their stamp.
+
     Works in passes (first index slots, then key checks, then row copies) so that the loads of one
     pass are independent of each other and their cache misses overlap.
     """
@@ -165,7 +172,10 @@ def get_rows(
         r = row_ids[i]
         if r >= 0 and keys[r] != query[i]:
             pos, ok = _probe(index, keys, query[i], mask)
-            row_ids[i] = index[pos] if ok else -1
+            r = index[pos] if ok else -1
+        if r >= 0 and stamps[r] < 0:  # a tombstone: the key was deleted
+            r = -1
+        row_ids[i] = r
     for i in range(min(PREFETCH_AHEAD, n)):
         if row_ids[i] >= 0:
             _prefetch_row(rows, versions, row_ids[i])
@@ -226,23 +236,31 @@ def put_rows(
     written: np.ndarray,
     clock: np.int64,
     lfu: bool,
-) -> np.int64:
-    """Upsert rows in batch order; a stored row with a newer version is kept; returns the new row count.
+) -> tuple[np.int64, np.int64]:
+    """Upsert rows in batch order; returns (new row count, tombstones replaced by rows).
 
-    New keys are appended while fewer than ``row_limit`` rows are held; the rest are not written.
+    A stored row with a newer version is kept; a tombstone is kept unless the offered version is newer than
+    it. New keys are appended while fewer than ``row_limit`` rows are held; the rest are not written.
     """
     mask = np.int64(index.size - 1)
     dim = rows.shape[1]
     n = n_rows
+    revived = 0
     for i in range(query.size):
         key = query[i]
         pos, ok = _probe(index, keys, key, mask)
         if ok:
             r = np.int64(index[pos])
-            if offered_versions[i] < versions[r]:
+            if stamps[r] < 0:
+                if offered_versions[i] <= versions[r]:
+                    written[i] = False
+                    continue
+                stamps[r] = 1 if lfu else clock
+                revived += 1
+            elif offered_versions[i] < versions[r]:
                 written[i] = False
                 continue
-            if not lfu:
+            elif not lfu:
                 stamps[r] = clock
         else:
             if n >= row_limit:
@@ -257,7 +275,56 @@ def put_rows(
             rows[r, d] = vectors[i, d]
         versions[r] = offered_versions[i]
         written[i] = True
-    return n
+    return n, revived
+
+
+@njit(cache=True, nogil=True)
+def tombstone_keys(
+    index: np.ndarray,
+    keys: np.ndarray,
+    versions: np.ndarray,
+    stamps: np.ndarray,
+    n_rows: np.int64,
+    row_limit: np.int64,
+    query: np.ndarray,
+    delete_versions: np.ndarray,
+    clock: np.int64,
+) -> tuple[np.int64, np.int64, np.int64]:
+    """Versioned delete: turn rows at or below each delete's version into tombstones at that version.
+
+    A newer row is kept; an older tombstone is raised to the delete's version; an absent key gets a new
+    tombstone row while fewer than ``row_limit`` rows are held. Returns (new row count, live rows removed,
+    tombstones added).
+    """
+    mask = np.int64(index.size - 1)
+    n = n_rows
+    removed = 0
+    added = 0
+    for i in range(query.size):
+        version = delete_versions[i]
+        pos, ok = _probe(index, keys, query[i], mask)
+        if ok:
+            r = np.int64(index[pos])
+            if stamps[r] < 0:
+                if version > versions[r]:
+                    versions[r] = version
+                    stamps[r] = clock - TOMBSTONE_BASE
+                continue
+            if versions[r] > version:
+                continue
+            removed += 1
+            added += 1
+        else:
+            if n >= row_limit:
+                continue
+            r = n
+            n += 1
+            index[pos] = np.int32(r)
+            keys[r] = query[i]
+            added += 1
+        versions[r] = version
+        stamps[r] = clock - TOMBSTONE_BASE
+    return n, removed, added
 
 
 @njit(cache=True, nogil=True)
@@ -269,20 +336,24 @@ def delete_keys(
     stamps: np.ndarray,
     n_rows: np.int64,
     query: np.ndarray,
-) -> tuple[np.int64, np.int64]:
-    """Remove the ``query`` keys that are present; returns (new row count, how many were present)."""
+) -> tuple[np.int64, np.int64, np.int64]:
+    """Remove the ``query`` keys, rows and tombstones alike; returns (new row count, rows, tombstones removed)."""
     mask = np.int64(index.size - 1)
     n = n_rows
     removed = 0
+    tombstones = 0
     for i in range(query.size):
         pos, ok = _probe(index, keys, query[i], mask)
         if not ok:
             continue
         r = np.int64(index[pos])
+        if stamps[r] < 0:
+            tombstones += 1
+        else:
+            removed += 1
         _remove_slot(index, keys, pos, mask)
         n = _drop_row(index, keys, rows, versions, stamps, r, n, mask)
-        removed += 1
-    return n, removed
+    return n, removed, tombstones
 
 
 @njit(cache=True, nogil=True)

@@ -3,6 +3,10 @@
 A tier stores versioned float32 rows per table, addressed by int64 key. Tables are named
 ``"<model>.<table>"`` (see :func:`table_id`). Every method takes and returns whole batches as NumPy
 arrays; implementations never loop over keys in Python.
+
+A versioned delete leaves a *tombstone*: the key's version with no vector. ``get`` reports it as not
+found, ``count`` does not count it, and a later ``put`` at or below its version is refused, so a replayed
+or lagging put (or a promotion of a row read before the delete) never brings a deleted row back.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from hps_service.errors import InvalidArgumentError
 
 #: Version stored with a row when the writer gives none (bulk import without a version).
 NO_VERSION = 0
@@ -49,6 +55,32 @@ class TierStats:
     extra: dict[str, float] = field(default_factory=dict)
 
 
+def max_version_per_key(keys: np.ndarray, versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Unique ``keys`` (sorted) and, for each, the highest of its ``versions`` (deletes of one batch merge)."""
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    if uniq.shape[0] == keys.shape[0]:
+        out = np.empty(uniq.shape[0], dtype=np.int64)
+        out[inverse] = versions
+        return uniq, out
+    out = np.full(uniq.shape[0], np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(out, inverse, versions)
+    return uniq, out
+
+
+def delete_versions(versions: np.ndarray | int | None, n: int) -> np.ndarray | None:
+    """Validated tombstone versions for ``n`` keys: None, or an (n,) int64 array (a scalar is broadcast)."""
+    if versions is None:
+        return None
+    arr = np.asarray(versions)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise InvalidArgumentError(f"delete versions must be integers (int64), got dtype {arr.dtype}")
+    if arr.ndim == 0:
+        return np.full(n, int(arr), dtype=np.int64)
+    if arr.shape != (n,):
+        raise InvalidArgumentError(f"delete versions must have shape ({n},) for {n} keys, got {arr.shape}")
+    return arr.astype(np.int64, copy=False)
+
+
 class Tier(ABC):
     """A batch key-value store of versioned embedding rows."""
 
@@ -71,12 +103,17 @@ class Tier(ABC):
         """
 
     @abstractmethod
-    def delete(self, table: str, keys: np.ndarray) -> int:
-        """Remove ``keys``; returns how many were present."""
+    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
+        """Remove ``keys``; returns how many live rows were removed.
+
+        With ``versions`` (int64, one per key or a scalar): only rows whose version is <= the delete's are
+        removed, and a tombstone at the delete's version stays (an existing newer tombstone is kept).
+        Without (admin deletes, cache invalidation): the key is forgotten, row and tombstone alike.
+        """
 
     @abstractmethod
     def count(self, table: str) -> int:
-        """Rows currently held for ``table`` (an estimate where the store only offers one)."""
+        """Live rows held for ``table``, tombstones excluded (an estimate where the store only offers one)."""
 
     @abstractmethod
     def stats(self, table: str) -> TierStats:

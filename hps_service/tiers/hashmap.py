@@ -4,6 +4,10 @@ Each table keeps dense row storage (vectors, keys, versions, one access stamp pe
 geometric steps up to the capacity, plus an open-addressing int32 index (see ``_hashmap_kernels``). When a
 put would exceed the capacity, the ``evict_fraction`` of rows with the oldest stamp (LRU: the table clock
 at the last access) or the lowest access count (LFU) is removed in one vectorised step.
+
+A versioned delete leaves a tombstone row (key and version, negative stamp; see ``_hashmap_kernels``). It
+takes a row slot until a newer put replaces it or eviction takes it (tombstones go first, oldest first), so
+tombstones never grow beyond the capacity. ``count`` and ``stats().rows`` are live rows only.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import numpy as np
 
 from hps_service.errors import InvalidArgumentError, NotFoundError
 from hps_service.tiers import _hashmap_kernels as kernels
-from hps_service.tiers.base import Rows, Tier, TierStats
+from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
 
 #: Rows allocated for a new table's storage before the first growth step.
 _INITIAL_ROWS = 1024
@@ -37,7 +41,8 @@ class _Table:
     def __init__(self, dim: int, initial_rows: int) -> None:
         self.dim = dim
         self.lock = threading.RLock()
-        self.n_rows = 0
+        self.n_rows = 0  # rows held, tombstones included
+        self.n_tombstones = 0
         self.clock = 0
         self.evictions = 0
         self._allocate_rows(initial_rows)
@@ -193,19 +198,23 @@ class HashMapTier(Tier):
         vers = self._versions(versions, query.size)
         written = np.zeros(query.size, dtype=bool)
         with t.lock:
-            present_rows = np.empty(query.size, dtype=np.int64)
-            missing = int(kernels.locate_rows(t.index, t.keys, query, present_rows))
-            if t.n_rows + missing > self.capacity_rows:
-                self._evict(t, present_rows, t.n_rows + missing - self.capacity_rows)
-            t.reserve(min(self.capacity_rows, t.n_rows + missing), self.capacity_rows)
-            t.n_rows = int(
-                kernels.put_rows(
-                    t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(t.n_rows),
-                    np.int64(min(self.capacity_rows, t.row_capacity)),
-                    query, vecs, vers, written, t.tick(), self._lfu,
-                )
+            self._make_room(t, query)
+            n, revived = kernels.put_rows(
+                t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(t.n_rows),
+                np.int64(min(self.capacity_rows, t.row_capacity)),
+                query, vecs, vers, written, t.tick(), self._lfu,
             )  # fmt: skip
+            t.n_rows = int(n)
+            t.n_tombstones -= int(revived)
         return written
+
+    def _make_room(self, t: _Table, query: np.ndarray) -> None:
+        """Evict and grow storage so that the keys of ``query`` not yet held fit (up to the capacity)."""
+        present_rows = np.empty(query.size, dtype=np.int64)
+        missing = int(kernels.locate_rows(t.index, t.keys, query, present_rows))
+        if t.n_rows + missing > self.capacity_rows:
+            self._evict(t, present_rows, t.n_rows + missing - self.capacity_rows)
+        t.reserve(min(self.capacity_rows, t.n_rows + missing), self.capacity_rows)
 
     def _evict(self, t: _Table, batch_rows: np.ndarray, overflow: int) -> None:
         """Remove at least ``overflow`` rows (normally ``evict_fraction`` of capacity), sparing the batch's rows."""
@@ -222,25 +231,39 @@ class HashMapTier(Tier):
         else:
             victims = np.arange(n)
         victims = np.sort(victims)[::-1].copy()
+        t.n_tombstones -= int(np.count_nonzero(t.stamps[victims] < 0))
         t.n_rows = int(
             kernels.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(n), victims)
         )
         t.evictions += count
 
-    def delete(self, table: str, keys: np.ndarray) -> int:
-        """Remove ``keys``; returns how many were present."""
+    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
+        """Remove ``keys`` (with ``versions``: rows not newer, leaving tombstones); returns live rows removed."""
         t = self._table(table)
         query = self._keys(keys)
+        tomb_versions = delete_versions(versions, query.size)
         with t.lock:
-            n, removed = kernels.delete_keys(
-                t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(t.n_rows), query
-            )
+            if tomb_versions is None:
+                n, removed, tombstones = kernels.delete_keys(
+                    t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(t.n_rows), query
+                )
+                t.n_tombstones -= int(tombstones)
+            else:
+                query, tomb_versions = max_version_per_key(query, tomb_versions)
+                self._make_room(t, query)
+                n, removed, added = kernels.tombstone_keys(
+                    t.index, t.keys, t.versions, t.stamps, np.int64(t.n_rows),
+                    np.int64(min(self.capacity_rows, t.row_capacity)), query, tomb_versions, t.tick(),
+                )  # fmt: skip
+                t.n_tombstones += int(added)
             t.n_rows = int(n)
         return int(removed)
 
     def count(self, table: str) -> int:
-        """Rows currently held for ``table``."""
-        return self._table(table).n_rows
+        """Live rows held for ``table`` (tombstones excluded)."""
+        t = self._table(table)
+        with t.lock:
+            return t.n_rows - t.n_tombstones
 
     def memory_bytes(self, table: str) -> int:
         """Bytes held by every array of ``table``: vectors, keys, versions, stamps and index."""
@@ -249,24 +272,35 @@ class HashMapTier(Tier):
             return t.memory_bytes()
 
     def stats(self, table: str) -> TierStats:
-        """Rows, capacity, evictions and memory use (bytes per row, and that over the raw row bytes)."""
+        """Live rows, capacity, evictions, tombstones and memory use per held row (rows and tombstones).
+
+        ``bytes_per_row`` and ``memory_ratio`` divide by the held rows, tombstones included, since each takes
+        a full row slot; ``capacity`` bounds the two together.
+        """
         t = self._table(table)
         with t.lock:
-            rows, memory, evictions = t.n_rows, t.memory_bytes(), t.evictions
+            held, tombstones, memory, evictions = t.n_rows, t.n_tombstones, t.memory_bytes(), t.evictions
         raw_row_bytes = t.dim * 4
-        extra = {"memory_bytes": float(memory), "raw_row_bytes": float(raw_row_bytes)}
-        if rows:
-            extra["bytes_per_row"] = memory / rows
-            extra["memory_ratio"] = memory / (rows * raw_row_bytes)
-        return TierStats(rows=rows, capacity=self.capacity_rows, evictions=evictions, extra=extra)
+        extra = {
+            "memory_bytes": float(memory),
+            "raw_row_bytes": float(raw_row_bytes),
+            "tombstones": float(tombstones),
+        }
+        if held:
+            extra["bytes_per_row"] = memory / held
+            extra["memory_ratio"] = memory / (held * raw_row_bytes)
+        return TierStats(rows=held - tombstones, capacity=self.capacity_rows, evictions=evictions, extra=extra)
 
     def scan_keys(self, table: str, limit: int) -> np.ndarray:
-        """Up to ``limit`` stored keys, in storage order."""
+        """Up to ``limit`` keys of live rows (tombstones skipped), in storage order."""
         if limit < 0:
             raise InvalidArgumentError(f"limit must be non-negative, got {limit}")
         t = self._table(table)
         with t.lock:
-            return t.keys[: min(limit, t.n_rows)].copy()
+            if not t.n_tombstones:
+                return t.keys[: min(limit, t.n_rows)].copy()
+            live = t.stamps[: t.n_rows] >= 0
+            return t.keys[: t.n_rows][live][:limit].copy()
 
     def drop_table(self, table: str) -> None:
         """Forget ``table`` and free its memory."""

@@ -96,6 +96,67 @@ def test_duplicate_keys_in_a_batch_apply_in_order() -> None:
     assert tier.delete(TABLE, np.array([1, 1])) == 1
 
 
+def test_versioned_delete_leaves_a_tombstone_that_refuses_older_puts() -> None:
+    tier = _tier(dim=4)
+    keys = np.arange(100, dtype=np.int64)
+    tier.put(TABLE, keys, _rows(keys, 4), np.full(keys.size, 5))
+    assert tier.delete(TABLE, keys[:50], np.full(50, 4)) == 0  # a lagging delete keeps the newer rows
+    assert tier.get(TABLE, keys).found.all()
+    assert tier.delete(TABLE, keys[:50], np.full(50, 5)) == 50  # a delete at the row's version removes it
+    absent = np.arange(1000, 1010, dtype=np.int64)
+    assert tier.delete(TABLE, absent, 7) == 0  # a delete of an absent key still leaves a tombstone
+    assert tier.count(TABLE) == 50
+    stats = tier.stats(TABLE)
+    assert stats.rows == 50 and stats.extra["tombstones"] == 60
+    assert not tier.get(TABLE, np.concatenate([keys[:50], absent])).found.any()
+    assert sorted(tier.scan_keys(TABLE, 1000).tolist()) == keys[50:].tolist()
+
+    old = _rows(keys[:50], 4, salt=0.25)
+    assert not tier.put(TABLE, keys[:50], old, np.full(50, 5)).any()  # at the tombstone's version: refused
+    assert not tier.put(TABLE, keys[:50], old, np.full(50, 3)).any()  # a replayed older put: refused
+    assert not tier.put(TABLE, absent, _rows(absent, 4), np.full(10, 7)).any()
+    assert not tier.get(TABLE, keys[:50]).found.any()
+    assert tier.delete(TABLE, keys[:10], 2) == 0  # a lower delete never lowers the tombstone
+    assert not tier.put(TABLE, keys[:10], old[:10], np.full(10, 4)).any()
+
+    newer = _rows(keys[:50], 4, salt=0.5)
+    assert tier.put(TABLE, keys[:50], newer, np.full(50, 6)).all()
+    got = tier.get(TABLE, keys[:50])
+    assert got.found.all()
+    np.testing.assert_array_equal(got.vectors, newer)
+    assert tier.count(TABLE) == 100 and tier.stats(TABLE).extra["tombstones"] == 10
+
+    assert tier.delete(TABLE, absent) == 0  # an admin delete forgets the tombstone: any version is accepted
+    assert tier.put(TABLE, absent, _rows(absent, 4), np.full(10, 1)).all()
+    assert tier.stats(TABLE).extra["tombstones"] == 0 and tier.count(TABLE) == 110
+
+
+def test_duplicate_keys_of_a_versioned_delete_take_the_highest_version() -> None:
+    tier = _tier(dim=2)
+    keys = np.array([1, 2], dtype=np.int64)
+    tier.put(TABLE, keys, np.ones((2, 2), np.float32), np.array([4, 4]))
+    assert tier.delete(TABLE, np.array([1, 1, 2]), np.array([3, 6, 3])) == 1
+    np.testing.assert_array_equal(tier.get(TABLE, keys).found, [False, True])
+    np.testing.assert_array_equal(tier.put(TABLE, keys, np.ones((2, 2), np.float32), np.array([5, 5])), [False, True])
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_tombstones_are_evicted_first_oldest_first(policy: str) -> None:
+    tier = _tier(capacity=100, dim=4, policy=policy, fraction=0.1)
+    live = np.arange(50, dtype=np.int64)
+    tier.put(TABLE, live, _rows(live, 4), np.ones(50, np.int64))
+    first, second = np.arange(1000, 1015, dtype=np.int64), np.arange(2000, 2015, dtype=np.int64)
+    tier.delete(TABLE, first, 9)
+    tier.delete(TABLE, second, 9)
+    more = np.arange(100, 140, dtype=np.int64)
+    assert tier.put(TABLE, more, _rows(more, 4), np.ones(40, np.int64)).all()  # 20 rows over: 20 tombstones go
+    stats = tier.stats(TABLE)
+    assert stats.rows == 90 and stats.extra["tombstones"] == 10 and stats.evictions == 20
+    assert tier.get(TABLE, np.concatenate([live, more])).found.all()
+    assert tier.put(TABLE, second, _rows(second, 4), np.ones(15, np.int64)).sum() == 5  # 10 tombstones remain
+    assert tier.put(TABLE, first, _rows(first, 4), np.ones(15, np.int64)).all()  # the oldest were evicted
+
+
 def test_lru_overflow_keeps_recently_read_rows() -> None:
     tier = _tier(capacity=1000, dim=4, policy="lru", fraction=0.2)
     old = np.arange(1000, dtype=np.int64)
@@ -151,11 +212,11 @@ def test_count_never_exceeds_capacity(policy: str) -> None:
     assert tier.count(TABLE) == capacity
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["put", "get", "delete"]),
+            st.sampled_from(["put", "get", "delete", "versioned_delete"]),
             st.lists(st.integers(min_value=-40, max_value=40), min_size=0, max_size=30, unique=True),
             st.integers(min_value=0, max_value=5),
         ),
@@ -163,30 +224,43 @@ def test_count_never_exceeds_capacity(policy: str) -> None:
     )
 )
 def test_matches_a_dict_model(ops: list[tuple[str, list[int], int]]) -> None:
+    """Against a dict of key -> (version, value or None for a tombstone)."""
     tier = _tier(capacity=1000, dim=3)
-    model: dict[int, tuple[int, float]] = {}
+    model: dict[int, tuple[int, float | None]] = {}
     for op, key_list, version in ops:
         keys = np.array(key_list, dtype=np.int64)
+        live = [k in model and model[k][1] is not None for k in key_list]
         if op == "put":
             values = keys.astype(np.float32) * 10 + version
             vectors = np.repeat(values[:, None], 3, axis=1)
             written = tier.put(TABLE, keys, vectors, np.full(keys.size, version))
-            expected = [k not in model or model[k][0] <= version for k in key_list]
+            expected = [
+                k not in model or (model[k][0] <= version if is_live else model[k][0] < version)
+                for k, is_live in zip(key_list, live, strict=True)
+            ]
             assert written.tolist() == expected
             for k, ok, v in zip(key_list, expected, values.tolist(), strict=True):
                 if ok:
                     model[k] = (version, v)
         elif op == "delete":
-            assert tier.delete(TABLE, keys) == sum(k in model for k in key_list)
+            assert tier.delete(TABLE, keys) == sum(live)
             for k in key_list:
                 model.pop(k, None)
+        elif op == "versioned_delete":
+            removed = tier.delete(TABLE, keys, np.full(keys.size, version))
+            assert removed == sum(is_live and model[k][0] <= version for k, is_live in zip(key_list, live))
+            for k in key_list:
+                if k not in model or model[k][0] <= version:
+                    model[k] = (version, None)
         got = tier.get(TABLE, keys)
-        assert got.found.tolist() == [k in model for k in key_list]
+        assert got.found.tolist() == [k in model and model[k][1] is not None for k in key_list]
         for i, k in enumerate(key_list):
-            if k in model:
+            if got.found[i]:
                 assert got.versions[i] == model[k][0]
                 assert got.vectors[i].tolist() == [model[k][1]] * 3
-        assert tier.count(TABLE) == len(model)
+        live_keys = sorted(k for k, (_, v) in model.items() if v is not None)
+        assert tier.count(TABLE) == len(live_keys)
+        assert sorted(tier.scan_keys(TABLE, 1000).tolist()) == live_keys
 
 
 def test_readers_never_see_torn_rows() -> None:
