@@ -9,7 +9,8 @@ regenerated, and a drift option re-draws the true rows of a known id set from a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -91,7 +92,6 @@ class Batch:
     prob: np.ndarray  # (B,) float64, the true click probability
     cluster: np.ndarray  # (B,) int64, the hidden cluster that scored the sample
     step: int = -1
-    extra: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -207,7 +207,7 @@ class PlantedTeacherData:
         out.step = step
         return out
 
-    def stream(self, batch_size: int, start_step: int = 0):
+    def stream(self, batch_size: int, start_step: int = 0) -> Iterator[Batch]:
         """Yield training batches from ``start_step`` on, forever."""
         step = start_step
         while True:

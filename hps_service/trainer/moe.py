@@ -111,7 +111,7 @@ def topk_routing(
     num_tokens, num_experts = logits.shape
     k = config.top_k
     logits = logits.float()
-    bias = expert_bias if expert_bias is not None else None
+    bias = expert_bias
     if config.score_function == "softmax":
         aux_scores = torch.softmax(logits, dim=-1)
         if config.pre_softmax:

@@ -238,7 +238,7 @@ class Trainer:
             if cfg.publish_initial:
                 self.publish_all(0)
             for step in range(cfg.steps):
-                if drift is not None and step == drift.step and step > 0:
+                if drift is not None and step == drift.step and (not self.history or self.history[-1].step != step):
                     self.evaluate(step, time.perf_counter() - start)
                 batch = self.data.batch(step, cfg.batch_size)
                 t0 = time.perf_counter()
