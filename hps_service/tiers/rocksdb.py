@@ -1,8 +1,12 @@
 """L3 persistent tier: every row of every table in RocksDB (rocksdict, raw mode), one column family per table.
 
 Keys are 8-byte big-endian (so byte order is unsigned key order), values ``codec`` rows
-(``<version i8><dim f4>``). A metadata column family keeps each table's dim and its exact row count, so a
-reopened store knows its tables without the config. Batches go through one multi-get / one WriteBatch each;
+(``<version i8><dim f4>``) or tombstones (``<version i8>``, left by a versioned delete). A metadata column
+family keeps each table's dim and its exact counts of rows and tombstones, so a reopened store knows its
+tables without the config.
+
+Tombstones stay until a newer put replaces them or :meth:`RocksDBTier.purge_tombstones` sweeps those below
+a version (16 bytes of key and value each before RocksDB's own per-entry overhead and compression). Batches go through one multi-get / one WriteBatch each;
 per-row calls into rocksdict are driven by ``map`` (C-level iteration), never by a Python loop of ours.
 """
 
@@ -14,7 +18,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from functools import partial
-from itertools import islice, repeat
+from itertools import compress, islice, repeat
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +37,25 @@ from rocksdict import (
 )
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
-from hps_service.tiers.base import Rows, Tier, TierStats
-from hps_service.tiers.codec import decode_rows, encode_keys, encode_rows, row_dtype
+from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
+from hps_service.tiers.codec import (
+    ABSENT,
+    LIVE,
+    TOMBSTONE,
+    TOMBSTONE_BYTES,
+    decode_rows,
+    decode_states,
+    encode_keys,
+    encode_rows,
+    encode_tombstones,
+)
 
-#: Column family holding ``dim:<table>`` and ``count:<table>`` entries (int64 little-endian values).
+#: Column family holding ``dim:<table>``, ``count:<table>`` and ``tombstones:<table>`` entries (int64 LE values).
 META_CF = "__hps_meta__"
 #: Rows per SST file written by :meth:`RocksDBTier.bulk_import` (one progress report per file).
 IMPORT_CHUNK_ROWS = 262_144
+#: Entries read per step by :meth:`RocksDBTier.scan_keys` and :meth:`RocksDBTier.purge_tombstones`.
+SCAN_CHUNK = 65_536
 _MiB = 1 << 20
 
 
@@ -214,27 +230,28 @@ class RocksDBTier(Tier):
             return Rows.empty(0, dim)
         return decode_rows(cf.get(encode_keys(keys)), dim)
 
-    def _stored_versions(
-        self, cf: Rdict, encoded_keys: list[bytes], dim: int
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(found mask, stored versions) of the encoded keys, read with one multi-get."""
-        values = cf.get(encoded_keys)
-        n = len(values)
-        found = np.fromiter(map(bool, values), dtype=bool, count=n)
-        versions = np.zeros(n, dtype=np.int64)
-        if found.any():
-            if found.all():
-                present = values
-            else:
-                boxed = np.empty(n, dtype=object)
-                boxed[:] = values
-                present = boxed[found].tolist()
-            rec = np.frombuffer(b"".join(present), dtype=row_dtype(dim))
-            versions[found] = rec["version"]
-        return found, versions
+    @staticmethod
+    def _stored_states(cf: Rdict, encoded_keys: list[bytes], dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """(codec state, stored version) of the encoded keys, read with one multi-get."""
+        return decode_states(cf.get(encoded_keys), dim)
+
+    @staticmethod
+    def _accepts(states: np.ndarray, stored: np.ndarray, offered: np.ndarray | int) -> np.ndarray:
+        """Where a put at ``offered`` may be written: absent, a row not newer, or a tombstone strictly older."""
+        return np.where(states == LIVE, offered >= stored, np.where(states == TOMBSTONE, offered > stored, True))
+
+    def _add_counts(self, batch: WriteBatch, table: str, rows: int, tombstones: int) -> None:
+        """Adjust the row and tombstone counts of ``table`` inside ``batch`` (caller holds the lock)."""
+        meta = self._db.get_column_family_handle(META_CF)
+        if rows:
+            count = max(0, (self._meta_int("count", table) or 0) + rows)
+            batch.put(_meta_key("count", table), _int_value(count), meta)
+        if tombstones:
+            count = max(0, (self._meta_int("tombstones", table) or 0) + tombstones)
+            batch.put(_meta_key("tombstones", table), _int_value(count), meta)
 
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
-        """Write rows whose version is >= the stored one, in one synced batch; return the written mask."""
+        """Write rows whose version is >= the stored row's (> a tombstone's), in one synced batch; return the mask."""
         self._check_writable(f"write to {table}")
         cf, dim = self._table(table)
         keys = self._keys(keys)
@@ -248,8 +265,8 @@ class RocksDBTier(Tier):
             return np.zeros(0, dtype=bool)
         encoded = encode_keys(keys)
         with self._lock:
-            found, stored = self._stored_versions(cf, encoded, dim)
-            written = ~found | (offered >= stored)
+            states, stored = self._stored_states(cf, encoded, dim)
+            written = self._accepts(states, stored, offered)
             idx = np.flatnonzero(written)
             if idx.size:
                 batch = WriteBatch(raw_mode=True)
@@ -257,41 +274,93 @@ class RocksDBTier(Tier):
                 sel_keys = encoded if idx.size == n else encode_keys(keys[idx])
                 values = encode_rows(vectors[idx], offered[idx])
                 _drain(map(batch.put, sel_keys, values, repeat(handle)))
-                new_rows = int(np.count_nonzero(~found[idx]))
-                if new_rows:
-                    count = (self._meta_int("count", table) or 0) + new_rows
-                    batch.put(
-                        _meta_key("count", table),
-                        _int_value(count),
-                        self._db.get_column_family_handle(META_CF),
-                    )
+                replaced = states[idx]
+                self._add_counts(
+                    batch,
+                    table,
+                    rows=int(np.count_nonzero(replaced != LIVE)),
+                    tombstones=-int(np.count_nonzero(replaced == TOMBSTONE)),
+                )
                 self._db.write(batch, self._write_opts)
         return written
 
-    def delete(self, table: str, keys: np.ndarray) -> int:
-        """Remove ``keys`` in one WriteBatch; returns how many were present."""
+    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
+        """Remove ``keys`` in one WriteBatch; returns how many live rows were removed.
+
+        With ``versions``: rows not newer than the delete become tombstones at its version (an absent key gets
+        one, an older tombstone is raised). Without: rows and tombstones alike are removed.
+        """
         self._check_writable(f"delete from {table}")
-        cf, _ = self._table(table)
+        cf, dim = self._table(table)
         keys = self._keys(keys)
+        tomb_versions = delete_versions(versions, keys.size)
         if keys.size == 0:
             return 0
-        encoded = encode_keys(np.unique(keys))
+        if tomb_versions is None:
+            keys = np.unique(keys)
+        else:
+            keys, tomb_versions = max_version_per_key(keys, tomb_versions)
+        encoded = encode_keys(keys)
         with self._lock:
-            values = cf.get(encoded)
-            present = len(values) - values.count(None)
+            states, stored = self._stored_states(cf, encoded, dim)
+            live = states == LIVE
             batch = WriteBatch(raw_mode=True)
             handle = self._handles[table]
-            _drain(map(batch.delete, encoded, repeat(handle)))
-            if present:
-                count = max(0, (self._meta_int("count", table) or 0) - present)
-                batch.put(
-                    _meta_key("count", table), _int_value(count), self._db.get_column_family_handle(META_CF)
-                )
+            if tomb_versions is None:
+                removed = int(np.count_nonzero(live))
+                _drain(map(batch.delete, encoded, repeat(handle)))
+                self._add_counts(batch, table, rows=-removed, tombstones=-int(np.count_nonzero(states == TOMBSTONE)))
+            else:
+                removing = live & (stored <= tomb_versions)
+                raising = (states == TOMBSTONE) & (stored < tomb_versions)
+                new_tombstones = removing | (states == ABSENT)
+                removed = int(np.count_nonzero(removing))
+                idx = np.flatnonzero(new_tombstones | raising)
+                if idx.size == 0:
+                    return 0
+                sel_keys = encoded if idx.size == keys.size else encode_keys(keys[idx])
+                _drain(map(batch.put, sel_keys, encode_tombstones(tomb_versions[idx]), repeat(handle)))
+                self._add_counts(batch, table, rows=-removed, tombstones=int(np.count_nonzero(new_tombstones)))
             self._db.write(batch, self._write_opts)
-        return present
+        return removed
+
+    def purge_tombstones(self, table: str, below_version: int) -> int:
+        """Remove the tombstones of ``table`` whose version is below ``below_version``; returns how many.
+
+        A tombstone only matters while a put older than it can still arrive (a replay of the update log), so
+        ``below_version`` is the oldest version any producer or log can still deliver. Scans the whole table.
+        """
+        self._check_writable(f"purge tombstones of {table}")
+        cf, _ = self._table(table)
+        handle = self._handles[table]
+        purged = 0
+        with self._lock:
+            items = cf.items()
+            while chunk := list(islice(items, SCAN_CHUNK)):
+                keys, values = zip(*chunk)
+                is_tombstone = np.fromiter(map(len, values), dtype=np.int64, count=len(values)) == TOMBSTONE_BYTES
+                if not is_tombstone.any():
+                    continue
+                tomb_versions = np.frombuffer(b"".join(compress(values, is_tombstone.tolist())), dtype="<i8")
+                purge = np.zeros(len(values), dtype=bool)
+                purge[is_tombstone] = tomb_versions < below_version
+                n_purge = int(np.count_nonzero(purge))
+                if not n_purge:
+                    continue
+                batch = WriteBatch(raw_mode=True)
+                _drain(map(batch.delete, compress(keys, purge.tolist()), repeat(handle)))
+                self._add_counts(batch, table, rows=0, tombstones=-n_purge)
+                self._db.write(batch, self._write_opts)
+                purged += n_purge
+        return purged
+
+    def tombstones(self, table: str) -> int:
+        """Tombstones held for ``table`` (exact, from the metadata CF)."""
+        self._table(table)
+        return self._meta_int("tombstones", table) or 0
 
     def count(self, table: str) -> int:
-        """Exact row count kept in the metadata CF.
+        """Exact count of live rows (tombstones excluded) kept in the metadata CF.
 
         put/delete write it in the same batch as the rows; bulk_import writes it right after the ingest
         (a crash between the two leaves it low by the import's new rows).
@@ -306,6 +375,7 @@ class RocksDBTier(Tier):
             "estimate_num_keys": float(cf.property_int_value("rocksdb.estimate-num-keys") or 0),
             "sst_bytes": float(cf.property_int_value("rocksdb.total-sst-files-size") or 0),
             "memtable_bytes": float(cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0),
+            "tombstones": float(self.tombstones(table)),
         }
         if self._block_cache is not None:
             extra["block_cache_bytes"] = float(self._block_cache.get_usage())
@@ -314,12 +384,23 @@ class RocksDBTier(Tier):
         return TierStats(rows=self.count(table), capacity=None, extra=extra)
 
     def scan_keys(self, table: str, limit: int) -> np.ndarray:
-        """The first ``limit`` keys in store order (unsigned key order), for cache warm start."""
+        """The first ``limit`` keys of live rows in store order (unsigned key order; tombstones skipped)."""
         cf, _ = self._table(table)
         if limit <= 0:
             return np.zeros(0, dtype=np.int64)
-        raw = b"".join(islice(cf.keys(), limit))
-        return np.frombuffer(raw, dtype=">i8").astype(np.int64)
+        if not self.tombstones(table):
+            raw = b"".join(islice(cf.keys(), limit))
+            return np.frombuffer(raw, dtype=">i8").astype(np.int64)
+        found: list[np.ndarray] = []
+        need = limit
+        items = cf.items()
+        while need > 0 and (chunk := list(islice(items, max(need, 1024)))):
+            keys, values = zip(*chunk)
+            live = np.fromiter(map(len, values), dtype=np.int64, count=len(values)) != TOMBSTONE_BYTES
+            got = np.frombuffer(b"".join(keys), dtype=">i8")[live][:need].astype(np.int64)
+            found.append(got)
+            need -= got.size
+        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
 
     def drop_table(self, table: str) -> None:
         """Drop the table's column family and its metadata."""
@@ -334,6 +415,7 @@ class RocksDBTier(Tier):
             meta = self._db.get_column_family_handle(META_CF)
             batch.delete(_meta_key("dim", table), meta)
             batch.delete(_meta_key("count", table), meta)
+            batch.delete(_meta_key("tombstones", table), meta)
             self._db.write(batch, self._write_opts)
 
     def healthy(self) -> bool:
@@ -379,7 +461,8 @@ class RocksDBTier(Tier):
 
         Atomic: rows are checked (finite) while the SST files are written, and all files are ingested in one
         call at the end, so a failure leaves the table as it was. Duplicate keys: the last occurrence wins.
-        Rows already stored with a newer version are kept, so an import never takes a row backwards.
+        Rows already stored with a newer version are kept, so an import never takes a row backwards, and a
+        tombstone at or above ``version`` keeps its key deleted.
         ``progress(rows_done)`` is called after each SST file.
         """
         self._check_writable(f"import into {table}")
@@ -398,7 +481,8 @@ class RocksDBTier(Tier):
         try:
             with self._lock:
                 count_before = self._meta_int("count", table) or 0
-                files, written, new_rows = [], 0, 0
+                tombstones_before = self._meta_int("tombstones", table) or 0
+                files, written, new_rows, replaced_tombstones = [], 0, 0, 0
                 for start in range(0, order.size, IMPORT_CHUNK_ROWS):
                     chunk = order[start : start + IMPORT_CHUNK_ROWS]
                     chunk_vectors = vectors[chunk]
@@ -408,10 +492,11 @@ class RocksDBTier(Tier):
                             f"row {int(chunk[bad[0]])} has NaN or inf values; nothing imported"
                         )
                     encoded = encode_keys(keys[chunk])
-                    if count_before:
-                        found, stored = self._stored_versions(cf, encoded, dim)
-                        keep = ~found | (version >= stored)
-                        new_rows += int(np.count_nonzero(~found))
+                    if count_before or tombstones_before:
+                        states, stored = self._stored_states(cf, encoded, dim)
+                        keep = self._accepts(states, stored, version)
+                        new_rows += int(np.count_nonzero(keep & (states != LIVE)))
+                        replaced_tombstones += int(np.count_nonzero(keep & (states == TOMBSTONE)))
                         if not keep.all():
                             chunk, chunk_vectors = chunk[keep], chunk_vectors[keep]
                             encoded = encode_keys(keys[chunk])
@@ -432,10 +517,10 @@ class RocksDBTier(Tier):
                     ingest = IngestExternalFileOptions()
                     ingest.set_move_files(True)
                     cf.ingest_external_file(files, ingest)
-                if new_rows:
-                    self._meta.put(
-                        _meta_key("count", table), _int_value(count_before + new_rows), self._write_opts
-                    )
+                if new_rows or replaced_tombstones:
+                    batch = WriteBatch(raw_mode=True)
+                    self._add_counts(batch, table, rows=new_rows, tombstones=-replaced_tombstones)
+                    self._db.write(batch, self._write_opts)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return written

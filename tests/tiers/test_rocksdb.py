@@ -75,6 +75,64 @@ def test_delete_counts_present_keys(tier: RocksDBTier) -> None:
     assert tier.count("m.t") == 7
 
 
+def test_versioned_delete_leaves_tombstones_that_refuse_older_puts(tmp_path: Path) -> None:
+    tier = RocksDBTier(tmp_path / "db", block_cache_mb=8)
+    tier.create_table("m.t", 2)  # dim 2: a row is 16 bytes, a tombstone 8
+    keys = np.arange(1, 101, dtype=np.int64)
+    vecs = np.full((100, 2), 1.0, np.float32)
+    tier.put("m.t", keys, vecs, np.full(100, 5))
+    assert tier.delete("m.t", keys[:50], np.full(50, 4)) == 0  # lagging delete: newer rows stay
+    assert tier.get("m.t", keys).found.all()
+    assert tier.delete("m.t", keys[:50], np.full(50, 5)) == 50
+    absent = np.array([-7, 10**9], dtype=np.int64)
+    assert tier.delete("m.t", absent, 8) == 0
+    assert tier.count("m.t") == 50 and tier.tombstones("m.t") == 52
+    assert not tier.get("m.t", np.concatenate([keys[:50], absent])).found.any()
+    assert not tier.put("m.t", keys[:50], vecs[:50] + 1, np.full(50, 5)).any()
+    assert not tier.put("m.t", keys[:50], vecs[:50] + 1, np.full(50, 3)).any()
+    assert tier.delete("m.t", keys[:10], np.full(10, 2)) == 0  # a lower delete never lowers a tombstone
+    assert tier.scan_keys("m.t", 1000).tolist() == keys[50:].tolist()
+    tier.close()
+
+    tier = RocksDBTier(tmp_path / "db", block_cache_mb=8)  # tombstones and both counts survive a reopen
+    try:
+        assert tier.count("m.t") == 50 and tier.tombstones("m.t") == 52
+        assert tier.stats("m.t").extra["tombstones"] == 52
+        assert not tier.put("m.t", keys[:10], vecs[:10] + 1, np.full(10, 5)).any()
+        newer = tier.put("m.t", keys[:50], vecs[:50] + 2, np.full(50, 6))
+        assert newer.all() and tier.get("m.t", keys[:50]).vectors[:, 0].tolist() == [3.0] * 50
+        assert tier.count("m.t") == 100 and tier.tombstones("m.t") == 2
+        assert tier.delete("m.t", absent) == 0  # an admin delete forgets tombstones too
+        assert tier.tombstones("m.t") == 0
+        assert tier.put("m.t", absent, np.zeros((2, 2), np.float32), np.zeros(2, np.int64)).all()
+    finally:
+        tier.close()
+
+
+def test_bulk_import_respects_tombstones(tier: RocksDBTier) -> None:
+    tier.create_table("m.t", 4)
+    tier.delete("m.t", np.array([1, 2, 3]), np.array([3, 5, 9]))
+    written = tier.bulk_import("m.t", np.array([1, 2, 3, 4]), np.ones((4, 4), np.float32), version=5)
+    assert written == 2  # key 1 (tombstone at 3) and key 4; keys 2 and 3 stay deleted
+    assert tier.get("m.t", np.array([1, 2, 3, 4])).found.tolist() == [True, False, False, True]
+    assert tier.count("m.t") == 2 and tier.tombstones("m.t") == 2
+
+
+def test_purge_tombstones_below_a_version(tier: RocksDBTier, monkeypatch) -> None:
+    monkeypatch.setattr("hps_service.tiers.rocksdb.SCAN_CHUNK", 7)  # several scan steps
+    tier.create_table("m.t", 2)
+    keys = np.arange(40, dtype=np.int64)
+    tier.put("m.t", keys, np.ones((40, 2), np.float32), np.zeros(40, np.int64))
+    tier.delete("m.t", keys[:30], np.repeat([10, 20, 30], 10))
+    assert tier.purge_tombstones("m.t", 20) == 10
+    assert tier.tombstones("m.t") == 20 and tier.count("m.t") == 10
+    assert tier.put("m.t", keys[:30], np.zeros((30, 2), np.float32), np.full(30, 1)).tolist() == (
+        [True] * 10 + [False] * 20
+    )
+    assert tier.scan_keys("m.t", 15).tolist() == keys[:10].tolist() + keys[30:35].tolist()
+    assert tier.purge_tombstones("m.t", 31) == 20 and tier.tombstones("m.t") == 0
+
+
 def test_unknown_table_and_bad_shapes(tier: RocksDBTier) -> None:
     with pytest.raises(NotFoundError, match="nope"):
         tier.get("m.nope", np.array([1]))
