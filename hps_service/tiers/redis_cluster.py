@@ -1,8 +1,14 @@
 """The shared L2 volatile tier on a Redis Cluster: partitioned hashes, pipelined per node, versioned writes.
 
 Layout: table ``T`` is split into ``partitions`` hashes ``hps:{T:p}`` (``p = key mod partitions``); the hash tag
-puts one partition in one slot, so one HMGET/HDEL/script call serves every key of a partition. Fields are 8-byte
-big-endian keys, values are ``codec`` rows (int64 LE version + float32 vector). ``hps:meta:{T}`` holds the dim.
+puts one partition in one slot, so one HMGET/script call serves every key of a partition. Fields are 8-byte
+big-endian keys, values are ``codec`` rows (int64 LE version + float32 vector) or tombstones (the 8 version
+bytes alone, left by a versioned delete). Each partition hash counts its tombstones in the field
+``#tombstones`` (never an 8-byte key), so ``count`` excludes them. ``hps:meta:{T}`` holds the dim.
+
+Tombstones carry no TTL (Redis 7.0 has no per-field expiry, and an expired tombstone would reopen the key to
+replays): each is a field of 8 + 8 bytes plus the hash entry overhead, and it is replaced by the next newer
+put of its key, removed by an unversioned delete, or by :meth:`RedisClusterTier.purge_tombstones`.
 
 Every batch sends all its commands to all nodes before it reads any reply (one round trip for the whole batch).
 A node that fails (refused, timeout, CLUSTERDOWN, MOVED) makes its keys fall through as misses; it is then skipped
@@ -34,37 +40,123 @@ from redis.retry import Retry
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.tiers import codec
-from hps_service.tiers.base import Rows, Tier, TierStats
+from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
 
 log = logging.getLogger(__name__)
 
-#: Writes each offered row unless the stored row of that field has a newer version; returns one '1'/'0' per
-#: field. Versions are the first 8 bytes (int64 little-endian) of a row, compared byte-wise from the most
-#: significant byte with the sign bit flipped, so negatives and values beyond 2^53 compare exactly.
-_PUT_IF_NOT_OLDER_LUA = """
-local function not_newer(stored, offered)
-  if #stored < 8 then return true end
+#: Shared head of the scripts: ``cmp`` orders two versions (the first 8 bytes, int64 little-endian, of a row
+#: or tombstone) byte-wise from the most significant byte with the sign bit flipped, so negatives and values
+#: beyond 2^53 compare exactly; ``count_tombstones`` adjusts the partition's ``#tombstones`` field.
+_LUA_HEAD = """
+local function cmp(stored, offered)
   for i = 8, 1, -1 do
     local a = string.byte(stored, i)
     local b = string.byte(offered, i)
     if i == 8 then a = (a + 128) % 256; b = (b + 128) % 256 end
-    if a ~= b then return a < b end
+    if a ~= b then if a < b then return -1 else return 1 end end
   end
-  return true
+  return 0
+end
+local function count_tombstones(h, delta)
+  if delta ~= 0 and redis.call('HINCRBY', h, '#tombstones', delta) <= 0 then
+    redis.call('HDEL', h, '#tombstones')
+  end
 end
 local h = KEYS[1]
 local out = {}
+"""
+
+#: Writes each offered row unless the stored row has a newer version or a tombstone is at or above the offered
+#: one; returns one '1'/'0' per field.
+_PUT_IF_NOT_OLDER_LUA = _LUA_HEAD + """
+local revived = 0
 for i = 1, #ARGV, 2 do
   local cur = redis.call('HGET', h, ARGV[i])
-  if (not cur) or not_newer(cur, ARGV[i + 1]) then
+  local ok = (not cur) or #cur < 8
+  if not ok then
+    local order = cmp(cur, ARGV[i + 1])
+    if #cur == 8 then ok = order < 0 else ok = order <= 0 end
+  end
+  if ok then
     redis.call('HSET', h, ARGV[i], ARGV[i + 1])
+    if cur and #cur == 8 then revived = revived + 1 end
     out[#out + 1] = '1'
   else
     out[#out + 1] = '0'
   end
 end
+count_tombstones(h, -revived)
 return table.concat(out)
 """
+
+#: Versioned delete: (field, 8-byte version) pairs. A row not newer than the delete, or an absent key, becomes
+#: a tombstone at the delete's version; an older tombstone is raised. Returns '1' per live row removed, else '0'.
+_DELETE_VERSIONED_LUA = _LUA_HEAD + """
+local added = 0
+for i = 1, #ARGV, 2 do
+  local cur = redis.call('HGET', h, ARGV[i])
+  if (not cur) or #cur < 8 then
+    redis.call('HSET', h, ARGV[i], ARGV[i + 1])
+    added = added + 1
+    out[#out + 1] = '0'
+  elseif #cur == 8 then
+    if cmp(cur, ARGV[i + 1]) < 0 then redis.call('HSET', h, ARGV[i], ARGV[i + 1]) end
+    out[#out + 1] = '0'
+  elseif cmp(cur, ARGV[i + 1]) <= 0 then
+    redis.call('HSET', h, ARGV[i], ARGV[i + 1])
+    added = added + 1
+    out[#out + 1] = '1'
+  else
+    out[#out + 1] = '0'
+  end
+end
+count_tombstones(h, added)
+return table.concat(out)
+"""
+
+#: Unversioned delete: removes rows and tombstones of the given fields; returns the number of live rows removed.
+_DELETE_LUA = _LUA_HEAD + """
+local live, tombstones = 0, 0
+for i = 1, #ARGV do
+  local cur = redis.call('HGET', h, ARGV[i])
+  if cur then
+    redis.call('HDEL', h, ARGV[i])
+    if #cur == 8 then tombstones = tombstones + 1 else live = live + 1 end
+  end
+end
+count_tombstones(h, -tombstones)
+return live
+"""
+
+#: Removes the partition's tombstones older than ARGV[1] (8-byte version) among the fields of one HSCAN page
+#: (ARGV[2] = cursor, ARGV[3] = page size); returns {next cursor, tombstones removed}.
+_PURGE_LUA = _LUA_HEAD + """
+local page = redis.call('HSCAN', h, ARGV[2], 'COUNT', ARGV[3])
+local fields = page[2]
+local purged = 0
+for i = 1, #fields, 2 do
+  local v = fields[i + 1]
+  if #fields[i] == 8 and #v == 8 and cmp(v, ARGV[1]) < 0 then
+    redis.call('HDEL', h, fields[i])
+    purged = purged + 1
+  end
+end
+count_tombstones(h, -purged)
+return {page[1], purged}
+"""
+_TOMBSTONE_COUNT_FIELD = b"#tombstones"
+
+
+@dataclass(frozen=True, slots=True)
+class _Script:
+    """A Lua script and its SHA1, for EVALSHA with an EVAL fallback."""
+
+    source: bytes
+    sha: bytes
+
+    @classmethod
+    def of(cls, source: str) -> "_Script":
+        return cls(source.encode(), hashlib.sha1(source.encode()).hexdigest().encode())
 
 
 class _Failed:
@@ -171,11 +263,15 @@ class RedisClusterTier(Tier):
             )
         except RedisError as e:
             raise UnavailableError(f"cannot reach the Redis Cluster at {nodes}: {e}") from e
-        self._put_sha = hashlib.sha1(_PUT_IF_NOT_OLDER_LUA.encode()).hexdigest().encode()
-        try:
-            self._rc.script_load(_PUT_IF_NOT_OLDER_LUA)
-        except RedisError as e:  # a node that misses it answers NOSCRIPT and put falls back to EVAL there
-            log.warning("redis_cluster: put script not loaded on every node: %s", e)
+        self._put_script = _Script.of(_PUT_IF_NOT_OLDER_LUA)
+        self._delete_versioned_script = _Script.of(_DELETE_VERSIONED_LUA)
+        self._delete_script = _Script.of(_DELETE_LUA)
+        self._purge_script = _Script.of(_PURGE_LUA)
+        for script in (self._put_script, self._delete_versioned_script, self._delete_script, self._purge_script):
+            try:
+                self._rc.script_load(script.source)
+            except RedisError as e:  # a node that misses it answers NOSCRIPT and the call falls back to EVAL
+                log.warning("redis_cluster: script not loaded on every node: %s", e)
         self._tables: dict[str, _TableLayout] = {}
         self._counters: dict[str, _Counters] = {}
         self._down_until: dict[str, float] = {}
@@ -272,50 +368,90 @@ class RedisClusterTier(Tier):
         field_values = _resp_bulk_columns(
             n, _key_bytes(keys[order]), records.view(np.uint8).reshape(n, records.dtype.itemsize)
         )
-        evalsha = b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % self._put_sha
-        commands = [
-            (
-                layout.slots[p],
-                [b"*%d\r\n" % (2 * (e - s) + 4), evalsha, layout.hashes_resp[p], field_values[s:e]],
-            )
-            for p, s, e in zip(parts, bounds[:-1], bounds[1:])
-        ]
-        results = self._execute(table, commands, keys_per_command=np.diff(bounds))
-        retry = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
-        if retry:  # a restarted node lost its script cache: EVAL loads it there again
-            script = _PUT_IF_NOT_OLDER_LUA.encode()
-            eval_head = b"$4\r\nEVAL\r\n$%d\r\n%s\r\n$1\r\n1\r\n" % (len(script), script)
-            again = [(commands[i][0], [commands[i][1][0], eval_head, *commands[i][1][2:]]) for i in retry]
-            for i, res in zip(retry, self._execute(table, again, keys_per_command=np.diff(bounds)[retry])):
-                results[i] = res
-        mask_sorted = np.zeros(n, dtype=bool)
-        for res, s, e in zip(results, bounds[:-1], bounds[1:]):
-            if isinstance(res, bytes):
-                mask_sorted[s:e] = np.frombuffer(res, dtype=np.uint8) == ord("1")
-        written[order] = mask_sorted
+        results = self._run_script(table, layout, self._put_script, parts, bounds, field_values, 2)
+        written[order] = self._flags(results, bounds, n)
         return written
 
-    def delete(self, table: str, keys: np.ndarray) -> int:
-        """HDEL per partition in one round trip; returns how many keys were present on the reachable nodes."""
+    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
+        """One script call per partition in one round trip; returns live rows removed on the reachable nodes.
+
+        With ``versions``: rows not newer become tombstones (absent keys get one). Without: rows and tombstones
+        are removed.
+        """
         keys = _as_keys(keys)
         layout = self._table(table)
+        tomb_versions = delete_versions(versions, keys.size)
         if keys.size == 0:
             return 0
+        if tomb_versions is None:
+            keys = np.unique(keys)
+            order, parts, bounds = self._group(keys)
+            fields = _resp_bulk_columns(keys.size, _key_bytes(keys[order]))
+            results = self._run_script(table, layout, self._delete_script, parts, bounds, fields, 1)
+            return sum(r for r in results if isinstance(r, int))
+        keys, tomb_versions = max_version_per_key(keys, tomb_versions)
         order, parts, bounds = self._group(keys)
-        fields = _resp_bulk_columns(keys.size, _key_bytes(keys[order]))
-        commands = [
-            (layout.slots[p], [b"*%d\r\n$4\r\nHDEL\r\n" % (e - s + 2), layout.hashes_resp[p], fields[s:e]])
-            for p, s, e in zip(parts, bounds[:-1], bounds[1:])
-        ]
-        results = self._execute(table, commands, keys_per_command=np.diff(bounds))
-        return sum(r for r in results if isinstance(r, int))
+        tombstones = np.ascontiguousarray(tomb_versions[order], dtype="<i8").view(np.uint8).reshape(-1, 8)
+        field_values = _resp_bulk_columns(keys.size, _key_bytes(keys[order]), tombstones)
+        results = self._run_script(table, layout, self._delete_versioned_script, parts, bounds, field_values, 2)
+        return int(np.count_nonzero(self._flags(results, bounds, keys.size)))
+
+    def purge_tombstones(self, table: str, below_version: int, page: int = 1000) -> int:
+        """Remove tombstones older than ``below_version`` from every reachable partition; returns how many.
+
+        Walks each partition with HSCAN pages of ``page`` fields, one script call per page (all partitions of
+        a step in one round trip), so no call blocks a node for long.
+        """
+        layout = self._table(table)
+        version = int(below_version).to_bytes(8, "little", signed=True)
+        version_resp = b"$8\r\n%s\r\n" % version
+        page_resp = b"$%d\r\n%d\r\n" % (len(str(page)), page)
+        cursors = dict.fromkeys(range(len(layout.hashes)), b"0")
+        purged = 0
+        while cursors:
+            parts = list(cursors)
+            commands = [
+                (
+                    layout.slots[p],
+                    [b"*7\r\n", self._evalsha_head(self._purge_script), layout.hashes_resp[p], version_resp,
+                     b"$%d\r\n%s\r\n" % (len(cursors[p]), cursors[p]), page_resp],
+                )
+                for p in parts
+            ]  # fmt: skip
+            results = self._retry_noscript(table, self._purge_script, commands, None)
+            next_cursors = {}
+            for p, res in zip(parts, results):
+                if not isinstance(res, list):
+                    continue  # an unreachable partition is left for a later purge
+                purged += int(res[1])
+                if res[0] != b"0":
+                    next_cursors[p] = res[0]
+            cursors = next_cursors
+        return purged
 
     def count(self, table: str) -> int:
-        """Sum of HLEN over the partitions on the reachable nodes."""
+        """Live rows on the reachable nodes: HLEN of each partition less its tombstones and their counter field."""
         layout = self._table(table)
-        commands = [(slot, [_resp_command(b"HLEN", h)]) for h, slot in zip(layout.hashes, layout.slots)]
+        lengths = [(slot, [_resp_command(b"HLEN", h)]) for h, slot in zip(layout.hashes, layout.slots)]
+        counters = [
+            (slot, [_resp_command(b"HGET", h, _TOMBSTONE_COUNT_FIELD)]) for h, slot in zip(layout.hashes, layout.slots)
+        ]
+        results = self._execute(table, lengths + counters, keys_per_command=None)
+        total = 0
+        for fields, tombstones in zip(results[: len(lengths)], results[len(lengths) :]):
+            if isinstance(fields, int) and not isinstance(tombstones, (_Failed, Exception)):
+                total += fields - (1 + int(tombstones) if tombstones is not None else 0)
+        return total
+
+    def tombstones(self, table: str) -> int:
+        """Tombstones held on the reachable nodes (the partitions' ``#tombstones`` counters)."""
+        layout = self._table(table)
+        commands = [
+            (slot, [_resp_command(b"HGET", h, _TOMBSTONE_COUNT_FIELD)])
+            for h, slot in zip(layout.hashes, layout.slots)
+        ]
         results = self._execute(table, commands, keys_per_command=None)
-        return sum(r for r in results if isinstance(r, int))
+        return sum(int(r) for r in results if isinstance(r, bytes))
 
     def stats(self, table: str) -> TierStats:
         """Rows (reachable nodes), no capacity bound; errors = node batches that fell through (failed or skipped)."""
@@ -345,6 +481,52 @@ class RedisClusterTier(Tier):
         self._rc.close()
 
     # ------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _evalsha_head(script: _Script) -> bytes:
+        """``EVALSHA <sha> 1`` as RESP bulk strings (the array header and the key follow per command)."""
+        return b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % script.sha
+
+    def _run_script(
+        self,
+        table: str,
+        layout: _TableLayout,
+        script: _Script,
+        parts: list[int],
+        bounds: np.ndarray,
+        args: np.ndarray,
+        args_per_key: int,
+    ) -> list:
+        """Call ``script`` once per partition run, its keys' RESP ``args`` rows as ARGV; returns the replies."""
+        head = self._evalsha_head(script)
+        commands = [
+            (layout.slots[p], [b"*%d\r\n" % (args_per_key * (e - s) + 4), head, layout.hashes_resp[p], args[s:e]])
+            for p, s, e in zip(parts, bounds[:-1], bounds[1:])
+        ]
+        return self._retry_noscript(table, script, commands, np.diff(bounds))
+
+    def _retry_noscript(
+        self, table: str, script: _Script, commands: list[tuple[int, list]], keys_per_command: np.ndarray | None
+    ) -> list:
+        """Run EVALSHA ``commands``; where a node lost its script cache (restarted), EVAL loads it again."""
+        results = self._execute(table, commands, keys_per_command=keys_per_command)
+        retry = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
+        if retry:
+            eval_head = b"$4\r\nEVAL\r\n$%d\r\n%s\r\n$1\r\n1\r\n" % (len(script.source), script.source)
+            again = [(commands[i][0], [commands[i][1][0], eval_head, *commands[i][1][2:]]) for i in retry]
+            counts = keys_per_command[retry] if keys_per_command is not None else None
+            for i, res in zip(retry, self._execute(table, again, keys_per_command=counts)):
+                results[i] = res
+        return results
+
+    @staticmethod
+    def _flags(results: list, bounds: np.ndarray, n: int) -> np.ndarray:
+        """The '1'/'0' replies of per-partition script calls as one bool mask in sorted order (failed: False)."""
+        mask = np.zeros(n, dtype=bool)
+        for res, s, e in zip(results, bounds[:-1], bounds[1:]):
+            if isinstance(res, bytes):
+                mask[s:e] = np.frombuffer(res, dtype=np.uint8) == ord("1")
+        return mask
 
     @staticmethod
     def _meta_key(table: str) -> bytes:

@@ -142,6 +142,67 @@ def test_delete_and_count(tier: RedisClusterTier) -> None:
         tier.get("m.t", keys)
 
 
+def test_versioned_delete_leaves_tombstones_that_refuse_older_puts(tier: RedisClusterTier) -> None:
+    tier.create_table("m.t", 2)  # dim 2: a row is 16 bytes, a tombstone 8
+    keys = np.arange(-100, 100, dtype=np.int64)
+    tier.put("m.t", keys, _rows(200, 2, 7), np.full(200, 5))
+    assert tier.delete("m.t", keys[:100], np.full(100, 4)) == 0  # a lagging delete keeps the newer rows
+    assert tier.get("m.t", keys).found.all()
+    assert tier.delete("m.t", keys[:100], np.full(100, 5)) == 100
+    absent = np.arange(10**6, 10**6 + 20, dtype=np.int64)
+    assert tier.delete("m.t", absent, 9) == 0
+    assert tier.count("m.t") == 100 and tier.tombstones("m.t") == 120 and tier.stats("m.t").rows == 100
+    assert not tier.get("m.t", np.r_[keys[:100], absent]).found.any()
+    old = _rows(100, 2, 8)
+    assert not tier.put("m.t", keys[:100], old, np.full(100, 5)).any()  # at the tombstone's version
+    assert not tier.put("m.t", keys[:100], old, np.full(100, 3)).any()  # a replay or a late promotion
+    assert tier.delete("m.t", keys[:10], np.full(10, 1)) == 0  # never lowers a tombstone
+    assert not tier.put("m.t", keys[:10], old[:10], np.full(10, 4)).any()
+    newer = tier.put("m.t", keys[:100], old, np.full(100, 6))
+    assert newer.all()
+    np.testing.assert_array_equal(tier.get("m.t", keys[:100]).vectors, old)
+    assert tier.count("m.t") == 200 and tier.tombstones("m.t") == 20
+    assert tier.delete("m.t", np.r_[absent, keys[:5]]) == 5  # unversioned: rows and tombstones go
+    assert tier.tombstones("m.t") == 0 and tier.count("m.t") == 195
+    assert tier.put("m.t", absent, _rows(20, 2, 9), np.zeros(20, np.int64)).all()
+
+
+@pytest.mark.parametrize(
+    ("stored", "deleted", "removed"),
+    [(-1, 0, True), (0, -1, False), (2**53 + 1, 2**53, False), (2**53, 2**53 + 1, True), (-(2**63), -(2**63), True)],
+)
+def test_versioned_delete_compares_extreme_versions(
+    tier: RedisClusterTier, stored: int, deleted: int, removed: bool
+) -> None:
+    tier.create_table("m.t", 2)
+    key = np.array([7], dtype=np.int64)
+    tier.put("m.t", key, np.ones((1, 2), np.float32), np.array([stored]))
+    assert tier.delete("m.t", key, np.array([deleted])) == int(removed)
+    assert bool(tier.get("m.t", key).found[0]) is not removed
+    if removed:  # the tombstone holds exactly the delete's version
+        assert not tier.put("m.t", key, np.ones((1, 2), np.float32), np.array([deleted])).any()
+        if deleted < 2**63 - 1:
+            assert tier.put("m.t", key, np.ones((1, 2), np.float32), np.array([deleted + 1])).all()
+
+
+def test_purge_tombstones_and_scripts_reload_after_flush(
+    tier: RedisClusterTier, redis_cluster_clean: RedisClusterProcess
+) -> None:
+    tier.create_table("m.t", 4)
+    keys = np.arange(3000, dtype=np.int64)
+    tier.put("m.t", keys, _rows(3000, 4, 10), np.zeros(3000, np.int64))
+    for i in range(3):  # a restarted node has an empty script cache: the tier must EVAL the scripts again
+        with redis_cluster_clean.client(i) as c:
+            c.script_flush()
+    assert tier.delete("m.t", keys[:2000], np.repeat([10, 20], 1000)) == 2000
+    assert tier.purge_tombstones("m.t", 20, page=100) == 1000
+    assert tier.tombstones("m.t") == 1000 and tier.count("m.t") == 1000
+    written = tier.put("m.t", keys[:2000], _rows(2000, 4, 11), np.full(2000, 15))
+    np.testing.assert_array_equal(written, np.arange(2000) < 1000)
+    assert tier.purge_tombstones("m.t", 21) == 1000 and tier.tombstones("m.t") == 0
+    assert tier.count("m.t") == 2000
+
+
 def test_tables_with_different_dims_are_independent(
     tier: RedisClusterTier, redis_cluster_clean: RedisClusterProcess
 ) -> None:
