@@ -10,12 +10,20 @@ import asyncio
 import itertools
 import random
 from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Self
 
 import grpc
 import numpy as np
 
-from hps_service.client import _CHANNEL_OPTIONS, TableAnswer, _as_error, build_request, decode_answer
+from hps_service.client import (
+    _CHANNEL_OPTIONS,
+    TableAnswer,
+    _as_error,
+    build_request,
+    channel_credentials,
+    decode_answer,
+)
 from hps_service.errors import InvalidArgumentError
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
@@ -33,7 +41,14 @@ class AsyncHPSClient:
         timeout: float | None = 5.0,
         retries: int = 3,
         backoff_s: float = 0.05,
+        *,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        tls: bool = False,
     ) -> None:
+        """TLS options as in HPSClient: ``tls_ca`` (or ``tls=True``), plus ``tls_cert``/``tls_key`` for mutual TLS."""
+        self._credentials = channel_credentials(tls_ca, tls_cert, tls_key, tls)
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         if not self.targets:
             raise InvalidArgumentError("AsyncHPSClient needs at least one target host:port")
@@ -48,7 +63,12 @@ class AsyncHPSClient:
 
     def _stub(self) -> pb_grpc.EmbeddingServiceStub:
         if not self._stubs:
-            self._channels = [grpc.aio.insecure_channel(t, options=_CHANNEL_OPTIONS) for t in self.targets]
+            self._channels = [
+                grpc.aio.secure_channel(t, self._credentials, options=_CHANNEL_OPTIONS)
+                if self._credentials is not None
+                else grpc.aio.insecure_channel(t, options=_CHANNEL_OPTIONS)
+                for t in self.targets
+            ]
             self._stubs = [pb_grpc.EmbeddingServiceStub(c) for c in self._channels]
         return self._stubs[next(self._next) % len(self._stubs)]
 

@@ -161,12 +161,19 @@ def lookup(
     model: str = typer.Option(..., "--model", "-m"),
     table: str = typer.Option(..., "--table", "-t"),
     timeout: float = typer.Option(5.0, help="Seconds."),
+    tls_ca: Path | None = typer.Option(None, "--tls-ca", help="PEM CA bundle that signed the server (turns TLS on)."),
+    tls_cert: Path | None = typer.Option(None, "--tls-cert", help="PEM client certificate (mutual TLS)."),
+    tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM client private key (mutual TLS)."),
 ) -> None:
     """Look keys up on a running server and print one row per key with the level that answered."""
     from hps_service.client import HPSClient
 
     names = {1: "cache", 2: "volatile", 3: "persistent", 4: "default"}
-    with HPSClient(target, timeout=timeout, retries=1) as client:
+    try:
+        client = HPSClient(target, timeout=timeout, retries=1, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+    except HPSError as exc:
+        _fail(str(exc))
+    with client:
         try:
             answer = client.lookup_with_sources(model, table, np.array(keys, dtype=np.int64))
         except HPSError as exc:

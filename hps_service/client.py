@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -19,6 +20,7 @@ import numpy as np
 from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_service.tls import grpc_channel_credentials
 
 _ERRORS: dict[grpc.StatusCode, type[HPSError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
@@ -52,6 +54,15 @@ class TableAnswer:
     sources: np.ndarray
 
 
+def channel_credentials(
+    tls_ca: str | Path | None, tls_cert: str | Path | None, tls_key: str | Path | None, tls: bool
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials when any TLS option is given, else None (plaintext)."""
+    if not (tls or tls_ca or tls_cert or tls_key):
+        return None
+    return grpc_channel_credentials(tls_ca, tls_cert, tls_key)
+
+
 def encode_keys(keys: np.ndarray | Sequence[int]) -> bytes:
     """Keys as packed little-endian int64 bytes."""
     arr = np.asarray(keys)
@@ -82,14 +93,26 @@ class HPSClient:
         timeout: float | None = 5.0,
         retries: int = 3,
         backoff_s: float = 0.05,
+        *,
+        tls_ca: str | Path | None = None,
+        tls_cert: str | Path | None = None,
+        tls_key: str | Path | None = None,
+        tls: bool = False,
     ) -> None:
+        """``tls_ca`` (or ``tls=True`` for the system roots) turns TLS on; ``tls_cert``/``tls_key`` add a client
+        certificate for servers that require mutual TLS."""
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         if not self.targets:
             raise InvalidArgumentError("HPSClient needs at least one target host:port")
         self.timeout = timeout
         self.retries = retries
         self.backoff_s = backoff_s
-        self._channels = [grpc.insecure_channel(t, options=_CHANNEL_OPTIONS) for t in self.targets]
+        creds = channel_credentials(tls_ca, tls_cert, tls_key, tls)
+        self._channels = [
+            grpc.secure_channel(t, creds, options=_CHANNEL_OPTIONS) if creds is not None
+            else grpc.insecure_channel(t, options=_CHANNEL_OPTIONS)
+            for t in self.targets
+        ]
         self._stubs = [pb_grpc.EmbeddingServiceStub(c) for c in self._channels]
         self._next = itertools.count()
         self._lock = threading.Lock()

@@ -23,6 +23,14 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class TLSConfig(_Section):
+    """TLS for both listeners (gRPC and REST); with ``client_ca_file`` clients must present a certificate it signed."""
+
+    cert_file: Path = Field(description="PEM certificate chain of the server")
+    key_file: Path = Field(description="PEM private key of the server")
+    client_ca_file: Path | None = Field(None, description="PEM CA bundle; when set, mutual TLS is required")
+
+
 class ServerConfig(_Section):
     """Network endpoints and request limits."""
 
@@ -36,6 +44,8 @@ class ServerConfig(_Section):
     grace_period_s: float = Field(30.0, ge=0)
     max_concurrent_requests: int = Field(256, ge=1, description="gRPC calls in flight; more get RESOURCE_EXHAUSTED")
     snapshots_path: Path | None = Field(None, description="RocksDB checkpoints; default: <persistent.path>/../snapshots")
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="REST request bodies larger get 413")
+    tls: TLSConfig | None = None
 
     @model_validator(mode="after")
     def _admin_token_alias(self) -> "ServerConfig":
@@ -82,6 +92,9 @@ class VolatileConfig(_Section):
     nodes: list[str] = Field(default_factory=list, description="redis_cluster: host:port seeds")
     partitions: int = Field(64, ge=1, le=16384, description="redis_cluster: hashes per table")
     password: SecretStr | None = None
+    username: str | None = Field(None, description="redis_cluster: ACL user (Redis 6+) for AUTH with password")
+    tls: bool = Field(False, description="redis_cluster: connect with TLS")
+    ca_file: Path | None = Field(None, description="redis_cluster: PEM CA bundle that verifies the nodes (TLS)")
     socket_timeout_s: float = Field(0.5, gt=0)
     node_retry_after_s: float = Field(1.0, ge=0, description="redis_cluster: skip a failed node this long")
 
@@ -114,6 +127,10 @@ class UpdatesConfig(_Section):
     brokers: str = "127.0.0.1:9092"
     topic_prefix: str = "hps"
     group: str | None = None
+    kafka_config: dict[str, Union[str, int, float, bool]] = Field(
+        default_factory=dict,
+        description="extra librdkafka settings for every client, e.g. security.protocol, sasl.*, ssl.*",
+    )
 
 
 class ConstantDefault(_Section):

@@ -7,6 +7,7 @@ import logging
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
@@ -31,6 +32,7 @@ from hps_service.server.rest import AdminContext, ReadinessCheck, create_app
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
+from hps_service.tls import grpc_server_credentials, uvicorn_ssl_options
 from hps_service.updates import UpdateConsumer
 
 log = logging.getLogger(__name__)
@@ -90,6 +92,17 @@ def snapshots_root(config: HPSConfig) -> Path:
     return Path(config.persistent.path).parent / "snapshots"
 
 
+def update_consumer_not_ready(consumer: UpdateConsumer) -> str | None:
+    """The readiness reason of the update consumer: no partitions yet, or updates failing to apply (nothing is
+    committed meanwhile, so they are retried and replayed, but the served rows are going stale)."""
+    if not consumer.ready:
+        reason = f"update consumer (group {consumer.group}) has no partitions yet"
+        return f"{reason}: {consumer.last_error}" if consumer.last_error else reason
+    if consumer.apply_error is not None:
+        return f"update consumer (group {consumer.group}) cannot apply updates: {consumer.apply_error}"
+    return None
+
+
 class HPSServer:
     """One server process: the lookup engine behind gRPC (health checking, reflection) and the REST admin API."""
 
@@ -139,7 +152,11 @@ class HPSServer:
             (pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
             server,
         )
-        port = server.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        address = f"{cfg.host}:{cfg.grpc_port}"
+        if cfg.tls is not None:
+            port = server.add_secure_port(address, grpc_server_credentials(cfg.tls))
+        else:
+            port = server.add_insecure_port(address)
         if port == 0:
             raise UnavailableError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
         server.start()
@@ -156,7 +173,17 @@ class HPSServer:
         health_name = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
         self.health.set(health_name, health_pb2.HealthCheckResponse.SERVING)
         self.sync_model_health()
-        log.info("gRPC listening on %s:%d, REST admin on %s:%d", cfg.host, port, cfg.host, self.http_port)
+        scheme = "TLS" if cfg.tls is not None else "plaintext"
+        log.info("gRPC listening on %s:%d, REST admin on %s:%d (%s)", cfg.host, port, cfg.host, self.http_port, scheme)
+        self._log_degraded()
+
+    def _log_degraded(self) -> None:
+        """Say in the log when the server starts without a tier it was configured with (it serves from the rest)."""
+        assert self.engine is not None
+        down = [tier for tier, ok in self.engine.healthy().items() if not ok]
+        if down:
+            log.warning("starting degraded: %s tier unreachable; lookups fall through to the next level, "
+                        "/readyz reports it until it reconnects", ", ".join(down))
 
     def _start_updates(self) -> None:
         """Run the Kafka update consumer when ``updates.type`` is kafka; /readyz waits for its partitions."""
@@ -168,7 +195,7 @@ class HPSServer:
         consumer = UpdateConsumer(ucfg, self.engine, [m.name for m in self.engine.models()], group)
         consumer.start()
         self.consumer = consumer
-        self.readiness.append(lambda: None if consumer.ready else f"update consumer (group {group}) has no partitions yet")
+        self.readiness.append(lambda: update_consumer_not_ready(consumer))
         self.stats_sections["updates"] = consumer.stats
         log.info("consuming updates from %s as group %s", ucfg.brokers, group)
 
@@ -206,8 +233,10 @@ class HPSServer:
             sock.close()
             raise UnavailableError(f"cannot bind the REST port {cfg.host}:{cfg.http_port}: {exc}") from None
         self.http_port = sock.getsockname()[1]
+        ssl_options = uvicorn_ssl_options(cfg.tls) if cfg.tls is not None else {}
         http = uvicorn.Server(
-            uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+            uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="off",
+                           timeout_graceful_shutdown=5, **ssl_options)
         )
         thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="hps-http", daemon=True)
         thread.start()
@@ -219,20 +248,27 @@ class HPSServer:
         self._http, self._http_thread = http, thread
 
     def stop(self, grace: float | None = None) -> None:
-        """Refuse new lookups, let in-flight ones finish within ``grace`` seconds, close the tiers."""
+        """Refuse new lookups, let in-flight ones finish, commit applied updates, close the tiers: all within
+        ``grace`` seconds (server.grace_period_s), the budget Kubernetes gives between SIGTERM and SIGKILL."""
         if self._stopped.is_set():
             return
         grace = self.config.server.grace_period_s if grace is None else grace
+        deadline = time.monotonic() + grace
+
+        def remaining(share: float = 1.0) -> float:
+            return max(0.0, (deadline - time.monotonic()) * share)
+
         self.gate.close("the server is draining")
         self.health.enter_graceful_shutdown()
         if self._grpc is not None:
-            self._grpc.stop(grace).wait(grace + 1)
+            self._grpc.stop(remaining(0.6)).wait(remaining(0.6) + 0.5)
         if self.consumer is not None:
-            self.consumer.stop(timeout=min(grace, 10.0) if grace else 1.0, commit=True)
+            self.consumer.close_timeout_s = min(self.consumer.close_timeout_s, max(remaining(0.5), 0.5))
+            self.consumer.stop(timeout=max(remaining(0.8), 1.0), commit=True)
         self.jobs.close(wait=True)
         if self._http is not None and self._http_thread is not None:
             self._http.should_exit = True
-            self._http_thread.join(grace + 5)
+            self._http_thread.join(max(remaining(0.5), 0.5))
         if self.engine is not None:
             self.engine.close()
         self._stopped.set()

@@ -142,6 +142,59 @@ def describe_model(engine: LookupEngine, name: str) -> dict[str, Any]:
     return {"name": mc.name, "tables": tables}
 
 
+class BodySizeLimit:
+    """ASGI middleware: a request body over ``max_bytes`` gets 413 before the endpoint sees it (declared by
+    Content-Length or counted while reading a chunked body), so one request cannot hold unbounded memory."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send, int(declared))
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([message]), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._too_large(send, size)
+                return
+            if not message.get("more_body", False):
+                break
+        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replay([body], receive), send)
+
+    async def _too_large(self, send: Callable, size: int) -> None:
+        response = _error(413, f"request body of {size} bytes exceeds server.max_body_bytes={self.max_bytes}")
+        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
+        await send({"type": "http.response.body", "body": response.body})
+
+
+def _replay(messages: list[dict], then: Callable | None = None) -> Callable:
+    """An ASGI receive() that returns ``messages`` first, then defers to ``then`` (e.g. to see a disconnect)."""
+    pending = list(messages)
+
+    async def receive() -> dict:
+        if pending:
+            return pending.pop(0)
+        if then is not None:
+            return await then()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
 def create_app(ctx: AdminContext) -> FastAPI:
     """The admin FastAPI application over ``ctx``."""
     engine = ctx.engine
@@ -151,6 +204,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
         description="Models, rows, import, snapshots, stats and cache control of one hps-service process. "
         "Mutating endpoints need `Authorization: Bearer <admin token>`.",
     )
+    app.add_middleware(BodySizeLimit, max_bytes=ctx.config.server.max_body_bytes)
+
     def require_admin(credentials: AdminCredentials) -> None:
         token = ctx.config.server.admin_token
         if token is None:

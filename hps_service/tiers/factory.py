@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from hps_service.config import PersistentConfig, VolatileConfig
+from hps_service.errors import UnavailableError
 from hps_service.tiers.base import Tier
+
+log = logging.getLogger(__name__)
 
 
 def build_volatile(cfg: VolatileConfig) -> Tier | None:
@@ -17,16 +23,45 @@ def build_volatile(cfg: VolatileConfig) -> Tier | None:
             evict_fraction=cfg.overflow_evict_fraction,
         )
     if cfg.type == "redis_cluster":
-        from hps_service.tiers.redis_cluster import RedisClusterTier
+        return _redis_cluster(cfg)
+    return None
 
+
+def _redis_cluster(cfg: VolatileConfig) -> Tier:
+    """The Redis Cluster tier; when no node answers at start, a DeferredTier that connects in the background."""
+    from redis.exceptions import RedisClusterException, RedisError
+
+    from hps_service.tiers.deferred import DeferredTier
+    from hps_service.tiers.redis_cluster import RedisClusterTier
+
+    def connect() -> Tier:
         return RedisClusterTier(
             nodes=cfg.nodes,
             partitions=cfg.partitions,
             password=cfg.password.get_secret_value() if cfg.password else None,
             socket_timeout_s=cfg.socket_timeout_s,
             node_retry_after_s=cfg.node_retry_after_s,
+            **redis_security_options(cfg),
         )
-    return None
+
+    try:
+        return connect()
+    except (UnavailableError, RedisClusterException, RedisError) as exc:
+        log.warning("volatile tier starts degraded (lookups fall through to the persistent tier): %s", exc)
+        what = f"Redis Cluster at {', '.join(cfg.nodes)}"
+        return DeferredTier(connect, kind="volatile", what=what, retry_after_s=max(cfg.node_retry_after_s, 0.1))
+
+
+def redis_security_options(cfg: VolatileConfig) -> dict[str, Any]:
+    """AUTH user and TLS settings for RedisClusterTier (only those that are set, so defaults stay redis-py's)."""
+    options: dict[str, Any] = {}
+    if cfg.username:
+        options["username"] = cfg.username
+    if cfg.tls:
+        options["ssl"] = True
+        if cfg.ca_file is not None:
+            options["ssl_ca_certs"] = str(cfg.ca_file)
+    return options
 
 
 def build_persistent(cfg: PersistentConfig) -> Tier | None:

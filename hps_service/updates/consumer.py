@@ -134,9 +134,10 @@ class UpdateConsumer:
         self.commit_interval_s = commit_interval_s
         self.close_timeout_s = close_timeout_s
         self.partitions = partitions
-        self._client_config = {"bootstrap.servers": cfg.brokers, "socket.nagle.disable": True}
+        self._client_config = {**cfg.kafka_config, "bootstrap.servers": cfg.brokers, "socket.nagle.disable": True}
         self._consumer_config = {
             **_CONSUMER_DEFAULTS,
+            **cfg.kafka_config,
             **(consumer_config or {}),
             "bootstrap.servers": cfg.brokers,
             "group.id": group,
@@ -160,6 +161,8 @@ class UpdateConsumer:
         #: Dead letters the broker refused (topic, value, headers): produced again; no commit until they land.
         self._dlq_failed: list[tuple[str, bytes | None, list]] = []
         self.last_error: str | None = None
+        #: Why the current batch cannot be applied (a tier write fails); None once it is applied.
+        self.apply_error: str | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -197,6 +200,7 @@ class UpdateConsumer:
             applied_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self._applied.items())},
             committed_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self._committed.items())},
             last_error=self.last_error,
+            apply_error=self.apply_error,
         )
         return out
 
@@ -347,12 +351,13 @@ class UpdateConsumer:
                     del pending[(model, table)]
                 except Exception as exc:  # noqa: BLE001  (a tier is down: retry the same rows, commit nothing)
                     self.metrics.apply_failures += 1
-                    self.last_error = f"apply to {model}.{table} failed: {exc}"
+                    self.last_error = self.apply_error = f"apply to {model}.{table} failed: {exc}"
                     log.warning("update consumer %s: %s; retrying in %.2fs", self.group, self.last_error, backoff)
             if pending:
                 if self._stopping.wait(backoff):
                     return False
                 backoff = min(backoff * 2, 2.0)
+        self.apply_error = None
         return True
 
     def _apply_table(self, model: str, table: str, batch: _TableBatch) -> None:

@@ -27,6 +27,11 @@ _PRODUCER_DEFAULTS: dict[str, Any] = {
 }
 
 
+def connection_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """The security entries of a librdkafka config (security.protocol, sasl.*, ssl.*) that every client needs."""
+    return {k: v for k, v in config.items() if k == "security.protocol" or k.startswith(("sasl.", "ssl."))}
+
+
 class Publisher:
     """Publishes versioned rows and deletes of one model; each key always goes to the same partition.
 
@@ -52,7 +57,7 @@ class Publisher:
         self.topic = topic_name(model, topic_prefix)
         conf = {**_PRODUCER_DEFAULTS, **producer_config, "bootstrap.servers": brokers}
         self._producer = Producer(conf)
-        admin = AdminClient({"bootstrap.servers": brokers})
+        admin = AdminClient({**connection_settings(producer_config), "bootstrap.servers": brokers})
         self.partitions = ensure_topic(admin, self.topic, partitions, timeout_s=metadata_timeout_s)
         self._errors: list[str] = []
         self._lock = threading.Lock()
