@@ -19,7 +19,7 @@ from hps_service.cache.protocol import TableCache
 from hps_service.config import DefaultSpec, ModelConfig, TableConfig
 from hps_service.defaults import default_rows
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from hps_service.tiers.base import Tier, table_id
+from hps_service.tiers.base import Tier, delete_versions, max_version_per_key, table_id
 
 log = logging.getLogger(__name__)
 
@@ -300,16 +300,26 @@ class LookupEngine:
         return int(np.count_nonzero(written))
 
     def apply_deletes(self, model: str, table: str, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
-        """Delete keys from every tier and the L1 cache. Returns how many the lowest enabled tier held."""
+        """Delete keys from every tier and the L1 cache. Returns how many live rows the lowest enabled tier held.
+
+        With ``versions`` (update tombstones), a tier removes only rows not newer than the delete and keeps a
+        tombstone, so a replayed older put or a late promotion cannot bring the row back; without (admin
+        deletes), the keys are forgotten whatever their version.
+        """
         t = self.table(model, table)
-        keys = np.unique(as_keys(keys))
+        keys = as_keys(keys)
+        tomb_versions = delete_versions(versions, keys.shape[0])
         if keys.shape[0] == 0:
             return 0
+        if tomb_versions is None:
+            keys = np.unique(keys)
+        else:
+            keys, tomb_versions = max_version_per_key(keys, tomb_versions)
         removed = 0
         if self.persistent is not None:
-            removed = self.persistent.delete(t.id, keys)
+            removed = self.persistent.delete(t.id, keys, tomb_versions)
         if self.volatile is not None:
-            n = self.volatile.delete(t.id, keys)
+            n = self.volatile.delete(t.id, keys, tomb_versions)
             if self.persistent is None:
                 removed = n
         if t.cache is not None:

@@ -175,3 +175,47 @@ def test_cache_serves_repeats_and_follows_updates_and_deletes(cached_engine: Loo
     assert list(fourth.sources) == [Source.DEFAULT] * 5 + [Source.CACHE]
     stats = eng.table_stats("m", "t")["cache"]
     assert stats["enabled"] and stats["hits"] == 100 + 20 + 1 and stats["capacity"] == 256
+
+
+def test_versioned_delete_refuses_older_puts_in_every_tier(cached_engine: LookupEngine) -> None:
+    eng = cached_engine
+    keys = np.arange(50, dtype=np.int64)
+    eng.apply_updates("m", "t", keys, rows_for(keys, version=3), 3)
+    assert set(eng.lookup("m", "t", keys).sources) == {Source.VOLATILE}
+    assert set(eng.lookup("m", "t", keys).sources) == {Source.CACHE}
+    assert eng.apply_deletes("m", "t", keys, np.full(50, 2)) == 0  # a lagging delete: the rows stay
+    np.testing.assert_array_equal(eng.lookup("m", "t", keys).vectors, rows_for(keys, version=3))
+    assert eng.apply_deletes("m", "t", keys, 5) == 50
+    assert eng.apply_updates("m", "t", keys, rows_for(keys, version=4), 4) == 0  # a replay older than the delete
+    for tier in (eng.volatile, eng.persistent):
+        assert not tier.get("m.t", keys).found.any() and tier.count("m.t") == 0
+        assert not tier.put("m.t", keys, rows_for(keys, version=4), np.full(50, 4)).any()
+    got = eng.lookup("m", "t", keys)
+    assert set(got.sources) == {Source.DEFAULT}
+    assert eng.apply_updates("m", "t", keys, rows_for(keys, version=6), 6) == 50
+    got = eng.lookup("m", "t", keys)
+    np.testing.assert_array_equal(got.vectors, rows_for(keys, version=6))
+    assert Source.DEFAULT not in got.sources
+    for tier in (eng.volatile, eng.persistent):
+        np.testing.assert_array_equal(tier.get("m.t", keys).versions, 6)
+
+
+def test_promotion_of_a_row_read_before_a_delete_is_refused(engine: LookupEngine) -> None:
+    keys = np.arange(20, dtype=np.int64)
+    engine.persistent.put("m.t", keys, rows_for(keys, version=1), np.ones(20, np.int64))
+    read_before = engine.persistent.get("m.t", keys)  # a lookup read L3 (L2 missed) ...
+    engine.apply_deletes("m", "t", keys, 2)  # ... the delete lands in both tiers ...
+    table = engine.table("m", "t")
+    engine._promote(table, keys, read_before.vectors, read_before.versions)  # ... then the lookup promotes
+    assert not engine.volatile.get("m.t", keys).found.any()
+    assert set(engine.lookup("m", "t", keys).sources) == {Source.DEFAULT}
+
+
+def test_admin_delete_without_versions_forgets_tombstones(engine: LookupEngine) -> None:
+    keys = np.array([1, 2], dtype=np.int64)
+    engine.apply_deletes("m", "t", keys, np.array([9, 9]))
+    assert engine.apply_updates("m", "t", keys, rows_for(keys), 1) == 0
+    assert engine.apply_deletes("m", "t", keys) == 0
+    assert engine.apply_updates("m", "t", keys, rows_for(keys), 1) == 2
+    with pytest.raises(InvalidArgumentError, match="versions"):
+        engine.apply_deletes("m", "t", keys, np.array([1, 2, 3]))

@@ -156,7 +156,6 @@ def test_tombstones_delete_from_every_tier(kafka_broker, engine, model_name, sta
     assert consumer.stats()["last_version"][f"{model_name}.{TABLE}"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="tiers delete unconditionally: no versioned tombstones yet (see report)")
 def test_delete_then_older_put_does_not_resurrect(kafka_broker, engine, model_name, start_consumer) -> None:
     consumer = start_consumer()
     pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
@@ -175,7 +174,6 @@ def test_delete_then_older_put_does_not_resurrect(kafka_broker, engine, model_na
         assert not found.any(), name
 
 
-@pytest.mark.xfail(strict=True, reason="tiers delete unconditionally: a delete older than the row removes it")
 def test_older_delete_keeps_newer_row(kafka_broker, engine, model_name, start_consumer) -> None:
     consumer = start_consumer()
     pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
