@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from hps_service.config import ConfigError, load_config
 from hps_service.errors import HPSError, InvalidArgumentError
@@ -55,7 +56,8 @@ def train_command(
         from hps_service.trainer.factory import RunSpec, build_run
         from hps_service.trainer.train import TrainConfig, Trainer
     except ImportError as exc:
-        console.print(f"[red]error:[/red] hps train needs the trainer extra (pip install 'hps-service[trainer]'): {exc}")
+        console.print("[red]error:[/red] " + escape(f"hps train needs the trainer extra (pip install "
+                                                     f"'hps-service[trainer]'): {exc}"))
         raise typer.Exit(2) from None
     if threads:
         import torch
@@ -81,7 +83,7 @@ def train_command(
             steps=steps, batch_size=batch_size, embedding_optimizer=embedding_optimizer,  # type: ignore[arg-type]
             embedding_lr=embedding_lr, dense_lr=dense_lr, publish_every_steps=publish_every_steps,
             publish_every_s=publish_every_s, eval_every=eval_every, holdout_size=holdout_size,
-            generation=generation, seed=seed, progress=progress,
+            generation=generation, progress=progress,
         )
         target = brokers or (cfg.updates.brokers if cfg.updates.type == "kafka" else None)
         if publish and target:
@@ -92,7 +94,7 @@ def train_command(
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
         metrics = Trainer(dlrm, data, train_cfg, publisher).run(metrics_out)
     except (ConfigError, HPSError) as exc:
-        console.print(f"[red]error:[/red] {exc}")
+        console.print("[red]error:[/red] " + escape(str(exc)))
         raise typer.Exit(2) from None
     finally:
         if publisher is not None:

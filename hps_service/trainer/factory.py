@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from hps_service.config import ModelConfig
 from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.data import DriftSpec, PlantedTeacherData, TeacherConfig
@@ -61,4 +63,7 @@ def build_run(model: ModelConfig, spec: RunSpec) -> tuple[DLRM, PlantedTeacherDa
         num_dense=spec.num_dense,
         moe=moe,
     )
-    return DLRM(dlrm), PlantedTeacherData(teacher)
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        model_instance = DLRM(dlrm)
+    return model_instance, PlantedTeacherData(teacher)

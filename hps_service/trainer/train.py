@@ -23,6 +23,7 @@ from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.data import Batch, PlantedTeacherData
 from hps_service.trainer.metrics import auc, log_loss
 from hps_service.trainer.model import DLRM, predict_from_rows
+from hps_service.trainer.moe import RoutingResult
 from hps_service.trainer.optim import SparseRowOptimizer, TouchedRows
 from hps_service.updates.message import make_version
 
@@ -52,7 +53,6 @@ class TrainConfig:
     holdout_size: int = 20_000
     generation: int = 0
     publish_initial: bool = True
-    seed: int = 0
     progress: bool = False
     recovery_tolerance: float = 0.01
 
@@ -110,7 +110,6 @@ class Trainer:
         self.data = data
         self.config = config
         self.publisher = publisher
-        torch.manual_seed(config.seed)
         self.sparse_opt = SparseRowOptimizer(
             {name: model.embeddings[name] for name in model.config.table_names},
             lr=config.embedding_lr,
@@ -152,7 +151,7 @@ class Trainer:
             self.model.tower.moe.router.update_expert_bias()
         return float(bce.detach())
 
-    def _record_moe(self, routing: Any) -> None:
+    def _record_moe(self, routing: RoutingResult) -> None:
         load = routing.tokens_per_expert.detach().to(torch.float64)
         self._moe_load = load if self._moe_load is None else self._moe_load + load
         self._moe_dropped.append(float(routing.dropped_fraction))
