@@ -67,8 +67,8 @@ class Plan:
 
 def plan(quick: bool, table_sizes: str | None) -> Plan:
     if quick:
-        p = Plan(rows=200_000, table_sizes=(200_000, 1_000_000), batches=(256, 1024, 4096, 16384),
-                 cache_fractions=(0.01, 0.2, 1.0), measure_s=3.0, warmup_s=3.0, rounds=1, curve_s=2.0,
+        p = Plan(rows=200_000, table_sizes=(200_000, 500_000), batches=(256, 1024, 4096, 16384),
+                 cache_fractions=(0.01, 1.0), measure_s=3.0, warmup_s=3.0, rounds=1, curve_s=2.0,
                  l1_repeats=3, l1_budget_s=0.5, l3_batches=100, workers=2, concurrency=8, freshness_samples=30)
     else:
         p = Plan(rows=1_000_000, table_sizes=(1_000_000, 5_000_000), batches=(256, 1024, 4096, 16384),
@@ -147,7 +147,13 @@ class FloorServer:
 
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
     return {k: report[k] for k in ("qps", "keys_per_s", "latency_ms", "requests", "responses", "errors", "dropped",
-                                   "client_cache_hit_rate", "server_hit_rate")}
+                                   "client_cache_hit_rate", "server_hit_rate", "server_cpu_ms_per_call",
+                                   "client_cpu_ms_per_call")}
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.mean(present) if present else None
 
 
 def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -158,19 +164,23 @@ def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
         "p50_ms": statistics.median(r["latency_ms"]["p50"] or float("nan") for r in runs),
         "p99_ms": statistics.median(r["latency_ms"]["p99"] or float("nan") for r in runs),
         "errors": sum(sum(r["errors"].values()) for r in runs),
+        "server_cpu_ms_per_call": _mean([r["server_cpu_ms_per_call"] for r in runs]),
+        "client_cpu_ms_per_call": _mean([r["client_cpu_ms_per_call"] for r in runs]),
         "rounds": [_summary(r) for r in runs],
     }
 
 
-def bench_grpc(p: Plan, server: EmbeddedServer, workdir: Path, console: Console, profile: bool) -> dict[str, Any]:
+def bench_grpc(p: Plan, server: EmbeddedServer, workdir: Path, console: Console, profile: bool,
+               cache_fraction: float) -> dict[str, Any]:
     """Ours vs the floors (aio and thread-pool) vs Redis Cluster, interleaved round by round."""
     base = LoadSpec(target=server.target, model=MODEL, tables=(TABLE,), batch=1024, workers=p.workers,
                     concurrency=p.concurrency, duration_s=p.measure_s, warmup_s=1.0, keys_file=str(server.keys_file),
                     http_target=server.http_target, dim=DIM)
+    assert server.proc is not None
+    ours_pid = [server.proc.pid]
     console.print(f"  warming the L1 with {p.warmup_s:.0f} s of zipf(1.05) load")
     run_load(replace(base, duration_s=p.warmup_s, warmup_s=0.0))
     sampler = KeySampler(load_keys(server.keys_file), "zipf", 1.05)
-    cache_fraction = 0.2
     out: dict[str, Any] = {"expected_hit_rate_perfect_cache": sampler.hot_fraction(cache_fraction),
                            "cache_fraction": cache_fraction, "rows": p.rows, "in_flight": p.concurrency,
                            "client_processes": p.workers}
@@ -178,14 +188,17 @@ def bench_grpc(p: Plan, server: EmbeddedServer, workdir: Path, console: Console,
     redis_ctx = _redis_cluster(server, workdir, console)
     try:
         redis_seed = redis_ctx.__enter__()
+        redis_pids = redis_ctx.pids() if redis_seed is not None else []
         for r in range(p.rounds):
             console.print(f"  round {r + 1}/{p.rounds}: ours, floor (aio), floor (thread pool), redis")
-            runs["ours"].append(run_load(base))
+            runs["ours"].append(run_load(base, ours_pid))
             for mode in ("aio", "sync"):
                 with FloorServer(mode, 1024, workdir) as floor:
-                    runs[f"floor_{mode}"].append(run_load(replace(base, target=floor.target, http_target=None)))
+                    runs[f"floor_{mode}"].append(
+                        run_load(replace(base, target=floor.target, http_target=None), [floor.proc.pid]))
             if redis_seed is not None:
-                runs["redis"].append(run_load(replace(base, backend="redis", target=redis_seed, http_target=None)))
+                runs["redis"].append(
+                    run_load(replace(base, backend="redis", target=redis_seed, http_target=None), redis_pids))
         if profile:
             out["profile"] = _profile_server(server, base, workdir, console)
     finally:
@@ -207,6 +220,9 @@ class _NoRedis:
 
     def __enter__(self) -> None:
         return None
+
+    def pids(self) -> list[int]:
+        return []
 
     def __exit__(self, *exc: object) -> None:
         return None
@@ -232,6 +248,10 @@ class _RedisCluster:
         self.console.print(f"  Redis Cluster on {', '.join(self.cluster.nodes)}: {keys.shape[0]} rows loaded in "
                            f"{time.perf_counter() - t0:.1f} s")
         return self.cluster.nodes[0]
+
+    def pids(self) -> list[int]:
+        """The redis-server processes (their CPU is the baseline's server-side cost)."""
+        return [proc.pid for proc in self.cluster.processes if proc is not None] if self.cluster else []
 
     def __exit__(self, *exc: object) -> None:
         if self.cluster is not None:
@@ -464,6 +484,11 @@ def ratio_table(res: dict[str, Any]) -> Table:
         if g.get("floor_sync"):
             row("   vs thread-pool floor (our server's kind)", "", f"{g['floor_sync']['keys_per_s'] / 1e6:.2f} M keys/s "
                 f"p99 {g['floor_sync']['p99_ms']:.1f} ms", g["ratio_vs_floor_same_kind"], "-", None)
+        for name, key in (("server", "server_cpu_ms_per_call"), ("client", "client_cpu_ms_per_call")):
+            floor_cpu = g["floor_sync"][key] if g.get("floor_sync") else None
+            if o[key] is not None and floor_cpu:
+                row(f"   {name} CPU per call, ours vs thread-pool floor", f"{o[key]:.2f} ms", f"{floor_cpu:.2f} ms",
+                    floor_cpu / o[key], "-", None)
         if g.get("redis"):
             rd = g["redis"]
             row("2. gRPC b1024 vs Redis Cluster MGET/node", f"p99 {o['p99_ms']:.1f} ms",
@@ -510,6 +535,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller tables and shorter runs (~2-3 min)")
     ap.add_argument("--table-sizes", default=None, help="rows of the table-size curve, e.g. 1000000,5000000,20000000")
     ap.add_argument("--profile", action="store_true", help="py-spy the server under the gRPC load")
+    ap.add_argument("--cache-fraction", type=float, default=0.2,
+                    help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -523,7 +550,8 @@ def main(argv: list[str] | None = None) -> int:
         if "l1" not in skip:
             console.rule("1. L1 hit path vs raw NumPy gather (loadtest.bench_cache)")
             res["l1"] = bench_l1(p, console)
-        base = EmbeddedServer(workdir / "base", rows=p.rows, table_dim=DIM)
+        base = EmbeddedServer(workdir / "base", rows=p.rows, table_dim=DIM,
+                              overrides={"cache": {"capacity": args.cache_fraction}})
         if {"grpc", "curves", "l3"} - skip:
             console.rule(f"setup: hps synth + hps import of {p.rows:,} x {DIM} rows")
             t0 = time.perf_counter()
@@ -534,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 if "grpc" not in skip:
                     console.rule("2. served over gRPC vs the transport floor and Redis Cluster")
-                    res["grpc"] = bench_grpc(p, base, workdir, console, args.profile)
+                    res["grpc"] = bench_grpc(p, base, workdir, console, args.profile, args.cache_fraction)
                 if "curves" not in skip:
                     console.rule("5. cost curves: batch size")
                     res.setdefault("curves", {})["batches"] = curve_batches(base, p)

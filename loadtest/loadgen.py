@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import queue
 import sys
 import tempfile
@@ -100,8 +101,20 @@ def _stop_all(processes: list[mp.process.BaseProcess]) -> None:
         p.join(10)
 
 
-def run_load(spec: LoadSpec) -> dict[str, Any]:
-    """Run ``spec`` over ``spec.workers`` processes and return its report (see :func:`report.summarize`)."""
+def process_cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by the processes ``pids`` (Linux /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
+    return total / ticks
+
+
+def run_load(spec: LoadSpec, server_pids: list[int] | None = None) -> dict[str, Any]:
+    """Run ``spec`` over ``spec.workers`` processes and return its report (see :func:`report.summarize`).
+
+    With ``server_pids`` the report also gives the CPU those processes used per call over the whole run."""
     spec.validate()
     ctx = mp.get_context("spawn")
     ready, results = ctx.Queue(), ctx.Queue()
@@ -124,6 +137,7 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
                 raise UnavailableError(f"load worker {worker_id} failed to start:\n{error}")
         if spec.http_target:
             poller = StatsPoller(spec.http_target, spec.model, tuple(spec.tables)).start()
+        server_cpu0 = process_cpu_s(server_pids) if server_pids else 0.0
         t0 = time.monotonic() + 0.2
         start["t0"].value = t0
         start["event"].set()
@@ -137,6 +151,7 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
             if error:
                 raise UnavailableError(f"load worker {worker_id} failed:\n{error}")
             collected.append(samples)
+        server_cpu = process_cpu_s(server_pids) - server_cpu0 if server_pids else None
         for p in processes:
             p.join(10)
     finally:
@@ -145,6 +160,8 @@ def run_load(spec: LoadSpec) -> dict[str, Any]:
         _stop_all(processes)
     report = summarize(merge(collected), spec.warmup_s, spec.duration_s)
     report["config"] = asdict(spec)
+    report["server_cpu_ms_per_call"] = (server_cpu * 1e3 / report["calls_total"]
+                                        if server_cpu is not None and report["calls_total"] else None)
     report["server_hit_rate"] = None
     report["server_timeline"] = []
     if poller is not None and poller.reachable:

@@ -22,6 +22,7 @@ def merge(worker_samples: list[dict[str, Any]]) -> dict[str, Any]:
     keys = ("start", "latency", "status", "keys", "hits")
     merged = {k: np.concatenate([s[k] for s in worker_samples]) for k in keys}
     merged["dropped"] = int(sum(s["dropped"] for s in worker_samples))
+    merged["client_cpu_s"] = float(sum(s["cpu_s"] for s in worker_samples))
     return merged
 
 
@@ -63,8 +64,11 @@ def summarize(samples: dict[str, Any], warmup_s: float, duration_s: float, bucke
             "client_cache_hit_rate": (float(b_hits[b_known].sum() / n_keys[b_known].sum())
                                       if b_known.any() and n_keys[b_known].sum() else None),
         })
+    calls_total = int(start.shape[0])
     return {
         "duration_s": duration_s,
+        "calls_total": calls_total,  # every call of the run, warm-up included (CPU per call divides by this)
+        "client_cpu_ms_per_call": samples["client_cpu_s"] * 1e3 / calls_total if calls_total else None,
         "requests": int(window.sum()),
         "responses": int(ok.sum()),
         "errors": {STATUS_NAMES.get(int(c), str(int(c))): int(n) for c, n in zip(codes, counts)},

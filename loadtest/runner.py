@@ -70,6 +70,7 @@ class Samples:
     keys: array = field(default_factory=lambda: array("i"))
     hits: array = field(default_factory=lambda: array("i"))
     dropped: int = 0
+    cpu_s: float = 0.0  # this worker's CPU time (user + system) from the common start to its last answer
 
     def add(self, start: float, latency: float, status: int, keys: int, hits: int) -> None:
         self.start.append(start)
@@ -86,6 +87,7 @@ class Samples:
             "keys": np.frombuffer(self.keys, dtype=np.int32).copy(),
             "hits": np.frombuffer(self.hits, dtype=np.int32).copy(),
             "dropped": self.dropped,
+            "cpu_s": self.cpu_s,
         }
 
 
@@ -160,10 +162,12 @@ async def _run(spec: WorkerSpec, driver: Driver, announce: Any, wait_start: Any)
         if delay > 0:
             await asyncio.sleep(delay)
         samples = Samples()
+        cpu0 = time.process_time()
         if spec.mode == "closed":
             await closed_loop(driver, spec, t0, samples)
         else:
             await open_loop(driver, spec, t0, samples)
+        samples.cpu_s = time.process_time() - cpu0
         return samples
     finally:
         await driver.close()
