@@ -17,7 +17,13 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, ResourceExhaustedError, UnavailableError
+from hps_service.errors import (
+    HPSError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.tls import grpc_channel_credentials
@@ -161,7 +167,7 @@ class HPSClient:
         for c in self._channels:
             c.close()
 
-    def __enter__(self) -> "HPSClient":
+    def __enter__(self) -> HPSClient:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -97,7 +97,7 @@ class LookupLoad:
                 if not np.array_equal(answer.vectors, self.expected(keys)):
                     self.wrong_rows += 1
 
-    def start(self) -> "LookupLoad":
+    def start(self) -> LookupLoad:
         self._thread.start()
         return self
 
