@@ -14,6 +14,7 @@ help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
 	@echo "make test    - install with dev extras, install redis-server if missing, run the test suite"
 	@echo "make proto   - regenerate gRPC stubs from protos/"
+	@echo "make demo    - broker + server + online trainer + inference loop, printing AUC, hit rates, freshness"
 	@echo "make bench   - run the benchmarks under loadtest/ and print the ratios"
 	@echo "make loadtest - load the embedded default over gRPC: QPS, latency percentiles, hit rates, plots"
 
@@ -25,8 +26,11 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q -e .
 	@touch $@
 
+# The trainer's tests need PyTorch: the CPU build is pinned so pip does not pick a multi-GB CUDA build.
+TORCH_VERSION ?= 2.13.0
 $(VENV)/.installed-dev: pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q 'torch==$(TORCH_VERSION)'
+	$(PIP) install -q -e '.[dev,trainer,demo]'
 	@touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
@@ -51,6 +55,10 @@ var/demo/demo.npz: | $(VENV)/.installed
 run: install var/demo/demo.npz
 	$(HPS) import --config $(RUN_CONFIG) --model demo --table item --if-empty var/demo/demo.npz
 	$(HPS) serve --config $(RUN_CONFIG)
+
+# The online loop on one machine: local broker + hps serve + trainer + an inference loop.
+demo: install-dev
+	$(HPS) demo
 
 bench: install-dev
 	-@$(MAKE) --no-print-directory test-deps

@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hps_service.config import ConfigError, HPSConfig, load_config
 from hps_service.errors import HPSError
+from hps_service.trainer.cli import train_command
 
 app = typer.Typer(
     name="hps",
@@ -203,6 +204,33 @@ def synth(
         np.savez(tmp, keys=keys, vectors=vectors)
         tmp.replace(out)
     out_console.print(f"wrote {rows} x {dim} rows to {out}", highlight=False)
+
+
+app.command("train")(train_command)
+
+
+@app.command()
+def demo(
+    steps: int = typer.Option(400, min=1, help="Training steps."),
+    cardinality: int = typer.Option(5000, min=10, help="Ids per table."),
+    workdir: Path = typer.Option(Path("var/demo-live"), help="Where the server's RocksDB, config and log go."),
+    threads: int = typer.Option(1, min=0, help="torch threads for the trainer (0: torch's default)."),
+) -> None:
+    """Start a local broker, `hps serve` and the trainer; query the server while it trains; print the loop's numbers."""
+    try:
+        import torch
+
+        from hps_service.demo import DemoSettings, run_demo
+    except ImportError as exc:
+        _fail(f"hps demo needs the trainer and demo extras (pip install 'hps-service[trainer,demo]'): {exc}", 2)
+    if threads:
+        torch.set_num_threads(threads)
+    _setup_logging("warning")
+    try:
+        summary = run_demo(DemoSettings(steps=steps, cardinality=cardinality, workdir=workdir), out_console)
+    except (HPSError, FileNotFoundError) as exc:
+        _fail(str(exc))
+    out_console.print_json(data=summary)
 
 
 def main() -> None:

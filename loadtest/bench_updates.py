@@ -167,7 +167,7 @@ def main() -> None:
     if args.brokers:
         broker_ctx = nullcontext(args.brokers)
     else:
-        from tests.fixtures.kafka_broker import running_tansu
+        from hps_service.updates.local_broker import running_tansu
 
         broker_ctx = running_tansu()
     with broker_ctx as broker, tempfile.TemporaryDirectory() as tmp:
