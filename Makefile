@@ -8,7 +8,7 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test run proto bench loadtest lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test run demo proto bench loadtest lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
