@@ -172,10 +172,7 @@ def get_rows(
         r = row_ids[i]
         if r >= 0 and keys[r] != query[i]:
             pos, ok = _probe(index, keys, query[i], mask)
-            r = index[pos] if ok else -1
-        if r >= 0 and stamps[r] < 0:  # a tombstone: the key was deleted
-            r = -1
-        row_ids[i] = r
+            row_ids[i] = index[pos] if ok else -1
     for i in range(min(PREFETCH_AHEAD, n)):
         if row_ids[i] >= 0:
             _prefetch_row(rows, versions, row_ids[i])
@@ -185,7 +182,8 @@ def get_rows(
         if ahead < n and row_ids[ahead] >= 0:
             _prefetch_row(rows, versions, row_ids[ahead])
         r = row_ids[i]
-        if r < 0:
+        if r < 0 or stamps[r] < 0:  # absent, or a tombstone (the key was deleted)
+            row_ids[i] = -1
             found[i] = False
             continue
         src = rows[r]
