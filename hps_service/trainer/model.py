@@ -195,7 +195,8 @@ def predict_from_rows(dense_model: DenseTower, rows_by_table: Mapping[str, np.nd
         if spec.name not in rows_by_table:
             raise InvalidArgumentError(f"no rows given for table {spec.name!r}")
         ids = batch.sparse[spec.name]
-        rows = np.asarray(rows_by_table[spec.name], dtype=np.float32)
+        # rows from the gRPC client are read-only views of the message; torch wants a writable array
+        rows = np.require(rows_by_table[spec.name], dtype=np.float32, requirements=("C", "W"))
         if rows.shape != (ids.size, spec.dim):
             raise InvalidArgumentError(
                 f"rows for table {spec.name!r} must have shape {(ids.size, spec.dim)}, got {rows.shape}"
