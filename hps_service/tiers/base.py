@@ -36,7 +36,7 @@ class Rows:
     found: np.ndarray  # (n,) bool
 
     @classmethod
-    def empty(cls, n: int, dim: int) -> "Rows":
+    def empty(cls, n: int, dim: int) -> Rows:
         return cls(
             vectors=np.zeros((n, dim), dtype=np.float32),
             versions=np.zeros(n, dtype=np.int64),

@@ -49,10 +49,10 @@ def _present(values: Sequence[bytes | None]) -> tuple[np.ndarray | None, list[by
     n = len(values)
     missing = values.count(None) if isinstance(values, list) else sum(v is None for v in values)
     if missing == 0:
-        return None, list(values)
+        return None, values if isinstance(values, list) else list(values)
     arr = np.empty(n, dtype=object)
     arr[:] = values
-    found = arr != None  # noqa: E711  (element-wise comparison on an object array)
+    found = arr != None  # element-wise on an object array: where a value is present
     return found, arr[found].tolist()
 
 
@@ -61,7 +61,9 @@ def _lengths(present: list[bytes], row_bytes: int, dim: int) -> np.ndarray:
     lengths = np.fromiter(map(len, present), dtype=np.int64, count=len(present))
     bad = (lengths != row_bytes) & (lengths != TOMBSTONE_BYTES)
     if bad.any():
-        raise ValueError(f"stored value of {int(lengths[bad][0])} bytes is neither a dim-{dim} row nor a tombstone")
+        raise ValueError(
+            f"stored value of {int(lengths[bad][0])} bytes is neither a dim-{dim} row nor a tombstone"
+        )
     return lengths
 
 

@@ -289,7 +289,9 @@ class HashMapTier(Tier):
         if held:
             extra["bytes_per_row"] = memory / held
             extra["memory_ratio"] = memory / (held * raw_row_bytes)
-        return TierStats(rows=held - tombstones, capacity=self.capacity_rows, evictions=evictions, extra=extra)
+        return TierStats(
+            rows=held - tombstones, capacity=self.capacity_rows, evictions=evictions, extra=extra
+        )
 
     def scan_keys(self, table: str, limit: int) -> np.ndarray:
         """Up to ``limit`` keys of live rows (tombstones skipped), in storage order."""

@@ -68,7 +68,9 @@ local out = {}
 
 #: Writes each offered row unless the stored row has a newer version or a tombstone is at or above the offered
 #: one; returns one '1'/'0' per field.
-_PUT_IF_NOT_OLDER_LUA = _LUA_HEAD + """
+_PUT_IF_NOT_OLDER_LUA = (
+    _LUA_HEAD
+    + """
 local revived = 0
 for i = 1, #ARGV, 2 do
   local cur = redis.call('HGET', h, ARGV[i])
@@ -88,10 +90,13 @@ end
 count_tombstones(h, -revived)
 return table.concat(out)
 """
+)
 
 #: Versioned delete: (field, 8-byte version) pairs. A row not newer than the delete, or an absent key, becomes
 #: a tombstone at the delete's version; an older tombstone is raised. Returns '1' per live row removed, else '0'.
-_DELETE_VERSIONED_LUA = _LUA_HEAD + """
+_DELETE_VERSIONED_LUA = (
+    _LUA_HEAD
+    + """
 local added = 0
 for i = 1, #ARGV, 2 do
   local cur = redis.call('HGET', h, ARGV[i])
@@ -113,9 +118,12 @@ end
 count_tombstones(h, added)
 return table.concat(out)
 """
+)
 
 #: Unversioned delete: removes rows and tombstones of the given fields; returns the number of live rows removed.
-_DELETE_LUA = _LUA_HEAD + """
+_DELETE_LUA = (
+    _LUA_HEAD
+    + """
 local live, tombstones = 0, 0
 for i = 1, #ARGV do
   local cur = redis.call('HGET', h, ARGV[i])
@@ -127,10 +135,13 @@ end
 count_tombstones(h, -tombstones)
 return live
 """
+)
 
 #: Removes the partition's tombstones older than ARGV[1] (8-byte version) among the fields of one HSCAN page
 #: (ARGV[2] = cursor, ARGV[3] = page size); returns {next cursor, tombstones removed}.
-_PURGE_LUA = _LUA_HEAD + """
+_PURGE_LUA = (
+    _LUA_HEAD
+    + """
 local page = redis.call('HSCAN', h, ARGV[2], 'COUNT', ARGV[3])
 local fields = page[2]
 local purged = 0
@@ -144,6 +155,7 @@ end
 count_tombstones(h, -purged)
 return {page[1], purged}
 """
+)
 _TOMBSTONE_COUNT_FIELD = b"#tombstones"
 
 
@@ -155,7 +167,7 @@ class _Script:
     sha: bytes
 
     @classmethod
-    def of(cls, source: str) -> "_Script":
+    def of(cls, source: str) -> _Script:
         return cls(source.encode(), hashlib.sha1(source.encode()).hexdigest().encode())
 
 
@@ -267,7 +279,12 @@ class RedisClusterTier(Tier):
         self._delete_versioned_script = _Script.of(_DELETE_VERSIONED_LUA)
         self._delete_script = _Script.of(_DELETE_LUA)
         self._purge_script = _Script.of(_PURGE_LUA)
-        for script in (self._put_script, self._delete_versioned_script, self._delete_script, self._purge_script):
+        for script in (
+            self._put_script,
+            self._delete_versioned_script,
+            self._delete_script,
+            self._purge_script,
+        ):
             try:
                 self._rc.script_load(script.source)
             except RedisError as e:  # a node that misses it answers NOSCRIPT and the call falls back to EVAL
@@ -393,7 +410,9 @@ class RedisClusterTier(Tier):
         order, parts, bounds = self._group(keys)
         tombstones = np.ascontiguousarray(tomb_versions[order], dtype="<i8").view(np.uint8).reshape(-1, 8)
         field_values = _resp_bulk_columns(keys.size, _key_bytes(keys[order]), tombstones)
-        results = self._run_script(table, layout, self._delete_versioned_script, parts, bounds, field_values, 2)
+        results = self._run_script(
+            table, layout, self._delete_versioned_script, parts, bounds, field_values, 2
+        )
         return int(np.count_nonzero(self._flags(results, bounds, keys.size)))
 
     def purge_tombstones(self, table: str, below_version: int, page: int = 1000) -> int:
@@ -434,7 +453,8 @@ class RedisClusterTier(Tier):
         layout = self._table(table)
         lengths = [(slot, [_resp_command(b"HLEN", h)]) for h, slot in zip(layout.hashes, layout.slots)]
         counters = [
-            (slot, [_resp_command(b"HGET", h, _TOMBSTONE_COUNT_FIELD)]) for h, slot in zip(layout.hashes, layout.slots)
+            (slot, [_resp_command(b"HGET", h, _TOMBSTONE_COUNT_FIELD)])
+            for h, slot in zip(layout.hashes, layout.slots)
         ]
         results = self._execute(table, lengths + counters, keys_per_command=None)
         total = 0
@@ -500,13 +520,20 @@ class RedisClusterTier(Tier):
         """Call ``script`` once per partition run, its keys' RESP ``args`` rows as ARGV; returns the replies."""
         head = self._evalsha_head(script)
         commands = [
-            (layout.slots[p], [b"*%d\r\n" % (args_per_key * (e - s) + 4), head, layout.hashes_resp[p], args[s:e]])
+            (
+                layout.slots[p],
+                [b"*%d\r\n" % (args_per_key * (e - s) + 4), head, layout.hashes_resp[p], args[s:e]],
+            )
             for p, s, e in zip(parts, bounds[:-1], bounds[1:])
         ]
         return self._retry_noscript(table, script, commands, np.diff(bounds))
 
     def _retry_noscript(
-        self, table: str, script: _Script, commands: list[tuple[int, list]], keys_per_command: np.ndarray | None
+        self,
+        table: str,
+        script: _Script,
+        commands: list[tuple[int, list]],
+        keys_per_command: np.ndarray | None,
     ) -> list:
         """Run EVALSHA ``commands``; where a node lost its script cache (restarted), EVAL loads it again."""
         results = self._execute(table, commands, keys_per_command=keys_per_command)

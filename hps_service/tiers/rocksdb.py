@@ -238,7 +238,9 @@ class RocksDBTier(Tier):
     @staticmethod
     def _accepts(states: np.ndarray, stored: np.ndarray, offered: np.ndarray | int) -> np.ndarray:
         """Where a put at ``offered`` may be written: absent, a row not newer, or a tombstone strictly older."""
-        return np.where(states == LIVE, offered >= stored, np.where(states == TOMBSTONE, offered > stored, True))
+        return np.where(
+            states == LIVE, offered >= stored, np.where(states == TOMBSTONE, offered > stored, True)
+        )
 
     def _add_counts(self, batch: WriteBatch, table: str, rows: int, tombstones: int) -> None:
         """Adjust the row and tombstone counts of ``table`` inside ``batch`` (caller holds the lock)."""
@@ -309,7 +311,9 @@ class RocksDBTier(Tier):
             if tomb_versions is None:
                 removed = int(np.count_nonzero(live))
                 _drain(map(batch.delete, encoded, repeat(handle)))
-                self._add_counts(batch, table, rows=-removed, tombstones=-int(np.count_nonzero(states == TOMBSTONE)))
+                self._add_counts(
+                    batch, table, rows=-removed, tombstones=-int(np.count_nonzero(states == TOMBSTONE))
+                )
             else:
                 removing = live & (stored <= tomb_versions)
                 raising = (states == TOMBSTONE) & (stored < tomb_versions)
@@ -320,7 +324,9 @@ class RocksDBTier(Tier):
                     return 0
                 sel_keys = encoded if idx.size == keys.size else encode_keys(keys[idx])
                 _drain(map(batch.put, sel_keys, encode_tombstones(tomb_versions[idx]), repeat(handle)))
-                self._add_counts(batch, table, rows=-removed, tombstones=int(np.count_nonzero(new_tombstones)))
+                self._add_counts(
+                    batch, table, rows=-removed, tombstones=int(np.count_nonzero(new_tombstones))
+                )
             self._db.write(batch, self._write_opts)
         return removed
 
@@ -338,7 +344,9 @@ class RocksDBTier(Tier):
             items = cf.items()
             while chunk := list(islice(items, SCAN_CHUNK)):
                 keys, values = zip(*chunk)
-                is_tombstone = np.fromiter(map(len, values), dtype=np.int64, count=len(values)) == TOMBSTONE_BYTES
+                is_tombstone = (
+                    np.fromiter(map(len, values), dtype=np.int64, count=len(values)) == TOMBSTONE_BYTES
+                )
                 if not is_tombstone.any():
                     continue
                 tomb_versions = np.frombuffer(b"".join(compress(values, is_tombstone.tolist())), dtype="<i8")

@@ -137,7 +137,9 @@ def test_duplicate_keys_of_a_versioned_delete_take_the_highest_version() -> None
     tier.put(TABLE, keys, np.ones((2, 2), np.float32), np.array([4, 4]))
     assert tier.delete(TABLE, np.array([1, 1, 2]), np.array([3, 6, 3])) == 1
     np.testing.assert_array_equal(tier.get(TABLE, keys).found, [False, True])
-    np.testing.assert_array_equal(tier.put(TABLE, keys, np.ones((2, 2), np.float32), np.array([5, 5])), [False, True])
+    np.testing.assert_array_equal(
+        tier.put(TABLE, keys, np.ones((2, 2), np.float32), np.array([5, 5])), [False, True]
+    )
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -149,7 +151,9 @@ def test_tombstones_are_evicted_first_oldest_first(policy: str) -> None:
     tier.delete(TABLE, first, 9)
     tier.delete(TABLE, second, 9)
     more = np.arange(100, 140, dtype=np.int64)
-    assert tier.put(TABLE, more, _rows(more, 4), np.ones(40, np.int64)).all()  # 20 rows over: 20 tombstones go
+    assert tier.put(
+        TABLE, more, _rows(more, 4), np.ones(40, np.int64)
+    ).all()  # 20 rows over: 20 tombstones go
     stats = tier.stats(TABLE)
     assert stats.rows == 90 and stats.extra["tombstones"] == 10 and stats.evictions == 20
     assert tier.get(TABLE, np.concatenate([live, more])).found.all()

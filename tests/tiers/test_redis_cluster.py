@@ -169,7 +169,13 @@ def test_versioned_delete_leaves_tombstones_that_refuse_older_puts(tier: RedisCl
 
 @pytest.mark.parametrize(
     ("stored", "deleted", "removed"),
-    [(-1, 0, True), (0, -1, False), (2**53 + 1, 2**53, False), (2**53, 2**53 + 1, True), (-(2**63), -(2**63), True)],
+    [
+        (-1, 0, True),
+        (0, -1, False),
+        (2**53 + 1, 2**53, False),
+        (2**53, 2**53 + 1, True),
+        (-(2**63), -(2**63), True),
+    ],
 )
 def test_versioned_delete_compares_extreme_versions(
     tier: RedisClusterTier, stored: int, deleted: int, removed: bool
