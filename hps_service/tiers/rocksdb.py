@@ -334,32 +334,31 @@ class RocksDBTier(Tier):
         """Remove the tombstones of ``table`` whose version is below ``below_version``; returns how many.
 
         A tombstone only matters while a put older than it can still arrive (a replay of the update log), so
-        ``below_version`` is the oldest version any producer or log can still deliver. Scans the whole table.
+        ``below_version`` is the oldest version any producer or log can still deliver. Scans the whole table
+        without blocking writers: each scanned chunk's candidates are checked again under the write lock.
         """
         self._check_writable(f"purge tombstones of {table}")
-        cf, _ = self._table(table)
+        cf, dim = self._table(table)
         handle = self._handles[table]
         purged = 0
-        with self._lock:
-            items = cf.items()
-            while chunk := list(islice(items, SCAN_CHUNK)):
-                keys, values = zip(*chunk)
-                is_tombstone = (
-                    np.fromiter(map(len, values), dtype=np.int64, count=len(values)) == TOMBSTONE_BYTES
-                )
-                if not is_tombstone.any():
-                    continue
-                tomb_versions = np.frombuffer(b"".join(compress(values, is_tombstone.tolist())), dtype="<i8")
-                purge = np.zeros(len(values), dtype=bool)
-                purge[is_tombstone] = tomb_versions < below_version
+        items = cf.items()
+        while chunk := list(islice(items, SCAN_CHUNK)):
+            keys, values = zip(*chunk)
+            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+            candidates = list(compress(keys, (lengths == TOMBSTONE_BYTES).tolist()))
+            if not candidates:
+                continue
+            with self._lock:
+                states, stored = self._stored_states(cf, candidates, dim)
+                purge = (states == TOMBSTONE) & (stored < below_version)
                 n_purge = int(np.count_nonzero(purge))
                 if not n_purge:
                     continue
                 batch = WriteBatch(raw_mode=True)
-                _drain(map(batch.delete, compress(keys, purge.tolist()), repeat(handle)))
+                _drain(map(batch.delete, compress(candidates, purge.tolist()), repeat(handle)))
                 self._add_counts(batch, table, rows=0, tombstones=-n_purge)
                 self._db.write(batch, self._write_opts)
-                purged += n_purge
+            purged += n_purge
         return purged
 
     def tombstones(self, table: str) -> int:

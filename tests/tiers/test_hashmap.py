@@ -339,6 +339,10 @@ def test_validation_and_unknown_tables() -> None:
         tier.put(TABLE, np.array([1]), np.array([["a", "b", "c", "d"]]), np.array([1]))
     with pytest.raises(InvalidArgumentError, match="versions"):
         tier.put(TABLE, np.array([1, 2]), np.zeros((2, 4), np.float32), np.array([1]))
+    with pytest.raises(InvalidArgumentError, match="delete versions must have shape"):
+        tier.delete(TABLE, np.array([1, 2]), np.array([1]))
+    with pytest.raises(InvalidArgumentError, match="delete versions must be integers"):
+        tier.delete(TABLE, np.array([1]), np.array([1.5]))
     with pytest.raises(InvalidArgumentError, match="dim"):
         tier.create_table(TABLE, 8)
     with pytest.raises(InvalidArgumentError, match="overflow_policy"):

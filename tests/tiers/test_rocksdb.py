@@ -145,6 +145,8 @@ def test_unknown_table_and_bad_shapes(tier: RocksDBTier) -> None:
         tier.put("m.t", np.array([1, 2]), np.zeros((2, 4), np.float32), np.zeros(3, np.int64))
     with pytest.raises(InvalidArgumentError, match="1-D"):
         tier.get("m.t", np.zeros((2, 2), np.int64))
+    with pytest.raises(InvalidArgumentError, match="delete versions must have shape"):
+        tier.delete("m.t", np.array([1, 2]), np.zeros(3, np.int64))
 
 
 def test_two_tables_with_different_dims(tier: RocksDBTier) -> None:
