@@ -24,8 +24,7 @@ from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
 from hps_service.lookup import CacheFactory, LookupEngine, ServedTable
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
-from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
+from hps_service.server.grpc_service import EmbeddingServicer, ServingGate, add_embedding_service
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.rest import AdminContext, ReadinessCheck, create_app
@@ -144,9 +143,7 @@ class HPSServer:
                 ("grpc.so_reuseport", 0),
             ],
         )
-        pb_grpc.add_EmbeddingServiceServicer_to_server(
-            EmbeddingServicer(self.engine, cfg, self.gate, self.metrics), server
-        )
+        add_embedding_service(EmbeddingServicer(self.engine, cfg, self.gate, self.metrics), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),

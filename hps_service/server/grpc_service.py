@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 
 from hps_service.config import ServerConfig
 from hps_service.errors import (
@@ -76,6 +77,51 @@ class ServingGate:
             raise UnavailableError(self.reason)
 
 
+class MalformedRequest:
+    """Stands for request bytes that are not the expected protobuf message (refused as INVALID_ARGUMENT)."""
+
+    def __init__(self, message_type: str, reason: str) -> None:
+        self.message_type = message_type
+        self.reason = reason
+
+    def error(self) -> InvalidArgumentError:
+        return InvalidArgumentError(f"the request is not a valid {self.message_type}: {self.reason}")
+
+
+def tolerant_parser(message_cls: type) -> Callable[[bytes], object]:
+    """A request deserializer that returns a MalformedRequest instead of raising (gRPC would answer INTERNAL)."""
+    name = message_cls.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> object:
+        try:
+            return message_cls.FromString(data)
+        except DecodeError as exc:
+            return MalformedRequest(name, str(exc) or "undecodable bytes")
+
+    return parse
+
+
+def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server) -> None:
+    """Register ``servicer`` as hps.v1.EmbeddingService, with request parsing that refuses bad bytes cleanly."""
+    handlers = {
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            servicer.Lookup, request_deserializer=tolerant_parser(pb.LookupRequest),
+            response_serializer=pb.LookupResponse.SerializeToString),
+        "StreamLookup": grpc.stream_stream_rpc_method_handler(
+            servicer.StreamLookup, request_deserializer=tolerant_parser(pb.LookupRequest),
+            response_serializer=pb.LookupResponse.SerializeToString),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            servicer.ListModels, request_deserializer=tolerant_parser(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString),
+        "GetModel": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModel, request_deserializer=tolerant_parser(pb.GetModelRequest),
+            response_serializer=pb.ModelInfo.SerializeToString),
+    }
+    service = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
 def _model_info(engine: LookupEngine, name: str) -> pb.ModelInfo:
     m = engine.model(name)
     return pb.ModelInfo(name=m.name, tables=[pb.TableInfo(name=t.name, dim=t.dim) for t in m.tables])
@@ -95,6 +141,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
     def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> pb.LookupResponse:
         """Answer one LookupRequest (raises domain errors); with ``context``, the deadline is checked per table."""
         self.gate.check()
+        if isinstance(request, MalformedRequest):
+            raise request.error()
         if not request.model:
             raise InvalidArgumentError("model name is empty")
         if not request.tables:
@@ -159,10 +207,14 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             yield self._serve_one("StreamLookup", request, context)
 
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
+        if isinstance(request, MalformedRequest):
+            self._abort(context, request.error())
         return pb.ListModelsResponse(models=[_model_info(self.engine, m.name) for m in self.engine.models()])
 
     def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
         try:
+            if isinstance(request, MalformedRequest):
+                raise request.error()
             return _model_info(self.engine, request.model)
         except Exception as err:
             self._abort(context, err)

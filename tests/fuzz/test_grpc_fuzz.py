@@ -1,0 +1,146 @@
+"""Hypothesis fuzz of the gRPC API of a real `hps serve` process: random key bytes, empty and oversized batches,
+unknown names, many tables per request, raw bytes that are no protobuf, oversized messages. Every answer is OK or a
+client error (never INTERNAL/UNKNOWN), the server keeps serving, and its memory stays bounded."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from tests.faults.support import rss_bytes
+from tests.helpers import ServerProcess, free_port, write_config
+
+MAX_KEYS = 4096
+MAX_TABLES = 8
+DIMS = {"item": 16, "user": 4}
+CLIENT_ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+class Fuzzed:
+    """The running server and a channel to it."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self.channel = grpc.insecure_channel(
+            server.target, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        )
+        self.stub = pb_grpc.EmbeddingServiceStub(self.channel)
+        self.raw_lookup = self.channel.unary_unary("/hps.v1.EmbeddingService/Lookup")
+        self.codes: dict[str, int] = {}
+
+    def record(self, code: grpc.StatusCode) -> None:
+        self.codes[code.name] = self.codes.get(code.name, 0) + 1
+
+
+@pytest.fixture(scope="module")
+def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
+    tmp: Path = tmp_path_factory.mktemp("fuzz")
+    grpc_port = free_port()
+    cfg = write_config(tmp / "c.yaml", {
+        "server": {"grpc_port": grpc_port, "http_port": free_port(), "max_batch_keys": MAX_KEYS,
+                   "max_tables_per_request": MAX_TABLES},
+        "cache": {"backend": "numpy", "capacity": 2048},
+        "volatile": {"type": "hashmap", "capacity_rows": 100_000},
+        "persistent": {"type": "rocksdb", "path": str(tmp / "db"), "block_cache_mb": 8},
+        "models": [{"name": "demo", "tables": [{"name": n, "dim": d} for n, d in DIMS.items()]}],
+    })
+    with ServerProcess(cfg, grpc_port) as server:
+        f = Fuzzed(server)
+        yield f
+        f.channel.close()
+        print(f"\ngRPC fuzz status codes: {f.codes}")
+
+
+def _check_answer(request: pb.LookupRequest, response: pb.LookupResponse) -> None:
+    assert [t.table for t in response.tables] == [t.table for t in request.tables]
+    for asked, answer in zip(request.tables, response.tables):
+        n = len(asked.keys) // 8
+        assert answer.count == n and answer.dim == DIMS[asked.table]
+        assert len(answer.vectors) == n * answer.dim * 4 and len(answer.sources) == n
+        assert np.isfinite(np.frombuffer(answer.vectors, dtype="<f4")).all()
+
+
+names = st.one_of(st.just("demo"), st.sampled_from(["demo", "item", ""]), st.text(max_size=70))
+tables = st.builds(
+    pb.TableKeys,
+    table=st.one_of(st.sampled_from(list(DIMS)), st.text(max_size=70)),
+    keys=st.one_of(st.binary(max_size=4096), st.binary(max_size=512).map(lambda b: b[: len(b) // 8 * 8]),
+                   st.integers(0, MAX_KEYS + 64).map(
+        lambda n: np.random.default_rng(n).integers(-(2**63), 2**63 - 1, size=n, dtype=np.int64).tobytes())),
+)
+well_formed_tables = st.builds(
+    pb.TableKeys,
+    table=st.sampled_from(list(DIMS)),
+    keys=st.binary(max_size=2048).map(lambda b: b[: len(b) // 8 * 8]),
+)
+requests = st.one_of(
+    st.builds(pb.LookupRequest, model=names, tables=st.lists(tables, max_size=MAX_TABLES + 4),
+              request_id=st.integers(0, 2**64 - 1)),
+    st.builds(pb.LookupRequest, model=st.just("demo"), tables=st.lists(well_formed_tables, min_size=1, max_size=6),
+              request_id=st.integers(0, 2**64 - 1)),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(request=requests)
+def test_lookup_answers_or_refuses_cleanly(fuzzed: Fuzzed, request: pb.LookupRequest) -> None:
+    try:
+        response = fuzzed.stub.Lookup(request, timeout=30)
+    except grpc.RpcError as err:
+        fuzzed.record(err.code())
+        assert err.code() in CLIENT_ERRORS, f"{err.code().name}: {err.details()}"
+        assert err.details()
+        return
+    fuzzed.record(grpc.StatusCode.OK)
+    _check_answer(request, response)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(payload=st.binary(max_size=512))
+def test_raw_bytes_are_refused_as_invalid(fuzzed: Fuzzed, payload: bytes) -> None:
+    try:
+        response = fuzzed.raw_lookup(payload, timeout=30)
+    except grpc.RpcError as err:
+        fuzzed.record(err.code())
+        assert err.code() in CLIENT_ERRORS, f"{err.code().name}: {err.details()}"
+        return
+    fuzzed.record(grpc.StatusCode.OK)
+    request = pb.LookupRequest.FromString(payload)
+    _check_answer(request, pb.LookupResponse.FromString(response))
+
+
+def test_limits_and_memory(fuzzed: Fuzzed) -> None:
+    """Over-limit batches and messages are RESOURCE_EXHAUSTED; the server's RSS stays bounded under repetition."""
+    assert fuzzed.server.proc is not None
+    pid = fuzzed.server.proc.pid
+    too_many_keys = pb.LookupRequest(model="demo", tables=[
+        pb.TableKeys(table="item", keys=np.arange(MAX_KEYS + 1, dtype="<i8").tobytes())])
+    too_many_tables = pb.LookupRequest(model="demo", tables=[pb.TableKeys(table="item")] * (MAX_TABLES + 1))
+    oversized = pb.LookupRequest(model="demo", tables=[pb.TableKeys(table="item", keys=b"\0" * (64 << 20))])
+    largest_ok = pb.LookupRequest(model="demo", tables=[
+        pb.TableKeys(table="item", keys=np.arange(MAX_KEYS, dtype="<i8").tobytes())])
+    samples = []
+    for round_ in range(30):
+        for request in (too_many_keys, too_many_tables, oversized):
+            with pytest.raises(grpc.RpcError) as info:
+                fuzzed.stub.Lookup(request, timeout=30)
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+        assert fuzzed.stub.Lookup(largest_ok, timeout=30).tables[0].count == MAX_KEYS
+        if round_ >= 5:
+            samples.append(rss_bytes(pid))
+    growth = samples[-1] - samples[0]
+    print(f"\nserver RSS over 25 rounds of 64 MiB refusals: {samples[0] / 2**20:.0f} -> {samples[-1] / 2**20:.0f} MiB")
+    assert growth < 64 << 20, f"RSS grew by {growth / 2**20:.0f} MiB"
+    assert fuzzed.server.proc.poll() is None
