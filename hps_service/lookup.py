@@ -292,9 +292,11 @@ class LookupEngine:
         if self.persistent is not None:
             written = self.persistent.put(t.id, keys, vectors, versions)
         if self.volatile is not None:
-            volatile_written = self.volatile.put(t.id, keys, vectors, versions)
             if self.persistent is None:
-                written = volatile_written
+                written = self.volatile.put(t.id, keys, vectors, versions)
+            elif written.any():
+                # only rows L3 accepted: an older replay must not reach L2 where an evicted tombstone left a gap
+                self.volatile.put(t.id, keys[written], vectors[written], versions[written])
         if t.cache is not None and written.any():
             t.cache.update(keys[written], vectors[written])
         return int(np.count_nonzero(written))

@@ -134,7 +134,9 @@ class SnapshotStore:
                     chunk = snap_keys[start : start + RESTORE_CHUNK]
                     rows = src.get(tid, chunk)
                     current = live.get(tid, chunk)
-                    newer = current.found & (current.versions > rows.versions)
+                    # live rows newer than the snapshot, and tombstones (reported as not found), would refuse the
+                    # snapshot's older versions: forget them first (an unversioned delete also clears tombstones)
+                    newer = ~current.found | (current.versions > rows.versions)
                     if newer.any():
                         self.engine.apply_deletes(model, name, chunk[newer])
                     self.engine.apply_updates(model, name, chunk, rows.vectors, rows.versions)

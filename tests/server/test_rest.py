@@ -210,6 +210,9 @@ def test_snapshot_create_list_restore(http: httpx.Client, server: HPSServer) -> 
     assert _put(http, "user", keys[:50], original[:50] + 100, version=7).json() == {"written": 50}
     assert _put(http, "user", [77_000, 77_001], np.ones((2, USER_DIM), np.float32), version=9).status_code == 200
     assert _get(http, "user", [77_000])["sources"] != ["default"]
+    # and a versioned delete (an update tombstone) of rows the snapshot holds
+    server.engine.apply_deletes("demo", "user", np.array(keys[90:]), versions=11)
+    assert set(_get(http, "user", keys[90:])["sources"]) == {"default"}
     r = http.post(f"/v1/models/demo/snapshots/{snap['id']}/restore", headers=AUTH)
     assert r.status_code == 202, r.text
     job = wait_job(http, r.json()["id"])
