@@ -65,7 +65,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
 
 def _check_answer(request: pb.LookupRequest, response: pb.LookupResponse) -> None:
     assert [t.table for t in response.tables] == [t.table for t in request.tables]
-    for asked, answer in zip(request.tables, response.tables):
+    for asked, answer in zip(request.tables, response.tables, strict=True):
         n = len(asked.keys) // 8
         assert answer.count == n and answer.dim == DIMS[asked.table]
         assert len(answer.vectors) == n * answer.dim * 4 and len(answer.sources) == n
