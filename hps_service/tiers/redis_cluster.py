@@ -253,7 +253,9 @@ class RedisClusterTier(Tier):
         password: str | None = None,
         socket_timeout_s: float = 0.5,
         node_retry_after_s: float = 1.0,
+        **connection_options: object,
     ) -> None:
+        """``connection_options`` go to every node connection: ``username`` (ACL AUTH), ``ssl``, ``ssl_ca_certs``."""
         if not nodes:
             raise InvalidArgumentError("redis_cluster tier needs at least one node (host:port)")
         if not 1 <= partitions <= 16384:
@@ -272,6 +274,7 @@ class RedisClusterTier(Tier):
                 require_full_coverage=False,
                 retry=Retry(NoBackoff(), 1),
                 decode_responses=False,
+                **connection_options,
             )
         except RedisError as e:
             raise UnavailableError(f"cannot reach the Redis Cluster at {nodes}: {e}") from e
