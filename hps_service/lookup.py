@@ -179,11 +179,16 @@ class LookupEngine:
             if tier is not None:
                 tier.create_table(t.id, tc.dim)
         if self.cache_factory is not None:
-            warm = None
-            if self.persistent is not None:
-                persistent = self.persistent
-                warm = lambda limit, tid=t.id: persistent.scan_keys(tid, limit)  # noqa: E731
-            t.cache = self.cache_factory(t, lambda keys, tt=t: self._fetch_below_cache(tt, keys, count=False)[0], warm)
+            persistent = self.persistent
+
+            def fetch_below(keys: np.ndarray) -> np.ndarray:
+                return self._fetch_below_cache(t, keys, count=False)[0]
+
+            def warm_keys(limit: int) -> np.ndarray:
+                assert persistent is not None
+                return persistent.scan_keys(t.id, limit)
+
+            t.cache = self.cache_factory(t, fetch_below, warm_keys if persistent is not None else None)
         return t
 
     def _close_tables(self, tables: Iterable[ServedTable]) -> None:

@@ -62,7 +62,7 @@ class ServerProcess:
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 60.0) -> "ServerProcess":
+    def start(self, timeout: float = 60.0) -> ServerProcess:
         self.proc = subprocess.Popen(
             [*HPS, "serve", "--config", str(self.config)],
             stdout=subprocess.PIPE,
@@ -85,7 +85,7 @@ class ServerProcess:
                 self.proc.wait()
         return self.proc.returncode
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -65,7 +65,8 @@ def test_predictions_from_rows_served_over_grpc_match_the_trainer(kafka_broker, 
 def test_hps_demo_runs_the_whole_loop(tmp_path: Path) -> None:
     settings = DemoSettings(steps=40, batch_size=256, cardinality=300, inference_batch=256, report_every_s=5,
                             workdir=tmp_path / "demo")
-    summary = run_demo(settings, Console(file=open(tmp_path / "demo.log", "w")))
+    with open(tmp_path / "demo.log", "w") as log:
+        summary = run_demo(settings, Console(file=log))
     assert summary["inference_errors"] == 0
     assert summary["rows_published"] >= 3 * 300
     assert summary["served_auc"] is not None and 0.5 < summary["served_auc"] <= 1.0
