@@ -68,7 +68,7 @@ def test_layout_ids_and_datasource(dashboard: dict) -> None:
     cells: set[tuple[int, int]] = set()
     for panel in dashboard["panels"]:
         g = panel["gridPos"]
-        assert 0 <= g["x"] and g["x"] + g["w"] <= 24
+        assert g["x"] >= 0 and g["x"] + g["w"] <= 24
         covered = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
         assert not covered & cells, f"panel {panel['title']} overlaps another"
         cells |= covered
