@@ -125,11 +125,15 @@ class HPSServer:
         self._health_lock = threading.Lock()
         self._stopped = threading.Event()
         self.consumer: UpdateConsumer | None = None
+        self._ssl_options: dict = {}
 
     def start(self) -> None:
         """Open tiers, load models, bind the gRPC port; lookups are accepted once this returns."""
         cfg = self.config.server
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        # TLS material is read before any tier opens, so a bad path fails fast and leaves nothing open.
+        credentials = grpc_server_credentials(cfg.tls) if cfg.tls is not None else None
+        self._ssl_options = uvicorn_ssl_options(cfg.tls) if cfg.tls is not None else {}
         if self.engine is None:
             self.engine = build_engine(self.config)
         receive, send = message_limits(self.config)
@@ -150,8 +154,8 @@ class HPSServer:
             server,
         )
         address = f"{cfg.host}:{cfg.grpc_port}"
-        if cfg.tls is not None:
-            port = server.add_secure_port(address, grpc_server_credentials(cfg.tls))
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
         else:
             port = server.add_insecure_port(address)
         if port == 0:
@@ -230,10 +234,9 @@ class HPSServer:
             sock.close()
             raise UnavailableError(f"cannot bind the REST port {cfg.host}:{cfg.http_port}: {exc}") from None
         self.http_port = sock.getsockname()[1]
-        ssl_options = uvicorn_ssl_options(cfg.tls) if cfg.tls is not None else {}
         http = uvicorn.Server(
             uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="off",
-                           timeout_graceful_shutdown=5, **ssl_options)
+                           timeout_graceful_shutdown=5, **self._ssl_options)
         )
         thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="hps-http", daemon=True)
         thread.start()
