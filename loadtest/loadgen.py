@@ -225,7 +225,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    console = Console()
+    console = Console(width=max(Console().width, 150))
     tables = tuple(args.tables or ["item"])
     steps = [float(s) for s in args.sweep.split(",") if s.strip()]
     name = args.name or time.strftime("loadgen-%Y%m%d-%H%M%S")

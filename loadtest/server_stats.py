@@ -14,7 +14,7 @@ from typing import Any
 TIERS = ("cache", "volatile", "persistent")
 
 
-def fetch_stats(http_target: str, timeout: float = 2.0) -> dict[str, Any] | None:
+def fetch_stats(http_target: str, timeout: float = 5.0) -> dict[str, Any] | None:
     """The ``/v1/stats`` document of ``host:port``, or None when it cannot be had."""
     try:
         with urllib.request.urlopen(f"http://{http_target}/v1/stats", timeout=timeout) as response:
