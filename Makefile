@@ -8,7 +8,7 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test run demo proto bench loadtest lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test run demo proto bench loadtest soak lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
@@ -17,6 +17,7 @@ help:
 	@echo "make demo    - broker + server + online trainer + inference loop, printing AUC, hit rates, freshness"
 	@echo "make bench   - run the benchmarks under loadtest/ and print the ratios"
 	@echo "make loadtest - load the embedded default over gRPC: QPS, latency percentiles, hit rates, plots"
+	@echo "make soak    - ~2 min soak of lookups + updates: zero errors, no RSS/p99 trend, PNG (SOAK_ARGS=--duration N)"
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -67,6 +68,11 @@ bench: install-dev
 # A short closed-loop run and an open-loop sweep against the embedded default, started on free ports.
 loadtest: install-dev
 	$(PY) -m loadtest.loadgen --embedded --duration 5 --sweep 50,100,200,300 $(LOADTEST_ARGS)
+
+# Bounded soak (mixed lookups + Kafka updates, RSS and p99 sampled, PNG under loadtest/results/soak);
+# longer with SOAK_ARGS="--duration 3600".
+soak: install-dev
+	$(PY) -m loadtest.soak $(SOAK_ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check hps_service tests loadtest
