@@ -50,7 +50,7 @@ rows_bodies = st.fixed_dictionaries({
 })
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=rows_bodies, table=st.one_of(st.just("item"), st.text(min_size=1, max_size=40)))
 def test_put_rows_never_5xx_and_reads_back(rest, body: dict, table: str) -> None:
     client, _ = rest
@@ -69,7 +69,7 @@ def test_put_rows_never_5xx_and_reads_back(rest, body: dict, table: str) -> None
     assert served.shape == (len(body["keys"]), DIM) and np.isfinite(served).all()
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(keys=st.text(max_size=60), model=st.text(min_size=1, max_size=30))
 def test_get_rows_with_odd_input_never_5xx(rest, keys: str, model: str) -> None:
     client, _ = rest
