@@ -11,6 +11,8 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from hps_service.numba_prefetch import prefetch
+
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
@@ -39,37 +41,54 @@ def _find(table: np.ndarray, s: np.int64, key: np.uint64) -> np.int64:
     return -1
 
 
-@numba.njit(cache=True, nogil=True, inline="never")
-def _copy_rows(values, slots, out):
-    dim = values.shape[1]
-    for i in range(slots.shape[0]):
-        slot = slots[i]
-        if slot >= 0:
-            for d in range(dim):
-                out[i, d] = values[slot, d]
+#: How many keys ahead the query prefetches set rows (probe loop) and value rows (copy loop); measured best of 8/16.
+PREFETCH_AHEAD = 16
 
 
 @numba.njit(cache=True, nogil=True)
 def query_kernel(table, clock, values, keys, out, hit, sets, tick, lfu):
-    # Three tight loops (probe, copy, touch) measured faster than one loop doing all three per key:
-    # the copy loop stays a plain gather the compiler vectorises.
+    # Software-pipelined: the probe of key i runs while the set rows of keys i+1..i+D are being fetched, and
+    # the copy of row i while the value rows of i+1..i+D are; then the clocks are touched in a last pass.
+    # Measured against the plain probe-then-copy loop on the same data: 0.44-0.47x -> 0.51-0.53x of a raw
+    # gather at batch 1024, 0.40-0.48x -> 0.68-0.72x at 4096 (loadtest/bench_cache.py).
     ways = table.shape[1]
+    dim = values.shape[1]
     usets = np.uint64(sets)
     n = keys.shape[0]
+    ahead = PREFETCH_AHEAD
+    set_idx = np.empty(n, np.int64)
+    for i in range(n):
+        set_idx[i] = _set_of(keys[i], usets)
     slots = np.empty(n, np.int64)
     nhit = 0
-    for i in range(n):
-        k = keys[i]
-        s = _set_of(k, usets)
-        w = _find(table, s, k)
-        if w < 0:
-            hit[i] = False
-            slots[i] = -1
-        else:
-            hit[i] = True
-            slots[i] = s * ways + w
-            nhit += 1
-    _copy_rows(values, slots, out)
+    for j in range(n + ahead):
+        if j < n:
+            s = set_idx[j]
+            for c in range(0, ways, 8):
+                prefetch(table, s, c)
+        i = j - ahead
+        if i >= 0:
+            s = set_idx[i]
+            w = _find(table, s, keys[i])
+            if w < 0:
+                hit[i] = False
+                slots[i] = -1
+            else:
+                hit[i] = True
+                slots[i] = s * ways + w
+                nhit += 1
+    for j in range(n + ahead):
+        if j < n:
+            slot = slots[j]
+            if slot >= 0:
+                for d in range(0, dim, 16):
+                    prefetch(values, slot, d)
+        i = j - ahead
+        if i >= 0:
+            slot = slots[i]
+            if slot >= 0:
+                for d in range(dim):
+                    out[i, d] = values[slot, d]
     flat_clock = clock.ravel()
     for i in range(n):
         slot = slots[i]

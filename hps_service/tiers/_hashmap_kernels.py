@@ -15,10 +15,9 @@ prefetches rows ahead, so that the cache misses of different keys overlap.
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import njit
+
+from hps_service.numba_prefetch import prefetch as _prefetch
 
 EMPTY = np.int32(-1)
 #: Subtracted from the table clock to stamp a tombstone: negative, and older tombstones sort (and evict) first.
@@ -31,26 +30,6 @@ _C2 = np.uint64(0x94D049BB133111EB)
 _S30 = np.uint64(30)
 _S27 = np.uint64(27)
 _S31 = np.uint64(31)
-
-
-@intrinsic
-def _prefetch(typingctx, array, row, col):  # type: ignore[no-untyped-def]
-    """Hint the CPU to load the cache line holding ``array[row, col]`` (LLVM prefetch; no effect on results)."""
-    sig = types.void(array, row, col)
-
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
-        array_type = signature.args[0]
-        view = context.make_array(array_type)(context, builder, args[0])
-        indices = [args[1], args[2]][: array_type.ndim]
-        address = cgutils.get_item_pointer(context, builder, array_type, view, indices)
-        byte_pointer = builder.bitcast(address, ir.IntType(8).as_pointer())
-        i32 = ir.IntType(32)
-        fn_type = ir.FunctionType(ir.VoidType(), [byte_pointer.type, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fn_type, "llvm.prefetch.p0")
-        builder.call(fn, [byte_pointer, i32(0), i32(3), i32(1)])  # read, keep in all cache levels, data
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @njit(cache=True, nogil=True, inline="always")
