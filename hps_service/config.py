@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 NAME_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"
@@ -45,10 +53,13 @@ class ServerConfig(_Section):
     max_concurrent_requests: int = Field(256, ge=1, description="gRPC calls in flight; more get RESOURCE_EXHAUSTED")
     snapshots_path: Path | None = Field(None, description="RocksDB checkpoints; default: <persistent.path>/../snapshots")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="REST request bodies larger get 413")
+    max_message_bytes: int | None = Field(
+        None, ge=1024, description="gRPC requests larger get RESOURCE_EXHAUSTED; default: sized from max_batch_keys"
+    )
     tls: TLSConfig | None = None
 
     @model_validator(mode="after")
-    def _admin_token_alias(self) -> "ServerConfig":
+    def _admin_token_alias(self) -> ServerConfig:
         """``HPS_ADMIN_TOKEN`` sets the admin token when the config and ``HPS_SERVER__ADMIN_TOKEN`` do not."""
         alias = os.environ.get("HPS_ADMIN_TOKEN")
         if self.admin_token is None and alias:
@@ -61,7 +72,7 @@ class CacheConfig(_Section):
 
     enabled: bool = True
     backend: Literal["auto", "numpy", "cupy"] = "auto"
-    capacity: Union[int, float] = Field(0.2, description="float in (0, 1]: fraction of each table's rows; int: rows")
+    capacity: int | float = Field(0.2, description="float in (0, 1]: fraction of each table's rows; int: rows")
     min_rows: int = Field(8192, ge=0, description="a fractional capacity never gives fewer rows than this")
     ways: int = Field(32, ge=1, le=1024)
     policy: Literal["lru", "lfu"] = "lru"
@@ -72,7 +83,7 @@ class CacheConfig(_Section):
 
     @field_validator("capacity")
     @classmethod
-    def _capacity_range(cls, v: int | float) -> int | float:
+    def _capacity_range(cls, v: float) -> int | float:
         if isinstance(v, bool):
             raise ValueError("must be a fraction in (0, 1] or a row count")
         if isinstance(v, float) and not (0.0 < v <= 1.0):
@@ -99,7 +110,7 @@ class VolatileConfig(_Section):
     node_retry_after_s: float = Field(1.0, ge=0, description="redis_cluster: skip a failed node this long")
 
     @model_validator(mode="after")
-    def _nodes_for_redis(self) -> "VolatileConfig":
+    def _nodes_for_redis(self) -> VolatileConfig:
         if self.type == "redis_cluster":
             if not self.nodes:
                 raise ValueError("volatile.type redis_cluster needs at least one entry in volatile.nodes")
@@ -127,7 +138,7 @@ class UpdatesConfig(_Section):
     brokers: str = "127.0.0.1:9092"
     topic_prefix: str = "hps"
     group: str | None = None
-    kafka_config: dict[str, Union[str, int, float, bool]] = Field(
+    kafka_config: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="extra librdkafka settings for every client, e.g. security.protocol, sasl.*, ssl.*",
     )

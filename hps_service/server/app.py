@@ -76,10 +76,11 @@ def l1_cache_factory(config: HPSConfig, volatile: Tier | None, persistent: Tier 
 
 
 def message_limits(config: HPSConfig) -> tuple[int, int]:
-    """Max receive and send message sizes that fit the configured batch limit (plus protobuf overhead)."""
+    """Max receive and send message sizes: server.max_message_bytes, else what fits the configured batch limit
+    (plus protobuf overhead)."""
     max_dim = max((t.dim for m in config.models for t in m.tables), default=1024)
     n = config.server.max_batch_keys
-    receive = n * 8 + config.server.max_tables_per_request * 1024 + _MiB
+    receive = config.server.max_message_bytes or n * 8 + config.server.max_tables_per_request * 1024 + _MiB
     send = n * (4 * max(max_dim, 1024) + 1) + config.server.max_tables_per_request * 1024 + _MiB
     return receive, send
 

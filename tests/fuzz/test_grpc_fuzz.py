@@ -20,6 +20,7 @@ from tests.helpers import ServerProcess, free_port, write_config
 
 MAX_KEYS = 4096
 MAX_TABLES = 8
+MAX_MESSAGE = 256 << 10
 DIMS = {"item": 16, "user": 4}
 CLIENT_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT,
@@ -50,7 +51,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     grpc_port = free_port()
     cfg = write_config(tmp / "c.yaml", {
         "server": {"grpc_port": grpc_port, "http_port": free_port(), "max_batch_keys": MAX_KEYS,
-                   "max_tables_per_request": MAX_TABLES},
+                   "max_tables_per_request": MAX_TABLES, "max_message_bytes": MAX_MESSAGE},
         "cache": {"backend": "numpy", "capacity": 2048},
         "volatile": {"type": "hashmap", "capacity_rows": 100_000},
         "persistent": {"type": "rocksdb", "path": str(tmp / "db"), "block_cache_mb": 8},
@@ -122,21 +123,25 @@ def test_raw_bytes_are_refused_as_invalid(fuzzed: Fuzzed, payload: bytes) -> Non
 
 
 def test_limits_and_memory(fuzzed: Fuzzed) -> None:
-    """Over-limit batches and messages are RESOURCE_EXHAUSTED; the server's RSS stays bounded under repetition."""
+    """Over-limit batches, tables and messages (server.max_message_bytes) are RESOURCE_EXHAUSTED; the server's
+    RSS stays bounded under repetition."""
     assert fuzzed.server.proc is not None
     pid = fuzzed.server.proc.pid
     too_many_keys = pb.LookupRequest(model="demo", tables=[
         pb.TableKeys(table="item", keys=np.arange(MAX_KEYS + 1, dtype="<i8").tobytes())])
     too_many_tables = pb.LookupRequest(model="demo", tables=[pb.TableKeys(table="item")] * (MAX_TABLES + 1))
-    oversized = pb.LookupRequest(model="demo", tables=[pb.TableKeys(table="item", keys=b"\0" * (64 << 20))])
+    oversized = pb.LookupRequest(model="demo", tables=[pb.TableKeys(table="item", keys=b"\0" * (MAX_MESSAGE + 8))])
+    far_over = pb.LookupRequest(model="demo", tables=[pb.TableKeys(table="item", keys=b"\0" * (64 << 20))])
     largest_ok = pb.LookupRequest(model="demo", tables=[
         pb.TableKeys(table="item", keys=np.arange(MAX_KEYS, dtype="<i8").tobytes())])
     samples = []
     for round_ in range(14):
-        for request in (too_many_keys, too_many_tables, oversized):
+        for request in (too_many_keys, too_many_tables, oversized, far_over):
             with pytest.raises(grpc.RpcError) as info:
                 fuzzed.stub.Lookup(request, timeout=30)
             assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
+            if request is oversized or request is far_over:  # refused by the transport before it is parsed
+                assert "larger than max" in info.value.details(), info.value.details()
         assert fuzzed.stub.Lookup(largest_ok, timeout=30).tables[0].count == MAX_KEYS
         if round_ >= 4:
             samples.append(rss_bytes(pid))
