@@ -144,9 +144,18 @@ def _insert(table, clock, values, keys, vectors, sets, tick, lfu, evict):
                 priority[w] = -ways + w
             else:
                 priority[w] = clock[s, w] * ways + w
-        slot_order = np.argsort(priority)
+        # The r-th new key of this set takes the slot with the r-th lowest priority (priorities are distinct):
+        # repeated min-scans above the last one taken, no per-set sort or allocation (usually r is 1 or 2).
+        taken = np.iinfo(np.int64).min
         for r in range(min(e - j, ways)):
-            w = slot_order[r]
+            w = -1
+            best = np.iinfo(np.int64).max
+            for v in range(ways):
+                p = priority[v]
+                if taken < p < best:
+                    best = p
+                    w = v
+            taken = best
             if table[s, w] != _EMPTY:
                 if not evict:
                     break
