@@ -44,6 +44,8 @@ def test_redis_cluster_down_at_start(redis_cluster_clean, tmp_path: Path) -> Non
         srv.start(timeout=60)
         status, body = readyz(http_port)
         assert status == 503 and "volatile tier is unreachable" in body["not_ready"], body
+        stats = httpx.get(f"http://127.0.0.1:{http_port}/v1/stats", timeout=10)
+        assert stats.status_code == 200 and stats.json()["models"]["m"]["tables"]["item"]["volatile"]["connected"] == 0
         _put(http_port, keys)  # durable in RocksDB; the absent volatile tier writes nothing
         with HPSClient(srv.target) as client:
             answer = client.lookup_with_sources("m", "item", keys)
