@@ -64,7 +64,7 @@ async def _serve_aio(config: HPSConfig, inline: bool) -> None:
     pool = ThreadPoolExecutor(max_workers=config.server.grpc_workers)
 
     class AioServicer(pb_grpc.EmbeddingServiceServicer):
-        async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:
             try:
                 if inline:
                     return core.lookup(request)
@@ -76,7 +76,10 @@ async def _serve_aio(config: HPSConfig, inline: bool) -> None:
     receive, send = message_limits(config)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", receive),
                                       ("grpc.max_send_message_length", send), ("grpc.so_reuseport", 0)])
-    pb_grpc.add_EmbeddingServiceServicer_to_server(AioServicer(), server)
+    handler = grpc.unary_unary_rpc_method_handler(
+        AioServicer().Lookup, request_deserializer=pb.LookupRequest.FromString, response_serializer=None)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("hps.v1.EmbeddingService", {"Lookup": handler}),))
     server.add_insecure_port(f"{config.server.host}:{config.server.grpc_port}")
     await server.start()
     stop = asyncio.Event()

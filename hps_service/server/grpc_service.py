@@ -22,6 +22,7 @@ from hps_service.lookup import LookupEngine
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.metrics import ServerMetrics
+from hps_service.server.wire import encode_lookup_response
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +105,11 @@ def tolerant_parser(message_cls: type) -> Callable[[bytes], object]:
 def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server) -> None:
     """Register ``servicer`` as hps.v1.EmbeddingService, with request parsing that refuses bad bytes cleanly."""
     handlers = {
+        # lookups answer with LookupResponse bytes already encoded by server.wire (no serializer)
         "Lookup": grpc.unary_unary_rpc_method_handler(
-            servicer.Lookup, request_deserializer=tolerant_parser(pb.LookupRequest),
-            response_serializer=pb.LookupResponse.SerializeToString),
+            servicer.Lookup, request_deserializer=tolerant_parser(pb.LookupRequest), response_serializer=None),
         "StreamLookup": grpc.stream_stream_rpc_method_handler(
-            servicer.StreamLookup, request_deserializer=tolerant_parser(pb.LookupRequest),
-            response_serializer=pb.LookupResponse.SerializeToString),
+            servicer.StreamLookup, request_deserializer=tolerant_parser(pb.LookupRequest), response_serializer=None),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels, request_deserializer=tolerant_parser(pb.ListModelsRequest),
             response_serializer=pb.ListModelsResponse.SerializeToString),
@@ -138,8 +138,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         self.gate = gate
         self.metrics = metrics if metrics is not None else ServerMetrics(engine)
 
-    def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> pb.LookupResponse:
-        """Answer one LookupRequest (raises domain errors); with ``context``, the deadline is checked per table."""
+    def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> bytes:
+        """Answer one LookupRequest as serialized LookupResponse bytes (raises domain errors); with ``context``,
+        the deadline is checked per table."""
         self.gate.check()
         if isinstance(request, MalformedRequest):
             raise request.error()
@@ -170,16 +171,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
                 check_deadline(context)
             keys = np.frombuffer(tk.keys, dtype="<i8")
             res = self.engine.lookup(request.model, tk.table, keys)
-            answers.append(
-                pb.TableVectors(
-                    table=tk.table,
-                    dim=res.vectors.shape[1],
-                    count=keys.shape[0],
-                    vectors=res.vectors.tobytes(),
-                    sources=res.sources.tobytes(),
-                )
-            )
-        return pb.LookupResponse(model=request.model, tables=answers, request_id=request.request_id)
+            answers.append((tk.table, res.vectors, res.sources))
+        return encode_lookup_response(request.model, request.request_id, answers)
 
     def _abort(self, context: grpc.ServicerContext, err: Exception) -> None:
         if isinstance(err, HPSError):
@@ -187,7 +180,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         log.exception("unexpected error serving a lookup")
         context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
 
-    def _serve_one(self, method: str, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+    def _serve_one(self, method: str, request: pb.LookupRequest, context: grpc.ServicerContext) -> bytes:
         """Check the deadline, answer, count and time the request; errors become status codes."""
         with self.metrics.observe(method) as status:
             try:
@@ -197,12 +190,12 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
                 self._abort(context, err)
                 raise  # unreachable: abort raises
 
-    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> bytes:
         return self._serve_one("Lookup", request, context)
 
     def StreamLookup(
         self, request_iterator: Iterator[pb.LookupRequest], context: grpc.ServicerContext
-    ) -> Iterator[pb.LookupResponse]:
+    ) -> Iterator[bytes]:
         for request in request_iterator:
             yield self._serve_one("StreamLookup", request, context)
 
