@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -148,7 +148,7 @@ class ConstantDefault(_Section):
     constant: float
 
 
-DefaultSpec = Union[Literal["zeros", "hashed_random"], ConstantDefault]
+DefaultSpec = Literal["zeros", "hashed_random"] | ConstantDefault
 
 
 class TableConfig(_Section):

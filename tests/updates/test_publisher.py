@@ -66,7 +66,7 @@ def test_round_trip_fields_and_routing(kafka_broker, model_name) -> None:
         for k, v in zip(all_keys.tolist(), np.concatenate((upd.versions, upd.delete_versions)).tolist()):
             seen.setdefault(k, []).append((m.partition(), m.offset(), v))
     assert set(seen) == set(keys.tolist())
-    for k, entries in seen.items():
+    for entries in seen.values():
         assert len({p for p, _, _ in entries}) == 1  # one key, one partition
         versions_in_offset_order = [v for _, _, v in sorted(entries)]
         assert versions_in_offset_order == sorted(versions_in_offset_order)  # order of one key's updates kept
