@@ -205,14 +205,18 @@ def test_server_sigkilled_mid_ingest_loses_nothing(kafka_broker, tmp_path: Path)
     assert missing == 0, f"{missing} rows of committed offsets are missing from RocksDB"
     all_keys = np.arange(1000, (batches + 1) * 1000, dtype=np.int64)
     expected = rows_for(all_keys, 0, DIM) + (all_keys // 1000).astype(np.float32)[:, None]
-    with ServerProcess(cfg, grpc_port) as again, HPSClient(again.target) as client:
+    # generous per-call timeout: the restarted server replays the uncommitted tail while these 50k-key lookups run
+    with ServerProcess(cfg, grpc_port) as again, HPSClient(again.target, timeout=60) as client:
 
-        def all_served() -> bool:
-            got = np.concatenate([client.lookup(model, "item", all_keys[i:i + 50_000])
-                                  for i in range(0, all_keys.size, 50_000)])
-            return bool(np.allclose(got, expected, atol=1e-3))
+        def served(idx: np.ndarray) -> bool:
+            got = np.concatenate([client.lookup(model, "item", all_keys[idx][i:i + 50_000])
+                                  for i in range(0, idx.size, 50_000)])
+            return bool(np.allclose(got, expected[idx], atol=1e-3))
 
-        wait_for(all_served, 60, "every published row served after the restart", interval=0.2)
+        sample = np.arange(0, all_keys.size, 97)
+        wait_for(lambda: served(sample), 120, "a sample of the published rows served after the restart", interval=0.5)
+        wait_for(lambda: served(np.arange(all_keys.size)), 60, "every published row served after the restart",
+                 interval=0.5)
         assert again.stop() == 0
     publisher.close()
     print(f"\nSIGKILL mid-ingest: {applied_at_kill} rows applied at the kill, {committed_rows} rows below the "
