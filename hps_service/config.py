@@ -157,7 +157,6 @@ class TableConfig(_Section):
     name: str = Field(pattern=NAME_PATTERN)
     dim: int = Field(ge=1, le=16384)
     default: DefaultSpec = "zeros"
-    ttl_s: float | None = Field(None, gt=0)
 
 
 class ModelConfig(_Section):

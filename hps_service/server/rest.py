@@ -137,7 +137,7 @@ def describe_model(engine: LookupEngine, name: str) -> dict[str, Any]:
     for tc in mc.tables:
         stats = engine.table_stats(name, tc.name)
         rows = {level: (int(stats[level]["rows"] or 0) if stats[level].get("enabled") else None) for level in LEVELS}
-        tables.append({"name": tc.name, "dim": tc.dim, "default": tc.model_dump()["default"], "ttl_s": tc.ttl_s,
+        tables.append({"name": tc.name, "dim": tc.dim, "default": tc.model_dump()["default"],
                        "rows": rows})
     return {"name": mc.name, "tables": tables}
 
