@@ -34,6 +34,8 @@ class Source(IntEnum):
 
 
 LEVELS = ("cache", "volatile", "persistent")
+#: Keys per L3 read when rewriting L2 rows after an outage.
+REPAIR_CHUNK = 65536
 
 
 @dataclass(slots=True)
@@ -121,6 +123,7 @@ class LookupEngine:
         persistent: Tier | None,
         cache_factory: CacheFactory | None = None,
         max_batch_keys: int = 65536,
+        repair_interval_s: float = 0.5,
     ) -> None:
         self.volatile = volatile
         self.persistent = persistent
@@ -129,6 +132,13 @@ class LookupEngine:
         self._models: dict[str, dict[str, ServedTable]] = {}
         self._configs: dict[str, ModelConfig] = {}
         self._registry_lock = threading.Lock()
+        self._repair_stop = threading.Event()
+        self._repair_thread: threading.Thread | None = None
+        if volatile is not None and persistent is not None:
+            self._repair_thread = threading.Thread(
+                target=self._repair_loop, args=(repair_interval_s,), name="hps-l2-repair", daemon=True
+            )
+            self._repair_thread.start()
 
     # ---- models -------------------------------------------------------------------------------
     def register_model(self, model: ModelConfig) -> None:
@@ -333,6 +343,36 @@ class LookupEngine:
             t.cache.invalidate(keys)
         return removed
 
+    def repair_volatile(self) -> int:
+        """Rewrite from L3 the L2 rows whose writes missed a store node, so an outage leaves no stale row behind.
+
+        Keys L3 holds get their current row (a versioned put, so a newer row written meanwhile wins); keys it does
+        not hold are removed from L2. Writes that miss again are reported again by the tier and retried later.
+        """
+        assert self.volatile is not None and self.persistent is not None
+        repaired = 0
+        for tables in list(self._models.values()):
+            for t in tables.values():
+                keys = self.volatile.take_missed_writes(t.id)
+                for start in range(0, keys.shape[0], REPAIR_CHUNK):
+                    chunk = keys[start : start + REPAIR_CHUNK]
+                    got = self.persistent.get(t.id, chunk)
+                    if got.found.any():
+                        self.volatile.put(t.id, chunk[got.found], got.vectors[got.found], got.versions[got.found])
+                    if not got.found.all():
+                        self.volatile.delete(t.id, chunk[~got.found])
+                    repaired += int(chunk.shape[0])
+        if repaired:
+            log.info("rewrote %d volatile-tier rows whose writes had missed a node", repaired)
+        return repaired
+
+    def _repair_loop(self, interval_s: float) -> None:
+        while not self._repair_stop.wait(interval_s):
+            try:
+                self.repair_volatile()
+            except Exception:  # the next round retries; serving never depends on this thread
+                log.warning("volatile-tier repair failed", exc_info=True)
+
     # ---- stats and lifecycle ------------------------------------------------------------------
     def table_stats(self, model: str, table: str) -> dict[str, dict[str, float | int | None]]:
         """Per level: hits, misses, hit_rate, rows, capacity, evictions (+ errors for lower tiers)."""
@@ -387,7 +427,10 @@ class LookupEngine:
         return out
 
     def close(self) -> None:
-        """Stop caches (saving warm-start snapshots) and close the tiers."""
+        """Stop caches (saving warm-start snapshots) and the repair thread, then close the tiers."""
+        self._repair_stop.set()
+        if self._repair_thread is not None:
+            self._repair_thread.join(5)
         with self._registry_lock:
             models, self._models, self._configs = self._models, {}, {}
         for tables in models.values():

@@ -123,6 +123,11 @@ class Tier(ABC):
         """Up to ``limit`` stored keys of ``table`` in the store's own order (used for cache warm start)."""
         raise NotImplementedError(f"{type(self).__name__} cannot scan keys")
 
+    def take_missed_writes(self, table: str) -> np.ndarray:
+        """Keys whose puts or deletes could not reach the store and that it may now serve stale: the engine
+        rewrites them from the persistent tier. Stores that cannot miss a write return nothing."""
+        return np.empty(0, dtype=np.int64)
+
     def drop_table(self, table: str) -> None:
         """Forget every row of ``table``."""
         raise NotImplementedError(f"{type(self).__name__} cannot drop tables")

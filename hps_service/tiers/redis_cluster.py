@@ -241,6 +241,10 @@ def _key_bytes(keys: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(keys, dtype=">i8").view(np.uint8).reshape(-1, 8)
 
 
+#: Missed-write keys remembered per table for repair after a node outage; beyond it they are dropped (logged).
+MAX_MISSED_WRITES = 10_000_000
+
+
 class RedisClusterTier(Tier):
     """Versioned embedding rows in a Redis Cluster, read and written one pipelined round trip per batch."""
 
@@ -295,6 +299,9 @@ class RedisClusterTier(Tier):
         self._tables: dict[str, _TableLayout] = {}
         self._counters: dict[str, _Counters] = {}
         self._down_until: dict[str, float] = {}
+        #: Keys whose put/delete could not reach their node: they may hold stale rows once the node is back.
+        self._missed: dict[str, list[np.ndarray]] = {}
+        self._missed_count: dict[str, int] = {}
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
 
@@ -389,6 +396,7 @@ class RedisClusterTier(Tier):
             n, _key_bytes(keys[order]), records.view(np.uint8).reshape(n, records.dtype.itemsize)
         )
         results = self._run_script(table, layout, self._put_script, parts, bounds, field_values, 2)
+        self._note_missed(table, results, bounds, keys[order])
         written[order] = self._flags(results, bounds, n)
         return written
 
@@ -408,6 +416,7 @@ class RedisClusterTier(Tier):
             order, parts, bounds = self._group(keys)
             fields = _resp_bulk_columns(keys.size, _key_bytes(keys[order]))
             results = self._run_script(table, layout, self._delete_script, parts, bounds, fields, 1)
+            self._note_missed(table, results, bounds, keys[order])
             return sum(r for r in results if isinstance(r, int))
         keys, tomb_versions = max_version_per_key(keys, tomb_versions)
         order, parts, bounds = self._group(keys)
@@ -416,6 +425,7 @@ class RedisClusterTier(Tier):
         results = self._run_script(
             table, layout, self._delete_versioned_script, parts, bounds, field_values, 2
         )
+        self._note_missed(table, results, bounds, keys[order])
         return int(np.count_nonzero(self._flags(results, bounds, keys.size)))
 
     def purge_tombstones(self, table: str, below_version: int, page: int = 1000) -> int:
@@ -509,6 +519,29 @@ class RedisClusterTier(Tier):
     def _evalsha_head(script: _Script) -> bytes:
         """``EVALSHA <sha> 1`` as RESP bulk strings (the array header and the key follow per command)."""
         return b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % script.sha
+
+    def _note_missed(self, table: str, results: list, bounds: np.ndarray, sorted_keys: np.ndarray) -> None:
+        """Remember the keys of partition writes that failed or were skipped (bounded per table)."""
+        bad = [i for i, r in enumerate(results) if not isinstance(r, (bytes, int, list))]
+        if not bad:
+            return
+        missed = np.concatenate([sorted_keys[bounds[i] : bounds[i + 1]] for i in bad])
+        with self._lock:
+            held = self._missed_count.get(table, 0)
+            if held + missed.size > MAX_MISSED_WRITES:
+                log.error("redis_cluster: more than %d missed writes on %s; not tracking more", MAX_MISSED_WRITES, table)
+                return
+            self._missed.setdefault(table, []).append(missed)
+            self._missed_count[table] = held + missed.size
+
+    def take_missed_writes(self, table: str) -> np.ndarray:
+        """Keys whose writes missed a node, handed over once every node answers again (none while one is down)."""
+        with self._lock:
+            if self._down_until or table not in self._missed:
+                return np.empty(0, dtype=np.int64)
+            parts = self._missed.pop(table)
+            self._missed_count.pop(table, None)
+        return np.unique(np.concatenate(parts))
 
     def _run_script(
         self,
