@@ -140,7 +140,7 @@ class HPSServer:
         receive, send = message_limits(self.config)
         self.metrics = ServerMetrics(self.engine)
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.grpc_workers, thread_name_prefix="grpc"),
+            futures.ThreadPoolExecutor(max_workers=cfg.workers(), thread_name_prefix="grpc"),
             maximum_concurrent_rpcs=cfg.max_concurrent_requests,
             options=[
                 ("grpc.max_receive_message_length", receive),
