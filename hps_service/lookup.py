@@ -18,7 +18,8 @@ import numpy as np
 from hps_service.cache.protocol import TableCache
 from hps_service.config import DefaultSpec, ModelConfig, TableConfig
 from hps_service.defaults import default_rows
-from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from hps_service.errors import InvalidArgumentError, NotFoundError
+from hps_service.keys import as_keys
 from hps_service.tiers.base import Tier, delete_versions, max_version_per_key, table_id
 
 log = logging.getLogger(__name__)
@@ -77,22 +78,6 @@ class ServedTable:
 
 #: Builds the L1 cache of a table, or None: ``factory(table, fetch_below, warm_keys)``.
 CacheFactory = Callable[[ServedTable, Callable[[np.ndarray], np.ndarray], Callable[[int], np.ndarray] | None], TableCache | None]
-
-
-def as_keys(keys: np.ndarray | Iterable[int], max_keys: int | None = None) -> np.ndarray:
-    """Validate and convert keys to a 1-D int64 array; raise InvalidArgumentError / ResourceExhaustedError."""
-    arr = np.asarray(keys)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"keys must be a 1-D array, got shape {arr.shape}")
-    if arr.dtype != np.int64:
-        if arr.size and not np.issubdtype(arr.dtype, np.integer):
-            raise InvalidArgumentError(f"keys must be integers, got dtype {arr.dtype}")
-        if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-            raise InvalidArgumentError("keys must fit in int64")
-        arr = arr.astype(np.int64)
-    if max_keys is not None and arr.shape[0] > max_keys:
-        raise ResourceExhaustedError(f"{arr.shape[0]} keys in one request exceeds server.max_batch_keys={max_keys}")
-    return arr
 
 
 def as_rows(vectors: np.ndarray, n: int, dim: int, what: str) -> np.ndarray:

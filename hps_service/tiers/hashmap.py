@@ -19,6 +19,7 @@ from typing import Literal
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError, NotFoundError
+from hps_service.keys import as_keys
 from hps_service.tiers import _hashmap_kernels as kernels
 from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
 
@@ -123,21 +124,6 @@ class HashMapTier(Tier):
             raise NotFoundError(f"volatile hashmap tier has no table {table!r}") from None
 
     @staticmethod
-    def _keys(keys: np.ndarray) -> np.ndarray:
-        arr = np.asarray(keys)
-        if arr.ndim != 1:
-            raise InvalidArgumentError(f"keys must be a 1-D array, got shape {arr.shape}")
-        if arr.dtype == np.int64:
-            return np.ascontiguousarray(arr)
-        if arr.dtype.kind == "i" or (arr.dtype.kind == "u" and arr.dtype.itemsize < 8):
-            return arr.astype(np.int64)
-        if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-            raise InvalidArgumentError("keys must fit in int64; got uint64 keys above 2**63-1")
-        if arr.dtype.kind == "u" or arr.size == 0:
-            return arr.astype(np.int64)
-        raise InvalidArgumentError(f"keys must be integers (int64), got dtype {arr.dtype}")
-
-    @staticmethod
     def _vectors(vectors: np.ndarray, n: int, dim: int) -> np.ndarray:
         arr = np.asarray(vectors)
         if arr.shape != (n, dim):
@@ -174,7 +160,7 @@ class HashMapTier(Tier):
     def get(self, table: str, keys: np.ndarray) -> Rows:
         """Look up ``keys``; hits get their access stamp refreshed (LRU clock or LFU count)."""
         t = self._table(table)
-        query = self._keys(keys)
+        query = as_keys(keys)
         out = Rows(
             vectors=np.empty((query.size, t.dim), dtype=np.float32),
             versions=np.empty(query.size, dtype=np.int64),
@@ -193,7 +179,7 @@ class HashMapTier(Tier):
         Returns the mask of rows written. With duplicate keys in a batch, they apply in batch order.
         """
         t = self._table(table)
-        query = self._keys(keys)
+        query = as_keys(keys)
         vecs = self._vectors(vectors, query.size, t.dim)
         vers = self._versions(versions, query.size)
         written = np.zeros(query.size, dtype=bool)
@@ -240,7 +226,7 @@ class HashMapTier(Tier):
     def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
         """Remove ``keys`` (with ``versions``: rows not newer, leaving tombstones); returns live rows removed."""
         t = self._table(table)
-        query = self._keys(keys)
+        query = as_keys(keys)
         tomb_versions = delete_versions(versions, query.size)
         with t.lock:
             if tomb_versions is None:

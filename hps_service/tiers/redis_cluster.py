@@ -39,6 +39,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.keys import as_keys
 from hps_service.tiers import codec
 from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
 
@@ -205,18 +206,6 @@ def _parse_node(node: str) -> ClusterNode:
     return ClusterNode(host, int(port))
 
 
-def _as_keys(keys: np.ndarray) -> np.ndarray:
-    """Validated 1-D int64 keys."""
-    arr = np.asarray(keys)
-    if arr.ndim != 1:
-        raise InvalidArgumentError(f"keys must be 1-D, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iu":
-        raise InvalidArgumentError(f"keys must be integers, got dtype {arr.dtype}")
-    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
-        raise InvalidArgumentError("keys must fit in int64")
-    return arr.astype(np.int64, copy=False)
-
-
 def _check_table_name(table: str) -> None:
     if not table or "{" in table or "}" in table:
         raise InvalidArgumentError(f"table name {table!r} must be non-empty and contain no braces")
@@ -344,7 +333,7 @@ class RedisClusterTier(Tier):
 
     def get(self, table: str, keys: np.ndarray) -> Rows:
         """HMGET per partition, all nodes in one round trip; keys on failed nodes come back not found."""
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         layout = self._table(table)
         n = keys.size
         if n == 0:
@@ -372,7 +361,7 @@ class RedisClusterTier(Tier):
 
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
         """Write rows whose stored version is not newer (one script call per partition); returns the written mask."""
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         layout = self._table(table)
         n = keys.size
         vectors = np.asarray(vectors, dtype=np.float32)
@@ -406,7 +395,7 @@ class RedisClusterTier(Tier):
         With ``versions``: rows not newer become tombstones (absent keys get one). Without: rows and tombstones
         are removed.
         """
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         layout = self._table(table)
         tomb_versions = delete_versions(versions, keys.size)
         if keys.size == 0:

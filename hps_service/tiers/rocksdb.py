@@ -37,6 +37,7 @@ from rocksdict import (
 )
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.keys import as_keys
 from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
 from hps_service.tiers.codec import (
     ABSENT,
@@ -179,15 +180,6 @@ class RocksDBTier(Tier):
             raise NotFoundError(f"table {table} does not exist in the persistent tier") from None
 
     @staticmethod
-    def _keys(keys: np.ndarray) -> np.ndarray:
-        arr = np.asarray(keys)
-        if arr.ndim != 1:
-            raise InvalidArgumentError(f"keys must be 1-D, got shape {arr.shape}")
-        if arr.size and arr.dtype.kind not in "iu":
-            raise InvalidArgumentError(f"keys must be int64, got {arr.dtype}")
-        return arr.astype(np.int64, copy=False)
-
-    @staticmethod
     def _vectors(vectors: np.ndarray, n: int, dim: int, table: str) -> np.ndarray:
         arr = np.asarray(vectors)
         if arr.ndim != 2 or arr.shape[0] != n or arr.shape[1] != dim:
@@ -225,7 +217,7 @@ class RocksDBTier(Tier):
     def get(self, table: str, keys: np.ndarray) -> Rows:
         """One multi-get for the whole batch; missing keys come back with ``found == False``."""
         cf, dim = self._table(table)
-        keys = self._keys(keys)
+        keys = as_keys(keys)
         if keys.size == 0:
             return Rows.empty(0, dim)
         return decode_rows(cf.get(encode_keys(keys)), dim)
@@ -256,7 +248,7 @@ class RocksDBTier(Tier):
         """Write rows whose version is >= the stored row's (> a tombstone's), in one synced batch; return the mask."""
         self._check_writable(f"write to {table}")
         cf, dim = self._table(table)
-        keys = self._keys(keys)
+        keys = as_keys(keys)
         n = keys.size
         vectors = self._vectors(vectors, n, dim, table)
         offered = np.asarray(versions, dtype=np.int64)
@@ -294,7 +286,7 @@ class RocksDBTier(Tier):
         """
         self._check_writable(f"delete from {table}")
         cf, dim = self._table(table)
-        keys = self._keys(keys)
+        keys = as_keys(keys)
         tomb_versions = delete_versions(versions, keys.size)
         if keys.size == 0:
             return 0
@@ -474,7 +466,7 @@ class RocksDBTier(Tier):
         """
         self._check_writable(f"import into {table}")
         cf, dim = self._table(table)
-        keys = self._keys(keys)
+        keys = as_keys(keys)
         vectors = self._vectors(vectors, keys.size, dim, table)
         if keys.size == 0:
             return 0
