@@ -7,8 +7,6 @@ Everything it starts binds 127.0.0.1 and is stopped when it ends.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,13 +23,8 @@ from rich.console import Console
 from hps_service.client import HPSClient
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.errors import UnavailableError
+from hps_service.local_processes import free_port, stop_process
 from hps_service.updates.local_broker import running_tansu
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -99,7 +92,7 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
     settings.workdir.mkdir(parents=True, exist_ok=True)
     with running_tansu() as broker:
         console.print(f"broker (tansu, in-memory) on {broker.bootstrap}")
-        grpc_port, http_port = _free_port(), _free_port()
+        grpc_port, http_port = free_port(), free_port()
         cfg_path = settings.workdir / "config.yaml"
         cfg_path.write_text(yaml.safe_dump(_server_config(settings, broker.bootstrap, grpc_port, http_port)))
         log_path = settings.workdir / "server.log"
@@ -162,13 +155,7 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
             }
             return summary
         finally:
-            if server.poll() is None:
-                server.send_signal(signal.SIGTERM)
-                try:
-                    server.wait(30)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait()
+            stop_process(server, 30)
 
 
 def _infer_once(client: HPSClient, trainer: Any, holdout: Any, inference: InferenceStats, predict: Any,

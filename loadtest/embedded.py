@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ from typing import Any, Self
 import yaml
 
 from hps_service.errors import InvalidArgumentError, UnavailableError
+from hps_service.local_processes import stop_process
 from tests.helpers import free_port, wait_serving
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,14 +120,7 @@ class EmbeddedServer:
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        return proc.returncode
+        return stop_process(proc, timeout)
 
     def __enter__(self) -> Self:
         return self.prepare().start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ import yaml
 
 from hps_service.client import HPSClient
 from hps_service.errors import HPSError
+from hps_service.local_processes import free_port, stop_process
 from hps_service.updates import Publisher
 
 REPO = Path(__file__).resolve().parents[1]
@@ -155,14 +155,6 @@ def _wait(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
     raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_soak(duration_s: float, interval_s: float, out_dir: Path, brokers: str | None = None, keys: int = 20_000,
              dim: int = 32, lookup_workers: int = 2, batch: int = 256, update_rows: int = 500,
              update_every_s: float = 0.05) -> SoakResult:
@@ -175,7 +167,7 @@ def run_soak(duration_s: float, interval_s: float, out_dir: Path, brokers: str |
     with broker_ctx as broker, tempfile.TemporaryDirectory(prefix="hps-soak-") as tmp:
         bootstrap = broker if isinstance(broker, str) else broker.bootstrap
         model = f"soak{uuid.uuid4().hex[:6]}"
-        grpc_port, http_port = _free_port(), _free_port()
+        grpc_port, http_port = free_port(), free_port()
         cfg = Path(tmp) / "soak.yaml"
         cfg.write_text(yaml.safe_dump({
             "server": {"grpc_port": grpc_port, "http_port": http_port, "grace_period_s": 20},
@@ -277,14 +269,7 @@ def run_soak(duration_s: float, interval_s: float, out_dir: Path, brokers: str |
                     pass
         finally:
             stop.set()
-            if server.poll() is None:
-                server.send_signal(signal.SIGTERM)
-                try:
-                    server.wait(40)
-                except subprocess.TimeoutExpired:
-                    server.kill()
-                    server.wait()
-            result.server_exit = server.returncode
+            result.server_exit = stop_process(server, 40)
             publisher.close(10)
             publisher = None  # type: ignore[assignment]  # librdkafka's client goes before the broker stops
     result.rss_growth, result.p99_ratio = trend(result.samples)

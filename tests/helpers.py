@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,14 +12,10 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hps_service.local_processes import free_port, stop_process  # noqa: F401  (free_port is re-exported)
+
 REPO = Path(__file__).resolve().parents[1]
 HPS = [sys.executable, "-m", "hps_service.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(path: Path, data: dict) -> Path:
@@ -76,14 +70,7 @@ class ServerProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, timeout)
 
     def __enter__(self) -> ServerProcess:
         return self.start()

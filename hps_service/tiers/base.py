@@ -11,12 +11,16 @@ or lagging put (or a promotion of a row read before the delete) never brings a d
 
 from __future__ import annotations
 
+import logging
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
+
+log = logging.getLogger(__name__)
 
 #: Version stored with a row when the writer gives none (bulk import without a version).
 NO_VERSION = 0
@@ -79,6 +83,39 @@ def delete_versions(versions: np.ndarray | int | None, n: int) -> np.ndarray | N
     if arr.shape != (n,):
         raise InvalidArgumentError(f"delete versions must have shape ({n},) for {n} keys, got {arr.shape}")
     return arr.astype(np.int64, copy=False)
+
+
+class MissedWrites:
+    """Keys whose writes could not reach a store, per table, kept until the engine takes them for repair.
+
+    Bounded: past ``limit`` keys in all, further misses are dropped and logged (those rows may then stay stale).
+    """
+
+    def __init__(self, what: str, limit: int = 10_000_000) -> None:
+        self._what = what
+        self._limit = limit
+        self._parts: dict[str, list[np.ndarray]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def add(self, table: str, keys: np.ndarray) -> None:
+        keys = np.array(keys, dtype=np.int64, copy=True).ravel()
+        if keys.size == 0:
+            return
+        with self._lock:
+            if self._held + keys.size > self._limit:
+                log.error("%s: more than %d missed writes; not tracking more (some rows may stay stale)",
+                          self._what, self._limit)
+                return
+            self._parts.setdefault(table, []).append(keys)
+            self._held += keys.size
+
+    def take(self, table: str) -> np.ndarray:
+        """The unique missed keys of ``table``, forgotten here."""
+        with self._lock:
+            parts = self._parts.pop(table, [])
+            self._held -= sum(p.size for p in parts)
+        return np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
 
 
 class Tier(ABC):

@@ -14,13 +14,9 @@ from collections.abc import Callable
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
-from hps_service.tiers.base import Rows, Tier, TierStats
+from hps_service.tiers.base import MissedWrites, Rows, Tier, TierStats
 
 log = logging.getLogger(__name__)
-
-
-#: Keys remembered for repair while the store is unreachable; beyond it they are dropped.
-MAX_MISSED_WRITES = 10_000_000
 
 
 class DeferredTier(Tier):
@@ -36,9 +32,7 @@ class DeferredTier(Tier):
         self._inner: Tier | None = None
         self._dims: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._missed: dict[str, list[np.ndarray]] = {}
-        self._missed_rows = 0
-        self._missed_lock = threading.Lock()
+        self._missed = MissedWrites(f"{kind} tier ({what})")
         self._closed = threading.Event()
         self.attempts = 0
         self.last_error: str | None = None
@@ -97,35 +91,22 @@ class DeferredTier(Tier):
         inner = self._inner
         if inner is not None:
             return inner.put(table, keys, vectors, versions)
-        self._miss(table, keys)
+        self._missed.add(table, keys)
         return np.zeros(np.asarray(keys).shape[0], dtype=bool)
 
     def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
         inner = self._inner
         if inner is not None:
             return inner.delete(table, keys, versions) if versions is not None else inner.delete(table, keys)
-        self._miss(table, keys)
+        self._missed.add(table, keys)
         return 0
-
-    def _miss(self, table: str, keys: np.ndarray) -> None:
-        """Writes made before the store was reached: it may hold older rows of these keys once it is."""
-        keys = np.array(keys, dtype=np.int64, copy=True).ravel()
-        with self._missed_lock:
-            if self._missed_rows + keys.size > MAX_MISSED_WRITES:
-                return  # bounded; past it the store may serve older rows of these keys (logged by the caller's tier)
-            self._missed.setdefault(table, []).append(keys)
-            self._missed_rows += keys.size
 
     def take_missed_writes(self, table: str) -> np.ndarray:
         """Keys written while the store was unreachable (once it is connected), then the store's own misses."""
         inner = self._inner
         if inner is None:
             return np.empty(0, dtype=np.int64)
-        with self._missed_lock:
-            parts = self._missed.pop(table, [])
-            self._missed_rows -= sum(p.size for p in parts)
-        own = inner.take_missed_writes(table)
-        return np.unique(np.concatenate([*parts, own])) if parts else own
+        return np.union1d(self._missed.take(table), inner.take_missed_writes(table))
 
     def count(self, table: str) -> int:
         inner = self._inner

