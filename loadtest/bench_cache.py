@@ -2,9 +2,14 @@
 
 ``python -m loadtest.bench_cache``: for each batch size, times (interleaved, median of repeats)
 ``np.take(table, idx, axis=0, out=buf, mode="clip")`` from a preallocated array, the cache's compiled
-query, the same query behind a plain mutex, and ``SetAssocTableCache.lookup`` (readers/writer lock,
-argument checks, hit counters); prints times and the speed ratio gather_time / cache_time (target:
->= 0.5 at batch 1024, i.e. the cache within 2x of the gather).
+query, the same query behind a plain mutex, and ``SetAssocTableCache.lookup`` (sequence lock, argument
+checks, hit counters); prints times and the speed ratio gather_time / cache_time (target: >= 0.5 at
+batch 1024, i.e. the cache within 2x of the gather).
+
+Every contender cycles through the same ``--distinct`` different batches (64 by default), as a server
+sees a new batch on every call. With one batch repeated (``--distinct 1``, also printed at batch 1024
+for reference) the gather's 256 KiB of rows stay in the core's L2 cache between calls while the cache
+also walks its key and clock lines, which measures cache residency rather than the lookup.
 """
 
 from __future__ import annotations
@@ -19,11 +24,14 @@ import numpy as np
 
 from hps_service.cache import SetAssociativeCache, SetAssocTableCache
 
+#: Different batches each contender cycles through (the same ones for every contender).
+DISTINCT_BATCHES = 64
 
-def _time_per_call(fn: Callable[[], object], calls: int) -> float:
+
+def _time_per_call(fn: Callable[[int], object], calls: int, distinct: int) -> float:
     start = time.perf_counter()
-    for _ in range(calls):
-        fn()
+    for j in range(calls):
+        fn(j % distinct)
     return (time.perf_counter() - start) / calls
 
 
@@ -41,43 +49,44 @@ def build(rows: int, dim: int, ways: int, seed: int) -> tuple[np.ndarray, np.nda
     return keys, np.ascontiguousarray(table), cache
 
 
-def run(rows: int, dim: int, ways: int, batches: list[int], repeats: int, budget_s: float) -> list[dict]:
-    """Median seconds per call of each contender at each batch size."""
+def run(rows: int, dim: int, ways: int, batches: list[int], repeats: int, budget_s: float,
+        distinct: int = DISTINCT_BATCHES) -> list[dict]:
+    """Median seconds per call of each contender at each batch size, cycling through ``distinct`` batches."""
     keys, table, cache = build(rows, dim, ways, seed=0)
     print(f"table {len(keys)} rows x {dim} float32 ({table.nbytes / 2**20:.0f} MiB), all of them in a cache of "
-          f"capacity {cache.capacity} ({cache.values.nbytes / 2**20:.0f} MiB values), {ways} ways")
+          f"capacity {cache.capacity} ({cache.values.nbytes / 2**20:.0f} MiB values), {ways} ways; "
+          f"{distinct} different batches per size")
     table_cache = SetAssocTableCache(cache, lambda k: np.zeros((len(k), dim), np.float32), hit_rate_threshold=0.0)
     mutex = threading.Lock()
     rng = np.random.default_rng(1)
     results = []
     try:
         for batch in batches:
-            idx = rng.integers(0, len(keys), size=batch, dtype=np.int64)
-            batch_keys = keys[idx]
+            idx = [rng.integers(0, len(keys), size=batch, dtype=np.int64) for _ in range(distinct)]
+            batch_keys = [keys[i] for i in idx]
             buf = np.empty((batch, dim), np.float32)
             out = np.empty((batch, dim), np.float32)
 
-            def mutex_query(batch_keys: np.ndarray = batch_keys, out: np.ndarray = out) -> None:
+            def mutex_query(j: int, batch_keys: list[np.ndarray] = batch_keys, out: np.ndarray = out) -> None:
                 with mutex:
-                    cache.query(batch_keys, out)
+                    cache.query(batch_keys[j], out)
 
-            contenders = {
-                "gather": lambda idx=idx, buf=buf: np.take(table, idx, axis=0, out=buf, mode="clip"),
-                "query": lambda k=batch_keys, out=out: cache.query(k, out),
+            contenders: dict[str, Callable[[int], object]] = {
+                "gather": lambda j, idx=idx, buf=buf: np.take(table, idx[j], axis=0, out=buf, mode="clip"),
+                "query": lambda j, k=batch_keys, out=out: cache.query(k[j], out),
                 "query+mutex": mutex_query,
-                "TableCache.lookup": lambda k=batch_keys, out=out: table_cache.lookup(k, out),
+                "TableCache.lookup": lambda j, k=batch_keys, out=out: table_cache.lookup(k[j], out),
             }
-            for fn in contenders.values():
-                fn()
-            assert table_cache.lookup(batch_keys, out).all() and np.array_equal(out, table[idx])
-            single = _time_per_call(contenders["gather"], 20)
-            calls = max(5, int(budget_s / repeats / max(single, 1e-7) / len(contenders)))
+            for j in range(distinct):
+                assert table_cache.lookup(batch_keys[j], out).all() and np.array_equal(out, table[idx[j]])
+            single = _time_per_call(contenders["gather"], distinct, distinct)
+            calls = max(distinct, int(budget_s / repeats / max(single, 1e-7) / len(contenders)))
             samples: dict[str, list[float]] = {name: [] for name in contenders}
             for _ in range(repeats):
                 for name, fn in contenders.items():
-                    samples[name].append(_time_per_call(fn, calls))
+                    samples[name].append(_time_per_call(fn, calls, distinct))
             med = {name: statistics.median(v) for name, v in samples.items()}
-            results.append({"batch": batch, **med})
+            results.append({"batch": batch, "distinct": distinct, **med})
     finally:
         table_cache.close()
     return results
@@ -85,20 +94,20 @@ def run(rows: int, dim: int, ways: int, batches: list[int], repeats: int, budget
 
 def report(results: list[dict]) -> None:
     """Print microseconds per call and speed ratios (gather time / contender time)."""
-    print(f"{'batch':>6} {'gather us':>10} {'query us':>9} {'ratio':>6} {'+mutex us':>10} {'ratio':>6} "
+    print(f"{'batch':>6} {'batches':>7} {'gather us':>10} {'query us':>9} {'ratio':>6} {'+mutex us':>10} {'ratio':>6} "
           f"{'lookup us':>10} {'ratio':>6} {'lookup Mkeys/s':>15}")
     for r in results:
         g = r["gather"]
-        print(f"{r['batch']:>6} {g * 1e6:>10.1f} {r['query'] * 1e6:>9.1f} {g / r['query']:>6.2f} "
+        print(f"{r['batch']:>6} {r['distinct']:>7} {g * 1e6:>10.1f} {r['query'] * 1e6:>9.1f} {g / r['query']:>6.2f} "
               f"{r['query+mutex'] * 1e6:>10.1f} {g / r['query+mutex']:>6.2f} "
               f"{r['TableCache.lookup'] * 1e6:>10.1f} {g / r['TableCache.lookup']:>6.2f} "
               f"{r['batch'] / r['TableCache.lookup'] / 1e6:>15.2f}")
-    at_1024 = next((r for r in results if r["batch"] == 1024), None)
+    at_1024 = next((r for r in results if r["batch"] == 1024 and r["distinct"] > 1), None)
     if at_1024 is not None:
-        ratio = at_1024["gather"] / at_1024["query"]
+        ratio = at_1024["gather"] / at_1024["TableCache.lookup"]
         verdict = "meets" if ratio >= 0.5 else "misses"
-        print(f"batch 1024: cache query speed = {ratio:.2f}x the raw gather ({verdict} the >= 0.5 target); "
-              f"TableCache.lookup {at_1024['gather'] / at_1024['TableCache.lookup']:.2f}x")
+        print(f"batch 1024: TableCache.lookup speed = {ratio:.2f}x the raw gather ({verdict} the >= 0.5 target); "
+              f"the bare compiled query {at_1024['gather'] / at_1024['query']:.2f}x")
 
 
 def main() -> None:
@@ -109,8 +118,12 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--budget-s", type=float, default=2.0, help="seconds of timing per batch size")
+    parser.add_argument("--distinct", type=int, default=DISTINCT_BATCHES, help="different batches per batch size")
     args = parser.parse_args()
-    report(run(args.rows, args.dim, args.ways, args.batches, args.repeats, args.budget_s))
+    results = run(args.rows, args.dim, args.ways, args.batches, args.repeats, args.budget_s, args.distinct)
+    if args.distinct > 1 and 1024 in args.batches:
+        results += run(args.rows, args.dim, args.ways, [1024], args.repeats, args.budget_s, distinct=1)
+    report(results)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,8 @@ import numpy as np
 from hps_service.cache.array_module import is_numpy, to_host
 from hps_service.errors import InvalidArgumentError
 
+_INT64 = np.dtype(np.int64)
+_FLOAT32 = np.dtype(np.float32)
 #: The slot key of a free slot; never a valid user key.
 EMPTY = np.int64(np.iinfo(np.int64).min)
 
@@ -177,9 +179,9 @@ class SetAssociativeCache:
             self._cpu is not None
             and type(keys) is np.ndarray
             and type(out) is np.ndarray
-            and keys.dtype == np.int64
+            and keys.dtype is _INT64
             and keys.ndim == 1
-            and out.dtype == np.float32
+            and out.dtype is _FLOAT32
             and out.shape == (keys.shape[0], self.dim)
             and out.flags.c_contiguous
         ):

@@ -1,7 +1,7 @@
 """The L1 cache of one table as the lookup engine sees it (:class:`protocol.TableCache`).
 
-Wraps a :class:`SetAssociativeCache` with a readers/writer lock (lookups share it, mutations take it
-alone, so a reader never sees a half-written row), decides where fetched rows are inserted (inline
+Wraps a :class:`SetAssociativeCache` with a sequence lock (lookups take no lock and are rerun
+when a mutation overlapped them, so a reader never keeps a half-written row), decides where fetched rows are inserted (inline
 when the batch hit rate is below ``hit_rate_threshold``, else by a background worker through a
 bounded queue), refreshes cached rows from the lower tiers in strides, warm-starts from a hotness
 snapshot (or the first rows of the table) and saves that snapshot on close.
@@ -24,7 +24,7 @@ import numpy as np
 from hps_service.cache.array_module import is_numpy, to_host
 from hps_service.cache.change_log import ChangeLog
 from hps_service.cache.protocol import FetchBelow
-from hps_service.cache.rwlock import ReadWriteLock
+from hps_service.cache.seqlock import SeqLock
 from hps_service.cache.set_assoc import SetAssociativeCache
 from hps_service.errors import InvalidArgumentError
 
@@ -36,6 +36,8 @@ WARM_CHUNK_ROWS = 65536
 DEFERRED_MAX_ROWS = 65536
 
 WarmKeys = Callable[[int], np.ndarray]
+_INT64 = np.dtype(np.int64)
+_FLOAT32 = np.dtype(np.float32)
 
 
 class SetAssocTableCache:
@@ -71,11 +73,11 @@ class SetAssocTableCache:
         self._refresh_stride = max(1, math.ceil(refresh_fraction * cache.capacity))
         self._refresh_cursor = 0
         self._snapshot_path = snapshot_path
-        self._lock = ReadWriteLock()
+        self._lock = SeqLock()
         self._changes = ChangeLog()
         self._counter_lock = threading.Lock()
-        self._hits = 0
-        self._misses = 0
+        self._thread_counts = threading.local()
+        self._all_counts: list[list[int]] = []
         self._counts = {"admitted_inline": 0, "admitted_deferred": 0, "offers_dropped": 0,
                         "refreshed_rows": 0, "warm_rows": 0}
         self._stop = threading.Event()
@@ -114,30 +116,43 @@ class SetAssocTableCache:
     # ------------------------------------------------------------------ protocol
     def lookup(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the (n,) bool hit mask."""
-        keys = self._keys_arg(keys)
-        if out.shape != (keys.shape[0], self.dim) or out.dtype != np.float32:
-            raise InvalidArgumentError(f"out must be float32 of shape ({keys.shape[0]}, {self.dim}), got {out.shape}")
+        if not (type(keys) is np.ndarray and keys.dtype is _INT64 and keys.ndim == 1 and keys.flags.c_contiguous):
+            keys = self._keys_arg(keys)
+        n = keys.shape[0]
+        if type(out) is not np.ndarray or out.dtype is not _FLOAT32 or out.shape != (n, self.dim):
+            raise InvalidArgumentError(
+                f"out must be a float32 array of shape ({n}, {self.dim}), got {getattr(out, 'shape', None)}")
         if self._on_host:
-            self._lock.acquire_read()
-            try:
-                hit = self._cache.query(keys, out)
-            finally:
-                self._lock.release_read()
+            hit = self._lock.read(self._cache.query, keys, out)
         else:
-            dev_out = self._xp.empty((keys.shape[0], self.dim), dtype=self._xp.float32)
-            self._lock.acquire_read()
-            try:
-                dev_hit = self._cache.query(self._xp.asarray(keys), dev_out)
-            finally:
-                self._lock.release_read()
-            hit = to_host(dev_hit)
-            if hit.any():
-                out[hit] = to_host(dev_out[dev_hit])
+            hit = self._lookup_on_device(keys, out)
         nhit = int(np.count_nonzero(hit))
-        with self._counter_lock:
-            self._hits += nhit
-            self._misses += keys.shape[0] - nhit
+        try:
+            counts = self._thread_counts.counts
+        except AttributeError:
+            counts = self._new_thread_counts()
+        counts[0] += nhit
+        counts[1] += n - nhit
         return hit
+
+    def _lookup_on_device(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
+        # Device kernels run asynchronously, so a sequence check after the launch would prove nothing:
+        # device readers hold off writers instead (their kernels queue in order on the device anyway).
+        dev_out = self._xp.empty((keys.shape[0], self.dim), dtype=self._xp.float32)
+        with self._lock.exclusive():
+            dev_hit = self._cache.query(self._xp.asarray(keys), dev_out)
+            hit = to_host(dev_hit)
+        if hit.any():
+            out[hit] = to_host(dev_out[dev_hit])
+        return hit
+
+    def _new_thread_counts(self) -> list[int]:
+        """This thread's [hits, misses] (each thread adds to its own, so lookups share no counter lock)."""
+        counts = [0, 0]
+        self._thread_counts.counts = counts
+        with self._counter_lock:
+            self._all_counts.append(counts)
+        return counts
 
     def generation(self) -> int:
         """Change generation to pass as ``fetched_at`` to :meth:`admit` when read before fetching below."""
@@ -192,10 +207,11 @@ class SetAssocTableCache:
     def stats(self) -> dict[str, float]:
         """hits, misses, hit_rate (of lookups through this object), rows, occupancy, capacity, evictions and
         admission/refresh/warm-start counters."""
-        with self._lock.read():
+        with self._lock.exclusive():
             base = self._cache.stats()
         with self._counter_lock:
-            hits, misses = self._hits, self._misses
+            hits = sum(c[0] for c in self._all_counts)
+            misses = sum(c[1] for c in self._all_counts)
             counts = dict(self._counts)
         total = hits + misses
         base.update(hits=float(hits), misses=float(misses), hit_rate=hits / total if total else 0.0)
@@ -227,7 +243,7 @@ class SetAssocTableCache:
 
     def hottest_keys(self) -> np.ndarray:
         """Cached keys, hottest first (what the snapshot holds)."""
-        with self._lock.read():
+        with self._lock.exclusive():
             return self._cache.hottest_keys()
 
     # ------------------------------------------------------------------ internals
@@ -296,7 +312,7 @@ class SetAssocTableCache:
 
     def refresh_once(self) -> int:
         """Re-read the next stride of cached rows from the lower tiers; returns rows refreshed."""
-        with self._lock.read():
+        with self._lock.exclusive():
             generation = self._changes.generation
             start = self._refresh_cursor
             keys, _ = self._cache.dump(start, start + self._refresh_stride)
