@@ -87,6 +87,9 @@ class CacheConfig(_Section):
     ways: int = Field(32, ge=1, le=1024)
     policy: Literal["lru", "lfu"] = "lru"
     hit_rate_threshold: float = Field(0.9, ge=0.0, le=1.0)
+    admit_after_misses: int = Field(
+        2, ge=1, le=15,
+        description="once the cache is full, a key enters it after missing this many times lately (1: every miss)")
     refresh_interval_s: float = Field(0.0, ge=0.0, description="0 disables periodic refresh")
     refresh_fraction: float = Field(0.1, gt=0.0, le=1.0)
     warm_start: bool = True

@@ -49,4 +49,5 @@ def build_table_cache(
         warm_keys=warm_keys if cfg.warm_start else None,
         snapshot_path=snapshot_path,
         warm_start=cfg.warm_start,
+        admit_after_misses=cfg.admit_after_misses,
     )

@@ -31,7 +31,8 @@ class TableCache(Protocol):
     def admit(
         self, keys: np.ndarray, vectors: np.ndarray, batch_hit_rate: float, *, fetched_at: int | None = None
     ) -> None:
-        """Offer rows fetched from lower tiers (unique keys); inline or deferred per hit_rate_threshold.
+        """Offer rows fetched from lower tiers (unique keys); inline or deferred per hit_rate_threshold, and once
+        the cache is full only for keys that have missed often enough lately (admit_after_misses).
 
         Rows of keys updated or deleted since ``fetched_at`` are left out, so L1 never keeps a stale row.
         """

@@ -3,7 +3,7 @@
 Wraps a :class:`SetAssociativeCache` with a sequence lock (lookups take no lock and are rerun
 when a mutation overlapped them, so a reader never keeps a half-written row), decides where fetched rows are inserted (inline
 when the batch hit rate is below ``hit_rate_threshold``, else by a background worker through a
-bounded queue), refreshes cached rows from the lower tiers in strides, warm-starts from a hotness
+bounded queue) once the key has missed ``admit_after_misses`` times lately (:mod:`admission`), refreshes cached rows from the lower tiers in strides, warm-starts from a hotness
 snapshot (or the first rows of the table) and saves that snapshot on close.
 """
 
@@ -21,11 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from hps_service.cache.admission import MissSketch
 from hps_service.cache.array_module import is_numpy, to_host
 from hps_service.cache.change_log import ChangeLog
 from hps_service.cache.protocol import FetchBelow
 from hps_service.cache.seqlock import SeqLock
-from hps_service.cache.set_assoc import SetAssociativeCache
+from hps_service.cache.set_assoc import InsertResult, SetAssociativeCache
 from hps_service.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class SetAssocTableCache:
         snapshot_path: Path | None = None,
         warm_start: bool = True,
         queue_batches: int = 64,
+        admit_after_misses: int = 1,
     ) -> None:
         if not 0.0 <= hit_rate_threshold <= 1.0:
             raise InvalidArgumentError(f"hit_rate_threshold must be in [0, 1], got {hit_rate_threshold}")
@@ -79,7 +81,10 @@ class SetAssocTableCache:
         self._thread_counts = threading.local()
         self._all_counts: list[list[int]] = []
         self._counts = {"admitted_inline": 0, "admitted_deferred": 0, "offers_dropped": 0,
-                        "refreshed_rows": 0, "warm_rows": 0}
+                        "admission_refused": 0, "refreshed_rows": 0, "warm_rows": 0}
+        self._sketch = MissSketch(cache.capacity, admit_after_misses) if admit_after_misses > 1 else None
+        # While no insert has had to evict or drop a row there is room for everything: admit all.
+        self._filling = True
         self._stop = threading.Event()
         self._closed = False
         self._queue: queue.Queue[tuple[np.ndarray, np.ndarray, int] | None] = queue.Queue(maxsize=queue_batches)
@@ -175,6 +180,13 @@ class SetAssocTableCache:
         if self._closed:
             self._count("offers_dropped", 1)
             return
+        if self._sketch is not None:
+            admitted = self._sketch.admit(keys)
+            if not self._filling and not admitted.all():
+                self._count("admission_refused", keys.shape[0] - int(np.count_nonzero(admitted)))
+                keys, vectors = keys[admitted], vectors[admitted]
+                if keys.shape[0] == 0:
+                    return
         if batch_hit_rate < self._threshold:
             self._count("admitted_inline", self._insert_fresh(keys, vectors, generation, evict=True))
             return
@@ -203,6 +215,9 @@ class SetAssocTableCache:
         with self._lock.write():
             self._changes.record_all()
             self._cache.clear()
+            self._filling = True
+        if self._sketch is not None:
+            self._sketch.reset()
 
     def stats(self) -> dict[str, float]:
         """hits, misses, hit_rate (of lookups through this object), rows, occupancy, capacity, evictions and
@@ -261,7 +276,13 @@ class SetAssocTableCache:
                 keys, vectors = keys[~changed], vectors[~changed]
             if keys.shape[0] == 0:
                 return 0
-            return self._cache.insert(self._dev(keys), self._dev(vectors), evict=evict).written
+            return self._inserted(self._cache.insert(self._dev(keys), self._dev(vectors), evict=evict))
+
+    def _inserted(self, result: InsertResult) -> int:
+        """Note whether the cache ran out of room (admission filtering starts then); returns rows written."""
+        if result.evicted or result.dropped:
+            self._filling = False
+        return result.written
 
     def _admit_worker(self) -> None:
         while True:
@@ -300,7 +321,7 @@ class SetAssocTableCache:
                 return
             keys, vectors = np.concatenate(kept_keys), np.concatenate(kept_rows)
             if keys.shape[0]:
-                written = self._cache.insert(self._dev(keys), self._dev(vectors)).written
+                written = self._inserted(self._cache.insert(self._dev(keys), self._dev(vectors)))
                 self._count("admitted_deferred", written)
 
     def _refresh_loop(self) -> None:

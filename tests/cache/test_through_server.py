@@ -24,7 +24,7 @@ def test_zipf_hit_rate_matches_reference_model(tmp_path: Path) -> None:
     tier.create_table("m.t", DIM)
     tier.bulk_import("m.t", keys, vectors)
     tier.close()
-    cfg = load_config(None, server={"grpc_port": 0, "http_port": 0}, cache={"backend": "numpy", "capacity": CAPACITY, "ways": WAYS, "hit_rate_threshold": 1.0,
+    cfg = load_config(None, server={"grpc_port": 0, "http_port": 0}, cache={"backend": "numpy", "capacity": CAPACITY, "ways": WAYS, "hit_rate_threshold": 1.0, "admit_after_misses": 1,
                   "warm_start": False}, volatile={"type": "disabled"}, persistent={"type": "rocksdb", "path": str(tmp_path / "db")}, models=[{"name": "m", "tables": [{"name": "t", "dim": DIM}]}])
     server = HPSServer(cfg)
     server.start()

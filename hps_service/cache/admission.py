@@ -1,0 +1,99 @@
+"""L1 admission by miss frequency: a key enters a full cache only after it has missed a few times lately.
+
+Under skewed (zipf) traffic most misses of a warm cache are keys of the long tail that will not come
+back before they are evicted again; admitting each one costs an insert and evicts a row that is hotter
+than it. :class:`MissSketch` counts misses per key approximately (a count-min sketch of small counters,
+TinyLFU-style, all of them halved every ``window`` misses so old counts fade) and lets a key in once it
+has missed ``min_misses`` times. It only sees misses, so the hit path pays nothing for it; hot keys new
+to the cache still get in after a miss or two.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+
+from hps_service.errors import InvalidArgumentError
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
+_ONE = np.uint64(1)
+#: Rows of the sketch (independent hash positions per key).
+DEPTH = 4
+#: Counters stop here: enough to tell "missed a few times" apart, and halving keeps them small anyway.
+COUNTER_MAX = 15
+#: Misses counted between two halvings, per row of cache capacity. Measured on zipf(1.05) over a table 5x the
+#: cache: a window of 1x keeps the hit rate at 0.89-0.90 with 8-30x fewer inserts than admitting every miss
+#: (0.866); 3x and 10x windows let most of the tail through again (TinyLFU's 10x counts every access, not misses).
+WINDOW_PER_ROW = 1
+
+
+@numba.njit(cache=True, nogil=True)
+def _count_misses(table: np.ndarray, keys: np.ndarray, min_misses: int, admit: np.ndarray) -> None:
+    # Conservative update: only the counters at the key's current minimum go up, which keeps the
+    # over-count from colliding keys low. A key is admitted when its estimate reaches min_misses.
+    width_mask = np.uint64(table.shape[1] - 1)
+    positions = np.empty(table.shape[0], np.int64)
+    for i in range(keys.shape[0]):
+        x = keys[i]
+        x = x ^ (x >> _S30)
+        x = x * _M1
+        x = x ^ (x >> _S27)
+        x = x * _M2
+        x = x ^ (x >> _S31)
+        h1 = x & np.uint64(0xFFFFFFFF)
+        h2 = (x >> _S32) | _ONE
+        low = np.uint8(255)
+        for d in range(table.shape[0]):
+            p = np.int64((h1 + np.uint64(d) * h2) & width_mask)
+            positions[d] = p
+            if table[d, p] < low:
+                low = table[d, p]
+        if low < COUNTER_MAX:
+            for d in range(table.shape[0]):
+                if table[d, positions[d]] == low:
+                    table[d, positions[d]] = low + 1
+            low += 1
+        admit[i] = low >= min_misses
+
+
+class MissSketch:
+    """Approximate per-key miss counts of one table's L1; decides which missed keys are admitted."""
+
+    def __init__(self, capacity_rows: int, min_misses: int) -> None:
+        if capacity_rows < 1:
+            raise InvalidArgumentError(f"capacity_rows must be >= 1, got {capacity_rows}")
+        if not 1 <= min_misses <= COUNTER_MAX:
+            raise InvalidArgumentError(f"admit_after_misses must be in [1, {COUNTER_MAX}], got {min_misses}")
+        width = 1 << max(10, int(capacity_rows - 1).bit_length())
+        self.min_misses = min_misses
+        self.window = WINDOW_PER_ROW * capacity_rows
+        self._table = np.zeros((DEPTH, width), dtype=np.uint8)
+        self._counted = 0
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return self._table.nbytes
+
+    def admit(self, keys: np.ndarray) -> np.ndarray:
+        """Count one miss for each of ``keys`` (int64, unique) and return which of them may enter the cache."""
+        admit = np.empty(keys.shape[0], dtype=np.bool_)
+        if keys.shape[0] == 0:
+            return admit
+        with self._lock:
+            _count_misses(self._table, keys.view(np.uint64), self.min_misses, admit)
+            self._counted += keys.shape[0]
+            if self._counted >= self.window:
+                np.right_shift(self._table, 1, out=self._table)
+                self._counted = 0
+        return admit
+
+    def reset(self) -> None:
+        """Forget every count (after the cache is cleared)."""
+        with self._lock:
+            self._table.fill(0)
+            self._counted = 0

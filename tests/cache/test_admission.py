@@ -1,0 +1,108 @@
+"""Admission by miss frequency: once L1 is full, one-off keys of the tail stop evicting hotter rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hps_service.cache import SetAssociativeCache, SetAssocTableCache
+from hps_service.cache.admission import MissSketch
+from hps_service.errors import InvalidArgumentError
+
+DIM = 4
+
+
+def test_a_key_is_admitted_on_its_nth_miss() -> None:
+    sketch = MissSketch(capacity_rows=4096, min_misses=3)
+    keys = np.array([10, 20, 30], dtype=np.int64)
+    assert sketch.admit(keys).tolist() == [False, False, False]
+    assert sketch.admit(keys[:2]).tolist() == [False, False]
+    assert sketch.admit(keys).tolist() == [True, True, False]
+
+
+def test_counts_fade_after_a_window_of_misses() -> None:
+    sketch = MissSketch(capacity_rows=1024, min_misses=2)
+    key = np.array([7], dtype=np.int64)
+    assert not sketch.admit(key)[0]
+    # A window's worth of other misses halves every counter: the one old miss of key 7 is forgotten.
+    others = np.arange(1000, 1000 + sketch.window, dtype=np.int64)
+    sketch.admit(others)
+    assert not sketch.admit(key)[0]
+    assert sketch.admit(key)[0]
+
+
+def test_reset_forgets_everything() -> None:
+    sketch = MissSketch(capacity_rows=1024, min_misses=2)
+    key = np.array([5], dtype=np.int64)
+    sketch.admit(key)
+    sketch.reset()
+    assert not sketch.admit(key)[0]
+
+
+@pytest.mark.parametrize(("capacity", "min_misses"), [(0, 2), (16, 0), (16, 16)])
+def test_bad_arguments(capacity: int, min_misses: int) -> None:
+    with pytest.raises(InvalidArgumentError):
+        MissSketch(capacity, min_misses)
+
+
+def _table_cache(capacity: int, admit_after_misses: int) -> SetAssocTableCache:
+    return SetAssocTableCache(
+        SetAssociativeCache(capacity, DIM, ways=4), lambda k: np.zeros((len(k), DIM), np.float32),
+        hit_rate_threshold=1.0, warm_start=False, admit_after_misses=admit_after_misses,
+    )
+
+
+def _offer(cache: SetAssocTableCache, keys: np.ndarray) -> None:
+    cache.admit(keys, np.ones((keys.shape[0], DIM), np.float32), batch_hit_rate=0.0)
+
+
+def _cached(cache: SetAssocTableCache, keys: np.ndarray) -> np.ndarray:
+    return cache.lookup(keys, np.empty((keys.shape[0], DIM), np.float32))
+
+
+def test_everything_is_admitted_until_the_cache_runs_out_of_room() -> None:
+    cache = _table_cache(capacity=64, admit_after_misses=2)
+    try:
+        first = np.arange(16, dtype=np.int64)
+        _offer(cache, first)
+        assert _cached(cache, first).all() and cache.stats()["admission_refused"] == 0
+        _offer(cache, np.arange(100, 400, dtype=np.int64))  # overflows: evictions switch the filter on
+        assert cache.stats()["evictions"] > 0
+        once = np.arange(1000, 1008, dtype=np.int64)
+        _offer(cache, once)
+        assert not _cached(cache, once).any()
+        assert cache.stats()["admission_refused"] == 8
+        _offer(cache, once)  # the second miss lets them in
+        assert _cached(cache, once).all()
+        cache.clear()  # an empty cache admits everything again
+        later = np.arange(5000, 5008, dtype=np.int64)
+        _offer(cache, later)
+        assert _cached(cache, later).all()
+    finally:
+        cache.close()
+
+
+def test_admission_raises_the_zipf_hit_rate_and_cuts_inserts() -> None:
+    """The same zipf stream through two caches of 5% of the keys, misses offered inline as the engine does."""
+    rng = np.random.default_rng(3)
+    universe = 20_000
+    stream = (rng.zipf(1.05, size=(400, 512)) - 1) % universe
+    results = {}
+    for admit_after in (1, 2):
+        cache = _table_cache(capacity=1024, admit_after_misses=admit_after)
+        try:
+            hits = total = 0
+            for batch in stream.astype(np.int64):
+                uniq = np.unique(batch)
+                hit = _cached(cache, uniq)
+                if total >= 100 * 512:  # count once the cache has filled
+                    hits += int(hit.sum())
+                total += uniq.shape[0]
+                _offer(cache, uniq[~hit])
+            stats = cache.stats()
+            results[admit_after] = (hits, stats["admitted_inline"])
+        finally:
+            cache.close()
+    (hits_all, inserts_all), (hits_filtered, inserts_filtered) = results[1], results[2]
+    assert hits_filtered > hits_all
+    assert inserts_filtered < inserts_all / 2
