@@ -1,9 +1,10 @@
-"""Validation of key batches, shared by the engine and every tier."""
+"""Key batches: validation and deduplication, shared by the engine and every tier."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numba
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError, ResourceExhaustedError
@@ -24,3 +25,27 @@ def as_keys(keys: np.ndarray | Iterable[int], max_keys: int | None = None) -> np
     if max_keys is not None and arr.shape[0] > max_keys:
         raise ResourceExhaustedError(f"{arr.shape[0]} keys in one request exceeds server.max_batch_keys={max_keys}")
     return np.ascontiguousarray(arr)
+
+
+@numba.njit(cache=True, nogil=True)
+def _unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n = keys.shape[0]
+    order = np.argsort(keys)
+    uniq = np.empty(n, np.int64)
+    inverse = np.empty(n, np.int64)
+    m = -1
+    for j in range(n):
+        i = order[j]
+        if m < 0 or keys[i] != uniq[m]:
+            m += 1
+            uniq[m] = keys[i]
+        inverse[i] = m
+    return uniq[: m + 1].copy(), inverse
+
+
+def unique_with_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` for int64 keys: sorted unique keys and, per key, its index in them.
+
+    One compiled pass after a sort; NumPy's version costs about 30 us of overhead on a batch's few hundred misses.
+    """
+    return _unique_inverse(np.ascontiguousarray(keys, dtype=np.int64))

@@ -19,7 +19,7 @@ from hps_service.cache.protocol import TableCache
 from hps_service.config import DefaultSpec, ModelConfig, TableConfig
 from hps_service.defaults import default_rows
 from hps_service.errors import InvalidArgumentError, NotFoundError
-from hps_service.keys import as_keys
+from hps_service.keys import as_keys, unique_with_inverse
 from hps_service.tiers.base import Tier, delete_versions, max_version_per_key, table_id
 
 log = logging.getLogger(__name__)
@@ -216,7 +216,7 @@ class LookupEngine:
         miss_keys = keys if miss_idx is None else keys[miss_idx]
         if miss_keys.shape[0] == 0:
             return LookupResult(out, sources)
-        uniq, inverse = np.unique(miss_keys, return_inverse=True)
+        uniq, inverse = unique_with_inverse(miss_keys)
         rows, src = self._fetch_below_cache(t, uniq)
         if miss_idx is None:
             np.take(rows, inverse, axis=0, out=out)

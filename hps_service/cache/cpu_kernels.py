@@ -206,6 +206,24 @@ def _invalidate(table, clock, keys, sets):
     return removed
 
 
+@numba.njit(cache=True, nogil=True)
+def _last_occurrence(keys):
+    n = keys.shape[0]
+    order = np.argsort(keys, kind="mergesort")  # stable: the last of a run of equal keys is the latest one
+    keep = np.empty(n, np.int64)
+    m = 0
+    for j in range(n):
+        if j == n - 1 or keys[order[j + 1]] != keys[order[j]]:
+            keep[m] = order[j]
+            m += 1
+    return np.sort(keep[:m])
+
+
+def last_occurrence(keys: np.ndarray) -> np.ndarray:
+    """Indices of the last occurrence of each distinct key, in batch order (``set_assoc.last_occurrence``, compiled)."""
+    return _last_occurrence(np.ascontiguousarray(keys))
+
+
 def _u64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint64)
 

@@ -247,7 +247,7 @@ class SetAssociativeCache:
         self.tick += 1
         if keys.shape[0] == 0:
             return InsertResult(0, 0, 0, 0)
-        keep = last_occurrence(self.xp, keys)
+        keep = self._cpu.last_occurrence(keys) if self._cpu is not None else last_occurrence(self.xp, keys)
         if keep.shape[0] != keys.shape[0]:
             keys, vectors = keys[keep], vectors[keep]
         if self._cpu is not None:

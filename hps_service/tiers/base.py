@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
+from hps_service.keys import unique_with_inverse
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class TierStats:
 
 def max_version_per_key(keys: np.ndarray, versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unique ``keys`` (sorted) and, for each, the highest of its ``versions`` (deletes of one batch merge)."""
-    uniq, inverse = np.unique(keys, return_inverse=True)
+    uniq, inverse = unique_with_inverse(keys)
     if uniq.shape[0] == keys.shape[0]:
         out = np.empty(uniq.shape[0], dtype=np.int64)
         out[inverse] = versions
