@@ -34,6 +34,9 @@ class Source(IntEnum):
     DEFAULT = 4
 
 
+#: The Source codes as plain ints for array operations (NumPy converts an IntEnum member through its slow path).
+_CACHE, _VOLATILE, _PERSISTENT, _DEFAULT = (int(s) for s in (Source.CACHE, Source.VOLATILE, Source.PERSISTENT,
+                                                             Source.DEFAULT))
 LEVELS = ("cache", "volatile", "persistent")
 #: Keys per L3 read when rewriting L2 rows after an outage.
 REPAIR_CHUNK = 65536
@@ -204,10 +207,9 @@ class LookupEngine:
             hit = t.cache.lookup(keys, out)
             n_hit = int(np.count_nonzero(hit))
             t.count("cache", n_hit, n - n_hit)
+            sources.fill(_CACHE)
             if n_hit == n:
-                sources.fill(Source.CACHE)
                 return LookupResult(out, sources)
-            sources[hit] = Source.CACHE
             miss_idx = np.flatnonzero(~hit)
             batch_hit_rate = n_hit / n
         else:
@@ -225,39 +227,55 @@ class LookupEngine:
             out[miss_idx] = rows[inverse]
             sources[miss_idx] = src[inverse]
         if t.cache is not None:
-            stored = src != Source.DEFAULT
-            if stored.any():
+            stored = src != _DEFAULT
+            if stored.all():
+                t.cache.admit(uniq, rows, batch_hit_rate, fetched_at=fetched_at)
+            elif stored.any():
                 t.cache.admit(uniq[stored], rows[stored], batch_hit_rate, fetched_at=fetched_at)
         return LookupResult(out, sources)
 
     def _fetch_below_cache(self, t: ServedTable, keys: np.ndarray, count: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Rows of unique ``keys`` from volatile, then persistent, then the default; promotes L3 hits to L2."""
         m = keys.shape[0]
-        rows = np.empty((m, t.dim), dtype=np.float32)
-        src = np.full(m, Source.DEFAULT, dtype=np.uint8)
-        pending = np.arange(m)
+        rows: np.ndarray | None = None
+        src = np.full(m, _DEFAULT, dtype=np.uint8)
+        pending: np.ndarray | None = None  # indices still unanswered; None: all of them
         for level, code, tier in (
-            ("volatile", Source.VOLATILE, self.volatile),
-            ("persistent", Source.PERSISTENT, self.persistent),
+            ("volatile", _VOLATILE, self.volatile),
+            ("persistent", _PERSISTENT, self.persistent),
         ):
-            if tier is None or pending.shape[0] == 0:
+            if tier is None:
                 continue
-            got = tier.get(t.id, keys[pending])
+            asked = keys if pending is None else keys[pending]
+            got = tier.get(t.id, asked)
             n_found = int(np.count_nonzero(got.found))
             if count:
-                t.count(level, n_found, pending.shape[0] - n_found)
-            if n_found:
-                hit_idx = pending[got.found]
+                t.count(level, n_found, asked.shape[0] - n_found)
+            if n_found == 0:
+                continue
+            if pending is None and n_found == m:  # the common case: one tier holds every key asked
+                rows = got.vectors
+                src.fill(code)
+            else:
+                if rows is None:
+                    rows = np.empty((m, t.dim), dtype=np.float32)
+                hit_idx = np.flatnonzero(got.found) if pending is None else pending[got.found]
                 rows[hit_idx] = got.vectors[got.found]
                 src[hit_idx] = code
-                if code == Source.PERSISTENT and self.volatile is not None:
-                    self._promote(t, keys[hit_idx], got.vectors[got.found], got.versions[got.found])
-                pending = pending[~got.found]
-        if pending.shape[0]:
-            rows[pending] = default_rows(t.default, keys[pending], t.dim)
+            if code == _PERSISTENT and self.volatile is not None:
+                self._promote(t, asked[got.found], got.vectors[got.found], got.versions[got.found])
+            pending = np.flatnonzero(~got.found) if pending is None else pending[~got.found]
+            if pending.shape[0] == 0:
+                break
+        if rows is None:
+            rows = np.empty((m, t.dim), dtype=np.float32)
+        if pending is None or pending.shape[0]:
+            missing = slice(None) if pending is None else pending
+            rows[missing] = default_rows(t.default, keys[missing], t.dim)
+            n_default = m if pending is None else int(pending.shape[0])
             if count:
                 with t.lock:
-                    t.counters.defaults += int(pending.shape[0])
+                    t.counters.defaults += n_default
         return rows, src
 
     def _promote(self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> None:

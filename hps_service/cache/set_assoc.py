@@ -153,7 +153,7 @@ class SetAssociativeCache:
         return xp.ascontiguousarray(vectors, dtype=xp.float32)
 
     def _reject_empty_key(self, keys: Any) -> None:
-        if keys.shape[0] and bool((keys == EMPTY).any()):
+        if keys.shape[0] and int(keys.min()) == EMPTY:  # EMPTY is the smallest int64
             raise InvalidArgumentError(f"key {int(EMPTY)} is reserved as the cache's empty-slot marker")
 
     def _new_clock(self) -> int:

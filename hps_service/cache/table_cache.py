@@ -35,6 +35,12 @@ log = logging.getLogger(__name__)
 WARM_CHUNK_ROWS = 65536
 #: Most rows the background worker coalesces into one insert.
 DEFERRED_MAX_ROWS = 65536
+#: Once the cache is full and admission filters by miss frequency, the few rows a request admits inline are
+#: grouped and inserted by the request that brings the group to this size: one insert every ten or so requests
+#: instead of a fixed ~70 us insert call in each.
+INLINE_GROUP_ROWS = 256
+
+Offer = tuple[np.ndarray, np.ndarray, int]
 
 WarmKeys = Callable[[int], np.ndarray]
 _INT64 = np.dtype(np.int64)
@@ -87,7 +93,10 @@ class SetAssocTableCache:
         self._filling = True
         self._stop = threading.Event()
         self._closed = False
-        self._queue: queue.Queue[tuple[np.ndarray, np.ndarray, int] | None] = queue.Queue(maxsize=queue_batches)
+        self._queue: queue.Queue[Offer | None] = queue.Queue(maxsize=queue_batches)
+        self._group: list[Offer] = []
+        self._group_rows = 0
+        self._group_lock = threading.Lock()
         self._worker = threading.Thread(target=self._admit_worker, name="l1-admit", daemon=True)
         self._worker.start()
         self._refresher: threading.Thread | None = None
@@ -188,7 +197,12 @@ class SetAssocTableCache:
                 if keys.shape[0] == 0:
                     return
         if batch_hit_rate < self._threshold:
-            self._count("admitted_inline", self._insert_fresh(keys, vectors, generation, evict=True))
+            if self._sketch is None or self._filling:
+                self._count("admitted_inline", self._insert_fresh(keys, vectors, generation, evict=True))
+                return
+            group = self._add_to_group((keys.copy(), vectors.copy(), generation))
+            if group:
+                self._count("admitted_inline", self._insert_offers(group))
             return
         try:
             self._queue.put_nowait((keys.copy(), vectors.copy(), generation))
@@ -212,6 +226,8 @@ class SetAssocTableCache:
 
     def clear(self) -> None:
         """Drop everything, including offers still queued."""
+        with self._group_lock:
+            self._group, self._group_rows = [], 0
         with self._lock.write():
             self._changes.record_all()
             self._cache.clear()
@@ -249,8 +265,12 @@ class SetAssocTableCache:
 
     # ------------------------------------------------------------------ extras for tests and admin
     def flush(self) -> None:
-        """Block until every offer queued so far has been inserted or discarded."""
+        """Block until every offer queued or grouped so far has been inserted or discarded."""
         self._queue.join()
+        with self._group_lock:
+            group, self._group, self._group_rows = self._group, [], 0
+        if group:
+            self._count("admitted_inline", self._insert_offers(group))
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until warm start has finished; False on timeout."""
@@ -306,9 +326,23 @@ class SetAssocTableCache:
             if any(b is None for b in batch):
                 return
 
-    def _insert_deferred(self, batch: list[tuple[np.ndarray, np.ndarray, int]]) -> None:
+    def _add_to_group(self, offer: Offer) -> list[Offer] | None:
+        """Add an offer to the inline group; returns the whole group (now emptied) once it is big enough."""
+        with self._group_lock:
+            self._group.append(offer)
+            self._group_rows += offer[0].shape[0]
+            if self._group_rows < INLINE_GROUP_ROWS:
+                return None
+            group, self._group, self._group_rows = self._group, [], 0
+            return group
+
+    def _insert_deferred(self, batch: list[Offer]) -> None:
+        self._count("admitted_deferred", self._insert_offers(batch))
+
+    def _insert_offers(self, batch: list[Offer]) -> int:
+        """Insert offers in one go, each without the keys changed since it was read; returns rows written."""
         if not batch:
-            return
+            return 0
         with self._lock.write():
             kept_keys, kept_rows = [], []
             for keys, vectors, generation in batch:
@@ -318,11 +352,11 @@ class SetAssocTableCache:
                 kept_keys.append(keys[~changed])
                 kept_rows.append(vectors[~changed])
             if not kept_keys:
-                return
+                return 0
             keys, vectors = np.concatenate(kept_keys), np.concatenate(kept_rows)
-            if keys.shape[0]:
-                written = self._inserted(self._cache.insert(self._dev(keys), self._dev(vectors)))
-                self._count("admitted_deferred", written)
+            if keys.shape[0] == 0:
+                return 0
+            return self._inserted(self._cache.insert(self._dev(keys), self._dev(vectors)))
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._refresh_interval_s):
