@@ -271,3 +271,23 @@ def test_bad_arguments(cache: SetAssocTableCache) -> None:
         cache.admit(np.arange(2), np.zeros((2, DIM + 1), np.float32), 0.0)
     with pytest.raises(InvalidArgumentError):
         SetAssocTableCache(SetAssociativeCache(8, DIM, ways=4), lambda k: k, hit_rate_threshold=1.5)
+
+
+def test_device_read_path_answers_like_the_host_path(tier: LowerTier) -> None:
+    """The CuPy read path (lookups under the writer mutex, hits copied back) runs here on NumPy arrays."""
+    host = make(tier, hit_rate_threshold=0.0)
+    device = make(tier, hit_rate_threshold=0.0)
+    device._on_host = False  # what a CuPy-backed cache sets; the array module stays NumPy here
+    try:
+        cached = np.arange(0, 300, 3, dtype=np.int64)
+        for c in (host, device):
+            c.admit(cached, tier.fetch(cached), 0.0)
+        keys = np.arange(0, 200, dtype=np.int64)
+        (host_hit, host_out), (dev_hit, dev_out) = lookup(host, keys), lookup(device, keys)
+        assert np.array_equal(host_hit, dev_hit) and host_hit.sum() == 67
+        assert np.array_equal(host_out[host_hit], dev_out[dev_hit])
+        assert np.isnan(dev_out[~dev_hit]).all()  # rows of misses are left as they were
+        assert device.stats()["hits"] == 67 and device.stats()["misses"] == 133
+    finally:
+        host.close()
+        device.close()
