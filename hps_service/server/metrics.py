@@ -56,6 +56,10 @@ class EngineCollector(Collector):
         cache_evictions = CounterMetricFamily(
             "hps_cache_evictions", "Rows evicted from the L1 embedding cache", labels=["model", "table"]
         )
+        refused = CounterMetricFamily(
+            "hps_cache_admission_refused", "Missed keys kept out of a full L1 (not missed often enough lately)",
+            labels=["model", "table"],
+        )
         queue = GaugeMetricFamily(
             "hps_cache_promotion_queue_depth", "Rows waiting for deferred insertion into L1", labels=["model", "table"]
         )
@@ -82,10 +86,12 @@ class EngineCollector(Collector):
                     cache_rows.add_metric(mt, float(cache["rows"] or 0))
                     cache_capacity.add_metric(mt, float(cache["capacity"] or 0))
                     cache_evictions.add_metric(mt, float(cache["evictions"] or 0))
+                    refused.add_metric(mt, float(cache.get("admission_refused") or 0))
                     depth = cache.get("queued_offers")
                     if depth is not None:
                         queue.add_metric(mt, float(depth))
-        yield from (hits, misses, rows, evictions, defaults, cache_rows, cache_capacity, cache_evictions, queue)
+        yield from (hits, misses, rows, evictions, defaults, cache_rows, cache_capacity, cache_evictions, refused,
+                    queue)
 
 
 class ServerMetrics:

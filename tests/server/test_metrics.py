@@ -81,5 +81,6 @@ def test_counters_match_the_lookups_made(tmp_path: Path) -> None:
     assert value(after, "hps_cache_rows", **t) >= stored.shape[0]
     assert value(after, "hps_cache_capacity_rows", **t) > 0
     assert ("hps_cache_evictions_total", tuple(sorted(t.items()))) in after
+    assert value(after, "hps_cache_admission_refused_total", **t) == 0  # the cache never filled
     assert ("hps_cache_promotion_queue_depth", tuple(sorted(t.items()))) in after
     assert any(name.startswith("process_") or name == "python_info" for name, _ in after)
