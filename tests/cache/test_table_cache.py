@@ -275,8 +275,8 @@ def test_bad_arguments(cache: SetAssocTableCache) -> None:
 
 def test_device_read_path_answers_like_the_host_path(tier: LowerTier) -> None:
     """The CuPy read path (lookups under the writer mutex, hits copied back) runs here on NumPy arrays."""
-    host = make(tier, hit_rate_threshold=0.0)
-    device = make(tier, hit_rate_threshold=0.0)
+    host = make(tier, hit_rate_threshold=1.0)  # every admission inline
+    device = make(tier, hit_rate_threshold=1.0)
     device._on_host = False  # what a CuPy-backed cache sets; the array module stays NumPy here
     try:
         cached = np.arange(0, 300, 3, dtype=np.int64)
