@@ -126,6 +126,7 @@ class HPSServer:
         self._health_lock = threading.Lock()
         self._stopped = threading.Event()
         self.consumer: UpdateConsumer | None = None
+        self._consumer_lock = threading.Lock()
         self._ssl_options: dict = {}
 
     def start(self) -> None:
@@ -189,9 +190,9 @@ class HPSServer:
 
     def _start_updates(self) -> None:
         """Run the Kafka update consumer when ``updates.type`` is kafka; /readyz waits for its partitions."""
-        if self.config.updates.type != "kafka":
-            return
         assert self.engine is not None
+        if self.config.updates.type != "kafka" or not self.engine.models():
+            return
         ucfg = self.config.updates
         group = ucfg.group or f"{ucfg.topic_prefix}.{socket.gethostname()}"
         consumer = UpdateConsumer(ucfg, self.engine, [m.name for m in self.engine.models()], group)
@@ -200,6 +201,17 @@ class HPSServer:
         self.readiness.append(lambda: update_consumer_not_ready(consumer))
         self.stats_sections["updates"] = consumer.stats
         log.info("consuming updates from %s as group %s", ucfg.brokers, group)
+
+    def models_changed(self) -> None:
+        """After a model is registered or unloaded at runtime: health per model, and the update topics consumed."""
+        assert self.engine is not None
+        self.sync_model_health()
+        with self._consumer_lock:
+            names = [m.name for m in self.engine.models()]
+            if self.consumer is not None:
+                self.consumer.follow(names)
+            elif names:
+                self._start_updates()
 
     def sync_model_health(self) -> None:
         """gRPC health per model: SERVING for every loaded model, NOT_SERVING for one unloaded since."""
@@ -225,7 +237,7 @@ class HPSServer:
             snapshots=SnapshotStore(self.engine, snapshots_root(self.config)),
             readiness=self.readiness,
             stats_sections=self.stats_sections,
-            on_models_changed=self.sync_model_health,
+            on_models_changed=self.models_changed,
         )
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -152,6 +152,9 @@ class UpdateConsumer:
         self._ready = threading.Event()
         self._commit_on_stop = True
         self._assignment: list[TopicPartition] = []
+        self._follow_lock = threading.Lock()
+        self._wanted: dict[str, str] | None = None  # topics asked for by follow(), not yet (re)assigned
+        self._follow_retry_at = 0.0
         self._start_offsets: dict[tuple[str, int], int] = {}
         self._applied: dict[tuple[str, int], int] = {}  # next offset to read, per partition, applied to the engine
         self._committed: dict[tuple[str, int], int] = {}
@@ -189,6 +192,16 @@ class UpdateConsumer:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("update consumer %s did not stop within %.1fs", self.group, timeout)
+
+    def follow(self, models: Sequence[str]) -> None:
+        """Consume the update topics of exactly ``models`` from now on (models registered or unloaded at runtime).
+
+        A new model's partitions start at this group's committed offsets; an unloaded model's stop being read,
+        with their offsets committed up to what was applied, so loading it again resumes where it stopped
+        instead of dead-lettering its updates while it is away. The consumer thread makes the change.
+        """
+        with self._follow_lock:
+            self._wanted = {topic_name(m, self.cfg.topic_prefix): m for m in models}
 
     def stats(self) -> dict:
         """Freshness and ingest state for /v1/stats."""
@@ -229,24 +242,9 @@ class UpdateConsumer:
             self._close_clients(commit=self._commit_on_stop)
 
     def _connect(self) -> None:
-        admin = AdminClient(self._client_config)
-        partitions: dict[str, int] = {}
-        for topic in self.topics:
-            partitions[topic] = ensure_topic(admin, topic, self.partitions)
-            ensure_topic(admin, dlq_topic_name(topic), 1)
         consumer = Consumer(self._consumer_config)
         try:
-            tps = [TopicPartition(t, p) for t, n in partitions.items() for p in range(n)]
-            committed = consumer.committed(tps, timeout=10.0)
-            assignment = []
-            for tp in committed:
-                if tp.error is not None:
-                    raise UnavailableError(f"committed offset of {tp.topic}[{tp.partition}]: {tp.error}")
-                start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-                assignment.append(TopicPartition(tp.topic, tp.partition, start))
-                self._start_offsets[(tp.topic, tp.partition)] = start
-                if tp.offset >= 0:
-                    self._committed[(tp.topic, tp.partition)] = tp.offset
+            assignment = self._starting_positions(consumer, list(self.topics))
             consumer.assign(assignment)
         except Exception:
             consumer.close()
@@ -260,8 +258,62 @@ class UpdateConsumer:
             self.group, len(assignment), ", ".join(sorted(self.topics)),
         )
 
+    def _starting_positions(self, consumer: Consumer, topics: list[str]) -> list[TopicPartition]:
+        """Every partition of ``topics`` (created if missing, with their DLQs) at this group's committed offset,
+        or the earliest where nothing is committed yet."""
+        admin = AdminClient(self._client_config)
+        partitions: dict[str, int] = {}
+        for topic in topics:
+            partitions[topic] = ensure_topic(admin, topic, self.partitions)
+            ensure_topic(admin, dlq_topic_name(topic), 1)
+        tps = [TopicPartition(t, p) for t, n in partitions.items() for p in range(n)]
+        committed = consumer.committed(tps, timeout=10.0) if tps else []
+        assignment = []
+        for tp in committed:
+            if tp.error is not None:
+                raise UnavailableError(f"committed offset of {tp.topic}[{tp.partition}]: {tp.error}")
+            start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            assignment.append(TopicPartition(tp.topic, tp.partition, start))
+            self._start_offsets[(tp.topic, tp.partition)] = start
+            if tp.offset >= 0:
+                self._committed[(tp.topic, tp.partition)] = tp.offset
+        return assignment
+
+    def _follow_changes(self) -> None:
+        """Assign the partitions of models follow() added and unassign those of models it dropped."""
+        assert self._consumer is not None
+        with self._follow_lock:
+            wanted, self._wanted = self._wanted, None
+        if wanted is None:
+            return
+        dropped = [t for t in self.topics if t not in wanted]
+        added = [t for t in wanted if t not in self.topics]
+        if dropped:
+            gone = [tp for tp in self._assignment if tp.topic in dropped]
+            self._consumer.incremental_unassign(gone)
+            self._assignment = [tp for tp in self._assignment if tp.topic not in dropped]
+            self.topics = {t: m for t, m in self.topics.items() if t not in dropped}  # replaced: stats() reads it
+            self.metrics.forget_partitions(dropped)
+        if added:
+            try:
+                assignment = self._starting_positions(self._consumer, added)
+                self._consumer.incremental_assign(assignment)
+            except (UnavailableError, KafkaException) as exc:
+                self.last_error = f"cannot start consuming {', '.join(added)}: {exc}"
+                log.warning("update consumer %s: %s; retrying", self.group, self.last_error)
+                with self._follow_lock:
+                    if self._wanted is None:
+                        self._wanted = wanted
+                self._follow_retry_at = time.monotonic() + 1.0
+                return
+            self._assignment.extend(assignment)
+            self.topics = {**self.topics, **{t: wanted[t] for t in added}}
+        log.info("update consumer %s now follows %s", self.group, ", ".join(sorted(self.topics)) or "no model")
+
     def _poll_once(self) -> None:
         assert self._consumer is not None and self._dlq is not None
+        if self._wanted is not None and time.monotonic() >= self._follow_retry_at:
+            self._follow_changes()
         msgs = self._next_batch()
         if msgs:
             self._process(msgs)
@@ -298,6 +350,8 @@ class UpdateConsumer:
         groups: dict[tuple[str, str], _TableBatch] = {}
         produced_at: list[int] = []
         offsets: dict[tuple[str, int], int] = {}
+        loaded = {m.name for m in self.engine.models()}
+        unloaded: set[tuple[str, int]] = set()  # partitions of models unloaded before follow() dropped them
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -308,6 +362,9 @@ class UpdateConsumer:
             topic = msg.topic()
             offsets[(topic, msg.partition())] = msg.offset() + 1
             model = self.topics[topic]
+            if model not in loaded:
+                unloaded.add((topic, msg.partition()))
+                continue
             try:
                 upd = self._validated(model, msg.value())
             except MalformedUpdateError as exc:
@@ -315,6 +372,8 @@ class UpdateConsumer:
                 continue
             groups.setdefault((model, upd.table), _TableBatch()).add(upd, msg)
             produced_at.append(upd.produced_at_ns)
+        for key in unloaded:  # not applied: read again from the committed offset when the model is back
+            offsets.pop(key, None)
         if not self._apply(groups):
             return  # stopping with this batch unapplied: its offsets stay uncommitted and are read again
         if produced_at:

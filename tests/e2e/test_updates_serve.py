@@ -71,3 +71,37 @@ def test_published_rows_are_served_fresh(kafka_broker, tmp_path: Path) -> None:
         assert stats["updates"]["rows_applied"] >= 3 * keys.size
         assert srv.stop() == 0
     publisher.close()
+
+
+def test_model_registered_over_rest_receives_its_updates(kafka_broker, tmp_path: Path) -> None:
+    grpc_port, http_port = free_port(), free_port()
+    token = "t0ken-for-e2e"
+    cfg = write_config(tmp_path / "c.yaml", {
+        "server": {"grpc_port": grpc_port, "http_port": http_port, "admin_token": token},
+        "cache": {"backend": "numpy", "capacity": 1000},
+        "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
+        "updates": {"type": "kafka", "brokers": kafka_broker.bootstrap, "topic_prefix": "e2e", "group": "pod-1"},
+        "models": [{"name": "first", "tables": [{"name": "item", "dim": DIM}]}],
+    })
+    base, auth = f"http://127.0.0.1:{http_port}", {"Authorization": f"Bearer {token}"}
+    keys = np.arange(1, 301, dtype=np.int64)
+    rows = np.random.default_rng(3).random((keys.size, DIM), dtype=np.float32)
+    publisher = Publisher(kafka_broker.bootstrap, "late", topic_prefix="e2e")
+    with ServerProcess(cfg, grpc_port) as srv, HPSClient(srv.target) as client:
+        wait_ready(f"{base}/readyz")
+        body = {"name": "late", "tables": [{"name": "item", "dim": DIM}]}
+        assert httpx.post(f"{base}/v1/models", json=body, headers=auth, timeout=10).status_code == 201
+        publisher.publish("item", keys, rows, make_version(0, 1))
+        publisher.flush(10)
+        deadline = time.monotonic() + 30
+        while not np.array_equal(client.lookup("late", "item", keys), rows):
+            assert time.monotonic() < deadline, "updates of a model registered at runtime were not applied"
+            time.sleep(0.05)
+        assert "e2e.late" in httpx.get(f"{base}/v1/stats", timeout=5).json()["updates"]["topics"]
+        assert httpx.delete(f"{base}/v1/models/late", headers=auth, timeout=10).status_code == 200
+        deadline = time.monotonic() + 30
+        while "e2e.late" in httpx.get(f"{base}/v1/stats", timeout=5).json()["updates"]["topics"]:
+            assert time.monotonic() < deadline, "the unloaded model's topic is still consumed"
+            time.sleep(0.05)
+        assert srv.stop() == 0
+    publisher.close()

@@ -315,3 +315,43 @@ def test_consumer_started_while_broker_down_becomes_ready_after(
         assert wait_until(lambda: all_served(engine, model_name, keys, 1), timeout=60), consumer.stats()
     finally:
         consumer.stop()
+
+
+def test_models_registered_and_unloaded_at_runtime_are_followed(
+    kafka_broker, engine, model_name, start_consumer
+) -> None:
+    """follow(): a model registered after start gets its updates; one unloaded meanwhile loses none of them."""
+    from hps_service.config import ModelConfig, TableConfig
+
+    consumer = start_consumer()
+    late = f"{model_name}late"
+    late_model = ModelConfig(name=late, tables=[TableConfig(name=TABLE, dim=DIM)])
+    engine.register_model(late_model)
+    consumer.follow([model_name, late])
+    pub = Publisher(kafka_broker.bootstrap, late, partitions=4)
+    first = np.arange(0, 500, dtype=np.int64)
+    pub.publish(TABLE, first, rows_for(first, 1), 1)
+    pub.flush()
+    assert wait_until(lambda: all_served(engine, late, first, 1)), consumer.stats()
+    assert f"hps.{late}" in consumer.stats()["topics"]
+
+    engine.unregister_model(late)
+    consumer.follow([model_name])
+    assert wait_until(lambda: f"hps.{late}" not in consumer.stats()["topics"]), consumer.stats()
+    second = np.arange(500, 900, dtype=np.int64)
+    pub.publish(TABLE, second, rows_for(second, 2), 2)  # published while the model is away
+    pub.publish(TABLE, first[:100], rows_for(first[:100], 3), 3)
+    pub.flush()
+    time.sleep(0.5)  # give a wrongly still-assigned partition time to read (and dead-letter) them
+
+    engine.register_model(late_model)
+    consumer.follow([model_name, late])
+    assert wait_until(lambda: all_served(engine, late, second, 2)), consumer.stats()
+    assert wait_until(lambda: all_served(engine, late, first[:100], 3)), consumer.stats()
+    assert all_served(engine, late, first[100:], 1)
+    assert consumer.stats()["malformed"] == {}
+    mine = Publisher(kafka_broker.bootstrap, model_name, partitions=4)  # the first model was followed throughout
+    keys = np.arange(10, dtype=np.int64)
+    mine.publish(TABLE, keys, rows_for(keys, 4), 4)
+    mine.flush()
+    assert wait_until(lambda: all_served(engine, model_name, keys, 4)), consumer.stats()
