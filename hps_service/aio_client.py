@@ -18,6 +18,7 @@ import numpy as np
 
 from hps_service.client import (
     _CHANNEL_OPTIONS,
+    RETRYABLE,
     TableAnswer,
     _as_error,
     build_request,
@@ -79,7 +80,7 @@ class AsyncHPSClient:
             try:
                 return await getattr(self._stub(), method)(request, timeout=timeout)
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                if err.code() not in RETRYABLE or attempt == self.retries:
                     raise _as_error(err) from None
                 await asyncio.sleep(delay * (1 + random.random()))
                 delay *= 2

@@ -46,6 +46,11 @@ class LookupError_(HPSError):
     """A lookup failed with a status the client does not map to a narrower error."""
 
 
+#: Codes after which a call is tried again, on the next replica: every call of the clients is a read, and these
+#: mean the server did not answer it (down, draining, or cancelling calls as it shuts down in a rolling update).
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED})
+
+
 def _as_error(err: grpc.RpcError) -> HPSError:
     code = err.code()
     cls = _ERRORS.get(code, LookupError_)
@@ -135,7 +140,7 @@ class HPSClient:
             try:
                 return getattr(self._stub(), method)(request, timeout=timeout)
             except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.retries:
+                if err.code() not in RETRYABLE or attempt == self.retries:
                     raise _as_error(err) from None
                 time.sleep(delay * (1 + random.random()))
                 delay *= 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from concurrent import futures
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -108,3 +109,35 @@ def test_per_call_timeout(tmp_path: Path) -> None:
                 assert (await client.lookup("demo", "item", KEYS)).shape == (KEYS.shape[0], ITEM_DIM)
 
         asyncio.run(main())
+
+
+def test_retries_past_a_replica_cancelling_calls_as_it_shuts_down(replicas: list[HPSServer]) -> None:
+    """A pod shutting down may answer CANCELLED; lookups are reads, so both clients go on to the next replica."""
+    live = replicas[0]
+
+    def cancel(request: bytes, context: grpc.ServicerContext) -> bytes:
+        context.abort(grpc.StatusCode.CANCELLED, "the server is shutting down")
+
+    shutting_down = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    handler = grpc.unary_unary_rpc_method_handler(cancel)
+    shutting_down.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("hps.v1.EmbeddingService", {"Lookup": handler}),))
+    port = shutting_down.add_insecure_port("127.0.0.1:0")
+    shutting_down.start()
+    try:
+        cancelling = f"127.0.0.1:{port}"
+        with HPSClient([cancelling, target(live)], retries=2, backoff_s=0.01) as client:
+            for _ in range(4):
+                np.testing.assert_array_equal(client.lookup("demo", "item", KEYS), ROWS)
+        with HPSClient([cancelling], retries=1, backoff_s=0.01) as client, pytest.raises(LookupError_) as err:
+            client.lookup("demo", "item", KEYS)
+        assert "CANCELLED" in str(err.value)
+
+        async def main() -> None:
+            async with AsyncHPSClient([cancelling, target(live)], retries=2, backoff_s=0.01, timeout=30) as client:
+                for _ in range(4):
+                    np.testing.assert_array_equal(await client.lookup("demo", "item", KEYS), ROWS)
+
+        asyncio.run(main())
+    finally:
+        shutting_down.stop(0)
