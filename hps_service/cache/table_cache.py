@@ -1,10 +1,12 @@
 """The L1 cache of one table as the lookup engine sees it (:class:`protocol.TableCache`).
 
-Wraps a :class:`SetAssociativeCache` with a sequence lock (lookups take no lock and are rerun
-when a mutation overlapped them, so a reader never keeps a half-written row), decides where fetched rows are inserted (inline
-when the batch hit rate is below ``hit_rate_threshold``, else by a background worker through a
-bounded queue) once the key has missed ``admit_after_misses`` times lately (:mod:`admission`), refreshes cached rows from the lower tiers in strides, warm-starts from a hotness
-snapshot (or the first rows of the table) and saves that snapshot on close.
+Wraps a :class:`SetAssociativeCache` with a sequence lock (lookups take no lock and are rerun when a
+mutation overlapped them, so a reader never keeps a half-written row) and decides which fetched rows
+enter and where they are inserted: inline when the batch hit rate is below ``hit_rate_threshold``,
+else by a background worker through a bounded queue. Once the cache is full, only keys that have
+missed ``admit_after_misses`` times lately enter (:mod:`admission`), grouped into one insert per
+``GROUP_ROWS`` rows. It also refreshes cached rows from the lower tiers in strides, warm-starts from
+a hotness snapshot (or the first rows of the table) and saves that snapshot on close.
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ log = logging.getLogger(__name__)
 WARM_CHUNK_ROWS = 65536
 #: Most rows the background worker coalesces into one insert.
 DEFERRED_MAX_ROWS = 65536
-#: Once the cache is full and admission filters by miss frequency, the few rows a request admits inline are
-#: grouped and inserted by the request that brings the group to this size: one insert every ten or so requests
-#: instead of a fixed ~70 us insert call in each.
-INLINE_GROUP_ROWS = 256
+#: Once the cache is full and admission filters by miss frequency, the few rows a request admits are grouped
+#: and inserted (inline, or queued for the worker) when the group reaches this size: one insert or queue item
+#: every ten or so requests instead of a fixed ~70 us insert call, or a queue hand-off, in each.
+GROUP_ROWS = 256
 
 Offer = tuple[np.ndarray, np.ndarray, int]
 
@@ -93,7 +95,7 @@ class SetAssocTableCache:
         self._filling = True
         self._stop = threading.Event()
         self._closed = False
-        self._queue: queue.Queue[Offer | None] = queue.Queue(maxsize=queue_batches)
+        self._queue: queue.Queue[list[Offer] | None] = queue.Queue(maxsize=queue_batches)
         self._group: list[Offer] = []
         self._group_rows = 0
         self._group_lock = threading.Lock()
@@ -176,7 +178,8 @@ class SetAssocTableCache:
         self, keys: np.ndarray, vectors: np.ndarray, batch_hit_rate: float, *, fetched_at: int | None = None
     ) -> None:
         """Offer rows fetched from lower tiers: inserted now when ``batch_hit_rate`` is below the threshold,
-        else queued for the background worker (dropped and counted when the queue is full).
+        else queued for the background worker (dropped and counted when the queue is full). Once the cache
+        is full, keys not missed often enough are refused and the rest wait in a group of ``GROUP_ROWS``.
 
         ``fetched_at`` (from :meth:`generation`, read before the fetch) lets rows that an update or delete
         overtook be left out; without it only changes after this call are guarded against.
@@ -196,18 +199,22 @@ class SetAssocTableCache:
                 keys, vectors = keys[admitted], vectors[admitted]
                 if keys.shape[0] == 0:
                     return
-        if batch_hit_rate < self._threshold:
-            if self._sketch is None or self._filling:
-                self._count("admitted_inline", self._insert_fresh(keys, vectors, generation, evict=True))
+        grouping = self._sketch is not None and not self._filling
+        if batch_hit_rate < self._threshold and not grouping:
+            self._count("admitted_inline", self._insert_offers([(keys, vectors, generation)]))
+            return
+        offers: list[Offer] | None = [(keys.copy(), vectors.copy(), generation)]
+        if grouping:
+            offers = self._add_to_group(offers[0])
+            if offers is None:
                 return
-            group = self._add_to_group((keys.copy(), vectors.copy(), generation))
-            if group:
-                self._count("admitted_inline", self._insert_offers(group))
+        if batch_hit_rate < self._threshold:
+            self._count("admitted_inline", self._insert_offers(offers))
             return
         try:
-            self._queue.put_nowait((keys.copy(), vectors.copy(), generation))
+            self._queue.put_nowait(offers)
         except queue.Full:
-            self._count("offers_dropped", 1)
+            self._count("offers_dropped", len(offers))
 
     def update(self, keys: np.ndarray, vectors: np.ndarray) -> None:
         """Online update: overwrite rows of keys that are cached, leave the others out."""
@@ -306,24 +313,23 @@ class SetAssocTableCache:
 
     def _admit_worker(self) -> None:
         while True:
-            item = self._queue.get()
-            batch = [item]
-            rows = 0 if item is None else item[0].shape[0]
-            while item is not None and rows < DEFERRED_MAX_ROWS:
+            items = [self._queue.get()]
+            rows = sum(o[0].shape[0] for o in items[0] or [])
+            while items[-1] is not None and rows < DEFERRED_MAX_ROWS:
                 try:
-                    item = self._queue.get_nowait()
+                    items.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-                batch.append(item)
-                rows += 0 if item is None else item[0].shape[0]
+                rows += sum(o[0].shape[0] for o in items[-1] or [])
+            offers = [o for item in items if item is not None for o in item]
             try:
-                self._insert_deferred([b for b in batch if b is not None])
+                self._insert_deferred(offers)
             except Exception:
-                log.exception("deferred L1 insert failed; %d offers discarded", len(batch))
+                log.exception("deferred L1 insert failed; %d offers discarded", len(offers))
             finally:
-                for _ in batch:
+                for _ in items:
                     self._queue.task_done()
-            if any(b is None for b in batch):
+            if items[-1] is None:
                 return
 
     def _add_to_group(self, offer: Offer) -> list[Offer] | None:
@@ -331,7 +337,7 @@ class SetAssocTableCache:
         with self._group_lock:
             self._group.append(offer)
             self._group_rows += offer[0].shape[0]
-            if self._group_rows < INLINE_GROUP_ROWS:
+            if self._group_rows < GROUP_ROWS:
                 return None
             group, self._group, self._group_rows = self._group, [], 0
             return group

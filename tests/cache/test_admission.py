@@ -7,7 +7,7 @@ import pytest
 
 from hps_service.cache import SetAssociativeCache, SetAssocTableCache
 from hps_service.cache.admission import MissSketch
-from hps_service.cache.table_cache import INLINE_GROUP_ROWS
+from hps_service.cache.table_cache import GROUP_ROWS
 from hps_service.errors import InvalidArgumentError
 
 DIM = 4
@@ -85,7 +85,7 @@ def test_everything_is_admitted_until_the_cache_runs_out_of_room() -> None:
         assert not _cached(cache, once).any()
         cache.flush()
         assert _cached(cache, once).all()
-        group = np.arange(20_000, 20_000 + INLINE_GROUP_ROWS, dtype=np.int64)
+        group = np.arange(20_000, 20_000 + GROUP_ROWS, dtype=np.int64)
         _offer(cache, group)
         _offer(cache, group)  # a full group is inserted by the request that completes it
         assert _cached(cache, group).all()
@@ -121,3 +121,22 @@ def test_admission_raises_the_zipf_hit_rate_and_cuts_inserts() -> None:
     (hits_all, inserts_all), (hits_filtered, inserts_filtered) = results[1], results[2]
     assert hits_filtered > hits_all
     assert inserts_filtered < inserts_all / 2
+
+
+def test_groups_of_high_hit_rate_batches_go_to_the_worker() -> None:
+    cache = SetAssocTableCache(
+        SetAssociativeCache(4096, DIM, ways=4), lambda k: np.zeros((len(k), DIM), np.float32),
+        hit_rate_threshold=0.5, warm_start=False, admit_after_misses=2,
+    )
+    try:
+        cache.admit(np.arange(100, 4400, dtype=np.int64), np.ones((4300, DIM), np.float32), batch_hit_rate=0.0)
+        cache.admit(np.array([9_999], dtype=np.int64), np.ones((1, DIM), np.float32), batch_hit_rate=0.99)
+        assert cache.stats()["admission_refused"] == 1  # full: admissions are filtered and grouped from here on
+        group = np.arange(20_000, 20_000 + GROUP_ROWS, dtype=np.int64)
+        for _ in range(2):
+            cache.admit(group, np.ones((GROUP_ROWS, DIM), np.float32), batch_hit_rate=0.99)
+        cache.flush()
+        assert _cached(cache, group).all()
+        assert cache.stats()["admitted_deferred"] == GROUP_ROWS
+    finally:
+        cache.close()
