@@ -20,6 +20,8 @@ _S27 = np.uint64(27)
 _S31 = np.uint64(31)
 _S32 = np.uint64(32)
 _EMPTY = np.uint64(1 << 63)
+_I64_MIN = np.iinfo(np.int64).min
+_I64_MAX = np.iinfo(np.int64).max
 
 
 @numba.njit(cache=True, inline="always")
@@ -146,10 +148,10 @@ def _insert(table, clock, values, keys, vectors, sets, tick, lfu, evict):
                 priority[w] = clock[s, w] * ways + w
         # The r-th new key of this set takes the slot with the r-th lowest priority (priorities are distinct):
         # repeated min-scans above the last one taken, no per-set sort or allocation (usually r is 1 or 2).
-        taken = np.iinfo(np.int64).min
+        taken = _I64_MIN
         for r in range(min(e - j, ways)):
             w = -1
-            best = np.iinfo(np.int64).max
+            best = _I64_MAX
             for v in range(ways):
                 p = priority[v]
                 if taken < p < best:
@@ -207,21 +209,23 @@ def _invalidate(table, clock, keys, sets):
 
 
 @numba.njit(cache=True, nogil=True)
-def _last_occurrence(keys):
+def _last_occurrence(keys, keep):
+    # Fills keep and returns a count (returning an array would box it through numba's unpickling per call).
     n = keys.shape[0]
     order = np.argsort(keys, kind="mergesort")  # stable: the last of a run of equal keys is the latest one
-    keep = np.empty(n, np.int64)
     m = 0
     for j in range(n):
         if j == n - 1 or keys[order[j + 1]] != keys[order[j]]:
             keep[m] = order[j]
             m += 1
-    return np.sort(keep[:m])
+    keep[:m].sort()
+    return m
 
 
 def last_occurrence(keys: np.ndarray) -> np.ndarray:
     """Indices of the last occurrence of each distinct key, in batch order (``set_assoc.last_occurrence``, compiled)."""
-    return _last_occurrence(np.ascontiguousarray(keys))
+    keep = np.empty(keys.shape[0], dtype=np.int64)
+    return keep[: _last_occurrence(np.ascontiguousarray(keys), keep)]
 
 
 def _u64(a: np.ndarray) -> np.ndarray:
