@@ -238,7 +238,8 @@ class LookupEngine:
         """Rows of unique ``keys`` from volatile, then persistent, then the default; promotes L3 hits to L2."""
         m = keys.shape[0]
         rows: np.ndarray | None = None
-        src = np.full(m, _DEFAULT, dtype=np.uint8)
+        src = np.empty(m, dtype=np.uint8)
+        src.fill(_DEFAULT)
         pending: np.ndarray | None = None  # indices still unanswered; None: all of them
         for level, code, tier in (
             ("volatile", _VOLATILE, self.volatile),

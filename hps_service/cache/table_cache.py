@@ -16,6 +16,7 @@ import math
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -41,6 +42,9 @@ DEFERRED_MAX_ROWS = 65536
 #: and inserted (inline, or queued for the worker) when the group reaches this size: one insert or queue item
 #: every ten or so requests instead of a fixed ~70 us insert call, or a queue hand-off, in each.
 GROUP_ROWS = 256
+#: A group older than this is inserted with the next admission whatever its size, so a slow trickle of misses
+#: still reaches the cache.
+GROUP_MAX_AGE_S = 1.0
 
 Offer = tuple[np.ndarray, np.ndarray, int]
 
@@ -98,6 +102,7 @@ class SetAssocTableCache:
         self._queue: queue.Queue[list[Offer] | None] = queue.Queue(maxsize=queue_batches)
         self._group: list[Offer] = []
         self._group_rows = 0
+        self._group_started = 0.0
         self._group_lock = threading.Lock()
         self._worker = threading.Thread(target=self._admit_worker, name="l1-admit", daemon=True)
         self._worker.start()
@@ -333,11 +338,14 @@ class SetAssocTableCache:
                 return
 
     def _add_to_group(self, offer: Offer) -> list[Offer] | None:
-        """Add an offer to the inline group; returns the whole group (now emptied) once it is big enough."""
+        """Add an offer to the group; returns the whole group (now emptied) once it is big or old enough."""
+        now = time.monotonic()
         with self._group_lock:
+            if not self._group:
+                self._group_started = now
             self._group.append(offer)
             self._group_rows += offer[0].shape[0]
-            if self._group_rows < GROUP_ROWS:
+            if self._group_rows < GROUP_ROWS and now - self._group_started < GROUP_MAX_AGE_S:
                 return None
             group, self._group, self._group_rows = self._group, [], 0
             return group

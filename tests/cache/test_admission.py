@@ -140,3 +140,18 @@ def test_groups_of_high_hit_rate_batches_go_to_the_worker() -> None:
         assert cache.stats()["admitted_deferred"] == GROUP_ROWS
     finally:
         cache.close()
+
+
+def test_a_small_group_is_inserted_once_it_is_old(monkeypatch: pytest.MonkeyPatch) -> None:
+    import hps_service.cache.table_cache as table_cache_module
+
+    monkeypatch.setattr(table_cache_module, "GROUP_MAX_AGE_S", 0.0)  # every group is already old enough
+    cache = _table_cache(capacity=4096, admit_after_misses=2)
+    try:
+        _offer(cache, np.arange(100, 4400, dtype=np.int64))  # overflows some sets: the filter is on
+        few = np.arange(30_000, 30_004, dtype=np.int64)
+        _offer(cache, few)
+        _offer(cache, few)
+        assert _cached(cache, few).all()  # inserted without waiting for GROUP_ROWS rows or a flush()
+    finally:
+        cache.close()
