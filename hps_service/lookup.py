@@ -320,6 +320,18 @@ class LookupEngine:
             t.cache.update(keys[written], vectors[written])
         return int(np.count_nonzero(written))
 
+    def purge_tombstones(self, model: str, table: str, below_version: int) -> dict[str, int]:
+        """Remove the tombstones older than ``below_version`` from every tier; returns how many, per level.
+
+        A tombstone only stops a put older than itself, so ``below_version`` must be older than any update the
+        log can still deliver (for example the version of the oldest message the topic retains).
+        """
+        t = self.table(model, table)
+        if below_version < 0:
+            raise InvalidArgumentError(f"below_version must be >= 0, got {below_version}")
+        return {level: tier.purge_tombstones(t.id, below_version)
+                for level, tier in (("volatile", self.volatile), ("persistent", self.persistent)) if tier is not None}
+
     def apply_deletes(self, model: str, table: str, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
         """Delete keys from every tier and the L1 cache. Returns how many live rows the lowest enabled tier held.
 

@@ -96,6 +96,11 @@ class KeysBody(BaseModel):
     keys: list[Int64]
 
 
+class PurgeTombstonesRequest(BaseModel):
+    below_version: int = Field(ge=0, le=2**63 - 1, description="tombstones older than this version are removed; it "
+                                                                "must be older than any update the log can still deliver")
+
+
 class ImportRequest(BaseModel):
     path: str = Field(description="server-side HugeCTR sparse model directory or .npz with keys/vectors")
     version: Int64 = 0
@@ -345,6 +350,16 @@ def create_app(ctx: AdminContext) -> FastAPI:
             raise InvalidArgumentError(f"model source {path} does not exist on the server")
         job = ctx.jobs.submit("import", {"model": model, "table": table, "path": str(path)},
                               import_job(engine, model, table, path, body.version))
+        return job.view()
+
+    @app.post("/v1/models/{model}/tables/{table}/tombstones/purge", tags=["jobs"], status_code=202,
+              dependencies=admin, summary="Remove tombstones older than a version from every tier, as a job")
+    def purge_tombstones(model: str, table: str, body: PurgeTombstonesRequest) -> dict[str, Any]:
+        engine.table(model, table)
+        job = ctx.jobs.submit(
+            "purge_tombstones", {"model": model, "table": table, "below_version": body.below_version},
+            lambda job: {"purged": engine.purge_tombstones(model, table, body.below_version)},
+        )
         return job.view()
 
     @app.get("/v1/jobs", tags=["jobs"], summary="Known jobs, oldest first")

@@ -161,6 +161,11 @@ class Tier(ABC):
         """Up to ``limit`` stored keys of ``table`` in the store's own order (used for cache warm start)."""
         raise NotImplementedError(f"{type(self).__name__} cannot scan keys")
 
+    def purge_tombstones(self, table: str, below_version: int) -> int:
+        """Remove tombstones of ``table`` older than ``below_version``; returns how many. Stores whose
+        tombstones are bounded otherwise (evicted with the rows) keep them and return 0."""
+        return 0
+
     def take_missed_writes(self, table: str) -> np.ndarray:
         """Keys whose puts or deletes could not reach the store and that it may now serve stale: the engine
         rewrites them from the persistent tier. Stores that cannot miss a write return nothing."""

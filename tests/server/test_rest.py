@@ -294,3 +294,30 @@ def test_hps_serve_serves_rest_with_env_token(tmp_path: Path) -> None:
         r = http.put("/v1/models/demo/tables/item/embeddings", json=body, headers={"Authorization": "Bearer from-env"})
         assert r.json() == {"written": 1}
         assert _get(http, "item", [5])["vectors"] == [[0.5, 1.5]]
+
+
+def test_purge_tombstones_job(http: httpx.Client, server: HPSServer) -> None:
+    """Versioned deletes (as update tombstones) leave tombstones in RocksDB; the admin job removes the old ones."""
+    assert server.engine is not None
+    rocksdb = server.engine.persistent
+    keys = np.arange(700_000, 700_100, dtype=np.int64)
+    assert _put(http, "item", keys.tolist(), np.ones((100, ITEM_DIM), np.float32), version=1).status_code == 200
+    before = rocksdb.tombstones("demo.item")
+    server.engine.apply_deletes("demo", "item", keys[:60], np.full(60, 5, dtype=np.int64))
+    server.engine.apply_deletes("demo", "item", keys[60:], np.full(40, 9, dtype=np.int64))
+    assert rocksdb.tombstones("demo.item") == before + 100
+    url = "/v1/models/demo/tables/item/tombstones/purge"
+    assert http.post(url, json={"below_version": 7}).status_code == 401  # admin only
+    assert http.post(url, json={"below_version": -1}, headers=AUTH).status_code == 422
+    assert http.post("/v1/models/demo/tables/nope/tombstones/purge", json={"below_version": 7},
+                     headers=AUTH).status_code == 404
+    r = http.post(url, json={"below_version": 7}, headers=AUTH)
+    assert r.status_code == 202, r.text
+    job = wait_job(http, r.json()["id"])
+    assert job["state"] == "succeeded", job
+    purged = job["result"]["purged"]["persistent"]
+    assert 60 <= purged <= before + 60  # the v5 ones (and older ones other tests left), never the v9 ones
+    assert rocksdb.tombstones("demo.item") == before + 100 - purged
+    # The newer tombstones still hold: a replayed put older than them is refused.
+    server.engine.apply_updates("demo", "item", keys[60:], np.full((40, ITEM_DIM), 3.0, np.float32), 8)
+    assert all(v == [0.0] * ITEM_DIM for v in _get(http, "item", keys[60:].tolist())["vectors"])
