@@ -3,8 +3,8 @@
 Under skewed (zipf) traffic most misses of a warm cache are keys of the long tail that will not come
 back before they are evicted again; admitting each one costs an insert and evicts a row that is hotter
 than it. :class:`MissSketch` counts misses per key approximately (a count-min sketch of small counters
-with all of a key's counters in one cache line, TinyLFU-style, all of them halved every ``window`` misses so old counts fade) and lets a key in once it
-has missed ``min_misses`` times. It only sees misses, so the hit path pays nothing for it; hot keys new
+with all of a key's counters in one cache line, TinyLFU-style, all of them halved every ``window``
+misses so old counts fade) and lets a key in once it has missed ``min_misses`` times. It only sees misses, so the hit path pays nothing for it; hot keys new
 to the cache still get in after a miss or two.
 """
 
@@ -16,11 +16,10 @@ import numba
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
+from hps_service.hashing import mix64
 from hps_service.numba_prefetch import prefetch
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
+_S32 = np.uint64(32)
 #: Counters per key, all in one 64-byte block of the sketch so that counting a miss costs one cache line.
 DEPTH = 4
 BLOCK = 64
@@ -47,12 +46,7 @@ def _count_misses(table: np.ndarray, keys: np.ndarray, min_misses: int, admit: n
     block_of = np.empty(n, np.int64)
     offsets = np.empty(n, np.uint64)
     for i in range(n):
-        x = keys[i]
-        x = x ^ (x >> _S30)
-        x = x * _M1
-        x = x ^ (x >> _S27)
-        x = x * _M2
-        x = x ^ (x >> _S31)
+        x = mix64(keys[i])
         block_of[i] = np.int64((x & np.uint64(0xFFFFFFFF)) % blocks)
         offsets[i] = x >> _S32
     for j in range(n + PREFETCH_AHEAD):
@@ -91,10 +85,6 @@ class MissSketch:
         self._table = np.zeros((max(16, -(-DEPTH * capacity_rows // BLOCK)), BLOCK), dtype=np.uint8)
         self._counted = 0
         self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        return self._table.nbytes
 
     def admit(self, keys: np.ndarray) -> np.ndarray:
         """Count one miss for each of ``keys`` (int64, unique) and return which of them may enter the cache."""

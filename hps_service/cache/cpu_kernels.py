@@ -11,13 +11,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from hps_service.hashing import mix64
 from hps_service.numba_prefetch import prefetch
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 _S32 = np.uint64(32)
 _EMPTY = np.uint64(1 << 63)
 _I64_MIN = np.iinfo(np.int64).min
@@ -26,13 +22,7 @@ _I64_MAX = np.iinfo(np.int64).max
 
 @numba.njit(cache=True, inline="always")
 def _set_of(key: np.uint64, sets: np.uint64) -> np.int64:
-    x = key
-    x = x ^ (x >> _S30)
-    x = x * _M1
-    x = x ^ (x >> _S27)
-    x = x * _M2
-    x = x ^ (x >> _S31)
-    return np.int64(((x >> _S32) * sets) >> _S32)
+    return np.int64(((mix64(key) >> _S32) * sets) >> _S32)
 
 
 @numba.njit(cache=True, inline="always")

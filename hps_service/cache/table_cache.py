@@ -298,18 +298,6 @@ class SetAssocTableCache:
         with self._counter_lock:
             self._counts[name] += amount
 
-    def _insert_fresh(self, keys: np.ndarray, vectors: np.ndarray, generation: int, evict: bool) -> int:
-        """Insert rows read at ``generation``, leaving out keys changed since; returns rows placed or written."""
-        with self._lock.write():
-            changed = self._changes.changed_since(generation, keys)
-            if changed is None:
-                return 0
-            if changed.any():
-                keys, vectors = keys[~changed], vectors[~changed]
-            if keys.shape[0] == 0:
-                return 0
-            return self._inserted(self._cache.insert(self._dev(keys), self._dev(vectors), evict=evict))
-
     def _inserted(self, result: InsertResult) -> int:
         """Note whether the cache ran out of room (admission filtering starts then); returns rows written."""
         if result.evicted or result.dropped:
@@ -328,7 +316,7 @@ class SetAssocTableCache:
                 rows += sum(o[0].shape[0] for o in items[-1] or [])
             offers = [o for item in items if item is not None for o in item]
             try:
-                self._insert_deferred(offers)
+                self._count("admitted_deferred", self._insert_offers(offers))
             except Exception:
                 log.exception("deferred L1 insert failed; %d offers discarded", len(offers))
             finally:
@@ -350,10 +338,7 @@ class SetAssocTableCache:
             group, self._group, self._group_rows = self._group, [], 0
             return group
 
-    def _insert_deferred(self, batch: list[Offer]) -> None:
-        self._count("admitted_deferred", self._insert_offers(batch))
-
-    def _insert_offers(self, batch: list[Offer]) -> int:
+    def _insert_offers(self, batch: list[Offer], evict: bool = True) -> int:
         """Insert offers in one go, each without the keys changed since it was read; returns rows written."""
         if not batch:
             return 0
@@ -363,14 +348,19 @@ class SetAssocTableCache:
                 changed = self._changes.changed_since(generation, keys)
                 if changed is None:
                     continue
-                kept_keys.append(keys[~changed])
-                kept_rows.append(vectors[~changed])
+                if changed.any():
+                    keys, vectors = keys[~changed], vectors[~changed]
+                kept_keys.append(keys)
+                kept_rows.append(vectors)
             if not kept_keys:
                 return 0
-            keys, vectors = np.concatenate(kept_keys), np.concatenate(kept_rows)
+            if len(kept_keys) > 1:
+                keys, vectors = np.concatenate(kept_keys), np.concatenate(kept_rows)
+            else:
+                keys, vectors = kept_keys[0], kept_rows[0]
             if keys.shape[0] == 0:
                 return 0
-            return self._inserted(self._cache.insert(self._dev(keys), self._dev(vectors)))
+            return self._inserted(self._cache.insert(self._dev(keys), self._dev(vectors), evict=evict))
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._refresh_interval_s):
@@ -413,7 +403,7 @@ class SetAssocTableCache:
                 chunk = keys[start : start + WARM_CHUNK_ROWS]
                 generation = self._changes.generation
                 rows = self._rows_arg(chunk, self._fetch_below(chunk))
-                self._count("warm_rows", self._insert_fresh(chunk, rows, generation, evict=False))
+                self._count("warm_rows", self._insert_offers([(chunk, rows, generation)], evict=False))
         except Exception:
             log.exception("L1 warm start failed; the cache starts cold")
         finally:

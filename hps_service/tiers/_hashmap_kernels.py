@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from hps_service.hashing import mix64
 from hps_service.numba_prefetch import prefetch as _prefetch
 
 EMPTY = np.int32(-1)
@@ -24,12 +25,6 @@ EMPTY = np.int32(-1)
 TOMBSTONE_BASE = np.int64(1 << 62)
 #: How many keys ahead the row copy loop asks the CPU to fetch rows, so their cache misses overlap.
 PREFETCH_AHEAD = 8
-
-_C1 = np.uint64(0xBF58476D1CE4E5B9)
-_C2 = np.uint64(0x94D049BB133111EB)
-_S30 = np.uint64(30)
-_S27 = np.uint64(27)
-_S31 = np.uint64(31)
 
 
 @njit(cache=True, nogil=True, inline="always")
@@ -45,11 +40,7 @@ def _prefetch_row(rows: np.ndarray, meta: np.ndarray, r: np.int64) -> None:
 @njit(cache=True, nogil=True, inline="always")
 def _home(key: np.int64, mask: np.int64) -> np.int64:
     """The first index slot to probe for ``key`` (splitmix64 finaliser, masked to the table size)."""
-    x = np.uint64(key)
-    x = (x ^ (x >> _S30)) * _C1
-    x = (x ^ (x >> _S27)) * _C2
-    x = x ^ (x >> _S31)
-    return np.int64(x & np.uint64(mask))
+    return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
 
 
 @njit(cache=True, nogil=True, inline="always")
