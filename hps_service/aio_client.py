@@ -31,7 +31,8 @@ from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 
 
 class AsyncHPSClient:
-    """Replica targets taken in round robin; UNAVAILABLE is retried on the next target with jittered backoff.
+    """Replica targets taken in round robin; UNAVAILABLE and CANCELLED are retried on the next target with jittered
+    backoff.
 
     Channels open on first use, inside the running event loop (grpc.aio channels belong to one loop).
     """

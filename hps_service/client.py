@@ -96,7 +96,8 @@ def build_request(model: str, tables: Mapping[str, np.ndarray | Sequence[int]]) 
 
 
 class HPSClient:
-    """Synchronous client over one or several replica targets (round robin), retrying UNAVAILABLE with backoff."""
+    """Synchronous client over one or several replica targets (round robin), retrying UNAVAILABLE and CANCELLED
+    (see :data:`RETRYABLE`) with backoff."""
 
     def __init__(
         self,

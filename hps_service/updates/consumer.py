@@ -293,7 +293,7 @@ class UpdateConsumer:
             self._consumer.incremental_unassign(gone)
             self._assignment = [tp for tp in self._assignment if tp.topic not in dropped]
             self.topics = {t: m for t, m in self.topics.items() if t not in dropped}  # replaced: stats() reads it
-            self.metrics.forget_partitions(dropped)
+            self.metrics.forget_partitions([(tp.topic, tp.partition) for tp in gone])
         if added:
             try:
                 assignment = self._starting_positions(self._consumer, added)

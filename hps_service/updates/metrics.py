@@ -85,13 +85,12 @@ class FreshnessStats:
         with self._lock:
             self.consumer_lag[f"{topic}[{partition}]"] = lag
 
-    def forget_partitions(self, topics: list[str]) -> None:
-        """Drop the lag of partitions no longer consumed (their model was unloaded)."""
+    def forget_partitions(self, partitions: list[tuple[str, int]]) -> None:
+        """Drop the lag of ``(topic, partition)`` pairs no longer consumed (their model was unloaded)."""
         with self._lock:
-            for name in [n for n in self.consumer_lag if n.rsplit("[", 1)[0] in topics]:
-                topic, partition = name[:-1].rsplit("[", 1)
-                CONSUMER_LAG.remove(topic, partition)
-                del self.consumer_lag[name]
+            for topic, partition in partitions:
+                if self.consumer_lag.pop(f"{topic}[{partition}]", None) is not None:
+                    CONSUMER_LAG.remove(topic, str(partition))
 
     def lag_percentiles(self, qs: tuple[float, ...] = (50, 90, 99)) -> dict[str, float | None]:
         """Percentiles (seconds) of the most recent lag samples; None before any sample."""
