@@ -55,13 +55,14 @@ class Publisher:
             raise InvalidArgumentError("brokers must be a non-empty 'host:port[,host:port]' string")
         self.model = model
         self.topic = topic_name(model, topic_prefix)
-        conf = {**_PRODUCER_DEFAULTS, **producer_config, "bootstrap.servers": brokers}
-        self._producer = Producer(conf)
+        self._conf = {**_PRODUCER_DEFAULTS, **producer_config, "bootstrap.servers": brokers}
+        self._producer = Producer(self._conf)
         admin = AdminClient({**connection_settings(producer_config), "bootstrap.servers": brokers})
         self.partitions = ensure_topic(admin, self.topic, partitions, timeout_s=metadata_timeout_s)
         self._errors: list[str] = []
+        self._fatal: list[str] = []  # fatal producer errors: the producer must be replaced before the next send
         self._lock = threading.Lock()
-        self._on_delivery = self._delivery_callback(self._errors, self._lock)
+        self._on_delivery = self._delivery_callback(self._errors, self._fatal, self._lock)
         self.messages_sent = 0
         self.rows_sent = 0
 
@@ -146,13 +147,17 @@ class Publisher:
                 raise UnavailableError(f"could not queue an update for {self.topic}: {exc}") from None
 
     @staticmethod
-    def _delivery_callback(errors: list[str], lock: threading.Lock) -> Callable[[KafkaError | None, Message], None]:
+    def _delivery_callback(
+        errors: list[str], fatal: list[str], lock: threading.Lock
+    ) -> Callable[[KafkaError | None, Message], None]:
         # A closure, not a bound method: the producer holding a reference to self would make a cycle that
         # keeps a dropped Publisher's producer alive (and reconnecting) until the garbage collector runs.
         def on_delivery(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
                 with lock:
                     errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+                    if err.fatal():
+                        fatal.append(err.str())
 
         return on_delivery
 
@@ -160,8 +165,17 @@ class Publisher:
         with self._lock:
             errors = self._errors[:]
             self._errors.clear()
+            fatal = self._fatal[:]
+            self._fatal.clear()
+        if fatal:
+            # An idempotent producer that lost its epoch (e.g. fenced after a broker outage) fails every later
+            # message; a new one gets a new producer id. The failed messages are reported; publishing them
+            # again is safe because rows carry versions.
+            self._producer.purge()
+            self._producer = Producer(self._conf)
         if errors:
-            raise UnavailableError(f"{len(errors)} update message(s) failed delivery; first: {errors[0]}")
+            note = "; the producer hit a fatal error and was replaced: publish again" if fatal else ""
+            raise UnavailableError(f"{len(errors)} update message(s) failed delivery; first: {errors[0]}{note}")
 
     @staticmethod
     def _check_table(table: str) -> None:
