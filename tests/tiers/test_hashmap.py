@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hps_service.errors import InvalidArgumentError, NotFoundError
+from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.tiers.hashmap import HashMapTier
 
 TABLE = "demo.item"
@@ -321,6 +322,35 @@ def test_memory_within_target_at_200k_rows() -> None:
     assert tier.get(TABLE, all_keys).found.all()
     assert not tier.get(TABLE, all_keys + 1).found.any()
     assert tier.stats(TABLE).extra["memory_ratio"] == pytest.approx(ratios[-1])
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_capacity_is_reserved_not_resident_and_rows_never_move() -> None:
+    """A 10M-row table (2.7 GB of storage) uses memory only for the rows it holds, reported by memory_bytes, and
+    its storage is never reallocated (copied) as rows arrive."""
+    dim, n, step = 64, 200_000, 10_000
+    before = _resident_bytes()
+    tier = _tier(capacity=10_000_000, dim=dim)
+    storage = tier._tables[TABLE].rows
+    for start in range(0, n, step):
+        keys = np.arange(start, start + step, dtype=np.int64)
+        tier.put(TABLE, keys, _rows(keys, dim), np.ones(step, np.int64))
+    grown = _resident_bytes() - before
+    assert tier._tables[TABLE].rows is storage
+    assert n * dim * 4 * 0.5 < grown < 2 * tier.memory_bytes(TABLE) + (32 << 20), (grown, tier.memory_bytes(TABLE))
+    keys = np.arange(n, dtype=np.int64)
+    np.testing.assert_array_equal(tier.get(TABLE, keys).vectors, _rows(keys, dim))
+
+
+def test_capacity_beyond_the_address_space_is_refused_clearly() -> None:
+    tier = HashMapTier(2**31 - 2)
+    with pytest.raises(ResourceExhaustedError, match="volatile.capacity_rows"):
+        tier.create_table(TABLE, 65_536)  # 512 TiB of rows: more than a process can address
 
 
 def test_validation_and_unknown_tables() -> None:
