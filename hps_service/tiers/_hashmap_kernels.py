@@ -103,11 +103,25 @@ def _drop_row(
 
 @njit(cache=True, nogil=True)
 def rebuild_index(index: np.ndarray, keys: np.ndarray, n_rows: np.int64) -> None:
-    """Fill a fresh ``index`` with rows ``[0, n_rows)`` (after the index grew)."""
+    """Fill a fresh ``index`` with rows ``[0, n_rows)`` (after the index grew).
+
+    The rows' keys are distinct, so each takes the first empty slot from its home without comparing keys (no read
+    of the rows' metadata), and the home slots are prefetched ahead: it runs while the table's lock is held.
+    """
     mask = np.int64(index.size - 1)
     index[:] = EMPTY
+    homes = np.empty(n_rows, np.int64)
     for r in range(n_rows):
-        pos, _ = _probe(index, keys, keys[r], mask)
+        homes[r] = _home(keys[r], mask)
+    for j in range(n_rows + PREFETCH_AHEAD):
+        if j < n_rows:
+            _prefetch(index, homes[j], 0)
+        r = j - PREFETCH_AHEAD
+        if r < 0:
+            continue
+        pos = homes[r]
+        while index[pos] != EMPTY:
+            pos = (pos + 1) & mask
         index[pos] = np.int32(r)
 
 
