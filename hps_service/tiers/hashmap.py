@@ -15,6 +15,8 @@ tombstones never grow beyond the capacity. ``count`` and ``stats().rows`` are li
 from __future__ import annotations
 
 import math
+import mmap
+import sys
 import threading
 from typing import Literal
 
@@ -36,16 +38,24 @@ def _index_size(row_capacity: int) -> int:
     return 1 << max(4, math.ceil(math.log2(row_capacity * _INDEX_SLOTS_PER_ROW)))
 
 
+#: Linux's mmap flag that keeps a mapping out of the commit limit: its pages are backed only once written.
+_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
+
+
 def _reserve(shape: tuple[int, int], dtype: type, what: str) -> np.ndarray:
-    """Zeroed storage that takes memory only as its pages are first written (calloc maps untouched zero pages)."""
+    """Zeroed storage that takes memory only as its pages are first written (an anonymous private mapping)."""
+    count = math.prod(shape)
+    nbytes = max(1, count * np.dtype(dtype).itemsize)
     try:
-        return np.zeros(shape, dtype=dtype)
-    except MemoryError:
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
+    except OSError as exc:
         raise ResourceExhaustedError(
-            f"cannot reserve {nbytes / 2**30:.1f} GiB of address space for {what}; lower volatile.capacity_rows "
-            f"(the memory is only used as rows arrive, but this host refuses the reservation)"
+            f"cannot reserve {nbytes / 2**30:.1f} GiB of address space for {what} ({exc.strerror}); lower "
+            f"volatile.capacity_rows (memory is only used as rows arrive, but this host refuses the reservation)"
         ) from None
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults as rows arrive, where transparent huge pages exist
+    return np.frombuffer(region, dtype=dtype, count=count).reshape(shape)
 
 
 class _Table:
