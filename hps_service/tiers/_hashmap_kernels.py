@@ -23,6 +23,9 @@ from hps_service.numba_prefetch import prefetch as _prefetch
 EMPTY = np.int32(-1)
 #: Subtracted from the table clock to stamp a tombstone: negative, and older tombstones sort (and evict) first.
 TOMBSTONE_BASE = np.int64(1 << 62)
+#: Eviction rebuilds the index, instead of removing each victim's slot, from one victim per this many rows up
+#: (removing a slot costs about 1 us of scattered reads, rebuilding about 35 ns a remaining row).
+MANY_VICTIMS_PER_ROW = 32
 #: How many keys ahead the row copy loop asks the CPU to fetch rows, so their cache misses overlap.
 PREFETCH_AHEAD = 8
 
@@ -350,10 +353,24 @@ def evict_rows(
 ) -> np.int64:
     """Remove the distinct row ids ``victims_descending`` (sorted high to low); returns the new row count.
 
-    Going from the highest id down, the last row moved into a hole is never a victim still to remove.
+    Going from the highest id down, the last row moved into a hole is never a victim still to remove. When many
+    rows go (the usual 10% eviction), the holes are filled first and the index rebuilt once, instead of taking
+    each victim out of the index and re-pointing each moved row (100K of 1M rows: 104 ms -> about half).
     """
     mask = np.int64(index.size - 1)
     n = n_rows
+    if victims_descending.size * MANY_VICTIMS_PER_ROW >= n_rows:
+        for i in range(victims_descending.size):
+            r = np.int64(victims_descending[i])
+            last = n - 1
+            if r != last:
+                keys[r] = keys[last]
+                rows[r, :] = rows[last, :]
+                versions[r] = versions[last]
+                stamps[r] = stamps[last]
+            n = last
+        rebuild_index(index, keys, n)
+        return n
     for i in range(victims_descending.size):
         r = np.int64(victims_descending[i])
         pos, _ = _probe(index, keys, keys[r], mask)

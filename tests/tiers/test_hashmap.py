@@ -199,9 +199,10 @@ def test_lfu_overflow_keeps_frequently_read_rows() -> None:
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_count_never_exceeds_capacity(policy: str) -> None:
+@pytest.mark.parametrize("fraction", [0.1, 0.01])  # many victims: index rebuilt; few: slots removed one by one
+def test_count_never_exceeds_capacity(policy: str, fraction: float) -> None:
     capacity = 300
-    tier = _tier(capacity=capacity, dim=4, policy=policy, fraction=0.1)
+    tier = _tier(capacity=capacity, dim=4, policy=policy, fraction=fraction)
     rng = np.random.default_rng(1)
     for step in range(40):
         keys = np.unique(rng.integers(-5000, 5000, size=rng.integers(1, 400)))
