@@ -15,6 +15,7 @@ from enum import IntEnum
 
 import numpy as np
 
+from hps_service.cache.change_log import ChangeLog
 from hps_service.cache.protocol import TableCache
 from hps_service.config import DefaultSpec, ModelConfig, TableConfig
 from hps_service.defaults import default_rows
@@ -68,10 +69,18 @@ class ServedTable:
     cache: TableCache | None = None
     counters: _Counters = field(default_factory=_Counters)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Keys of admin deletes (no version, so no tombstone), guarding L2 writes of rows read from L3 before them.
+    unversioned_deletes: ChangeLog = field(default_factory=ChangeLog)
 
     @property
     def id(self) -> str:
         return table_id(self.model, self.name)
+
+    def deleted_since(self, generation: int, keys: np.ndarray) -> np.ndarray:
+        """Mask of ``keys`` removed by an admin delete after ``generation`` (all of them if the log forgot)."""
+        with self.lock:
+            changed = self.unversioned_deletes.changed_since(generation, keys)
+        return np.ones(keys.shape[0], dtype=bool) if changed is None else changed
 
     def count(self, level: str, hits: int, misses: int) -> None:
         with self.lock:
@@ -236,6 +245,7 @@ class LookupEngine:
 
     def _fetch_below_cache(self, t: ServedTable, keys: np.ndarray, count: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """Rows of unique ``keys`` from volatile, then persistent, then the default; promotes L3 hits to L2."""
+        read_at = t.unversioned_deletes.generation
         m = keys.shape[0]
         rows: np.ndarray | None = None
         src = np.empty(m, dtype=np.uint8)
@@ -264,7 +274,7 @@ class LookupEngine:
                 rows[hit_idx] = got.vectors[got.found]
                 src[hit_idx] = code
             if code == _PERSISTENT and self.volatile is not None:
-                self._promote(t, asked[got.found], got.vectors[got.found], got.versions[got.found])
+                self._promote(t, asked[got.found], got.vectors[got.found], got.versions[got.found], read_at)
             pending = np.flatnonzero(~got.found) if pending is None else pending[~got.found]
             if pending.shape[0] == 0:
                 break
@@ -279,13 +289,29 @@ class LookupEngine:
                     t.counters.defaults += n_default
         return rows, src
 
-    def _promote(self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> None:
-        """Copy rows found in L3 into L2; versioned puts keep a newer row written meanwhile."""
-        assert self.volatile is not None
+    def _promote(
+        self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, read_at: int
+    ) -> None:
+        """Copy rows found in L3 into L2 (see :meth:`_put_read_rows`); a failure only costs a later L3 read."""
         try:
-            self.volatile.put(t.id, keys, vectors, versions)
-        except Exception:  # a failed promotion only costs a later L3 read
+            self._put_read_rows(t, keys, vectors, versions, read_at)
+        except Exception:
             log.warning("promotion of %d rows of %s into the volatile tier failed", keys.shape[0], t.id, exc_info=True)
+
+    def _put_read_rows(
+        self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, read_at: int
+    ) -> None:
+        """Write rows read from L3 into L2. Versioned puts keep a newer row written meanwhile; rows an admin delete
+        removed after ``read_at`` (the delete generation before the read) are left out, or taken back out when the
+        delete ran between that check and the put."""
+        assert self.volatile is not None
+        keep = ~t.deleted_since(read_at, keys)
+        if not keep.all():
+            keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+        self.volatile.put(t.id, keys, vectors, versions)
+        resurrected = t.deleted_since(read_at, keys)
+        if resurrected.any():
+            self.volatile.delete(t.id, keys[resurrected])
 
     # ---- writes -------------------------------------------------------------------------------
     def apply_updates(
@@ -346,6 +372,8 @@ class LookupEngine:
             return 0
         if tomb_versions is None:
             keys = np.unique(keys)
+            with t.lock:  # before any tier forgets them, so a promotion read earlier sees it (see _promote)
+                t.unversioned_deletes.record(keys)
         else:
             keys, tomb_versions = max_version_per_key(keys, tomb_versions)
         removed = 0
@@ -372,9 +400,11 @@ class LookupEngine:
                 keys = self.volatile.take_missed_writes(t.id)
                 for start in range(0, keys.shape[0], REPAIR_CHUNK):
                     chunk = keys[start : start + REPAIR_CHUNK]
+                    read_at = t.unversioned_deletes.generation
                     got = self.persistent.get(t.id, chunk)
                     if got.found.any():
-                        self.volatile.put(t.id, chunk[got.found], got.vectors[got.found], got.versions[got.found])
+                        self._put_read_rows(t, chunk[got.found], got.vectors[got.found], got.versions[got.found],
+                                            read_at)
                     if not got.found.all():
                         self.volatile.delete(t.id, chunk[~got.found])
                     repaired += int(chunk.shape[0])

@@ -203,12 +203,46 @@ def test_versioned_delete_refuses_older_puts_in_every_tier(cached_engine: Lookup
 def test_promotion_of_a_row_read_before_a_delete_is_refused(engine: LookupEngine) -> None:
     keys = np.arange(20, dtype=np.int64)
     engine.persistent.put("m.t", keys, rows_for(keys, version=1), np.ones(20, np.int64))
+    table = engine.table("m", "t")
+    read_at = table.unversioned_deletes.generation
     read_before = engine.persistent.get("m.t", keys)  # a lookup read L3 (L2 missed) ...
     engine.apply_deletes("m", "t", keys, 2)  # ... the delete lands in both tiers ...
-    table = engine.table("m", "t")
-    engine._promote(table, keys, read_before.vectors, read_before.versions)  # ... then the lookup promotes
+    engine._promote(table, keys, read_before.vectors, read_before.versions, read_at)  # ... then the lookup promotes
     assert not engine.volatile.get("m.t", keys).found.any()
     assert set(engine.lookup("m", "t", keys).sources) == {Source.DEFAULT}
+
+
+def test_promotion_of_a_row_read_before_an_admin_delete_is_left_out(engine: LookupEngine) -> None:
+    """An admin delete carries no version and leaves no tombstone: the delete log keeps the read row out of L2."""
+    keys = np.arange(20, dtype=np.int64)
+    engine.persistent.put("m.t", keys, rows_for(keys, version=1), np.ones(20, np.int64))
+    table = engine.table("m", "t")
+    read_at = table.unversioned_deletes.generation
+    read_before = engine.persistent.get("m.t", keys)
+    engine.apply_deletes("m", "t", keys[:10])
+    engine._promote(table, keys, read_before.vectors, read_before.versions, read_at)
+    assert engine.volatile.get("m.t", keys).found.tolist() == [False] * 10 + [True] * 10
+    assert set(engine.lookup("m", "t", keys[:10]).sources) == {Source.DEFAULT}
+
+
+def test_admin_delete_between_the_check_and_the_promotion_is_undone(engine: LookupEngine) -> None:
+    """The delete runs after the promotion checked the log but before its put lands: the put is taken back out."""
+    keys = np.arange(20, dtype=np.int64)
+    engine.persistent.put("m.t", keys, rows_for(keys, version=1), np.ones(20, np.int64))
+    table = engine.table("m", "t")
+    read_at = table.unversioned_deletes.generation
+    read_before = engine.persistent.get("m.t", keys)
+    put = engine.volatile.put
+
+    def delete_then_put(table_id: str, *args: np.ndarray) -> np.ndarray:
+        engine.apply_deletes("m", "t", keys[:5])
+        return put(table_id, *args)
+
+    engine.volatile.put = delete_then_put  # type: ignore[method-assign]
+    engine._promote(table, keys, read_before.vectors, read_before.versions, read_at)
+    engine.volatile.put = put  # type: ignore[method-assign]
+    assert engine.volatile.get("m.t", keys).found.tolist() == [False] * 5 + [True] * 15
+    assert set(engine.lookup("m", "t", keys[:5]).sources) == {Source.DEFAULT}
 
 
 def test_admin_delete_without_versions_forgets_tombstones(engine: LookupEngine) -> None:
