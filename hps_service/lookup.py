@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -41,6 +42,8 @@ _CACHE, _VOLATILE, _PERSISTENT, _DEFAULT = (int(s) for s in (Source.CACHE, Sourc
 LEVELS = ("cache", "volatile", "persistent")
 #: Keys per L3 read when rewriting L2 rows after an outage.
 REPAIR_CHUNK = 65536
+#: Keys per L3 read when filling an in-process volatile tier at load.
+PRELOAD_CHUNK = 65536
 
 
 @dataclass(slots=True)
@@ -130,6 +133,8 @@ class LookupEngine:
         self._configs: dict[str, ModelConfig] = {}
         self._registry_lock = threading.Lock()
         self._repair_stop = threading.Event()
+        self._preload_stop = threading.Event()
+        self._preload_threads: list[threading.Thread] = []
         self._repair_thread: threading.Thread | None = None
         if volatile is not None and persistent is not None:
             self._repair_thread = threading.Thread(
@@ -150,6 +155,8 @@ class LookupEngine:
         if old:
             self._close_tables(old.values())
         log.info("model %s loaded: %s", model.name, ", ".join(f"{t.name}(dim {t.dim})" for t in model.tables))
+        for t in tables.values():
+            self._start_preload(t)
 
     def unregister_model(self, name: str) -> None:
         """Stop serving a model (its stored rows stay in the tiers)."""
@@ -202,6 +209,44 @@ class LookupEngine:
         for t in tables:
             if t.cache is not None:
                 t.cache.close()
+
+    def _start_preload(self, t: ServedTable) -> None:
+        """Fill an in-process volatile tier with the table's stored rows in the background when they all fit, so
+        lookups after a start or restart are answered from memory instead of each row's first one reading
+        RocksDB (HugeCTR's HPS loads its volatile database the same way)."""
+        if self.volatile is None or self.persistent is None or not self.volatile.in_process:
+            return
+        stored = self.persistent.count(t.id)
+        capacity = self.volatile.stats(t.id).capacity
+        if stored == 0:
+            return
+        if capacity is not None and stored > capacity:
+            log.info("%s: %d stored rows exceed the volatile tier's %d; its rows load on demand", t.id, stored,
+                     capacity)
+            return
+        thread = threading.Thread(target=self._preload, args=(t, stored), name=f"hps-preload-{t.id}", daemon=True)
+        with self._registry_lock:
+            self._preload_threads = [th for th in self._preload_threads if th.is_alive()] + [thread]
+        thread.start()
+
+    def _preload(self, t: ServedTable, stored: int) -> None:
+        assert self.persistent is not None
+        started = time.monotonic()
+        loaded = 0
+        try:
+            keys = self.persistent.scan_keys(t.id, stored)
+            for lo in range(0, keys.shape[0], PRELOAD_CHUNK):
+                if self._preload_stop.is_set() or self._models.get(t.model, {}).get(t.name) is not t:
+                    return
+                chunk = keys[lo : lo + PRELOAD_CHUNK]
+                read_at = t.unversioned_deletes.generation
+                got = self.persistent.get(t.id, chunk)
+                self._put_read_rows(t, chunk[got.found], got.vectors[got.found], got.versions[got.found], read_at)
+                loaded += int(np.count_nonzero(got.found))
+        except Exception:  # rows then load on demand, as without a preload
+            log.warning("preloading %s into the volatile tier stopped after %d rows", t.id, loaded, exc_info=True)
+            return
+        log.info("preloaded %d rows of %s into the volatile tier in %.1f s", loaded, t.id, time.monotonic() - started)
 
     # ---- reads --------------------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray) -> LookupResult:
@@ -473,10 +518,13 @@ class LookupEngine:
         return out
 
     def close(self) -> None:
-        """Stop caches (saving warm-start snapshots) and the repair thread, then close the tiers."""
+        """Stop caches (saving warm-start snapshots), the repair and preload threads, then close the tiers."""
         self._repair_stop.set()
+        self._preload_stop.set()
         if self._repair_thread is not None:
             self._repair_thread.join(5)
+        for thread in self._preload_threads:
+            thread.join(30)  # one chunk at most: the tiers must not close under it
         with self._registry_lock:
             models, self._models, self._configs = self._models, {}, {}
         for tables in models.values():

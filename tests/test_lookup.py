@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -253,3 +256,48 @@ def test_admin_delete_without_versions_forgets_tombstones(engine: LookupEngine) 
     assert engine.apply_updates("m", "t", keys, rows_for(keys), 1) == 2
     with pytest.raises(InvalidArgumentError, match="versions"):
         engine.apply_deletes("m", "t", keys, np.array([1, 2, 3]))
+
+
+def _wait_for(condition, timeout: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_in_process_volatile_tier_is_filled_from_rocksdb_at_load(tmp_path: Path) -> None:
+    """A restart over stored rows: the hash map is filled in the background, then lookups never read RocksDB."""
+    keys = np.arange(5000, dtype=np.int64) * 3
+    store = RocksDBTier(tmp_path / "db")
+    store.create_table("m.t", DIM)
+    store.bulk_import("m.t", keys, rows_for(keys), version=4)
+    store.delete("m.t", keys[:100], np.full(100, 5))  # tombstones are not loaded
+    store.close()
+    eng = LookupEngine(HashMapTier(capacity_rows=10_000), RocksDBTier(tmp_path / "db"))
+    try:
+        eng.register_model(ModelConfig(name="m", tables=[TableConfig(name="t", dim=DIM)]))
+        _wait_for(lambda: eng.volatile.count("m.t") == 4900)
+        answer = eng.lookup("m", "t", keys[100:])
+        assert set(answer.sources) == {Source.VOLATILE}
+        np.testing.assert_array_equal(answer.vectors, rows_for(keys[100:]))
+        assert eng.volatile.get("m.t", keys[100:]).versions.tolist() == [4] * 4900
+        assert eng.table_stats("m", "t")["persistent"]["hits"] == 0
+    finally:
+        eng.close()
+
+
+def test_table_larger_than_the_volatile_tier_is_not_preloaded(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    keys = np.arange(2000, dtype=np.int64)
+    store = RocksDBTier(tmp_path / "db")
+    store.create_table("m.t", DIM)
+    store.bulk_import("m.t", keys, rows_for(keys), version=1)
+    store.close()
+    eng = LookupEngine(HashMapTier(capacity_rows=1000), RocksDBTier(tmp_path / "db"))
+    try:
+        with caplog.at_level(logging.INFO, logger="hps_service.lookup"):
+            eng.register_model(ModelConfig(name="m", tables=[TableConfig(name="t", dim=DIM)]))
+        assert "exceed the volatile tier's 1000" in caplog.text
+        assert not [th for th in threading.enumerate() if th.name == "hps-preload-m.t"]
+        assert eng.volatile.count("m.t") == 0
+    finally:
+        eng.close()

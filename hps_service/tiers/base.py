@@ -124,6 +124,8 @@ class Tier(ABC):
 
     #: Short name used in stats and logs: "volatile" or "persistent".
     kind: str = "tier"
+    #: True when the tier lives in this process's memory (it is filled from the persistent tier at model load).
+    in_process: bool = False
 
     @abstractmethod
     def create_table(self, table: str, dim: int) -> None:

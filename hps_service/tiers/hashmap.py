@@ -107,6 +107,7 @@ class HashMapTier(Tier):
     """Bounded in-process tier; ``capacity_rows`` applies to each table separately."""
 
     kind = "volatile"
+    in_process = True
 
     def __init__(
         self,
