@@ -238,11 +238,7 @@ class LookupEngine:
             for lo in range(0, keys.shape[0], PRELOAD_CHUNK):
                 if self._preload_stop.is_set() or self._models.get(t.model, {}).get(t.name) is not t:
                     return
-                chunk = keys[lo : lo + PRELOAD_CHUNK]
-                read_at = t.unversioned_deletes.generation
-                got = self.persistent.get(t.id, chunk)
-                self._put_read_rows(t, chunk[got.found], got.vectors[got.found], got.versions[got.found], read_at)
-                loaded += int(np.count_nonzero(got.found))
+                loaded += int(np.count_nonzero(self._copy_stored_rows_to_volatile(t, keys[lo : lo + PRELOAD_CHUNK])))
         except Exception:  # rows then load on demand, as without a preload
             log.warning("preloading %s into the volatile tier stopped after %d rows", t.id, loaded, exc_info=True)
             return
@@ -342,6 +338,15 @@ class LookupEngine:
             self._put_read_rows(t, keys, vectors, versions, read_at)
         except Exception:
             log.warning("promotion of %d rows of %s into the volatile tier failed", keys.shape[0], t.id, exc_info=True)
+
+    def _copy_stored_rows_to_volatile(self, t: ServedTable, keys: np.ndarray) -> np.ndarray:
+        """Read ``keys`` from L3 and write the rows it holds into L2 (see :meth:`_put_read_rows`); the found mask."""
+        assert self.volatile is not None and self.persistent is not None
+        read_at = t.unversioned_deletes.generation
+        got = self.persistent.get(t.id, keys)
+        if got.found.any():
+            self._put_read_rows(t, keys[got.found], got.vectors[got.found], got.versions[got.found], read_at)
+        return got.found
 
     def _put_read_rows(
         self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, read_at: int
@@ -445,13 +450,9 @@ class LookupEngine:
                 keys = self.volatile.take_missed_writes(t.id)
                 for start in range(0, keys.shape[0], REPAIR_CHUNK):
                     chunk = keys[start : start + REPAIR_CHUNK]
-                    read_at = t.unversioned_deletes.generation
-                    got = self.persistent.get(t.id, chunk)
-                    if got.found.any():
-                        self._put_read_rows(t, chunk[got.found], got.vectors[got.found], got.versions[got.found],
-                                            read_at)
-                    if not got.found.all():
-                        self.volatile.delete(t.id, chunk[~got.found])
+                    found = self._copy_stored_rows_to_volatile(t, chunk)
+                    if not found.all():
+                        self.volatile.delete(t.id, chunk[~found])
                     repaired += int(chunk.shape[0])
         if repaired:
             log.info("rewrote %d volatile-tier rows whose writes had missed a node", repaired)

@@ -13,7 +13,8 @@ import pytest
 from hps_service.config import ConstantDefault, ModelConfig, TableConfig
 from hps_service.defaults import default_rows, hashed_random_rows
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from hps_service.lookup import LookupEngine, Source, latest_per_key
+from hps_service.lookup import LookupEngine, ServedTable, Source, latest_per_key
+from hps_service.tiers.base import Rows
 from hps_service.tiers.hashmap import HashMapTier
 from hps_service.tiers.rocksdb import RocksDBTier
 
@@ -203,12 +204,18 @@ def test_versioned_delete_refuses_older_puts_in_every_tier(cached_engine: Lookup
         np.testing.assert_array_equal(tier.get("m.t", keys).versions, 6)
 
 
-def test_promotion_of_a_row_read_before_a_delete_is_refused(engine: LookupEngine) -> None:
+def _read_from_l3_before_a_delete(engine: LookupEngine) -> tuple[np.ndarray, ServedTable, int, Rows]:
+    """20 stored rows read from L3 the way a lookup that missed L2 reads them: (keys, table, delete generation
+    before the read, rows read)."""
     keys = np.arange(20, dtype=np.int64)
     engine.persistent.put("m.t", keys, rows_for(keys, version=1), np.ones(20, np.int64))
     table = engine.table("m", "t")
     read_at = table.unversioned_deletes.generation
-    read_before = engine.persistent.get("m.t", keys)  # a lookup read L3 (L2 missed) ...
+    return keys, table, read_at, engine.persistent.get("m.t", keys)
+
+
+def test_promotion_of_a_row_read_before_a_delete_is_refused(engine: LookupEngine) -> None:
+    keys, table, read_at, read_before = _read_from_l3_before_a_delete(engine)  # a lookup read L3 (L2 missed) ...
     engine.apply_deletes("m", "t", keys, 2)  # ... the delete lands in both tiers ...
     engine._promote(table, keys, read_before.vectors, read_before.versions, read_at)  # ... then the lookup promotes
     assert not engine.volatile.get("m.t", keys).found.any()
@@ -217,11 +224,7 @@ def test_promotion_of_a_row_read_before_a_delete_is_refused(engine: LookupEngine
 
 def test_promotion_of_a_row_read_before_an_admin_delete_is_left_out(engine: LookupEngine) -> None:
     """An admin delete carries no version and leaves no tombstone: the delete log keeps the read row out of L2."""
-    keys = np.arange(20, dtype=np.int64)
-    engine.persistent.put("m.t", keys, rows_for(keys, version=1), np.ones(20, np.int64))
-    table = engine.table("m", "t")
-    read_at = table.unversioned_deletes.generation
-    read_before = engine.persistent.get("m.t", keys)
+    keys, table, read_at, read_before = _read_from_l3_before_a_delete(engine)
     engine.apply_deletes("m", "t", keys[:10])
     engine._promote(table, keys, read_before.vectors, read_before.versions, read_at)
     assert engine.volatile.get("m.t", keys).found.tolist() == [False] * 10 + [True] * 10
@@ -230,11 +233,7 @@ def test_promotion_of_a_row_read_before_an_admin_delete_is_left_out(engine: Look
 
 def test_admin_delete_between_the_check_and_the_promotion_is_undone(engine: LookupEngine) -> None:
     """The delete runs after the promotion checked the log but before its put lands: the put is taken back out."""
-    keys = np.arange(20, dtype=np.int64)
-    engine.persistent.put("m.t", keys, rows_for(keys, version=1), np.ones(20, np.int64))
-    table = engine.table("m", "t")
-    read_at = table.unversioned_deletes.generation
-    read_before = engine.persistent.get("m.t", keys)
+    keys, table, read_at, read_before = _read_from_l3_before_a_delete(engine)
     put = engine.volatile.put
 
     def delete_then_put(table_id: str, *args: np.ndarray) -> np.ndarray:

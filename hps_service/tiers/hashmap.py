@@ -77,7 +77,7 @@ class _Table:
         self.rows = _reserve((max_rows, dim), np.float32, f"{max_rows} rows of dim {dim}")
         self.index = np.full(_index_size(min(_INITIAL_ROWS, max_rows)), kernels.EMPTY, dtype=np.int32)
         #: Rows the index takes at a load of at most 0.7 (never more than the storage).
-        self.row_capacity = min(max_rows, int(self.index.shape[0] / _INDEX_SLOTS_PER_ROW))
+        self.row_capacity = self._index_room(0)
 
     def set_rows(self, n: int) -> None:
         """Record the rows held after a kernel added or removed some."""
@@ -94,8 +94,11 @@ class _Table:
             return
         self.index = np.empty(_index_size(needed_rows), dtype=np.int32)
         kernels.rebuild_index(self.index, self.keys, np.int64(self.n_rows))
-        at_load_limit = int(self.index.shape[0] / _INDEX_SLOTS_PER_ROW)
-        self.row_capacity = min(self.keys.shape[0], max(needed_rows, at_load_limit))
+        self.row_capacity = self._index_room(needed_rows)
+
+    def _index_room(self, needed_rows: int) -> int:
+        """Rows the current index takes at its load limit (at least ``needed_rows``), capped by the storage."""
+        return min(self.keys.shape[0], max(needed_rows, int(self.index.shape[0] / _INDEX_SLOTS_PER_ROW)))
 
     def tick(self) -> np.int64:
         """Advance the table clock (one tick per batch) and return it."""
