@@ -1,3 +1,19 @@
 """Shared pytest fixtures: real servers started for the session and stopped after."""
+import os
+
+import pytest
+
 from tests.fixtures.kafka_broker import kafka_broker  # noqa: F401
 from tests.fixtures.redis_cluster import redis_cluster, redis_cluster_clean  # noqa: F401
+
+#: Tests marked ``long`` (minutes each) run only when this is set: ``HPS_RUN_LONG=1 make test``.
+RUN_LONG = os.environ.get("HPS_RUN_LONG", "") not in ("", "0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if RUN_LONG:
+        return
+    skip = pytest.mark.skip(reason="a long run: set HPS_RUN_LONG=1 to include it")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
