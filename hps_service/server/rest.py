@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -110,14 +111,16 @@ def _error(code: int, message: str, headers: dict[str, str] | None = None, **ext
     return JSONResponse({"error": message, **extra}, status_code=code, headers=headers)
 
 
+_DECIMAL = re.compile(r"[+-]?[0-9]+")
+
+
 def parse_keys(text: str) -> np.ndarray:
     """``"1,2,3"`` as an int64 array; InvalidArgumentError naming the bad entry."""
     parts = [p.strip() for p in text.split(",")] if text.strip() else []
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        bad = next(p for p in parts if not p.lstrip("-").isdigit())
-        raise InvalidArgumentError(f"keys must be comma-separated integers, got {bad!r}") from None
+    bad = next((p for p in parts if not _DECIMAL.fullmatch(p)), None)
+    if bad is not None:  # ASCII decimals only: int() would also take '1_0' or other scripts' digits
+        raise InvalidArgumentError(f"keys must be comma-separated integers, got {bad!r}")
+    values = [int(p) for p in parts]
     try:
         return np.array(values, dtype=np.int64)
     except OverflowError:

@@ -151,6 +151,10 @@ def test_lookup_errors_are_json(http: httpx.Client, server: HPSServer) -> None:
         ("/v1/models/nope/tables/item/embeddings?keys=1", 404, "model 'nope' is not loaded"),
         (ROWS.format(table="item") + "?keys=1,x", 400, "'x'"),
         (ROWS.format(table="item") + "?keys=99999999999999999999", 400, "int64"),
+        # digits str.isdigit() accepts but int() refuses, and int() spellings that are not plain decimals
+        (ROWS.format(table="item") + "?keys=1,%C2%B9", 400, "'\u00b9'"),
+        (ROWS.format(table="item") + "?keys=1_0", 400, "'1_0'"),
+        (ROWS.format(table="item") + "?keys=%D9%A3", 400, "'\u0663'"),
         (ROWS.format(table="item"), 422, "keys"),
         ("/v1/models/nope", 404, "not loaded"),
         ("/v1/jobs/nope", 404, "no job"),
