@@ -1,20 +1,54 @@
-"""Key -> partition routing shared by the publisher and tests: a splitmix64 hash of the key, modulo partitions."""
+"""Key -> partition routing shared by the publisher, the consumer's shard, the importer and the client.
+
+``partition(key) = (murmur2(key as 8 big-endian bytes) & 0x7fffffff) % P``: Kafka's default partitioner (Java's
+``Utils.murmur2`` / librdkafka's ``murmur2_random``) for a record keyed by those 8 bytes, so a producer in any
+language that keys its records that way agrees with us on where a key lives. ``shard(key) = partition(key) % S``.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
+_M = np.uint32(0x5BD1E995)
+#: Kafka's murmur2 state after its first step: (seed 0x9747b28c ^ length 8) * m.
+_H0_TIMES_M = np.uint32(((0x9747B28C ^ 8) * 0x5BD1E995) & 0xFFFFFFFF)
+
+
+def murmur2(keys: np.ndarray) -> np.ndarray:
+    """Kafka's murmur2 of each int64 key's 8 big-endian bytes, as uint32 (vectorised, no loop per key)."""
+    # murmur2 reads the 8 bytes as two little-endian 4-byte blocks; NumPy's uint32 arithmetic wraps like Java's int
+    k = np.ascontiguousarray(keys, dtype=">i8").view("<u4").reshape(-1, 2) * _M
+    k ^= k >> np.uint32(24)
+    k *= _M
+    h = k[:, 0] ^ _H0_TIMES_M
+    h *= _M
+    h ^= k[:, 1]
+    h ^= h >> np.uint32(13)
+    h *= _M
+    h ^= h >> np.uint32(15)
+    return h
+
 
 def partition_of(keys: np.ndarray, partitions: int) -> np.ndarray:
-    """The partition of every key (int64 array in, int32 array out), vectorised; stable across processes."""
+    """The partition of every key (int64 array in, int32 array out): Kafka's default partitioner; see module doc."""
     if partitions < 1:
         raise ValueError(f"partitions must be >= 1, got {partitions}")
-    with np.errstate(over="ignore"):
-        z = np.asarray(keys, dtype=np.int64).view(np.uint64) + np.uint64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        z = z ^ (z >> np.uint64(31))
-    return (z % np.uint64(partitions)).astype(np.int32)
+    h = murmur2(keys)
+    h &= np.uint32(0x7FFFFFFF)
+    h %= np.uint32(partitions)
+    return h.astype(np.int32)
+
+
+def shard_of(keys: np.ndarray, partitions: int, shards: int) -> np.ndarray:
+    """The shard of every key: ``partition_of(keys, partitions) % shards`` (int32)."""
+    if shards < 1 or partitions % shards:
+        raise ValueError(f"partitions ({partitions}) must be a positive multiple of shards ({shards})")
+    part = partition_of(keys, partitions)
+    if shards > 1:
+        part %= np.int32(shards)
+    else:
+        part[:] = 0
+    return part
 
 
 def group_by_partition(partition: np.ndarray, partitions: int) -> tuple[np.ndarray, np.ndarray]:
