@@ -14,8 +14,8 @@ import grpc
 import numpy as np
 
 from hps_service.client import _CHANNEL_OPTIONS, build_request
+from hps_service.engine import Source
 from hps_service.errors import InvalidArgumentError
-from hps_service.lookup import Source
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 
 LOOKUP_METHOD = "/hps.v1.EmbeddingService/Lookup"

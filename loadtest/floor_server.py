@@ -17,7 +17,7 @@ from concurrent import futures
 import grpc
 import numpy as np
 
-from hps_service.lookup import Source
+from hps_service.engine import Source
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from loadtest.drivers import LOOKUP_METHOD
 

@@ -12,8 +12,9 @@ import pytest
 
 from hps_service.config import ConstantDefault, ModelConfig, TableConfig
 from hps_service.defaults import default_rows, hashed_random_rows
+from hps_service.engine import NO_ROW_VERSION, LookupEngine, ServedTable, Source, latest_per_key
+from hps_service.engine.promote import promote
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from hps_service.lookup import LookupEngine, ServedTable, Source, latest_per_key
 from hps_service.tiers.base import Rows
 from hps_service.tiers.hashmap import HashMapTier
 from hps_service.tiers.rocksdb import RocksDBTier
@@ -217,7 +218,7 @@ def _read_from_l3_before_a_delete(engine: LookupEngine) -> tuple[np.ndarray, Ser
 def test_promotion_of_a_row_read_before_a_delete_is_refused(engine: LookupEngine) -> None:
     keys, table, read_at, read_before = _read_from_l3_before_a_delete(engine)  # a lookup read L3 (L2 missed) ...
     engine.apply_deletes("m", "t", keys, 2)  # ... the delete lands in both tiers ...
-    engine._promote(table, keys, read_before.vectors, read_before.versions, read_at)  # ... then the lookup promotes
+    promote(engine.volatile, table, keys, read_before.vectors, read_before.versions, read_at)  # ... then the lookup promotes
     assert not engine.volatile.get("m.t", keys).found.any()
     assert set(engine.lookup("m", "t", keys).sources) == {Source.DEFAULT}
 
@@ -226,7 +227,7 @@ def test_promotion_of_a_row_read_before_an_admin_delete_is_left_out(engine: Look
     """An admin delete carries no version and leaves no tombstone: the delete log keeps the read row out of L2."""
     keys, table, read_at, read_before = _read_from_l3_before_a_delete(engine)
     engine.apply_deletes("m", "t", keys[:10])
-    engine._promote(table, keys, read_before.vectors, read_before.versions, read_at)
+    promote(engine.volatile, table, keys, read_before.vectors, read_before.versions, read_at)
     assert engine.volatile.get("m.t", keys).found.tolist() == [False] * 10 + [True] * 10
     assert set(engine.lookup("m", "t", keys[:10]).sources) == {Source.DEFAULT}
 
@@ -241,7 +242,7 @@ def test_admin_delete_between_the_check_and_the_promotion_is_undone(engine: Look
         return put(table_id, *args)
 
     engine.volatile.put = delete_then_put  # type: ignore[method-assign]
-    engine._promote(table, keys, read_before.vectors, read_before.versions, read_at)
+    promote(engine.volatile, table, keys, read_before.vectors, read_before.versions, read_at)
     engine.volatile.put = put  # type: ignore[method-assign]
     assert engine.volatile.get("m.t", keys).found.tolist() == [False] * 5 + [True] * 15
     assert set(engine.lookup("m", "t", keys[:5]).sources) == {Source.DEFAULT}
@@ -293,10 +294,20 @@ def test_table_larger_than_the_volatile_tier_is_not_preloaded(tmp_path: Path, ca
     store.close()
     eng = LookupEngine(HashMapTier(capacity_rows=1000), RocksDBTier(tmp_path / "db"))
     try:
-        with caplog.at_level(logging.INFO, logger="hps_service.lookup"):
+        with caplog.at_level(logging.INFO, logger="hps_service.engine.preload"):
             eng.register_model(ModelConfig(name="m", tables=[TableConfig(name="t", dim=DIM)]))
         assert "exceed the volatile tier's 1000" in caplog.text
         assert not [th for th in threading.enumerate() if th.name == "hps-preload-m.t"]
         assert eng.volatile.count("m.t") == 0
     finally:
         eng.close()
+
+
+def test_reads_below_l1_carry_the_rows_versions(engine: LookupEngine) -> None:
+    """L2 and L3 rows come with their stored versions (what L1 admission needs); defaults with NO_ROW_VERSION."""
+    engine.apply_updates("m", "t", np.array([1, 2]), rows_for(np.array([1, 2])), np.array([7, 9]))
+    engine.persistent.put("m.t", np.array([3]), rows_for(np.array([3])), np.array([11]))
+    got = engine.reader.fetch_below(engine.table("m", "t"), np.array([1, 2, 3, 4], dtype=np.int64))
+    assert got.versions.tolist() == [7, 9, 11, NO_ROW_VERSION]
+    assert got.sources.tolist() == [Source.VOLATILE, Source.VOLATILE, Source.PERSISTENT, Source.DEFAULT]
+    np.testing.assert_array_equal(got.vectors[:3], rows_for(np.array([1, 2, 3])))

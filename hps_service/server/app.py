@@ -21,8 +21,8 @@ from grpc_reflection.v1alpha import reflection
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
+from hps_service.engine import CacheFactory, LookupEngine, ServedTable
 from hps_service.errors import UnavailableError
-from hps_service.lookup import CacheFactory, LookupEngine, ServedTable
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate, add_embedding_service
 from hps_service.server.jobs import JobRunner

@@ -11,6 +11,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 
 from hps_service.config import ServerConfig
+from hps_service.engine import LookupEngine
 from hps_service.errors import (
     HPSError,
     InvalidArgumentError,
@@ -18,7 +19,6 @@ from hps_service.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from hps_service.lookup import LookupEngine
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.metrics import ServerMetrics

@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, NotFoundError, UnavailableError
 from hps_service.importer import import_table, read_model_source
-from hps_service.lookup import LookupEngine
 from hps_service.tiers.rocksdb import RocksDBTier
 
 log = logging.getLogger(__name__)

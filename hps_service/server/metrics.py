@@ -18,7 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hps_service.lookup import LEVELS, LookupEngine
+from hps_service.engine import LEVELS, LookupEngine
 
 log = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from hps_service.config import HPSConfig, ModelConfig
+from hps_service.engine import LEVELS, LookupEngine
 from hps_service.errors import (
     HPSError,
     InvalidArgumentError,
@@ -32,7 +33,6 @@ from hps_service.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
-from hps_service.lookup import LEVELS, LookupEngine
 from hps_service.server.grpc_service import ServingGate, status_for
 from hps_service.server.jobs import JobRunner, import_job, persistent_rocksdb
 from hps_service.server.metrics import ServerMetrics

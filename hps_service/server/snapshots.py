@@ -24,8 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, UnavailableError
-from hps_service.lookup import LookupEngine
 from hps_service.server.jobs import Job, persistent_rocksdb
 from hps_service.tiers.base import table_id
 from hps_service.tiers.rocksdb import RocksDBTier

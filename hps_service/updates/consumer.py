@@ -27,8 +27,8 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient
 
 from hps_service.config import UpdatesConfig
+from hps_service.engine import LookupEngine
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
-from hps_service.lookup import LookupEngine
 from hps_service.updates.message import (
     DecodedUpdate,
     MalformedUpdateError,

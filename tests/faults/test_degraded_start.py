@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 
 from hps_service.client import HPSClient
-from hps_service.lookup import Source
+from hps_service.engine import Source
 from tests.faults.support import readyz, rows_for, wait_for
 from tests.helpers import ServerProcess, free_port, write_config
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.config import ModelConfig, TableConfig
-from hps_service.lookup import LookupEngine, Source
+from hps_service.engine import LookupEngine, Source
 from hps_service.tiers.redis_cluster import RedisClusterTier
 from hps_service.tiers.rocksdb import RocksDBTier
 

@@ -15,8 +15,8 @@ import numpy as np
 from confluent_kafka import Consumer, TopicPartition
 
 from hps_service.client import HPSClient
+from hps_service.engine import Source
 from hps_service.errors import UnavailableError
-from hps_service.lookup import Source
 from hps_service.tiers.rocksdb import RocksDBTier
 from hps_service.updates import Publisher
 from hps_service.updates.message import decode_update, topic_name

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from hps_service.config import HPSConfig, ModelConfig, TableConfig, UpdatesConfig
-from hps_service.lookup import LookupEngine
+from hps_service.engine import LookupEngine
 from hps_service.server.app import build_engine
 
 TABLE = "item"

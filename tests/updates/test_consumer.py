@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from hps_service.lookup import Source
+from hps_service.engine import Source
 from hps_service.proto.hps.v1.update_pb2 import EmbeddingUpdate
 from hps_service.updates import Publisher, UpdateConsumer, make_version
 from hps_service.updates.consumer import resolve_latest

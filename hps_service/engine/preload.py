@@ -1,0 +1,74 @@
+"""Filling an in-process volatile tier from RocksDB in the background when a model loads, for tables whose stored
+rows all fit: after a start, lookups no longer read RocksDB until each row was asked for once (HugeCTR's HPS loads
+its volatile database the same way)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from hps_service.engine.promote import copy_stored_rows
+from hps_service.engine.table import ServedTable
+from hps_service.tiers.base import Tier
+
+log = logging.getLogger(__name__)
+
+#: Keys per L3 read when filling an in-process volatile tier at load.
+PRELOAD_CHUNK = 65536
+
+
+class Preloader:
+    """One background thread per table being preloaded; :meth:`stop` ends them all before the tiers close."""
+
+    def __init__(self, volatile: Tier | None, persistent: Tier | None, is_served: Callable[[ServedTable], bool]) -> None:
+        self.volatile = volatile
+        self.persistent = persistent
+        self._is_served = is_served
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def start(self, t: ServedTable) -> None:
+        """Preload ``t`` in the background when the volatile tier is in process and the stored rows all fit."""
+        if self.volatile is None or self.persistent is None or not self.volatile.in_process:
+            return
+        stored = self.persistent.count(t.id)
+        capacity = self.volatile.stats(t.id).capacity
+        if stored == 0:
+            return
+        if capacity is not None and stored > capacity:
+            log.info("%s: %d stored rows exceed the volatile tier's %d; its rows load on demand", t.id, stored,
+                     capacity)
+            return
+        thread = threading.Thread(target=self._run, args=(t, stored), name=f"hps-preload-{t.id}", daemon=True)
+        with self._lock:
+            self._threads = [th for th in self._threads if th.is_alive()] + [thread]
+        thread.start()
+
+    def _run(self, t: ServedTable, stored: int) -> None:
+        assert self.volatile is not None and self.persistent is not None
+        started = time.monotonic()
+        loaded = 0
+        try:
+            keys = self.persistent.scan_keys(t.id, stored)
+            for lo in range(0, keys.shape[0], PRELOAD_CHUNK):
+                if self._stop.is_set() or not self._is_served(t):
+                    return
+                found = copy_stored_rows(self.volatile, self.persistent, t, keys[lo : lo + PRELOAD_CHUNK])
+                loaded += int(np.count_nonzero(found))
+        except Exception:  # rows then load on demand, as without a preload
+            log.warning("preloading %s into the volatile tier stopped after %d rows", t.id, loaded, exc_info=True)
+            return
+        log.info("preloaded %d rows of %s into the volatile tier in %.1f s", loaded, t.id, time.monotonic() - started)
+
+    def stop(self) -> None:
+        """Stop every preload and wait for it (one chunk at most: the tiers must not close under it)."""
+        self._stop.set()
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(30)

@@ -1,0 +1,117 @@
+"""The read path: L1, then the tiers below for what it missed (deduplicated), then the default; promotion.
+
+A lookup asks each tier only for the keys still missing, promotes rows found in L3 into L2 and offers the
+stored rows it fetched to L1 (where and when they enter is the cache's decision).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hps_service.defaults import default_rows
+from hps_service.engine.levels import (
+    CACHE,
+    DEFAULT,
+    NO_ROW_VERSION,
+    PERSISTENT,
+    VOLATILE,
+    Fetched,
+    LookupResult,
+)
+from hps_service.engine.promote import promote
+from hps_service.engine.table import ServedTable
+from hps_service.keys import as_keys, unique_with_inverse
+from hps_service.tiers.base import Tier
+
+
+class Reader:
+    """Answers lookups of served tables through L1, the volatile tier, the persistent tier and the default."""
+
+    def __init__(self, volatile: Tier | None, persistent: Tier | None, max_batch_keys: int) -> None:
+        self.volatile = volatile
+        self.persistent = persistent
+        self.max_batch_keys = max_batch_keys
+
+    def lookup(self, t: ServedTable, keys: np.ndarray) -> LookupResult:
+        """Rows of ``keys`` in request order (duplicates included) and the level that answered each."""
+        keys = as_keys(keys, self.max_batch_keys)
+        n = keys.shape[0]
+        out = np.empty((n, t.dim), dtype=np.float32)
+        sources = np.empty(n, dtype=np.uint8)
+        if t.cache is not None and n:
+            fetched_at = t.cache.generation()
+            hit = t.cache.lookup(keys, out)
+            n_hit = int(np.count_nonzero(hit))
+            t.count("cache", n_hit, n - n_hit)
+            sources.fill(CACHE)
+            if n_hit == n:
+                return LookupResult(out, sources)
+            miss_idx = np.flatnonzero(~hit)
+            batch_hit_rate = n_hit / n
+        else:
+            miss_idx = None
+            batch_hit_rate = 0.0
+        miss_keys = keys if miss_idx is None else keys[miss_idx]
+        if miss_keys.shape[0] == 0:
+            return LookupResult(out, sources)
+        uniq, inverse = unique_with_inverse(miss_keys)
+        got = self.fetch_below(t, uniq)
+        if miss_idx is None:
+            np.take(got.vectors, inverse, axis=0, out=out)
+            np.take(got.sources, inverse, out=sources)
+        else:
+            out[miss_idx] = got.vectors[inverse]
+            sources[miss_idx] = got.sources[inverse]
+        if t.cache is not None:
+            stored = got.sources != DEFAULT
+            if stored.all():
+                t.cache.admit(uniq, got.vectors, batch_hit_rate, fetched_at=fetched_at)
+            elif stored.any():
+                t.cache.admit(uniq[stored], got.vectors[stored], batch_hit_rate, fetched_at=fetched_at)
+        return LookupResult(out, sources)
+
+    def fetch_below(self, t: ServedTable, keys: np.ndarray, count: bool = True) -> Fetched:
+        """Rows and versions of unique ``keys`` from volatile, then persistent, then the default; promotes L3 hits
+        to L2. ``count``: add to the table's per-level counters (lookups do; the cache's own reads do not)."""
+        read_at = t.unversioned_deletes.generation
+        m = keys.shape[0]
+        rows: np.ndarray | None = None
+        versions: np.ndarray | None = None
+        src = np.empty(m, dtype=np.uint8)
+        src.fill(DEFAULT)
+        pending: np.ndarray | None = None  # indices still unanswered; None: all of them
+        for level, code, tier in (("volatile", VOLATILE, self.volatile), ("persistent", PERSISTENT, self.persistent)):
+            if tier is None:
+                continue
+            asked = keys if pending is None else keys[pending]
+            got = tier.get(t.id, asked)
+            n_found = int(np.count_nonzero(got.found))
+            if count:
+                t.count(level, n_found, asked.shape[0] - n_found)
+            if n_found == 0:
+                continue
+            if pending is None and n_found == m:  # the common case: one tier holds every key asked
+                rows, versions = got.vectors, got.versions
+                src.fill(code)
+            else:
+                if rows is None or versions is None:
+                    rows = np.empty((m, t.dim), dtype=np.float32)
+                    versions = np.full(m, NO_ROW_VERSION, dtype=np.int64)
+                hit_idx = np.flatnonzero(got.found) if pending is None else pending[got.found]
+                rows[hit_idx] = got.vectors[got.found]
+                versions[hit_idx] = got.versions[got.found]
+                src[hit_idx] = code
+            if code == PERSISTENT and self.volatile is not None:
+                promote(self.volatile, t, asked[got.found], got.vectors[got.found], got.versions[got.found], read_at)
+            pending = np.flatnonzero(~got.found) if pending is None else pending[~got.found]
+            if pending.shape[0] == 0:
+                break
+        if rows is None or versions is None:
+            rows = np.empty((m, t.dim), dtype=np.float32)
+            versions = np.full(m, NO_ROW_VERSION, dtype=np.int64)
+        if pending is None or pending.shape[0]:
+            missing = slice(None) if pending is None else pending
+            rows[missing] = default_rows(t.default, keys[missing], t.dim)
+            if count:
+                t.count_defaults(m if pending is None else int(pending.shape[0]))
+        return Fetched(rows, versions, src)

@@ -1,0 +1,112 @@
+"""The loaded models and their tables: what lookups and writes resolve ``(model, table)`` against.
+
+Readers never lock: a registration swaps in new dicts whole, so a reader sees the old set or the new one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from hps_service.config import ModelConfig, TableConfig
+from hps_service.engine.table import CacheFactory, ServedTable
+from hps_service.errors import NotFoundError
+from hps_service.tiers.base import Tier
+
+
+class ModelRegistry:
+    """Models by name, each with its served tables, replaced copy-on-write."""
+
+    def __init__(self) -> None:
+        self._models: dict[str, dict[str, ServedTable]] = {}
+        self._configs: dict[str, ModelConfig] = {}
+        self._lock = threading.Lock()
+
+    def put(self, model: ModelConfig, tables: dict[str, ServedTable]) -> dict[str, ServedTable] | None:
+        """Serve ``tables`` as ``model``; returns the tables it replaces, if any."""
+        with self._lock:
+            old = self._models.get(model.name)
+            self._models = {**self._models, model.name: tables}
+            self._configs = {**self._configs, model.name: model}
+        return old
+
+    def remove(self, name: str) -> dict[str, ServedTable]:
+        """Stop serving ``name``; returns its tables (NotFoundError if it is not loaded)."""
+        with self._lock:
+            if name not in self._models:
+                raise NotFoundError(f"model '{name}' is not loaded")
+            old = self._models[name]
+            self._models = {k: v for k, v in self._models.items() if k != name}
+            self._configs = {k: v for k, v in self._configs.items() if k != name}
+        return old
+
+    def clear(self) -> list[ServedTable]:
+        """Forget every model; returns all their tables."""
+        with self._lock:
+            models, self._models, self._configs = self._models, {}, {}
+        return [t for tables in models.values() for t in tables.values()]
+
+    def models(self) -> list[ModelConfig]:
+        return list(self._configs.values())
+
+    def model(self, name: str) -> ModelConfig:
+        try:
+            return self._configs[name]
+        except KeyError:
+            raise NotFoundError(f"model '{name}' is not loaded") from None
+
+    def table(self, model: str, table: str) -> ServedTable:
+        """The served table, or NotFoundError naming what is missing."""
+        tables = self._models.get(model)
+        if tables is None:
+            raise NotFoundError(f"model '{model}' is not loaded")
+        t = tables.get(table)
+        if t is None:
+            raise NotFoundError(f"model '{model}' has no table '{table}'")
+        return t
+
+    def is_served(self, t: ServedTable) -> bool:
+        """Whether ``t`` is still the table served under its name (not unloaded or replaced)."""
+        return self._models.get(t.model, {}).get(t.name) is t
+
+    def tables(self) -> dict[str, dict[str, ServedTable]]:
+        """Model -> table name -> served table, as of now."""
+        return self._models
+
+
+def make_table(
+    model: str,
+    tc: TableConfig,
+    tiers: Iterable[Tier],
+    cache_factory: CacheFactory | None,
+    fetch_below: Callable[[ServedTable, np.ndarray], np.ndarray],
+    warm_source: Tier | None,
+) -> ServedTable:
+    """Create a table in every tier and build its L1 cache, which reads misses through ``fetch_below`` and warms
+    from the first keys ``warm_source`` holds."""
+    t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default)
+    for tier in tiers:
+        tier.create_table(t.id, tc.dim)
+    if cache_factory is not None:
+
+        def fetch(keys: np.ndarray) -> np.ndarray:
+            return fetch_below(t, keys)
+
+        warm_keys = None
+        if warm_source is not None:
+            source = warm_source
+
+            def warm_keys(limit: int) -> np.ndarray:
+                return source.scan_keys(t.id, limit)
+
+        t.cache = cache_factory(t, fetch, warm_keys)
+    return t
+
+
+def close_tables(tables: Iterable[ServedTable]) -> None:
+    """Stop the L1 caches of ``tables`` (saving their warm-start snapshots)."""
+    for t in tables:
+        if t.cache is not None:
+            t.cache.close()

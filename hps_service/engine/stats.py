@@ -1,0 +1,41 @@
+"""Per-table statistics in the ``/v1/stats`` shape: hits, misses, hit rate, rows, capacity, evictions per level."""
+
+from __future__ import annotations
+
+from hps_service.engine.levels import LEVELS
+from hps_service.engine.table import ServedTable
+from hps_service.tiers.base import Tier
+
+
+def table_stats(t: ServedTable, volatile: Tier | None, persistent: Tier | None) -> dict[str, dict[str, float | int | None]]:
+    """Per level: hits, misses, hit_rate, rows, capacity, evictions (+ errors for lower tiers); defaults answered."""
+    with t.lock:
+        hits = dict(t.counters.hits)
+        misses = dict(t.counters.misses)
+        defaults = t.counters.defaults
+    out: dict[str, dict[str, float | int | None]] = {}
+    for level in LEVELS:
+        h, m = hits[level], misses[level]
+        entry: dict[str, float | int | None] = {
+            "hits": h,
+            "misses": m,
+            "hit_rate": (h / (h + m)) if (h + m) else 0.0,
+            "rows": 0,
+            "capacity": 0,
+            "evictions": 0,
+        }
+        if level == "cache":
+            entry["enabled"] = t.cache is not None
+            if t.cache is not None:
+                cs = t.cache.stats()
+                entry.update({k: v for k, v in cs.items() if k not in ("hits", "misses", "hit_rate")})
+        else:
+            tier = volatile if level == "volatile" else persistent
+            entry["enabled"] = tier is not None
+            if tier is not None:
+                ts = tier.stats(t.id)
+                entry.update(rows=ts.rows, capacity=ts.capacity, evictions=ts.evictions, errors=ts.errors)
+                entry.update(ts.extra)
+        out[level] = entry
+    out["default"] = {"hits": defaults}
+    return out

@@ -1,0 +1,108 @@
+"""The write path: upserts and deletes through every tier (persistent first, it is the durable one), then L1;
+tombstone purges.
+
+A stored row with a newer version is never replaced, so replays and lagging writers are harmless; a versioned
+delete leaves a tombstone that refuses older puts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hps_service.engine.table import ServedTable
+from hps_service.errors import InvalidArgumentError
+from hps_service.keys import as_keys
+from hps_service.tiers.base import Tier, delete_versions, max_version_per_key
+
+
+def as_rows(vectors: np.ndarray, n: int, dim: int, what: str) -> np.ndarray:
+    """Validate rows for ``n`` keys of width ``dim``: float32, finite."""
+    arr = np.asarray(vectors, dtype=np.float32)
+    if arr.shape != (n, dim):
+        raise InvalidArgumentError(f"{what}: expected rows of shape ({n}, {dim}), got {arr.shape}")
+    if not np.isfinite(arr).all():
+        raise InvalidArgumentError(f"{what}: rows contain NaN or infinite values")
+    return arr
+
+
+def latest_per_key(keys: np.ndarray, versions: np.ndarray) -> np.ndarray:
+    """Indices that keep one entry per key: the highest version, the last one among equals."""
+    order = np.lexsort((np.arange(keys.shape[0]), versions, keys))
+    sorted_keys = keys[order]
+    last = np.ones(order.shape[0], dtype=bool)
+    last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
+    return order[last]
+
+
+class Writer:
+    """Applies upserts, deletes and tombstone purges of served tables to every tier and L1."""
+
+    def __init__(self, volatile: Tier | None, persistent: Tier | None) -> None:
+        self.volatile = volatile
+        self.persistent = persistent
+
+    def apply_updates(
+        self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int
+    ) -> int:
+        """Write rows to persistent (durable) -> volatile -> rows present in L1. Returns rows written."""
+        keys = as_keys(keys)
+        n = keys.shape[0]
+        vectors = as_rows(vectors, n, t.dim, f"update of {t.id}")
+        versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,))
+        if n == 0:
+            return 0
+        keep = latest_per_key(keys, versions)
+        if keep.shape[0] != n:
+            keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+        else:
+            versions = np.ascontiguousarray(versions)
+        written = np.ones(keys.shape[0], dtype=bool)
+        if self.persistent is not None:
+            written = self.persistent.put(t.id, keys, vectors, versions)
+        if self.volatile is not None:
+            if self.persistent is None:
+                written = self.volatile.put(t.id, keys, vectors, versions)
+            elif written.any():
+                # only rows L3 accepted: an older replay must not reach L2 where an evicted tombstone left a gap
+                self.volatile.put(t.id, keys[written], vectors[written], versions[written])
+        if t.cache is not None and written.any():
+            t.cache.update(keys[written], vectors[written])
+        return int(np.count_nonzero(written))
+
+    def apply_deletes(self, t: ServedTable, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
+        """Delete keys from every tier and the L1 cache. Returns how many live rows the lowest enabled tier held.
+
+        With ``versions`` (update tombstones), a tier removes only rows not newer than the delete and keeps a
+        tombstone, so a replayed older put or a late promotion cannot bring the row back; without (admin
+        deletes), the keys are forgotten whatever their version.
+        """
+        keys = as_keys(keys)
+        tomb_versions = delete_versions(versions, keys.shape[0])
+        if keys.shape[0] == 0:
+            return 0
+        if tomb_versions is None:
+            keys = np.unique(keys)
+            t.record_unversioned_delete(keys)  # before any tier forgets them (see promote.put_read_rows)
+        else:
+            keys, tomb_versions = max_version_per_key(keys, tomb_versions)
+        removed = 0
+        if self.persistent is not None:
+            removed = self.persistent.delete(t.id, keys, tomb_versions)
+        if self.volatile is not None:
+            n = self.volatile.delete(t.id, keys, tomb_versions)
+            if self.persistent is None:
+                removed = n
+        if t.cache is not None:
+            t.cache.invalidate(keys)
+        return removed
+
+    def purge_tombstones(self, t: ServedTable, below_version: int) -> dict[str, int]:
+        """Remove the tombstones older than ``below_version`` from every tier; returns how many, per level.
+
+        A tombstone only stops a put older than itself, so ``below_version`` must be older than any update the
+        log can still deliver (for example the version of the oldest message the topic retains).
+        """
+        if below_version < 0:
+            raise InvalidArgumentError(f"below_version must be >= 0, got {below_version}")
+        return {level: tier.purge_tombstones(t.id, below_version)
+                for level, tier in (("volatile", self.volatile), ("persistent", self.persistent)) if tier is not None}
