@@ -23,14 +23,18 @@ $(VENV)/bin/python:
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-$(VENV)/.installed: pyproject.toml | $(VENV)/bin/python
+# The client-only distribution (clients/python, import hps_client) first: hps-service depends on it.
+CLIENT := ./clients/python
+$(VENV)/.installed: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
+	$(PIP) install -q -e $(CLIENT)
 	$(PIP) install -q -e .
 	@touch $@
 
 # The trainer's tests need PyTorch: the CPU build is pinned so pip does not pick a multi-GB CUDA build.
 TORCH_VERSION ?= 2.13.0
-$(VENV)/.installed-dev: pyproject.toml | $(VENV)/bin/python
+$(VENV)/.installed-dev: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q 'torch==$(TORCH_VERSION)'
+	$(PIP) install -q -e $(CLIENT)
 	$(PIP) install -q -e '.[dev,trainer,demo]'
 	@touch $@ $(VENV)/.installed
 
@@ -75,7 +79,7 @@ soak: install-dev
 	$(PY) -m loadtest.soak $(SOAK_ARGS)
 
 lint: install-dev
-	$(VENV)/bin/ruff check hps_service tests loadtest
+	$(VENV)/bin/ruff check hps_service clients/python tests loadtest
 
 # Lint, render and validate the Helm chart with Helm's Go engine (helm-python-sdk), offline.
 helm-lint: install-dev

@@ -1,23 +1,19 @@
-"""Domain errors raised beneath the server layer; the servers translate them to protocol codes."""
+"""Domain errors raised beneath the server layer; the servers translate them to protocol codes.
+
+They are the client's classes (``hps_client.errors``), so a server-side NotFoundError and the one a client raises
+for a NOT_FOUND answer are one class family.
+"""
 
 from __future__ import annotations
 
+from hps_client.errors import (
+    HPSError,
+    InvalidArgumentError,
+    LookupError_,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 
-class HPSError(Exception):
-    """Base of every error a caller can cause or see; the message names the problem."""
-
-
-class InvalidArgumentError(HPSError):
-    """The request is malformed (gRPC INVALID_ARGUMENT, HTTP 400/422)."""
-
-
-class NotFoundError(HPSError):
-    """A model, table or resource that does not exist (gRPC NOT_FOUND, HTTP 404)."""
-
-
-class ResourceExhaustedError(HPSError):
-    """A configured limit was exceeded (gRPC RESOURCE_EXHAUSTED, HTTP 413/429)."""
-
-
-class UnavailableError(HPSError):
-    """The service cannot answer right now: starting, draining, or a required tier is down."""
+__all__ = ["HPSError", "InvalidArgumentError", "LookupError_", "NotFoundError", "ResourceExhaustedError",
+           "UnavailableError"]

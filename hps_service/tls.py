@@ -7,25 +7,14 @@ One place reads certificates so the gRPC listener, the REST listener and the cli
 from __future__ import annotations
 
 import ssl
-from pathlib import Path
 from typing import Any
 
 import grpc
 
+from hps_client.tls import grpc_channel_credentials, read_pem
 from hps_service.config import TLSConfig
-from hps_service.errors import InvalidArgumentError
 
-
-def read_pem(path: str | Path, what: str) -> bytes:
-    """The bytes of a PEM file; InvalidArgumentError naming ``what`` when it cannot be read."""
-    p = Path(path)
-    try:
-        data = p.read_bytes()
-    except OSError as exc:
-        raise InvalidArgumentError(f"{what} {p} cannot be read: {exc.strerror or exc}") from None
-    if b"-----BEGIN" not in data:
-        raise InvalidArgumentError(f"{what} {p} is not a PEM file")
-    return data
+__all__ = ["grpc_channel_credentials", "grpc_server_credentials", "read_pem", "uvicorn_ssl_options"]
 
 
 def grpc_server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
@@ -45,16 +34,3 @@ def uvicorn_ssl_options(tls: TLSConfig) -> dict[str, Any]:
     if tls.client_ca_file is not None:
         options.update(ssl_ca_certs=str(tls.client_ca_file), ssl_cert_reqs=ssl.CERT_REQUIRED)
     return options
-
-
-def grpc_channel_credentials(
-    ca_file: str | Path | None = None, cert_file: str | Path | None = None, key_file: str | Path | None = None
-) -> grpc.ChannelCredentials:
-    """Client credentials: trust ``ca_file`` (system roots when None), present ``cert_file``/``key_file`` for mTLS."""
-    if (cert_file is None) != (key_file is None):
-        raise InvalidArgumentError("a client certificate needs both tls_cert and tls_key")
-    return grpc.ssl_channel_credentials(
-        root_certificates=read_pem(ca_file, "tls_ca") if ca_file is not None else None,
-        private_key=read_pem(key_file, "tls_key") if key_file is not None else None,
-        certificate_chain=read_pem(cert_file, "tls_cert") if cert_file is not None else None,
-    )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from concurrent import futures
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -43,8 +42,15 @@ def replicas(tmp_path: Path) -> Iterator[list[HPSServer]]:
 
 
 def test_round_robin_over_replicas(replicas: list[HPSServer]) -> None:
-    async def main() -> None:
+    """One channel over both replicas (gRPC's round_robin): once both are connected, calls alternate."""
+
+    async def main() -> list[float]:
         async with AsyncHPSClient([target(s) for s in replicas], timeout=30) as client:
+            for _ in range(200):  # until the channel has connected to both (the first calls go to the first one up)
+                await client.lookup("demo", "item", KEYS[:1])
+                if all(_lookups_served(s) for s in replicas):
+                    break
+            before = [_lookups_served(s) for s in replicas]
             results = await asyncio.gather(*(client.lookup("demo", "item", KEYS) for _ in range(10)))
             for got in results:
                 np.testing.assert_array_equal(got, ROWS)
@@ -53,9 +59,9 @@ def test_round_robin_over_replicas(replicas: list[HPSServer]) -> None:
             np.testing.assert_array_equal(many["item"].vectors, ROWS[:3])
             answer = await client.lookup_with_sources("demo", "item", [999_999])
             assert answer.sources.tolist() == [4]
+            return [_lookups_served(s) - b for s, b in zip(replicas, before)]
 
-    asyncio.run(main())
-    assert [_lookups_served(s) for s in replicas] == [6, 6]  # 10 + 1 + 1 lookups, alternating
+    assert asyncio.run(main()) == [6, 6]  # 10 + 1 + 1 lookups, alternating
 
 
 def test_retries_past_a_stopped_replica(replicas: list[HPSServer]) -> None:
@@ -111,33 +117,26 @@ def test_per_call_timeout(tmp_path: Path) -> None:
         asyncio.run(main())
 
 
-def test_retries_past_a_replica_cancelling_calls_as_it_shuts_down(replicas: list[HPSServer]) -> None:
-    """A pod shutting down may answer CANCELLED; lookups are reads, so both clients go on to the next replica."""
-    live = replicas[0]
+def test_a_draining_replica_answers_unavailable_and_calls_go_to_the_other(replicas: list[HPSServer]) -> None:
+    """A draining server refuses with UNAVAILABLE (never CANCELLED); the channel's retry policy sends the call to
+    the other replica, so both clients get every answer. Alone, the draining one's refusal reaches the caller."""
+    live, draining = replicas
+    draining.gate.close("the server is draining")
+    with grpc.insecure_channel(target(draining)) as channel, pytest.raises(grpc.RpcError) as refused:
+        pb_grpc.EmbeddingServiceStub(channel).Lookup(build_request("demo", {"item": KEYS}), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
+    before = _lookups_served(live)
+    with HPSClient([target(draining), target(live)], retries=2, backoff_s=0.01) as client:
+        for _ in range(8):
+            np.testing.assert_array_equal(client.lookup("demo", "item", KEYS), ROWS)
 
-    def cancel(request: bytes, context: grpc.ServicerContext) -> bytes:
-        context.abort(grpc.StatusCode.CANCELLED, "the server is shutting down")
+    async def main() -> None:
+        async with AsyncHPSClient([target(draining), target(live)], retries=2, backoff_s=0.01, timeout=30) as client:
+            for _ in range(8):
+                np.testing.assert_array_equal(await client.lookup("demo", "item", KEYS), ROWS)
 
-    shutting_down = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    handler = grpc.unary_unary_rpc_method_handler(cancel)
-    shutting_down.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler("hps.v1.EmbeddingService", {"Lookup": handler}),))
-    port = shutting_down.add_insecure_port("127.0.0.1:0")
-    shutting_down.start()
-    try:
-        cancelling = f"127.0.0.1:{port}"
-        with HPSClient([cancelling, target(live)], retries=2, backoff_s=0.01) as client:
-            for _ in range(4):
-                np.testing.assert_array_equal(client.lookup("demo", "item", KEYS), ROWS)
-        with HPSClient([cancelling], retries=1, backoff_s=0.01) as client, pytest.raises(LookupError_) as err:
-            client.lookup("demo", "item", KEYS)
-        assert "CANCELLED" in str(err.value)
-
-        async def main() -> None:
-            async with AsyncHPSClient([cancelling, target(live)], retries=2, backoff_s=0.01, timeout=30) as client:
-                for _ in range(4):
-                    np.testing.assert_array_equal(await client.lookup("demo", "item", KEYS), ROWS)
-
-        asyncio.run(main())
-    finally:
-        shutting_down.stop(0)
+    asyncio.run(main())
+    assert _lookups_served(live) - before == 16
+    with HPSClient(target(draining), retries=1, backoff_s=0.01) as client, pytest.raises(UnavailableError,
+                                                                                         match="draining"):
+        client.lookup("demo", "item", KEYS)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from hps_service.proto.hps.v1 import embedding_pb2 as hps_dot_v1_dot_embedding__pb2
+from hps_client.proto.hps.v1 import embedding_pb2 as hps_dot_v1_dot_embedding__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

@@ -1,0 +1,116 @@
+"""How a client channel is built, the gRPC-native way: the service config carries the load-balancing policy
+(``round_robin`` over every address a target resolves to) and the retry policy (UNAVAILABLE is retried, on another
+replica when there is one, within the call's one overall deadline); keepalive finds dead connections; callers can
+add or override any channel option.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import socket
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from hps_client.errors import InvalidArgumentError, UnavailableError
+
+#: The services whose calls the retry policy covers.
+SERVICES = ("hps.v1.EmbeddingService", "grpc.health.v1.Health")
+#: gRPC caps a retry policy at 5 attempts.
+MAX_ATTEMPTS = 5
+#: Message size and retry limits without the service config: what a load generator that counts every failure uses.
+BARE_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.enable_retries", 0),
+]
+
+
+def service_config(retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 1.0,
+                   load_balancing: str = "round_robin") -> str:
+    """The channel's service config (JSON): ``load_balancing`` over the resolved addresses and, with ``retries``
+    > 0, a retry policy for UNAVAILABLE of ``retries + 1`` attempts (at most 5) with exponential backoff."""
+    if retries < 0 or backoff_s < 0:
+        raise InvalidArgumentError("retries and backoff_s must be >= 0")
+    method: dict[str, Any] = {"name": [{"service": s} for s in SERVICES]}
+    if retries > 0:
+        method["retryPolicy"] = {
+            "maxAttempts": min(retries + 1, MAX_ATTEMPTS),
+            "initialBackoff": f"{max(backoff_s, 0.001):.3f}s",
+            "maxBackoff": f"{max(max_backoff_s, backoff_s, 0.001):.3f}s",
+            "backoffMultiplier": 2,
+            "retryableStatusCodes": ["UNAVAILABLE"],
+        }
+    return json.dumps({"loadBalancingConfig": [{load_balancing: {}}], "methodConfig": [method]})
+
+
+def channel_options(retries: int = 3, backoff_s: float = 0.05,
+                    options: Sequence[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:
+    """The default channel options with the caller's ``options`` applied over them (same key: the caller's wins)."""
+    merged: dict[str, Any] = {
+        "grpc.max_receive_message_length": -1,
+        "grpc.max_send_message_length": -1,
+        "grpc.enable_retries": 1,
+        "grpc.service_config": service_config(retries, backoff_s),
+        # A retried request must be kept until the call commits: room for the largest batch (65,536 keys = 512 KiB).
+        "grpc.per_rpc_retry_buffer_size": 8 << 20,
+        # Keepalive: a ping every 30 s (the server permits one every 10 s), the connection dropped when no answer
+        # comes within 10 s, so a replica that vanished without closing its sockets is left, not waited on.
+        "grpc.keepalive_time_ms": 30_000,
+        "grpc.keepalive_timeout_ms": 10_000,
+        "grpc.keepalive_permit_without_calls": 1,
+        "grpc.http2.max_pings_without_data": 0,
+        # Re-resolve a dns:/// name soon after a replica goes away (new pods, new addresses).
+        "grpc.dns_min_time_between_resolutions_ms": 2_000,
+    }
+    for key, value in options or ():
+        merged[key] = value
+    return list(merged.items())
+
+
+def _split_host_port(target: str) -> tuple[str, str]:
+    host, sep, port = target.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise InvalidArgumentError(f"replica target {target!r} is not host:port")
+    return host.strip("[]"), port
+
+
+def channel_target(targets: str | Iterable[str]) -> str:
+    """One gRPC target for ``targets``.
+
+    A string is used as it is (``host:port``, ``dns:///name:port``, ``ipv4:a:p,b:p``, ``unix:path``...). A list of
+    several ``host:port`` replicas becomes one ``ipv4:``/``ipv6:`` target over all of their addresses, resolved
+    now; for a set of replicas that changes (pods), give one ``dns:///`` name instead, which gRPC re-resolves.
+    """
+    if isinstance(targets, str):
+        if not targets:
+            raise InvalidArgumentError("the client needs a target host:port")
+        return targets
+    items = list(targets)
+    if not items:
+        raise InvalidArgumentError("the client needs at least one target host:port")
+    if len(items) == 1:
+        return items[0]
+    v4: list[str] = []
+    v6: list[str] = []
+    families: list[set[int]] = []
+    for item in items:
+        host, port = _split_host_port(item)
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            raise UnavailableError(f"replica {item}: cannot resolve {host}: {exc.strerror}") from None
+        seen: set[int] = set()
+        for family, _, _, _, sockaddr in infos:
+            ip = ipaddress.ip_address(sockaddr[0])
+            if family == socket.AF_INET and f"{ip}:{port}" not in v4:
+                v4.append(f"{ip}:{port}")
+            elif family == socket.AF_INET6 and f"[{ip}]:{port}" not in v6:
+                v6.append(f"[{ip}]:{port}")
+            seen.add(family)
+        families.append(seen)
+    if all(socket.AF_INET in f for f in families):
+        return "ipv4:" + ",".join(v4)
+    if all(socket.AF_INET6 in f for f in families):
+        return "ipv6:" + ",".join(v6)
+    raise InvalidArgumentError(f"replicas {items} mix IPv4-only and IPv6-only addresses; give one dns:/// name")
