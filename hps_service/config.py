@@ -54,6 +54,15 @@ class ServerConfig(_Section):
     )
     grace_period_s: float = Field(30.0, ge=0)
     max_concurrent_requests: int = Field(256, ge=1, description="gRPC calls in flight; more get RESOURCE_EXHAUSTED")
+    max_connection_age_s: float = Field(
+        300.0, ge=0, description="gRPC connections are closed (GOAWAY, with gRPC's 10% jitter) after this long, so "
+        "clients reconnect and reach new replicas; 0: never")
+    max_connection_age_grace_s: float = Field(
+        30.0, ge=0, description="calls still running on a connection past its age get this long to finish")
+    keepalive_time_s: float = Field(60.0, gt=0, description="ping an idle client connection this often")
+    keepalive_timeout_s: float = Field(20.0, gt=0, description="drop a connection whose ping is not answered in time")
+    min_client_ping_interval_s: float = Field(
+        10.0, gt=0, description="clients may send keepalive pings this often (hps-client pings every 30 s)")
     snapshots_path: Path | None = Field(None, description="RocksDB checkpoints; default: <persistent.path>/../snapshots")
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="REST request bodies larger get 413")
     max_message_bytes: int | None = Field(

@@ -50,9 +50,9 @@ def wait_serving(target: str, timeout: float = 60.0, proc: subprocess.Popen | No
 class ServerProcess:
     """`hps serve --config FILE` as a subprocess; stopped with SIGTERM (then SIGKILL) on exit."""
 
-    def __init__(self, config: Path, grpc_port: int, env: dict | None = None) -> None:
+    def __init__(self, config: Path, grpc_port: int, env: dict | None = None, host: str = "127.0.0.1") -> None:
         self.config = config
-        self.target = f"127.0.0.1:{grpc_port}"
+        self.target = f"{host}:{grpc_port}"
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
 

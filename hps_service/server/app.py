@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
 from hps_service.cache.table_cache import WarmKeys
-from hps_service.config import HPSConfig
+from hps_service.config import HPSConfig, ServerConfig
 from hps_service.engine import CacheFactory, LookupEngine, ServedTable
 from hps_service.errors import UnavailableError
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
@@ -85,6 +85,25 @@ def message_limits(config: HPSConfig) -> tuple[int, int]:
     return receive, send
 
 
+def grpc_connection_options(cfg: ServerConfig) -> list[tuple[str, int]]:
+    """Keepalive and connection age of the gRPC server: idle connections are pinged, clients may ping every
+    ``min_client_ping_interval_s``, and a connection older than ``max_connection_age_s`` is closed with GOAWAY (its
+    calls get ``max_connection_age_grace_s``), so clients reconnect and re-balance over the replicas there are now."""
+    options = [
+        ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_ping_interval_without_data_ms", int(cfg.min_client_ping_interval_s * 1000)),
+        ("grpc.http2.max_ping_strikes", 2),
+    ]
+    if cfg.max_connection_age_s > 0:
+        options += [
+            ("grpc.max_connection_age_ms", int(cfg.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", int(cfg.max_connection_age_grace_s * 1000)),
+        ]
+    return options
+
+
 def snapshots_root(config: HPSConfig) -> Path:
     """Where RocksDB checkpoints go: server.snapshots_path, else a ``snapshots`` directory beside the DB."""
     if config.server.snapshots_path is not None:
@@ -147,6 +166,7 @@ class HPSServer:
                 ("grpc.max_receive_message_length", receive),
                 ("grpc.max_send_message_length", send),
                 ("grpc.so_reuseport", 0),
+                *grpc_connection_options(cfg),
             ],
         )
         add_embedding_service(EmbeddingServicer(self.engine, cfg, self.gate, self.metrics), server)

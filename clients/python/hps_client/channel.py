@@ -60,8 +60,10 @@ def channel_options(retries: int = 3, backoff_s: float = 0.05,
         "grpc.keepalive_timeout_ms": 10_000,
         "grpc.keepalive_permit_without_calls": 1,
         "grpc.http2.max_pings_without_data": 0,
-        # Re-resolve a dns:/// name soon after a replica goes away (new pods, new addresses).
+        # Re-resolve a dns:/// name soon after a replica goes away (new pods, new addresses), and reconnect to a
+        # restarted replica within seconds (gRPC's default backoff grows to 120 s).
         "grpc.dns_min_time_between_resolutions_ms": 2_000,
+        "grpc.max_reconnect_backoff_ms": 5_000,
     }
     for key, value in options or ():
         merged[key] = value
