@@ -108,6 +108,7 @@ def import_model(
 ) -> None:
     """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
     from hps_service.importer import import_table, read_model_source
+    from hps_service.sharding import ShardMap
     from hps_service.tiers.base import table_id
     from hps_service.tiers.rocksdb import RocksDBTier
 
@@ -124,6 +125,7 @@ def import_model(
         _fail("import needs a writable persistent tier, but persistent.read_only is true")
     try:
         keys, vectors = read_model_source(path)
+        keys, vectors, skipped = ShardMap.from_config(cfg.cluster).keep_owned(keys, vectors)
         tier = RocksDBTier(cfg.persistent.path, block_cache_mb=cfg.persistent.block_cache_mb)
     except HPSError as exc:
         _fail(str(exc))
@@ -152,7 +154,11 @@ def import_model(
         _fail(str(exc))
     finally:
         tier.close()
-    out_console.print(f"imported {n} rows (dim {tc.dim}) into {tid} at {cfg.persistent.path}", highlight=False)
+    shard = ""
+    if cfg.cluster.shards > 1:
+        shard = (f"; skipped {skipped} rows of other shards (this is shard {cfg.cluster.shard} of "
+                 f"{cfg.cluster.shards})")
+    out_console.print(f"imported {n} rows (dim {tc.dim}) into {tid} at {cfg.persistent.path}{shard}", highlight=False)
 
 
 @app.command()

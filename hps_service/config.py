@@ -166,6 +166,32 @@ class UpdatesConfig(_Section):
     )
 
 
+#: Partitions of every update topic (cluster.partitions): its divisors are the shard counts a fleet can grow to
+#: without a new topic (1, 2, 3, 4, 6, 8, 12, 24).
+DEFAULT_PARTITIONS = 24
+
+
+class ClusterConfig(_Section):
+    """Sharding: this process serves shard ``shard`` of ``shards``; a key lives on shard ``partition(key) % shards``,
+    where partition is Kafka's murmur2 partitioner over ``partitions`` (see protos/hps/v1/update.proto)."""
+
+    shards: int = Field(1, ge=1, le=4096, description="S: shards the keys are split over (1: every process serves all)")
+    shard: int = Field(0, ge=0, description="the shard this process serves, in [0, shards)")
+    partitions: int = Field(
+        DEFAULT_PARTITIONS, ge=1, le=100_000,
+        description="P: partitions of every update topic (created so, checked where they exist); a multiple of shards",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterConfig:
+        if self.partitions % self.shards:
+            raise ValueError(f"cluster.partitions ({self.partitions}) must be a multiple of cluster.shards "
+                             f"({self.shards}), so that every shard owns whole partitions")
+        if self.shard >= self.shards:
+            raise ValueError(f"cluster.shard ({self.shard}) must be below cluster.shards ({self.shards})")
+        return self
+
+
 class ConstantDefault(_Section):
     constant: float
 
@@ -211,6 +237,7 @@ class HPSConfig(BaseSettings):
     persistent: PersistentConfig = Field(default_factory=PersistentConfig)
     updates: UpdatesConfig = Field(default_factory=UpdatesConfig)
     models: list[ModelConfig] = Field(default_factory=list)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
 
     @classmethod
     def settings_customise_sources(

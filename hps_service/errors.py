@@ -7,6 +7,7 @@ for a NOT_FOUND answer are one class family.
 from __future__ import annotations
 
 from hps_client.errors import (
+    FailedPreconditionError,
     HPSError,
     InvalidArgumentError,
     LookupError_,
@@ -15,5 +16,5 @@ from hps_client.errors import (
     UnavailableError,
 )
 
-__all__ = ["HPSError", "InvalidArgumentError", "LookupError_", "NotFoundError", "ResourceExhaustedError",
-           "UnavailableError"]
+__all__ = ["FailedPreconditionError", "HPSError", "InvalidArgumentError", "LookupError_", "NotFoundError",
+           "ResourceExhaustedError", "UnavailableError"]

@@ -76,3 +76,15 @@ def test_env_override_is_validated(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("HPS_SERVER__MAX_BATCH_KEYS", "-3")
     with pytest.raises(ConfigError, match="server.max_batch_keys"):
         load_config(write(tmp_path, {}))
+
+
+def test_cluster_shards_partitions_and_shard_are_checked_in_one_line() -> None:
+    cfg = load_config(None)
+    assert (cfg.cluster.shards, cfg.cluster.shard, cfg.cluster.partitions) == (1, 0, 24)
+    assert load_config(None, cluster={"shards": 4, "shard": 3, "partitions": 8}).cluster.shard == 3
+    with pytest.raises(ConfigError) as err:
+        load_config(None, cluster={"shards": 4, "partitions": 10})
+    assert "cluster.partitions (10) must be a multiple of cluster.shards (4)" in str(err.value)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"cluster.shard \(2\) must be below cluster.shards \(2\)"):
+        load_config(None, cluster={"shards": 2, "shard": 2})

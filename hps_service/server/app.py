@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -27,8 +28,9 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate, add_embedding_service
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
-from hps_service.server.rest import AdminContext, ReadinessCheck, create_app
+from hps_service.server.rest import AdminContext, ReadinessCheck, create_app, readiness_reasons
 from hps_service.server.snapshots import SnapshotStore
+from hps_service.sharding import ShardMap
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
 from hps_service.tls import grpc_server_credentials, uvicorn_ssl_options
@@ -128,6 +130,7 @@ class HPSServer:
     def __init__(self, config: HPSConfig, engine: LookupEngine | None = None) -> None:
         self.config = config
         self.engine = engine
+        self.shard_map = ShardMap.from_config(config.cluster)
         self.gate = ServingGate()
         self.health = health.HealthServicer()
         self._grpc: grpc.Server | None = None
@@ -169,7 +172,8 @@ class HPSServer:
                 *grpc_connection_options(cfg),
             ],
         )
-        add_embedding_service(EmbeddingServicer(self.engine, cfg, self.gate, self.metrics), server)
+        servicer = EmbeddingServicer(self.engine, cfg, self.gate, self.metrics, self.shard_map, self.cluster_info)
+        add_embedding_service(servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         reflection.enable_server_reflection(
             (pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
@@ -200,6 +204,17 @@ class HPSServer:
         log.info("gRPC listening on %s:%d, REST admin on %s:%d (%s)", cfg.host, port, cfg.host, self.http_port, scheme)
         self._log_degraded()
 
+    def cluster_info(self) -> dict[str, Any]:
+        """The shard map and readiness (GetClusterInfo, GET /v1/cluster): the fields of hps.v1.ClusterInfo."""
+        assert self.engine is not None
+        m = self.shard_map
+        consumer = self.consumer
+        not_ready = readiness_reasons(self.engine, self.gate, self.readiness)
+        return {"shards": m.shards, "shard": m.shard, "partitions": m.partitions, "partitioner": "murmur2",
+                "owned_partitions": m.owned_partitions(),
+                "topic_partitions": dict(consumer.topic_partitions) if consumer is not None else {},
+                "ready": not not_ready, "not_ready": not_ready}
+
     def _log_degraded(self) -> None:
         """Say in the log when the server starts without a tier it was configured with (it serves from the rest)."""
         assert self.engine is not None
@@ -215,12 +230,16 @@ class HPSServer:
             return
         ucfg = self.config.updates
         group = ucfg.group or f"{ucfg.topic_prefix}.{socket.gethostname()}"
-        consumer = UpdateConsumer(ucfg, self.engine, [m.name for m in self.engine.models()], group)
+        cluster = self.config.cluster
+        consumer = UpdateConsumer(ucfg, self.engine, [m.name for m in self.engine.models()], group,
+                                  partitions=cluster.partitions, shards=cluster.shards, shard=cluster.shard)
         consumer.start()
         self.consumer = consumer
         self.readiness.append(lambda: update_consumer_not_ready(consumer))
         self.stats_sections["updates"] = consumer.stats
-        log.info("consuming updates from %s as group %s", ucfg.brokers, group)
+        log.info("consuming updates from %s as group %s (shard %d of %d: partitions %s of %d)", ucfg.brokers, group,
+                 cluster.shard, cluster.shards, self.shard_map.owned_partitions() if cluster.shards > 1 else "all",
+                 cluster.partitions)
 
     def models_changed(self) -> None:
         """After a model is registered or unloaded at runtime: health per model, and the update topics consumed."""
@@ -258,6 +277,8 @@ class HPSServer:
             readiness=self.readiness,
             stats_sections=self.stats_sections,
             on_models_changed=self.models_changed,
+            shard_map=self.shard_map,
+            cluster_info=self.cluster_info,
         )
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -13,6 +14,7 @@ from google.protobuf.message import DecodeError
 from hps_service.config import ServerConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import (
+    FailedPreconditionError,
     HPSError,
     InvalidArgumentError,
     NotFoundError,
@@ -23,6 +25,7 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.wire import encode_lookup_response
+from hps_service.sharding import ShardMap
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,7 @@ _STATUS = {
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -116,6 +120,9 @@ def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server) -> N
         "GetModel": grpc.unary_unary_rpc_method_handler(
             servicer.GetModel, request_deserializer=tolerant_parser(pb.GetModelRequest),
             response_serializer=pb.ModelInfo.SerializeToString),
+        "GetClusterInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetClusterInfo, request_deserializer=tolerant_parser(pb.GetClusterInfoRequest),
+            response_serializer=pb.ClusterInfo.SerializeToString),
     }
     service = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
@@ -131,12 +138,22 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
     """The hps.v1.EmbeddingService implementation."""
 
     def __init__(
-        self, engine: LookupEngine, limits: ServerConfig, gate: ServingGate, metrics: ServerMetrics | None = None
+        self,
+        engine: LookupEngine,
+        limits: ServerConfig,
+        gate: ServingGate,
+        metrics: ServerMetrics | None = None,
+        shard_map: ShardMap | None = None,
+        cluster_info: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
+        """``shard_map`` refuses keys of other shards (FAILED_PRECONDITION); ``cluster_info`` answers
+        GetClusterInfo (the fields of hps.v1.ClusterInfo)."""
         self.engine = engine
         self.limits = limits
         self.gate = gate
         self.metrics = metrics if metrics is not None else ServerMetrics(engine)
+        self.shard_map = shard_map if shard_map is not None else ShardMap()
+        self.cluster_info = cluster_info
 
     def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> bytes:
         """Answer one LookupRequest as serialized LookupResponse bytes (raises domain errors); with ``context``,
@@ -164,6 +181,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             raise ResourceExhaustedError(
                 f"{total} keys in one request exceeds server.max_batch_keys={self.limits.max_batch_keys}"
             )
+        if self.shard_map.sharded:  # every table before any lookup: a misrouted request does no work
+            for tk in request.tables:
+                self.shard_map.check(np.frombuffer(tk.keys, dtype="<i8"), f"keys of table '{tk.table}'")
         self.metrics.keys.observe(total)
         answers = []
         for tk in request.tables:
@@ -203,6 +223,15 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         if isinstance(request, MalformedRequest):
             self._abort(context, request.error())
         return pb.ListModelsResponse(models=[_model_info(self.engine, m.name) for m in self.engine.models()])
+
+    def GetClusterInfo(self, request: pb.GetClusterInfoRequest, context: grpc.ServicerContext) -> pb.ClusterInfo:
+        if isinstance(request, MalformedRequest):
+            self._abort(context, request.error())
+        if self.cluster_info is not None:
+            return pb.ClusterInfo(**self.cluster_info())
+        m = self.shard_map
+        return pb.ClusterInfo(shards=m.shards, shard=m.shard, partitions=m.partitions, partitioner="murmur2",
+                              owned_partitions=m.owned_partitions(), ready=self.gate.is_open)
 
     def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
         try:

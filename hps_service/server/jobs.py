@@ -21,6 +21,7 @@ import numpy as np
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, NotFoundError, UnavailableError
 from hps_service.importer import import_table, read_model_source
+from hps_service.sharding import ShardMap
 from hps_service.tiers.rocksdb import RocksDBTier
 
 log = logging.getLogger(__name__)
@@ -154,13 +155,19 @@ def invalidate_upper_tiers(engine: LookupEngine, model: str, table: str, keys: n
             t.cache.invalidate(chunk)
 
 
-def import_job(engine: LookupEngine, model: str, table: str, path: Path, version: int) -> Callable[[Job], dict]:
-    """The work of ``POST .../import``: read the file, bulk-load L3, then evict the keys from L2 and L1."""
+def import_job(
+    engine: LookupEngine, model: str, table: str, path: Path, version: int, shard_map: ShardMap | None = None
+) -> Callable[[Job], dict]:
+    """The work of ``POST .../import``: read the file, keep this shard's rows, bulk-load L3, then evict the keys
+    from L2 and L1."""
+    shard_map = shard_map if shard_map is not None else ShardMap()
 
     def work(job: Job) -> dict[str, Any]:
         tier = persistent_rocksdb(engine, "import")
         t = engine.table(model, table)
         keys, vectors = read_model_source(path)
+        rows_read = int(keys.shape[0])
+        keys, vectors, skipped = shard_map.keep_owned(keys, vectors)
         job.rows_total = int(keys.shape[0])
 
         def progress(done: int) -> None:
@@ -169,6 +176,7 @@ def import_job(engine: LookupEngine, model: str, table: str, path: Path, version
         written = import_table(tier, t.id, t.dim, keys, vectors, version=version, progress=progress)
         invalidate_upper_tiers(engine, model, table, keys)
         job.rows_done = job.rows_total
-        return {"rows_read": int(keys.shape[0]), "rows_written": int(written), "rows_stored": tier.count(t.id)}
+        return {"rows_read": rows_read, "rows_written": int(written), "rows_stored": tier.count(t.id),
+                "rows_skipped_other_shards": skipped}
 
     return work

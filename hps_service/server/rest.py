@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine
 from hps_service.errors import (
+    FailedPreconditionError,
     HPSError,
     InvalidArgumentError,
     NotFoundError,
@@ -37,6 +38,7 @@ from hps_service.server.grpc_service import ServingGate, status_for
 from hps_service.server.jobs import JobRunner, import_job, persistent_rocksdb
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.snapshots import SnapshotStore
+from hps_service.sharding import ShardMap, WrongShardError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 ReadinessCheck = Callable[[], "str | None"]
 
 _HTTP_STATUS: dict[type[HPSError], int] = {
+    # first match wins: a key of another shard is a request for another server (Misdirected Request)
+    WrongShardError: status.HTTP_421_MISDIRECTED_REQUEST,
+    FailedPreconditionError: status.HTTP_409_CONFLICT,
     InvalidArgumentError: status.HTTP_400_BAD_REQUEST,
     NotFoundError: status.HTTP_404_NOT_FOUND,
     ResourceExhaustedError: 413,
@@ -82,6 +87,25 @@ class AdminContext:
     stats_sections: dict[str, Callable[[], dict]] = field(default_factory=dict)
     #: Called after a model is registered or unloaded (keeps gRPC health in sync).
     on_models_changed: Callable[[], None] = lambda: None
+    #: The keys this server answers; others are refused with 421 naming their shard.
+    shard_map: ShardMap = field(default_factory=ShardMap)
+    #: GET /v1/cluster (the fields of hps.v1.ClusterInfo); None: built from shard_map and readiness.
+    cluster_info: Callable[[], dict[str, Any]] | None = None
+
+
+def readiness_reasons(engine: LookupEngine, gate: ServingGate, checks: list[ReadinessCheck]) -> list[str]:
+    """Why the server is not ready (empty when it is): closed gate, unreachable tiers, no model, failing hooks."""
+    not_ready = []
+    if not gate.is_open:
+        not_ready.append(gate.reason)
+    not_ready += [f"{tier} tier is unreachable" for tier, ok in engine.healthy().items() if not ok]
+    if not engine.models():
+        not_ready.append("no model is loaded")
+    for check in checks:
+        reason = check()
+        if reason:
+            not_ready.append(reason)
+    return not_ready
 
 
 # ---- request bodies ------------------------------------------------------------------------------------
@@ -254,19 +278,20 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.get("/readyz", tags=["health"], summary="Readiness: tiers reachable, models loaded, hooks ready",
              responses={503: {"description": "not ready; `not_ready` names what"}})
     def readyz() -> JSONResponse:
-        not_ready = []
-        if not ctx.gate.is_open:
-            not_ready.append(ctx.gate.reason)
-        not_ready += [f"{tier} tier is unreachable" for tier, ok in engine.healthy().items() if not ok]
-        if not engine.models():
-            not_ready.append("no model is loaded")
-        for check in ctx.readiness:
-            reason = check()
-            if reason:
-                not_ready.append(reason)
+        not_ready = readiness_reasons(engine, ctx.gate, ctx.readiness)
         if not_ready:
             return _error(503, "not ready: " + "; ".join(not_ready), ready=False, not_ready=not_ready)
         return JSONResponse({"ready": True, "models": [m.name for m in engine.models()]})
+
+    @app.get("/v1/cluster", tags=["health"], summary="Shard map: shards, this shard, partitions per topic, readiness")
+    def cluster() -> dict[str, Any]:
+        if ctx.cluster_info is not None:
+            return ctx.cluster_info()
+        m = ctx.shard_map
+        not_ready = readiness_reasons(engine, ctx.gate, ctx.readiness)
+        return {"shards": m.shards, "shard": m.shard, "partitions": m.partitions, "partitioner": "murmur2",
+                "owned_partitions": m.owned_partitions(), "topic_partitions": {}, "ready": not not_ready,
+                "not_ready": not_ready}
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)
     def metrics() -> Response:
@@ -306,6 +331,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         with ctx.metrics.observe("RestGetEmbeddings") as outcome:
             try:
                 arr = parse_keys(keys)
+                ctx.shard_map.check(arr)
                 result = engine.lookup(model, table, arr)
             except HPSError as err:
                 outcome[0] = status_for(err).name
@@ -329,6 +355,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         vectors = rows_array(body.vectors, n)
         if n == 0 and vectors.size == 0:
             return {"written": 0}
+        ctx.shard_map.check(np.array(body.keys, dtype=np.int64))
         if vectors.ndim != 2 or vectors.shape[1] != t.dim:
             width = vectors.shape[1] if vectors.ndim == 2 else "?"
             raise InvalidArgumentError(f"table '{table}' has dim {t.dim}; rows have {width} values")
@@ -340,7 +367,9 @@ def create_app(ctx: AdminContext) -> FastAPI:
         if len(body.keys) > ctx.config.server.max_batch_keys:
             raise ResourceExhaustedError(
                 f"{len(body.keys)} keys exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
-        return {"deleted": engine.apply_deletes(model, table, np.array(body.keys, dtype=np.int64))}
+        keys_arr = np.array(body.keys, dtype=np.int64)
+        ctx.shard_map.check(keys_arr)
+        return {"deleted": engine.apply_deletes(model, table, keys_arr)}
 
     # ---- import jobs ------------------------------------------------------------------------------
     @app.post("/v1/models/{model}/tables/{table}/import", tags=["jobs"], status_code=202, dependencies=admin,
@@ -352,7 +381,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         if not path.exists():
             raise InvalidArgumentError(f"model source {path} does not exist on the server")
         job = ctx.jobs.submit("import", {"model": model, "table": table, "path": str(path)},
-                              import_job(engine, model, table, path, body.version))
+                              import_job(engine, model, table, path, body.version, ctx.shard_map))
         return job.view()
 
     @app.post("/v1/models/{model}/tables/{table}/tombstones/purge", tags=["jobs"], status_code=202,

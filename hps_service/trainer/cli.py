@@ -89,7 +89,8 @@ def train_command(
         if publish and target:
             from hps_service.updates import Publisher
 
-            publisher = Publisher(target, model_cfg.name, cfg.updates.topic_prefix, **cfg.updates.kafka_config)
+            publisher = Publisher(target, model_cfg.name, cfg.updates.topic_prefix,
+                                  partitions=cfg.cluster.partitions, **cfg.updates.kafka_config)
         elif publish:
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
         metrics = Trainer(dlrm, data, train_cfg, publisher).run(metrics_out)

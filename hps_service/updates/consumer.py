@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient
 
 from hps_service.config import UpdatesConfig
 from hps_service.engine import LookupEngine
-from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.updates.message import (
     DecodedUpdate,
     MalformedUpdateError,
@@ -117,8 +117,13 @@ class UpdateConsumer:
         commit_interval_s: float = 0.1,
         close_timeout_s: float = 10.0,
         partitions: int = DEFAULT_PARTITIONS,
+        shards: int = 1,
+        shard: int = 0,
         consumer_config: dict[str, Any] | None = None,
     ) -> None:
+        """``partitions`` is P, used to create missing topics; a shard (``shards`` > 1) assigns only the partitions
+        p with p % shards == shard, and refuses a topic whose partition count is not P (its shard map would differ
+        from the clients' and the publishers')."""
         if not models:
             raise InvalidArgumentError("UpdateConsumer needs at least one model")
         if not group:
@@ -134,6 +139,10 @@ class UpdateConsumer:
         self.commit_interval_s = commit_interval_s
         self.close_timeout_s = close_timeout_s
         self.partitions = partitions
+        self.shards = shards
+        self.shard = shard
+        #: Partition count of each update topic as the broker reported it.
+        self.topic_partitions: dict[str, int] = {}
         self._client_config = {**cfg.kafka_config, "bootstrap.servers": cfg.brokers, "socket.nagle.disable": True}
         self._consumer_config = {
             **_CONSUMER_DEFAULTS,
@@ -224,7 +233,7 @@ class UpdateConsumer:
             try:
                 self._connect()
                 break
-            except (UnavailableError, KafkaException) as exc:
+            except (UnavailableError, FailedPreconditionError, KafkaException) as exc:
                 self.last_error = str(exc)
                 self.metrics.reconnects += 1
                 log.warning("update consumer %s cannot reach Kafka (%s); retrying in %.1fs", self.group, exc, backoff)
@@ -264,9 +273,15 @@ class UpdateConsumer:
         admin = AdminClient(self._client_config)
         partitions: dict[str, int] = {}
         for topic in topics:
-            partitions[topic] = ensure_topic(admin, topic, self.partitions)
+            partitions[topic] = n = ensure_topic(admin, topic, self.partitions)
+            self.topic_partitions[topic] = n
+            if n != self.partitions and self.shards > 1:
+                raise FailedPreconditionError(
+                    f"topic {topic} has {n} partitions but cluster.partitions is {self.partitions}: a shard owns "
+                    f"partition % {self.shards} == {self.shard}, so every update topic must have exactly P partitions"
+                )
             ensure_topic(admin, dlq_topic_name(topic), 1)
-        tps = [TopicPartition(t, p) for t, n in partitions.items() for p in range(n)]
+        tps = [TopicPartition(t, p) for t, n in partitions.items() for p in range(n) if p % self.shards == self.shard]
         committed = consumer.committed(tps, timeout=10.0) if tps else []
         assignment = []
         for tp in committed:
@@ -298,7 +313,7 @@ class UpdateConsumer:
             try:
                 assignment = self._starting_positions(self._consumer, added)
                 self._consumer.incremental_assign(assignment)
-            except (UnavailableError, KafkaException) as exc:
+            except (UnavailableError, FailedPreconditionError, KafkaException) as exc:
                 self.last_error = f"cannot start consuming {', '.join(added)}: {exc}"
                 log.warning("update consumer %s: %s; retrying", self.group, self.last_error)
                 with self._follow_lock:

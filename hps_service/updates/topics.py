@@ -7,10 +7,10 @@ import time
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from hps_service.config import DEFAULT_PARTITIONS
 from hps_service.errors import UnavailableError
 
-#: Partitions given to an update topic that the publisher or consumer has to create itself.
-DEFAULT_PARTITIONS = 8
+__all__ = ["DEFAULT_PARTITIONS", "ensure_topic"]
 
 
 def ensure_topic(admin: AdminClient, topic: str, partitions: int = DEFAULT_PARTITIONS, timeout_s: float = 10.0) -> int:

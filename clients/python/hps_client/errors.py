@@ -27,5 +27,10 @@ class UnavailableError(HPSError):
     """The service cannot answer right now: starting, draining, or a required tier is down."""
 
 
+class FailedPreconditionError(HPSError):
+    """The request is valid but this server is not the one to answer it, e.g. keys of another shard (gRPC
+    FAILED_PRECONDITION, HTTP 409/421)."""
+
+
 class LookupError_(HPSError):
     """A call failed with a status the client does not map to a narrower error (DEADLINE_EXCEEDED, INTERNAL...)."""

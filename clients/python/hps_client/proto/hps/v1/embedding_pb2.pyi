@@ -93,3 +93,34 @@ class GetModelRequest(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class GetClusterInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ClusterInfo(_message.Message):
+    __slots__ = ("shards", "shard", "partitions", "partitioner", "owned_partitions", "topic_partitions", "ready", "not_ready")
+    class TopicPartitionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    PARTITIONER_FIELD_NUMBER: _ClassVar[int]
+    OWNED_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOPIC_PARTITIONS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    NOT_READY_FIELD_NUMBER: _ClassVar[int]
+    shards: int
+    shard: int
+    partitions: int
+    partitioner: str
+    owned_partitions: _containers.RepeatedScalarFieldContainer[int]
+    topic_partitions: _containers.ScalarMap[str, int]
+    ready: bool
+    not_ready: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, shards: _Optional[int] = ..., shard: _Optional[int] = ..., partitions: _Optional[int] = ..., partitioner: _Optional[str] = ..., owned_partitions: _Optional[_Iterable[int]] = ..., topic_partitions: _Optional[_Mapping[str, int]] = ..., ready: _Optional[bool] = ..., not_ready: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -54,6 +54,11 @@ class EmbeddingServiceStub:
                 request_serializer=hps_dot_v1_dot_embedding__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=hps_dot_v1_dot_embedding__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.GetClusterInfo = channel.unary_unary(
+                '/hps.v1.EmbeddingService/GetClusterInfo',
+                request_serializer=hps_dot_v1_dot_embedding__pb2.GetClusterInfoRequest.SerializeToString,
+                response_deserializer=hps_dot_v1_dot_embedding__pb2.ClusterInfo.FromString,
+                _registered_method=True)
 
 
 class EmbeddingServiceServicer:
@@ -85,6 +90,13 @@ class EmbeddingServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetClusterInfo(self, request, context):
+        """The shard map: clients learn from it which shard each target serves.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -107,6 +119,11 @@ def add_EmbeddingServiceServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=hps_dot_v1_dot_embedding__pb2.GetModelRequest.FromString,
                     response_serializer=hps_dot_v1_dot_embedding__pb2.ModelInfo.SerializeToString,
+            ),
+            'GetClusterInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetClusterInfo,
+                    request_deserializer=hps_dot_v1_dot_embedding__pb2.GetClusterInfoRequest.FromString,
+                    response_serializer=hps_dot_v1_dot_embedding__pb2.ClusterInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -217,6 +234,33 @@ class EmbeddingService:
             '/hps.v1.EmbeddingService/GetModel',
             hps_dot_v1_dot_embedding__pb2.GetModelRequest.SerializeToString,
             hps_dot_v1_dot_embedding__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetClusterInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hps.v1.EmbeddingService/GetClusterInfo',
+            hps_dot_v1_dot_embedding__pb2.GetClusterInfoRequest.SerializeToString,
+            hps_dot_v1_dot_embedding__pb2.ClusterInfo.FromString,
             options,
             channel_credentials,
             insecure,
