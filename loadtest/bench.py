@@ -447,7 +447,7 @@ def bench_memory(p: Plan) -> dict[str, Any]:
     tier.close()
     capacity = -(-rows // 32) * 32
     cache = SetAssociativeCache(capacity, DIM, ways=32)
-    cache_bytes = cache.keys.nbytes + cache.clock.nbytes + cache.values.nbytes
+    cache_bytes = cache.memory_bytes()
     return {"rows": held, "raw_row_bytes": raw_row, "hashmap_bytes_per_row": hashmap_bytes / held,
             "hashmap_resident_bytes_per_row": resident_growth / held,
             "hashmap_ratio": hashmap_bytes / (held * raw_row), "l1_bytes_per_row": cache_bytes / capacity,

@@ -45,7 +45,7 @@ def build(rows: int, dim: int, ways: int, seed: int) -> tuple[np.ndarray, np.nda
     offered = rng.choice(np.iinfo(np.int64).max, size=rows, replace=False).astype(np.int64)
     cache = SetAssociativeCache(-(-2 * rows // ways) * ways, dim, ways=ways)
     cache.insert(offered, rng.random((rows, dim), dtype=np.float32))
-    keys, table = cache.dump()
+    keys, table, _ = cache.dump()
     return keys, np.ascontiguousarray(table), cache
 
 
@@ -56,7 +56,9 @@ def run(rows: int, dim: int, ways: int, batches: list[int], repeats: int, budget
     print(f"table {len(keys)} rows x {dim} float32 ({table.nbytes / 2**20:.0f} MiB), all of them in a cache of "
           f"capacity {cache.capacity} ({cache.values.nbytes / 2**20:.0f} MiB values), {ways} ways; "
           f"{distinct} different batches per size")
-    table_cache = SetAssocTableCache(cache, lambda k: np.zeros((len(k), dim), np.float32), hit_rate_threshold=0.0)
+    table_cache = SetAssocTableCache(
+        cache, lambda k: (np.zeros((len(k), dim), np.float32), np.zeros(len(k), np.int64), np.ones(len(k), bool)),
+        hit_rate_threshold=0.0)
     mutex = threading.Lock()
     rng = np.random.default_rng(1)
     results = []

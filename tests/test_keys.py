@@ -7,8 +7,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hps_service.cache import cpu_kernels
-from hps_service.cache.set_assoc import last_occurrence
 from hps_service.errors import InvalidArgumentError, ResourceExhaustedError
 from hps_service.keys import as_keys, unique_with_inverse
 
@@ -25,13 +23,6 @@ def test_unique_with_inverse_equals_numpy(keys: list[int]) -> None:
     assert np.array_equal(uniq, expected_uniq)
     assert np.array_equal(inverse, expected_inverse)
     assert np.array_equal(uniq[inverse], arr)
-
-
-@settings(deadline=None)
-@given(batches)
-def test_compiled_last_occurrence_equals_reference(keys: list[int]) -> None:
-    arr = np.array(keys, dtype=np.int64)
-    assert np.array_equal(cpu_kernels.last_occurrence(arr), last_occurrence(np, arr))
 
 
 def test_as_keys_validates() -> None:

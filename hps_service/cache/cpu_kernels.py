@@ -1,9 +1,17 @@
 """Compiled (numba) CPU kernels of the set-associative cache: probe and copy in one pass.
 
 Each kernel does exactly what the xp reference in :mod:`hps_service.cache.set_assoc` does (the tests
-compare them on the same operation sequences). Keys are hashed as uint64 with the same splitmix64
-finalizer; every integer constant is typed uint64 so numba never mixes signed and unsigned (which it
-would promote to float). Kernels release the GIL so concurrent readers run in parallel.
+compare them on the same operation sequences); the arrays are those of :class:`layout.CacheArrays`.
+Keys are hashed as uint64 with the same splitmix64 finalizer; every integer constant is typed uint64 so
+numba never mixes signed and unsigned (which it would promote to float). Kernels release the GIL so
+concurrent readers run in parallel.
+
+Readers take no lock: :func:`query_kernel` loads the sequence counter (``meta[META_SEQ]``) with acquire
+ordering before it reads and again after, and returns -1 (answer discarded, nothing touched) when a
+writer was inside or passed meanwhile. Only a validated read draws a tick and touches clocks, with
+atomic adds, so a rerun can never count an access twice and concurrent readers lose no LFU counts.
+Writers bump the counter to odd before they change anything and back to even after
+(:func:`seq_begin`, :func:`seq_end`, full barriers), one writer at a time (the caller's mutex).
 """
 
 from __future__ import annotations
@@ -11,109 +19,161 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from hps_service.cache.layout import META_EVICTIONS, META_ROWS, META_SEQ, META_TICK, TAG_BIT, TAG_HASH_MASK
 from hps_service.hashing import mix64
+from hps_service.numba_atomic import acquire_fence, atomic_fetch_add, atomic_load
 from hps_service.numba_prefetch import prefetch
 
 _S32 = np.uint64(32)
-_EMPTY = np.uint64(1 << 63)
+_TAG_BIT = np.uint64(TAG_BIT)
+_TAG_MASK = np.uint64(TAG_HASH_MASK)
 _I64_MIN = np.iinfo(np.int64).min
 _I64_MAX = np.iinfo(np.int64).max
 
+#: How many keys apart the stages of the query pipeline run (tag rows prefetched, then key slot and value
+#: row prefetched, then key compared and row copied); measured best of 8/16 (loadtest/bench_cache.py).
+PREFETCH_AHEAD = 16
+
 
 @numba.njit(cache=True, inline="always")
-def _set_of(key: np.uint64, sets: np.uint64) -> np.int64:
-    return np.int64(((mix64(key) >> _S32) * sets) >> _S32)
+def _set_of(x: np.uint64, sets: np.uint64) -> np.int64:
+    return np.int64(((x >> _S32) * sets) >> _S32)
 
 
 @numba.njit(cache=True, inline="always")
-def _find(table: np.ndarray, s: np.int64, key: np.uint64) -> np.int64:
-    for w in range(table.shape[1]):
-        if table[s, w] == key:
+def _tag_of(x: np.uint64) -> np.uint8:
+    return np.uint8(_TAG_BIT | (x & _TAG_MASK))
+
+
+@numba.njit(cache=True, inline="always")
+def _find(tags, table, s, tag, key, start):  # type: ignore[no-untyped-def]
+    for w in range(start, tags.shape[1]):
+        if tags[s, w] == tag and table[s, w] == key:
             return w
     return -1
 
 
-#: How many keys ahead the query prefetches set rows (probe loop) and value rows (copy loop); measured best of 8/16.
-PREFETCH_AHEAD = 16
+@numba.njit(cache=True, nogil=True)
+def seq_begin(meta):  # type: ignore[no-untyped-def]
+    """Writer: make the sequence odd before changing the cache (a full barrier)."""
+    atomic_fetch_add(meta, META_SEQ, 1)
 
 
 @numba.njit(cache=True, nogil=True)
-def query_kernel(table, clock, values, keys, out, hit, sets, tick, lfu):
-    # Software-pipelined: the probe of key i runs while the set rows of keys i+1..i+D are being fetched, and
-    # the copy of row i while the value rows of i+1..i+D are; then the clocks are touched in a last pass.
-    # Measured against the plain probe-then-copy loop on the same data: 0.44-0.47x -> 0.51-0.53x of a raw
-    # gather at batch 1024, 0.40-0.48x -> 0.68-0.72x at 4096 (loadtest/bench_cache.py).
-    ways = table.shape[1]
+def seq_end(meta):  # type: ignore[no-untyped-def]
+    """Writer: make the sequence even after changing the cache (a full barrier)."""
+    atomic_fetch_add(meta, META_SEQ, 1)
+
+
+@numba.njit(cache=True, nogil=True)
+def next_tick(meta):  # type: ignore[no-untyped-def]
+    """Draw the next tick (an atomic add: concurrent readers each get their own)."""
+    return atomic_fetch_add(meta, META_TICK, 1) + 1
+
+
+@numba.njit(cache=True, nogil=True)
+def query_kernel(tags, table, clock, values, meta, keys, out, hit, sets, lfu, touch):  # type: ignore[no-untyped-def]
+    # Software-pipelined over three stages PREFETCH_AHEAD keys apart: the tag row of key j is prefetched;
+    # the tags of key j-D are scanned and the candidate's key slot and value row prefetched; the key of
+    # j-2D is compared and its row copied. Returns the number of hits, or -1 if a writer overlapped.
+    seq = atomic_load(meta, META_SEQ)
+    if seq & 1:
+        return -1
+    ways = tags.shape[1]
     dim = values.shape[1]
     usets = np.uint64(sets)
     n = keys.shape[0]
     ahead = PREFETCH_AHEAD
     set_idx = np.empty(n, np.int64)
+    tag = np.empty(n, np.uint8)
     for i in range(n):
-        set_idx[i] = _set_of(keys[i], usets)
+        x = mix64(keys[i])
+        set_idx[i] = _set_of(x, usets)
+        tag[i] = _tag_of(x)
     slots = np.empty(n, np.int64)
     nhit = 0
-    for j in range(n + ahead):
+    for j in range(n + 2 * ahead):
         if j < n:
-            s = set_idx[j]
-            for c in range(0, ways, 8):
-                prefetch(table, s, c)
+            prefetch(tags, set_idx[j], 0)
         i = j - ahead
-        if i >= 0:
+        if 0 <= i < n:
             s = set_idx[i]
-            w = _find(table, s, keys[i])
+            t = tag[i]
+            w = -1
+            for v in range(ways):
+                if tags[s, v] == t:
+                    w = v
+                    break
+            slots[i] = w
+            if w >= 0:
+                prefetch(table, s, w)
+                slot = s * ways + w
+                for d in range(0, dim, 16):
+                    prefetch(values, slot, d)
+        i = j - 2 * ahead
+        if i >= 0:
+            w = slots[i]
+            s = set_idx[i]
+            if w >= 0 and table[s, w] != keys[i]:
+                w = _find(tags, table, s, tag[i], keys[i], w + 1)
             if w < 0:
                 hit[i] = False
                 slots[i] = -1
             else:
-                hit[i] = True
-                slots[i] = s * ways + w
-                nhit += 1
-    for j in range(n + ahead):
-        if j < n:
-            slot = slots[j]
-            if slot >= 0:
-                for d in range(0, dim, 16):
-                    prefetch(values, slot, d)
-        i = j - ahead
-        if i >= 0:
-            slot = slots[i]
-            if slot >= 0:
+                slot = s * ways + w
                 for d in range(dim):
                     out[i, d] = values[slot, d]
-    flat_clock = clock.ravel()
-    for i in range(n):
-        slot = slots[i]
-        if slot >= 0:
-            if lfu:
-                flat_clock[slot] += 1
-            else:
-                flat_clock[slot] = tick
+                hit[i] = True
+                slots[i] = slot
+                nhit += 1
+    acquire_fence()
+    if atomic_load(meta, META_SEQ) != seq:
+        return -1
+    if touch:
+        tick = atomic_fetch_add(meta, META_TICK, 1) + 1
+        flat_clock = clock.ravel()
+        for i in range(n):
+            slot = slots[i]
+            if slot >= 0:
+                if lfu:
+                    atomic_fetch_add(flat_clock, slot, 1)
+                else:
+                    flat_clock[slot] = tick
     return nhit
 
 
 @numba.njit(cache=True, nogil=True)
-def _insert(table, clock, values, keys, vectors, sets, tick, lfu, evict):
-    ways = table.shape[1]
+def _insert(tags, table, vers, clock, values, meta, keys, vectors, versions, sets, lfu, evict):  # type: ignore[no-untyped-def]
+    ways = tags.shape[1]
     dim = values.shape[1]
     usets = np.uint64(sets)
     n = keys.shape[0]
+    tick = atomic_fetch_add(meta, META_TICK, 1) + 1
     set_of = np.empty(n, np.int64)
+    tag_of = np.empty(n, np.uint8)
     new = np.empty(n, np.int64)
     m = 0
     overwritten = 0
+    stale = 0
     for i in range(n):
         k = keys[i]
-        s = _set_of(k, usets)
+        x = mix64(k)
+        s = _set_of(x, usets)
+        t = _tag_of(x)
         set_of[i] = s
-        w = _find(table, s, k)
+        tag_of[i] = t
+        w = _find(tags, table, s, t, k, 0)
         if w < 0:
             new[m] = i
             m += 1
             continue
+        if vers[s, w] > versions[i]:
+            stale += 1
+            continue
         slot = s * ways + w
         for d in range(dim):
             values[slot, d] = vectors[i, d]
+        vers[s, w] = versions[i]
         if lfu:
             clock[s, w] += 1
         else:
@@ -132,7 +192,7 @@ def _insert(table, clock, values, keys, vectors, sets, tick, lfu, evict):
         while e < m and set_of[new[order[e]]] == s:
             e += 1
         for w in range(ways):
-            if table[s, w] == _EMPTY:
+            if tags[s, w] == 0:
                 priority[w] = -ways + w
             else:
                 priority[w] = clock[s, w] * ways + w
@@ -148,102 +208,114 @@ def _insert(table, clock, values, keys, vectors, sets, tick, lfu, evict):
                     best = p
                     w = v
             taken = best
-            if table[s, w] != _EMPTY:
+            if tags[s, w] != 0:
                 if not evict:
                     break
                 evicted += 1
             i = new[order[j + r]]
+            tags[s, w] = tag_of[i]
             table[s, w] = keys[i]
+            vers[s, w] = versions[i]
             clock[s, w] = new_clock
             slot = s * ways + w
             for d in range(dim):
                 values[slot, d] = vectors[i, d]
             placed += 1
         j = e
-    return overwritten + placed, placed, evicted, m - placed
+    meta[META_ROWS] += placed - evicted
+    meta[META_EVICTIONS] += evicted
+    return overwritten + placed, placed, evicted, m - placed, stale
 
 
 @numba.njit(cache=True, nogil=True)
-def _update(table, values, keys, vectors, sets):
-    ways = table.shape[1]
+def _update(tags, table, vers, values, keys, vectors, versions, sets):  # type: ignore[no-untyped-def]
+    ways = tags.shape[1]
     dim = values.shape[1]
     usets = np.uint64(sets)
-    present = np.zeros(keys.shape[0], np.bool_)
+    written = np.zeros(keys.shape[0], np.bool_)
     for i in range(keys.shape[0]):
         k = keys[i]
-        s = _set_of(k, usets)
-        w = _find(table, s, k)
-        if w < 0:
+        x = mix64(k)
+        s = _set_of(x, usets)
+        w = _find(tags, table, s, _tag_of(x), k, 0)
+        if w < 0 or vers[s, w] > versions[i]:
             continue
         slot = s * ways + w
         for d in range(dim):
             values[slot, d] = vectors[i, d]
-        present[i] = True
-    # Distinct cached keys: a duplicate of a key counts once.
-    return np.unique(keys[present]).shape[0]
+        vers[s, w] = versions[i]
+        written[i] = True
+    # Distinct keys overwritten: a duplicate of a key counts once.
+    return np.unique(keys[written]).shape[0]
 
 
 @numba.njit(cache=True, nogil=True)
-def _invalidate(table, clock, keys, sets):
+def _invalidate(tags, table, vers, clock, meta, keys, versions, versioned, sets):  # type: ignore[no-untyped-def]
     usets = np.uint64(sets)
     removed = 0
     for i in range(keys.shape[0]):
         k = keys[i]
-        s = _set_of(k, usets)
-        w = _find(table, s, k)
-        if w >= 0:
-            table[s, w] = _EMPTY
+        x = mix64(k)
+        s = _set_of(x, usets)
+        w = _find(tags, table, s, _tag_of(x), k, 0)
+        if w >= 0 and (not versioned or vers[s, w] <= versions[i]):
+            tags[s, w] = 0
             clock[s, w] = 0
             removed += 1
+    meta[META_ROWS] -= removed
     return removed
 
 
 @numba.njit(cache=True, nogil=True)
-def _last_occurrence(keys, keep):
+def _latest_per_key(keys, versions, keep):  # type: ignore[no-untyped-def]
     # Fills keep and returns a count (returning an array would box it through numba's unpickling per call).
     n = keys.shape[0]
-    order = np.argsort(keys, kind="mergesort")  # stable: the last of a run of equal keys is the latest one
+    order = np.argsort(keys, kind="mergesort")  # stable: equal keys stay in batch order
     m = 0
-    for j in range(n):
-        if j == n - 1 or keys[order[j + 1]] != keys[order[j]]:
-            keep[m] = order[j]
-            m += 1
+    j = 0
+    while j < n:
+        best = order[j]
+        e = j + 1
+        while e < n and keys[order[e]] == keys[order[j]]:
+            if versions[order[e]] >= versions[best]:
+                best = order[e]
+            e += 1
+        keep[m] = best
+        m += 1
+        j = e
     keep[:m].sort()
     return m
 
 
-def last_occurrence(keys: np.ndarray) -> np.ndarray:
-    """Indices of the last occurrence of each distinct key, in batch order (``set_assoc.last_occurrence``, compiled)."""
+def latest_per_key(keys: np.ndarray, versions: np.ndarray) -> np.ndarray:
+    """Indices keeping one entry per key, the highest version (the last among equals), in batch order."""
     keep = np.empty(keys.shape[0], dtype=np.int64)
-    return keep[: _last_occurrence(np.ascontiguousarray(keys), keep)]
+    return keep[: _latest_per_key(np.ascontiguousarray(keys), np.ascontiguousarray(versions), keep)]
 
 
 def _u64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint64)
 
 
-def query(
-    table: np.ndarray, clock: np.ndarray, values: np.ndarray, keys: np.ndarray, out: np.ndarray,
-    hit: np.ndarray, sets: int, tick: int, lfu: bool,
-) -> int:
-    """Probe and copy hits into ``out``, set ``hit``, touch clocks; returns the number of hits."""
-    return query_kernel(table.view(np.uint64), clock, values, _u64(keys), out, hit, sets, tick, lfu)
+def insert(arrays, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, lfu: bool,  # type: ignore[no-untyped-def]
+           evict: bool) -> tuple[int, int, int, int, int]:
+    """Insert deduplicated keys; returns (written, placed, evicted, dropped, stale)."""
+    a = arrays
+    return _insert(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.values, a.meta, _u64(keys),
+                   np.ascontiguousarray(vectors), np.ascontiguousarray(versions), a.sets, lfu, evict)
 
 
-def insert(
-    table: np.ndarray, clock: np.ndarray, values: np.ndarray, keys: np.ndarray, vectors: np.ndarray,
-    sets: int, tick: int, lfu: bool, evict: bool,
-) -> tuple[int, int, int, int]:
-    """Insert deduplicated keys; returns (written, placed, evicted, dropped)."""
-    return _insert(table.view(np.uint64), clock, values, _u64(keys), np.ascontiguousarray(vectors), sets,
-                   tick, lfu, evict)
+def update(arrays, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> int:  # type: ignore[no-untyped-def]
+    """Overwrite rows of cached keys not newer than the update, in batch order; returns distinct keys written."""
+    a = arrays
+    return _update(a.tags, a.keys.view(np.uint64), a.versions, a.values, _u64(keys), np.ascontiguousarray(vectors),
+                   np.ascontiguousarray(versions), a.sets)
 
 
-def update(table: np.ndarray, values: np.ndarray, keys: np.ndarray, vectors: np.ndarray, sets: int) -> int:
-    """Overwrite rows of cached keys in batch order (the last duplicate wins); returns distinct cached keys."""
-    return _update(table.view(np.uint64), values, _u64(keys), np.ascontiguousarray(vectors), sets)
-
-
-def invalidate(table: np.ndarray, clock: np.ndarray, keys: np.ndarray, sets: int) -> int:
-    """Free the slots of cached keys; returns how many were cached."""
-    return _invalidate(table.view(np.uint64), clock, _u64(keys), sets)
+def invalidate(arrays, keys: np.ndarray, versions: np.ndarray | None) -> int:  # type: ignore[no-untyped-def]
+    """Free the slots of cached keys (with versions: only rows not newer than the delete); returns how many."""
+    a = arrays
+    versioned = versions is not None
+    vs = np.ascontiguousarray(versions) if versioned else np.zeros(keys.shape[0], np.int64)
+    return _invalidate(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.meta, _u64(keys), vs, versioned,
+                       a.sets)

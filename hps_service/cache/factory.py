@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from hps_service.cache.array_module import get_array_module
+from hps_service.cache.backend import resolve_backend
 from hps_service.cache.protocol import FetchBelow, TableCache
 from hps_service.cache.set_assoc import SetAssociativeCache
 from hps_service.cache.table_cache import SetAssocTableCache, WarmKeys
@@ -38,8 +38,13 @@ def build_table_cache(
     rows = capacity_rows(cfg, table_rows)
     if rows == 0:
         return None
-    xp = get_array_module(cfg.backend)
-    cache = SetAssociativeCache(rows, dim, ways=cfg.ways, policy=cfg.policy, xp=xp)
+    backend = resolve_backend(cfg.backend)
+    if backend == "cuda":
+        from hps_service.cache.device import DeviceCache
+
+        cache: SetAssociativeCache | DeviceCache = DeviceCache(rows, dim, ways=cfg.ways, policy=cfg.policy)
+    else:
+        cache = SetAssociativeCache(rows, dim, ways=cfg.ways, policy=cfg.policy)
     return SetAssocTableCache(
         cache,
         fetch_below,

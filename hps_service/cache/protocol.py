@@ -1,7 +1,8 @@
 """The seam between the lookup engine and the L1 embedding cache of one table.
 
 The engine asks the L1 first, then the lower tiers for what it missed, and hands the rows it fetched
-back with :meth:`TableCache.admit`; where and when they are inserted is the cache's decision.
+back with :meth:`TableCache.admit`; where and when they are inserted is the cache's decision. Rows carry
+their versions, and L1 never replaces a row with an older version (as L2 and L3 do not).
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-#: Reads true rows for keys from the tiers below L1: ``fetch(keys) -> (n, dim) float32``.
-FetchBelow = Callable[[np.ndarray], np.ndarray]
+#: Reads true rows for keys from the tiers below L1: ``fetch(keys) -> ((n, dim) float32 rows, (n,) int64
+#: versions, (n,) bool stored)``; rows not stored anywhere (``stored`` False) are the table default and are
+#: never cached.
+FetchBelow = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
 
 
 @runtime_checkable
@@ -23,31 +26,34 @@ class TableCache(Protocol):
     capacity: int
 
     def lookup(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the (n,) bool hit mask."""
+        """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the (n,) bool hit mask. Rows of misses
+        are unspecified (the caller fills them)."""
 
     def generation(self) -> int:
         """A change counter; read it before fetching below and pass it to :meth:`admit` as ``fetched_at``."""
 
     def admit(
-        self, keys: np.ndarray, vectors: np.ndarray, batch_hit_rate: float, *, fetched_at: int | None = None
+        self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, batch_hit_rate: float, *,
+        fetched_at: int | None = None,
     ) -> None:
-        """Offer rows fetched from lower tiers (unique keys); inline or deferred per hit_rate_threshold, and once
-        the cache is full only for keys that have missed often enough lately (admit_after_misses).
+        """Offer rows fetched from lower tiers (unique keys) with their stored versions; inline or deferred per
+        hit_rate_threshold, and once the cache is full only for keys that have missed often enough lately.
 
-        Rows of keys updated or deleted since ``fetched_at`` are left out, so L1 never keeps a stale row.
+        Rows of keys updated or deleted since ``fetched_at`` are left out, and a cached row newer than the
+        offered one is kept, so L1 never keeps a stale row.
         """
 
-    def update(self, keys: np.ndarray, vectors: np.ndarray) -> None:
-        """Online update: overwrite rows of keys that are cached, leave the others out."""
+    def update(self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> None:
+        """Online update: overwrite rows of keys that are cached and whose cached version is not newer."""
 
-    def invalidate(self, keys: np.ndarray) -> None:
-        """Drop keys from the cache (deletes)."""
+    def invalidate(self, keys: np.ndarray, versions: np.ndarray | None = None) -> None:
+        """Deletes: with ``versions``, drop cached rows not newer than the delete; with None, drop the keys."""
 
     def clear(self) -> None:
         """Drop everything."""
 
-    def stats(self) -> dict[str, float]:
-        """At least: rows, capacity, evictions (hits and misses are counted by the engine)."""
+    def stats(self) -> dict[str, float | str]:
+        """At least: rows, capacity, evictions, backend, memory_bytes (from counters, never a scan)."""
 
     def close(self) -> None:
         """Stop background work; persist what warm start needs."""

@@ -1,8 +1,8 @@
 """The L1 cache of one table as the lookup engine sees it (:class:`protocol.TableCache`).
 
-Wraps a :class:`SetAssociativeCache` with a sequence lock (lookups take no lock and are rerun when a
-mutation overlapped them, so a reader never keeps a half-written row) and decides which fetched rows
-enter and where they are inserted: inline when the batch hit rate is below ``hit_rate_threshold``,
+Wraps a :class:`SetAssociativeCache` (host memory) or a :class:`DeviceCache` (GPU) with a sequence lock
+(lookups take no lock and are rerun when a mutation overlapped them, so a reader never keeps a half-written
+row) and decides which fetched rows enter and where they are inserted: inline when the batch hit rate is below ``hit_rate_threshold``,
 else by a background worker through a bounded queue. Once the cache is full, only keys that have
 missed ``admit_after_misses`` times lately enter (:mod:`admission`), grouped into one insert per
 ``GROUP_ROWS`` rows. It also refreshes cached rows from the lower tiers in strides, warm-starts from
@@ -19,17 +19,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
 
 from hps_service.cache.admission import MissSketch
-from hps_service.cache.array_module import is_numpy, to_host
 from hps_service.cache.change_log import ChangeLog
 from hps_service.cache.protocol import FetchBelow
 from hps_service.cache.seqlock import SeqLock
-from hps_service.cache.set_assoc import InsertResult, SetAssociativeCache
+from hps_service.cache.set_assoc import READ_ATTEMPTS, InsertResult, SetAssociativeCache, versions_arg
 from hps_service.errors import InvalidArgumentError
 
 log = logging.getLogger(__name__)
@@ -46,7 +44,8 @@ GROUP_ROWS = 256
 #: still reaches the cache.
 GROUP_MAX_AGE_S = 1.0
 
-Offer = tuple[np.ndarray, np.ndarray, int]
+#: (keys, rows, versions, change generation when read)
+Offer = tuple[np.ndarray, np.ndarray, np.ndarray, int]
 
 WarmKeys = Callable[[int], np.ndarray]
 _INT64 = np.dtype(np.int64)
@@ -58,7 +57,7 @@ class SetAssocTableCache:
 
     def __init__(
         self,
-        cache: SetAssociativeCache,
+        cache: SetAssociativeCache | Any,
         fetch_below: FetchBelow,
         *,
         hit_rate_threshold: float = 0.9,
@@ -77,8 +76,6 @@ class SetAssocTableCache:
         if not 0.0 < refresh_fraction <= 1.0:
             raise InvalidArgumentError(f"refresh_fraction must be in (0, 1], got {refresh_fraction}")
         self._cache = cache
-        self._xp: ModuleType = cache.xp
-        self._on_host = is_numpy(cache.xp)
         self.dim = cache.dim
         self.capacity = cache.capacity
         self._fetch_below = fetch_below
@@ -87,11 +84,10 @@ class SetAssocTableCache:
         self._refresh_stride = max(1, math.ceil(refresh_fraction * cache.capacity))
         self._refresh_cursor = 0
         self._snapshot_path = snapshot_path
-        self._lock = SeqLock()
+        self._lock = SeqLock(cache.meta)
         self._changes = ChangeLog()
         self._counter_lock = threading.Lock()
-        self._thread_counts = threading.local()
-        self._all_counts: list[list[int]] = []
+        self._queued_rows = 0
         self._counts = {"admitted_inline": 0, "admitted_deferred": 0, "offers_dropped": 0,
                         "admission_refused": 0, "refreshed_rows": 0, "warm_rows": 0}
         self._sketch = MissSketch(cache.capacity, admit_after_misses) if admit_after_misses > 1 else None
@@ -131,66 +127,50 @@ class SetAssocTableCache:
             raise InvalidArgumentError(f"vectors must have shape ({keys.shape[0]}, {self.dim}), got {vectors.shape}")
         return np.ascontiguousarray(vectors, dtype=np.float32)
 
-    def _dev(self, arr: np.ndarray) -> Any:
-        return arr if self._on_host else self._xp.asarray(arr)
-
     # ------------------------------------------------------------------ protocol
     def lookup(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
-        """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the (n,) bool hit mask."""
+        """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the (n,) bool hit mask (rows of misses
+        are unspecified). Takes no lock: a read a writer overlapped is rerun, after a few tries while holding
+        the writers' mutex (so it waits for the writer instead of spinning)."""
         if not (type(keys) is np.ndarray and keys.dtype is _INT64 and keys.ndim == 1 and keys.flags.c_contiguous):
             keys = self._keys_arg(keys)
         n = keys.shape[0]
-        if type(out) is not np.ndarray or out.dtype is not _FLOAT32 or out.shape != (n, self.dim):
+        if (type(out) is not np.ndarray or out.dtype is not _FLOAT32 or out.shape != (n, self.dim)
+                or not out.flags.c_contiguous):
             raise InvalidArgumentError(
-                f"out must be a float32 array of shape ({n}, {self.dim}), got {getattr(out, 'shape', None)}")
-        if self._on_host:
-            hit = self._lock.read(self._cache.query, keys, out)
+                f"out must be a C-contiguous float32 array of shape ({n}, {self.dim}), "
+                f"got {getattr(out, 'shape', None)}")
+        hit = np.empty(n, dtype=np.bool_)
+        cache = self._cache
+        for _ in range(READ_ATTEMPTS):
+            nhit = cache.query_once(keys, out, hit)
+            if nhit >= 0:
+                break
         else:
-            hit = self._lookup_on_device(keys, out)
-        nhit = int(np.count_nonzero(hit))
-        try:
-            counts = self._thread_counts.counts
-        except AttributeError:
-            counts = self._new_thread_counts()
-        counts[0] += nhit
-        counts[1] += n - nhit
+            with self._lock.exclusive():
+                nhit = cache.query_once(keys, out, hit)
+        cache.counts.add(nhit, n - nhit)
         return hit
-
-    def _lookup_on_device(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
-        # Device kernels run asynchronously, so a sequence check after the launch would prove nothing:
-        # device readers hold off writers instead (their kernels queue in order on the device anyway).
-        dev_out = self._xp.empty((keys.shape[0], self.dim), dtype=self._xp.float32)
-        with self._lock.exclusive():
-            dev_hit = self._cache.query(self._xp.asarray(keys), dev_out)
-            hit = to_host(dev_hit)
-        if hit.any():
-            out[hit] = to_host(dev_out[dev_hit])
-        return hit
-
-    def _new_thread_counts(self) -> list[int]:
-        """This thread's [hits, misses] (each thread adds to its own, so lookups share no counter lock)."""
-        counts = [0, 0]
-        self._thread_counts.counts = counts
-        with self._counter_lock:
-            self._all_counts.append(counts)
-        return counts
 
     def generation(self) -> int:
         """Change generation to pass as ``fetched_at`` to :meth:`admit` when read before fetching below."""
         return self._changes.generation
 
     def admit(
-        self, keys: np.ndarray, vectors: np.ndarray, batch_hit_rate: float, *, fetched_at: int | None = None
+        self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, batch_hit_rate: float, *,
+        fetched_at: int | None = None,
     ) -> None:
-        """Offer rows fetched from lower tiers: inserted now when ``batch_hit_rate`` is below the threshold,
+        """Offer rows fetched from lower tiers with their versions: inserted now when ``batch_hit_rate`` is below the threshold,
         else queued for the background worker (dropped and counted when the queue is full). Once the cache
         is full, keys not missed often enough are refused and the rest wait in a group of ``GROUP_ROWS``.
 
         ``fetched_at`` (from :meth:`generation`, read before the fetch) lets rows that an update or delete
-        overtook be left out; without it only changes after this call are guarded against.
+        overtook be left out; without it only changes after this call are guarded against. A cached row newer
+        than the offered one is kept.
         """
         keys = self._keys_arg(keys)
         vectors = self._rows_arg(keys, vectors)
+        versions = versions_arg(versions, keys.shape[0])
         if keys.shape[0] == 0:
             return
         generation = self._changes.generation if fetched_at is None else fetched_at
@@ -201,14 +181,14 @@ class SetAssocTableCache:
             admitted = self._sketch.admit(keys)
             if not self._filling and not admitted.all():
                 self._count("admission_refused", keys.shape[0] - int(np.count_nonzero(admitted)))
-                keys, vectors = keys[admitted], vectors[admitted]
+                keys, vectors, versions = keys[admitted], vectors[admitted], versions[admitted]
                 if keys.shape[0] == 0:
                     return
         grouping = self._sketch is not None and not self._filling
         if batch_hit_rate < self._threshold and not grouping:
-            self._count("admitted_inline", self._insert_offers([(keys, vectors, generation)]))
+            self._count("admitted_inline", self._insert_offers([(keys, vectors, versions, generation)]))
             return
-        offers: list[Offer] | None = [(keys.copy(), vectors.copy(), generation)]
+        offers: list[Offer] | None = [(keys.copy(), vectors.copy(), versions.copy(), generation)]
         if grouping:
             offers = self._add_to_group(offers[0])
             if offers is None:
@@ -216,25 +196,33 @@ class SetAssocTableCache:
         if batch_hit_rate < self._threshold:
             self._count("admitted_inline", self._insert_offers(offers))
             return
+        rows = sum(o[0].shape[0] for o in offers)
+        with self._counter_lock:
+            self._queued_rows += rows
         try:
             self._queue.put_nowait(offers)
         except queue.Full:
-            self._count("offers_dropped", len(offers))
+            with self._counter_lock:
+                self._queued_rows -= rows
+                self._counts["offers_dropped"] += len(offers)
 
-    def update(self, keys: np.ndarray, vectors: np.ndarray) -> None:
-        """Online update: overwrite rows of keys that are cached, leave the others out."""
+    def update(self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> None:
+        """Online update: overwrite rows of keys that are cached and not newer than the update's versions."""
         keys = self._keys_arg(keys)
         vectors = self._rows_arg(keys, vectors)
+        versions = versions_arg(versions, keys.shape[0])
         with self._lock.write():
             self._changes.record(keys)
-            self._cache.update(self._dev(keys), self._dev(vectors))
+            self._cache.update(keys, vectors, versions)
 
-    def invalidate(self, keys: np.ndarray) -> None:
-        """Drop keys from the cache (deletes)."""
+    def invalidate(self, keys: np.ndarray, versions: np.ndarray | None = None) -> None:
+        """Deletes: with ``versions``, drop cached rows not newer than the delete's; with None, drop the keys."""
         keys = self._keys_arg(keys)
+        if versions is not None:
+            versions = versions_arg(versions, keys.shape[0])
         with self._lock.write():
             self._changes.record(keys)
-            self._cache.invalidate(self._dev(keys))
+            self._cache.invalidate(keys, versions)
 
     def clear(self) -> None:
         """Drop everything, including offers still queued."""
@@ -247,19 +235,18 @@ class SetAssocTableCache:
         if self._sketch is not None:
             self._sketch.reset()
 
-    def stats(self) -> dict[str, float]:
-        """hits, misses, hit_rate (of lookups through this object), rows, occupancy, capacity, evictions and
-        admission/refresh/warm-start counters."""
-        with self._lock.exclusive():
-            base = self._cache.stats()
+    def stats(self) -> dict[str, float | str]:
+        """hits, misses, hit_rate, rows, occupancy, capacity, evictions, backend, memory_bytes and the
+        admission/refresh/warm-start counters; ``queued_rows``: rows waiting for deferred insertion. All from
+        counters: a scrape takes no cache lock and scans nothing."""
+        base = self._cache.stats()
         with self._counter_lock:
-            hits = sum(c[0] for c in self._all_counts)
-            misses = sum(c[1] for c in self._all_counts)
             counts = dict(self._counts)
-        total = hits + misses
-        base.update(hits=float(hits), misses=float(misses), hit_rate=hits / total if total else 0.0)
+            queued = self._queued_rows
+        with self._group_lock:
+            queued += self._group_rows
         base.update({k: float(v) for k, v in counts.items()})
-        base["queued_offers"] = float(self._queue.qsize())
+        base["queued_rows"] = float(queued)
         return base
 
     def close(self) -> None:
@@ -320,6 +307,8 @@ class SetAssocTableCache:
             except Exception:
                 log.exception("deferred L1 insert failed; %d offers discarded", len(offers))
             finally:
+                with self._counter_lock:
+                    self._queued_rows -= sum(o[0].shape[0] for o in offers)
                 for _ in items:
                     self._queue.task_done()
             if items[-1] is None:
@@ -343,24 +332,26 @@ class SetAssocTableCache:
         if not batch:
             return 0
         with self._lock.write():
-            kept_keys, kept_rows = [], []
-            for keys, vectors, generation in batch:
+            kept_keys, kept_rows, kept_versions = [], [], []
+            for keys, vectors, versions, generation in batch:
                 changed = self._changes.changed_since(generation, keys)
                 if changed is None:
                     continue
                 if changed.any():
-                    keys, vectors = keys[~changed], vectors[~changed]
+                    keys, vectors, versions = keys[~changed], vectors[~changed], versions[~changed]
                 kept_keys.append(keys)
                 kept_rows.append(vectors)
+                kept_versions.append(versions)
             if not kept_keys:
                 return 0
             if len(kept_keys) > 1:
                 keys, vectors = np.concatenate(kept_keys), np.concatenate(kept_rows)
+                versions = np.concatenate(kept_versions)
             else:
-                keys, vectors = kept_keys[0], kept_rows[0]
+                keys, vectors, versions = kept_keys[0], kept_rows[0], kept_versions[0]
             if keys.shape[0] == 0:
                 return 0
-            return self._inserted(self._cache.insert(self._dev(keys), self._dev(vectors), evict=evict))
+            return self._inserted(self._cache.insert(keys, vectors, versions, evict=evict))
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._refresh_interval_s):
@@ -374,18 +365,18 @@ class SetAssocTableCache:
         with self._lock.exclusive():
             generation = self._changes.generation
             start = self._refresh_cursor
-            keys, _ = self._cache.dump(start, start + self._refresh_stride)
-            keys = to_host(keys)
+            keys = self._cache.dump(start, start + self._refresh_stride)[0]
         self._refresh_cursor = 0 if start + self._refresh_stride >= self.capacity else start + self._refresh_stride
         if keys.shape[0] == 0:
             return 0
-        fresh = self._rows_arg(keys, self._fetch_below(keys))
+        rows, versions, stored = self._fetched(keys)
         with self._lock.write():
             changed = self._changes.changed_since(generation, keys)
             if changed is None:
                 return 0
-            keep = ~changed
-            refreshed = self._cache.update(self._dev(keys[keep]), self._dev(fresh[keep]))
+            keep = ~changed & stored
+            # Version-aware: a row updated meanwhile (newer than what was read) is kept.
+            refreshed = self._cache.update(keys[keep], rows[keep], versions[keep])
         self._count("refreshed_rows", refreshed)
         return refreshed
 
@@ -402,12 +393,21 @@ class SetAssocTableCache:
                     return
                 chunk = keys[start : start + WARM_CHUNK_ROWS]
                 generation = self._changes.generation
-                rows = self._rows_arg(chunk, self._fetch_below(chunk))
-                self._count("warm_rows", self._insert_offers([(chunk, rows, generation)], evict=False))
+                rows, versions, stored = self._fetched(chunk)
+                offer = (chunk[stored], rows[stored], versions[stored], generation)
+                self._count("warm_rows", self._insert_offers([offer], evict=False))
         except Exception:
             log.exception("L1 warm start failed; the cache starts cold")
         finally:
             self._warm_done.set()
+
+    def _fetched(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Rows, versions and the stored mask of ``keys`` from the tiers below, checked."""
+        rows, versions, stored = self._fetch_below(keys)
+        stored = np.asarray(stored, dtype=bool)
+        if stored.shape != keys.shape:
+            raise InvalidArgumentError(f"fetch_below returned a stored mask of shape {stored.shape} for {keys.shape}")
+        return self._rows_arg(keys, rows), versions_arg(versions, keys.shape[0]), stored
 
     def _load_snapshot(self) -> np.ndarray | None:
         path = self._snapshot_path

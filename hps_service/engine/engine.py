@@ -8,7 +8,7 @@ import logging
 import numpy as np
 
 from hps_service.config import ModelConfig
-from hps_service.engine.levels import LookupResult
+from hps_service.engine.levels import DEFAULT, LookupResult
 from hps_service.engine.preload import Preloader
 from hps_service.engine.read import Reader
 from hps_service.engine.registry import ModelRegistry, close_tables, make_table
@@ -77,9 +77,11 @@ class LookupEngine:
     def _served_tables(self) -> list[ServedTable]:
         return [t for tables in self.registry.tables().values() for t in tables.values()]
 
-    def _fetch_for_cache(self, t: ServedTable, keys: np.ndarray) -> np.ndarray:
-        """The L1's own reads below it (refresh, warm start): not counted as lookups."""
-        return self.reader.fetch_below(t, keys, count=False).vectors
+    def _fetch_for_cache(self, t: ServedTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The L1's own reads below it (refresh, warm start): rows, versions and the stored mask (the cache's
+        ``FetchBelow``), not counted as lookups."""
+        got = self.reader.fetch_below(t, keys, count=False)
+        return got.vectors, got.versions, got.sources != DEFAULT
 
     # ---- reads and writes ---------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray) -> LookupResult:

@@ -65,9 +65,10 @@ class Reader:
         if t.cache is not None:
             stored = got.sources != DEFAULT
             if stored.all():
-                t.cache.admit(uniq, got.vectors, batch_hit_rate, fetched_at=fetched_at)
+                t.cache.admit(uniq, got.vectors, got.versions, batch_hit_rate, fetched_at=fetched_at)
             elif stored.any():
-                t.cache.admit(uniq[stored], got.vectors[stored], batch_hit_rate, fetched_at=fetched_at)
+                t.cache.admit(uniq[stored], got.vectors[stored], got.versions[stored], batch_hit_rate,
+                              fetched_at=fetched_at)
         return LookupResult(out, sources)
 
     def fetch_below(self, t: ServedTable, keys: np.ndarray, count: bool = True) -> Fetched:

@@ -81,7 +81,7 @@ def make_table(
     tc: TableConfig,
     tiers: Iterable[Tier],
     cache_factory: CacheFactory | None,
-    fetch_below: Callable[[ServedTable, np.ndarray], np.ndarray],
+    fetch_below: Callable[[ServedTable, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
     warm_source: Tier | None,
 ) -> ServedTable:
     """Create a table in every tier and build its L1 cache, which reads misses through ``fetch_below`` and warms
@@ -91,7 +91,7 @@ def make_table(
         tier.create_table(t.id, tc.dim)
     if cache_factory is not None:
 
-        def fetch(keys: np.ndarray) -> np.ndarray:
+        def fetch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             return fetch_below(t, keys)
 
         warm_keys = None

@@ -66,7 +66,7 @@ class Writer:
                 # only rows L3 accepted: an older replay must not reach L2 where an evicted tombstone left a gap
                 self.volatile.put(t.id, keys[written], vectors[written], versions[written])
         if t.cache is not None and written.any():
-            t.cache.update(keys[written], vectors[written])
+            t.cache.update(keys[written], vectors[written], versions[written])
         return int(np.count_nonzero(written))
 
     def apply_deletes(self, t: ServedTable, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
@@ -93,7 +93,7 @@ class Writer:
             if self.persistent is None:
                 removed = n
         if t.cache is not None:
-            t.cache.invalidate(keys)
+            t.cache.invalidate(keys, tomb_versions)  # versioned: a newer cached row stays
         return removed
 
     def purge_tombstones(self, t: ServedTable, below_version: int) -> dict[str, int]:

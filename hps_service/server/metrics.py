@@ -61,7 +61,13 @@ class EngineCollector(Collector):
             labels=["model", "table"],
         )
         queue = GaugeMetricFamily(
-            "hps_cache_promotion_queue_depth", "Rows waiting for deferred insertion into L1", labels=["model", "table"]
+            "hps_cache_promotion_queue_depth",
+            "Rows (not offers) waiting for deferred insertion into L1: queued for the worker or grouped for admission",
+            labels=["model", "table"],
+        )
+        cache_memory = GaugeMetricFamily(
+            "hps_cache_memory_bytes", "Memory held by the L1 cache's arrays (device memory on the CUDA backend)",
+            labels=["model", "table", "backend"],
         )
         for model in self.engine.models():
             for tc in model.tables:
@@ -87,11 +93,13 @@ class EngineCollector(Collector):
                     cache_capacity.add_metric(mt, float(cache["capacity"] or 0))
                     cache_evictions.add_metric(mt, float(cache["evictions"] or 0))
                     refused.add_metric(mt, float(cache.get("admission_refused") or 0))
-                    depth = cache.get("queued_offers")
+                    depth = cache.get("queued_rows")
                     if depth is not None:
                         queue.add_metric(mt, float(depth))
+                    if cache.get("memory_bytes") is not None:
+                        cache_memory.add_metric([*mt, str(cache.get("backend", ""))], float(cache["memory_bytes"]))
         yield from (hits, misses, rows, evictions, defaults, cache_rows, cache_capacity, cache_evictions, refused,
-                    queue)
+                    queue, cache_memory)
 
 
 class ServerMetrics:

@@ -1,4 +1,5 @@
-"""A plain-Python model of the set-associative LRU/LFU cache, slot by slot, for the property tests."""
+"""A plain-Python model of the set-associative LRU/LFU cache with row versions, slot by slot, for the property
+tests."""
 
 from __future__ import annotations
 
@@ -7,15 +8,24 @@ from dataclasses import dataclass
 MASK64 = (1 << 64) - 1
 
 
-def set_of(key: int, sets: int) -> int:
-    """splitmix64 finalizer, high 32 bits scaled to [0, sets): the mapping the cache documents."""
+def mix(key: int) -> int:
+    """The splitmix64 finalizer of the key's 64 bits."""
     x = key & MASK64
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & MASK64
     x ^= x >> 27
     x = (x * 0x94D049BB133111EB) & MASK64
-    x ^= x >> 31
-    return ((x >> 32) * sets) >> 32
+    return x ^ (x >> 31)
+
+
+def set_of(key: int, sets: int) -> int:
+    """High 32 hash bits scaled to [0, sets): the mapping the cache documents."""
+    return ((mix(key) >> 32) * sets) >> 32
+
+
+def tag_of(key: int) -> int:
+    """0x80 | the low 7 hash bits: the slot tag the cache documents (never 0, the free state)."""
+    return 0x80 | (mix(key) & 0x7F)
 
 
 @dataclass
@@ -23,6 +33,7 @@ class Entry:
     key: int
     clock: int
     vector: tuple[float, ...]
+    version: int = 0
 
 
 class CacheModel:
@@ -49,19 +60,26 @@ class CacheModel:
             answers.append(None if entry is None else entry.vector)
         return answers
 
-    def insert(self, keys: list[int], vectors: list[tuple[float, ...]], evict: bool = True) -> tuple[int, int, int, int]:
+    def insert(self, keys: list[int], vectors: list[tuple[float, ...]], versions: list[int] | None = None,
+               evict: bool = True) -> tuple[int, int, int, int, int]:
         self.tick += 1
-        last = {key: i for i, key in enumerate(keys)}
-        overwritten = 0
+        versions = [0] * len(keys) if versions is None else versions
+        chosen: dict[int, int] = {}
+        for i, key in enumerate(keys):  # the highest version per key, the last among equals
+            if key not in chosen or versions[i] >= versions[chosen[key]]:
+                chosen[key] = i
+        overwritten = stale = 0
         new_by_set: dict[int, list[int]] = {}
-        for i in sorted(last.values()):
+        for i in sorted(chosen.values()):
             entry = self._find(keys[i])
-            if entry is not None:
-                entry.vector = vectors[i]
+            if entry is None:
+                new_by_set.setdefault(set_of(keys[i], self.sets), []).append(i)
+            elif entry.version > versions[i]:
+                stale += 1
+            else:
+                entry.vector, entry.version = vectors[i], versions[i]
                 self._touch(entry)
                 overwritten += 1
-            else:
-                new_by_set.setdefault(set_of(keys[i], self.sets), []).append(i)
         placed = evicted = 0
         new_clock = self.tick if self.policy == "lru" else 1
         for s, idxs in new_by_set.items():
@@ -73,26 +91,30 @@ class CacheModel:
                     if not evict:
                         break
                     evicted += 1
-                row[way] = Entry(keys[i], new_clock, vectors[i])
+                row[way] = Entry(keys[i], new_clock, vectors[i], versions[i])
                 placed += 1
         new_total = sum(len(v) for v in new_by_set.values())
-        return overwritten + placed, placed, evicted, new_total - placed
+        return overwritten + placed, placed, evicted, new_total - placed, stale
 
-    def update(self, keys: list[int], vectors: list[tuple[float, ...]]) -> int:
-        cached = set()
-        for key, vector in zip(keys, vectors):
+    def update(self, keys: list[int], vectors: list[tuple[float, ...]], versions: list[int] | None = None) -> int:
+        versions = [0] * len(keys) if versions is None else versions
+        written = set()
+        for key, vector, version in zip(keys, vectors, versions):
             entry = self._find(key)
-            if entry is not None:
-                entry.vector = vector
-                cached.add(key)
-        return len(cached)
+            if entry is not None and entry.version <= version:
+                entry.vector, entry.version = vector, version
+                written.add(key)
+        return len(written)
 
-    def invalidate(self, keys: list[int]) -> int:
+    def invalidate(self, keys: list[int], versions: list[int] | None = None) -> int:
         removed = 0
-        for key in keys:
+        for i, key in enumerate(keys):
             row = self.slots[set_of(key, self.sets)]
             for way, entry in enumerate(row):
-                if entry is not None and entry.key == key:
+                if entry is not None and entry.key == key and (versions is None or entry.version <= versions[i]):
                     row[way] = None
                     removed += 1
         return removed
+
+    def rows(self) -> int:
+        return sum(e is not None for row in self.slots for e in row)

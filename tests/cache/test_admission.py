@@ -54,15 +54,19 @@ def test_bad_arguments(capacity: int, min_misses: int) -> None:
         MissSketch(capacity, min_misses)
 
 
+def fetch_zeros(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return np.zeros((len(keys), DIM), np.float32), np.zeros(len(keys), np.int64), np.ones(len(keys), bool)
+
+
 def _table_cache(capacity: int, admit_after_misses: int) -> SetAssocTableCache:
     return SetAssocTableCache(
-        SetAssociativeCache(capacity, DIM, ways=4), lambda k: np.zeros((len(k), DIM), np.float32),
+        SetAssociativeCache(capacity, DIM, ways=4), fetch_zeros,
         hit_rate_threshold=1.0, warm_start=False, admit_after_misses=admit_after_misses,
     )
 
 
 def _offer(cache: SetAssocTableCache, keys: np.ndarray) -> None:
-    cache.admit(keys, np.ones((keys.shape[0], DIM), np.float32), batch_hit_rate=0.0)
+    cache.admit(keys, np.ones((keys.shape[0], DIM), np.float32), 0, batch_hit_rate=0.0)
 
 
 def _cached(cache: SetAssocTableCache, keys: np.ndarray) -> np.ndarray:
@@ -125,16 +129,17 @@ def test_admission_raises_the_zipf_hit_rate_and_cuts_inserts() -> None:
 
 def test_groups_of_high_hit_rate_batches_go_to_the_worker() -> None:
     cache = SetAssocTableCache(
-        SetAssociativeCache(4096, DIM, ways=4), lambda k: np.zeros((len(k), DIM), np.float32),
+        SetAssociativeCache(4096, DIM, ways=4), fetch_zeros,
         hit_rate_threshold=0.5, warm_start=False, admit_after_misses=2,
     )
     try:
-        cache.admit(np.arange(100, 4400, dtype=np.int64), np.ones((4300, DIM), np.float32), batch_hit_rate=0.0)
-        cache.admit(np.array([9_999], dtype=np.int64), np.ones((1, DIM), np.float32), batch_hit_rate=0.99)
+        cache.admit(np.arange(100, 4400, dtype=np.int64), np.ones((4300, DIM), np.float32), 0,
+                    batch_hit_rate=0.0)
+        cache.admit(np.array([9_999], dtype=np.int64), np.ones((1, DIM), np.float32), 0, batch_hit_rate=0.99)
         assert cache.stats()["admission_refused"] == 1  # full: admissions are filtered and grouped from here on
         group = np.arange(20_000, 20_000 + GROUP_ROWS, dtype=np.int64)
         for _ in range(2):
-            cache.admit(group, np.ones((GROUP_ROWS, DIM), np.float32), batch_hit_rate=0.99)
+            cache.admit(group, np.ones((GROUP_ROWS, DIM), np.float32), 0, batch_hit_rate=0.99)
         cache.flush()
         assert _cached(cache, group).all()
         assert cache.stats()["admitted_deferred"] == GROUP_ROWS

@@ -6,13 +6,17 @@ import numpy as np
 import pytest
 
 from hps_service.cache import TableCache, build_table_cache, capacity_rows
-from hps_service.cache.array_module import cupy_usable, get_array_module
+from hps_service.cache.backend import device_status, resolve_backend
 from hps_service.config import CacheConfig
 from hps_service.errors import InvalidArgumentError, UnavailableError
 
 
-def fetch(keys: np.ndarray) -> np.ndarray:
+def rows(keys: np.ndarray) -> np.ndarray:
     return np.repeat(keys[:, None], 4, axis=1).astype(np.float32)
+
+
+def fetch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return rows(keys), np.ones(len(keys), np.int64), np.ones(len(keys), bool)
 
 
 @pytest.mark.parametrize(
@@ -31,9 +35,9 @@ def test_builds_a_table_cache_that_serves_rows() -> None:
     try:
         assert isinstance(cache, TableCache) and cache.capacity == 64 and cache.dim == 4
         keys = np.arange(10, dtype=np.int64)
-        cache.admit(keys, fetch(keys), 0.0)
+        cache.admit(keys, rows(keys), 1, 0.0)
         out = np.zeros((10, 4), np.float32)
-        assert cache.lookup(keys, out).all() and np.array_equal(out, fetch(keys))
+        assert cache.lookup(keys, out).all() and np.array_equal(out, rows(keys))
     finally:
         cache.close()
 
@@ -53,13 +57,16 @@ def test_disabled_or_empty_cache_is_none() -> None:
     assert build_table_cache(CacheConfig(capacity=0.1), 4, 5, fetch, None, None) is None
 
 
-def test_backend_choice() -> None:
-    assert get_array_module("numpy") is np
+def test_backend_choice(caplog: pytest.LogCaptureFixture) -> None:
+    """auto takes the device only when one is usable, and logs what it chose and why."""
+    assert resolve_backend("numpy") == "numpy"
     with pytest.raises(InvalidArgumentError):
-        get_array_module("tpu")
-    if cupy_usable():
-        assert get_array_module("auto").__name__ == "cupy"
-    else:
-        assert get_array_module("auto") is np
+        resolve_backend("tpu")
+    usable, why = device_status()
+    with caplog.at_level("INFO", logger="hps_service.cache.backend"):
+        chosen = resolve_backend("auto")
+    assert chosen == ("cuda" if usable else "numpy")
+    assert why in caplog.text and "'auto' chose" in caplog.text
+    if not usable:
         with pytest.raises(UnavailableError, match="no usable CUDA device"):
-            get_array_module("cupy")
+            resolve_backend("cupy")

@@ -24,11 +24,16 @@ class LowerTier:
 
     def __init__(self, rows: int = ROWS, dim: int = DIM) -> None:
         self.rows = np.random.default_rng(7).random((rows, dim), dtype=np.float32)
+        self.versions = np.ones(rows, dtype=np.int64)
         self.reads = 0
 
-    def fetch(self, keys: np.ndarray) -> np.ndarray:
+    def fetch(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         self.reads += len(keys)
-        return self.rows[keys]
+        return self.rows[keys], self.versions[keys], np.ones(len(keys), dtype=bool)
+
+    def offer(self, cache: SetAssocTableCache, keys: np.ndarray, batch_hit_rate: float, **kwargs) -> None:
+        rows, versions, _ = self.fetch(keys)
+        cache.admit(keys, rows, versions, batch_hit_rate, **kwargs)
 
 
 def make(tier: LowerTier, capacity: int = 512, ways: int = 8, **kwargs) -> SetAssocTableCache:
@@ -70,7 +75,7 @@ def test_low_hit_rate_admits_inline(cache: SetAssocTableCache, tier: LowerTier) 
     keys = np.arange(100, 140, dtype=np.int64)
     hit, _ = lookup(cache, keys)
     assert not hit.any()
-    cache.admit(keys, tier.fetch(keys), batch_hit_rate=0.0)
+    tier.offer(cache, keys, batch_hit_rate=0.0)
     hit, out = lookup(cache, keys)
     assert hit.all() and np.array_equal(out, tier.rows[keys])
     stats = cache.stats()
@@ -82,7 +87,7 @@ def test_high_hit_rate_admits_off_the_request_path(cache: SetAssocTableCache, ti
     keys = np.arange(200, 230, dtype=np.int64)
     admitted = threading.Event()
     with cache._lock.write():  # while a writer holds the cache, an inline insert could not proceed
-        t = threading.Thread(target=lambda: (cache.admit(keys, tier.fetch(keys), 0.99), admitted.set()))
+        t = threading.Thread(target=lambda: (tier.offer(cache, keys, 0.99), admitted.set()))
         t.start()
         assert admitted.wait(WAIT_S), "admit with a high hit rate waited for the cache lock"
     t.join()
@@ -98,7 +103,7 @@ def test_full_admission_queue_drops_and_counts(tier: LowerTier) -> None:
         with cache._lock.write():
             for start in range(0, 50, 10):
                 keys = np.arange(start, start + 10, dtype=np.int64)
-                cache.admit(keys, tier.fetch(keys), 1.0)
+                tier.offer(cache, keys, 1.0)
         assert cache.stats()["offers_dropped"] >= 3
         cache.flush()
         assert 1 <= cache.stats()["admitted_deferred"] // 10 <= 2
@@ -108,10 +113,10 @@ def test_full_admission_queue_drops_and_counts(tier: LowerTier) -> None:
 
 def test_update_overwrites_cached_rows_only(cache: SetAssocTableCache, tier: LowerTier) -> None:
     cached = np.arange(10, dtype=np.int64)
-    cache.admit(cached, tier.fetch(cached), 0.0)
+    tier.offer(cache, cached, 0.0)
     keys = np.array([3, 4, 3000], dtype=np.int64)
     new = np.arange(3 * DIM, dtype=np.float32).reshape(3, DIM)
-    cache.update(keys, new)
+    cache.update(keys, new, 2)
     hit, out = lookup(cache, keys)
     assert hit.tolist() == [True, True, False]
     assert np.array_equal(out[:2], new[:2])
@@ -119,7 +124,7 @@ def test_update_overwrites_cached_rows_only(cache: SetAssocTableCache, tier: Low
 
 def test_invalidate_and_clear(cache: SetAssocTableCache, tier: LowerTier) -> None:
     keys = np.arange(20, dtype=np.int64)
-    cache.admit(keys, tier.fetch(keys), 0.0)
+    tier.offer(cache, keys, 0.0)
     cache.invalidate(keys[:5])
     hit, _ = lookup(cache, keys)
     assert hit.tolist() == [False] * 5 + [True] * 15
@@ -130,13 +135,13 @@ def test_invalidate_and_clear(cache: SetAssocTableCache, tier: LowerTier) -> Non
 def test_rows_read_before_an_update_are_not_admitted_after_it(cache: SetAssocTableCache, tier: LowerTier) -> None:
     keys = np.array([42, 43], dtype=np.int64)
     before = cache.generation()
-    stale = tier.fetch(keys).copy()
-    cache.update(keys[:1], np.ones((1, DIM), np.float32))  # not cached: nothing to overwrite
-    cache.admit(keys, stale, 0.0, fetched_at=before)
+    stale, versions, _ = tier.fetch(keys)
+    cache.update(keys[:1], np.ones((1, DIM), np.float32), 2)  # not cached: nothing to overwrite
+    cache.admit(keys, stale, versions, 0.0, fetched_at=before)
     assert lookup(cache, keys)[0].tolist() == [False, True]
     # Deferred offers are checked against changes made while they wait in the queue.
     with cache._lock.write():
-        cache.admit(np.array([44], dtype=np.int64), tier.fetch(np.array([44])), 0.99)
+        tier.offer(cache, np.array([44], dtype=np.int64), 0.99)
         cache._changes.record(np.array([44], dtype=np.int64))
     cache.flush()
     assert not lookup(cache, np.array([44], dtype=np.int64))[0].any()
@@ -146,7 +151,7 @@ def test_refresh_picks_up_changed_rows(tier: LowerTier) -> None:
     cache = make(tier, refresh_interval_s=0.0, refresh_fraction=0.5)
     try:
         keys = np.arange(64, dtype=np.int64)
-        cache.admit(keys, tier.fetch(keys), 0.0)
+        tier.offer(cache, keys, 0.0)
         tier.rows[keys] += 1.0
         assert cache.refresh_once() + cache.refresh_once() == 64
         hit, out = lookup(cache, keys)
@@ -159,7 +164,7 @@ def test_refresh_thread_runs_on_its_interval(tier: LowerTier) -> None:
     cache = make(tier, refresh_interval_s=0.02, refresh_fraction=0.25)
     try:
         keys = np.arange(0, 300, 3, dtype=np.int64)
-        cache.admit(keys, tier.fetch(keys), 0.0)
+        tier.offer(cache, keys, 0.0)
         tier.rows[keys] = 5.0
         assert wait_until(lambda: np.array_equal(lookup(cache, keys)[1], tier.rows[keys]))
         assert cache.stats()["refreshed_rows"] >= len(keys)
@@ -192,7 +197,7 @@ def test_close_saves_hottest_keys_and_warm_start_loads_them(tier: LowerTier, tmp
     snapshot = tmp_path / "l1" / "item.npy"
     first = make(tier, snapshot_path=snapshot)
     hot = np.arange(1000, 1100, dtype=np.int64)
-    first.admit(hot, tier.fetch(hot), 0.0)
+    tier.offer(first, hot, 0.0)
     lookup(first, hot[50:])
     first.close()
     saved = np.load(snapshot)
@@ -222,9 +227,9 @@ def test_unreadable_snapshot_falls_back_to_warm_keys(tier: LowerTier, tmp_path: 
 def test_readers_never_see_torn_rows(tier: LowerTier) -> None:
     """Writers set whole rows to a version number; every hit a reader sees is one version throughout."""
     dim = 64
-    cache = SetAssocTableCache(SetAssociativeCache(256, dim, ways=8), lambda k: np.zeros((len(k), dim), np.float32))
+    cache = SetAssocTableCache(SetAssociativeCache(256, dim, ways=8), LowerTier(dim=dim).fetch)
     keys = np.arange(200, dtype=np.int64)
-    cache.admit(keys, np.zeros((200, dim), np.float32), 0.0)
+    cache.admit(keys, np.zeros((200, dim), np.float32), 0, 0.0)
     stop = threading.Event()
     torn: list[np.ndarray] = []
     hits = [0]
@@ -243,12 +248,12 @@ def test_readers_never_see_torn_rows(tier: LowerTier) -> None:
         for version in range(1, 400):
             rows = np.full((200, dim), version, dtype=np.float32)
             if version % 3 == 0:
-                cache.update(keys, rows)
+                cache.update(keys, rows, version)
             elif version % 3 == 1:
                 cache.invalidate(keys[version % 7 :: 7])
-                cache.admit(keys, rows, 0.0)
+                cache.admit(keys, rows, version, 0.0)
             else:
-                cache.admit(keys, rows, 1.0)
+                cache.admit(keys, rows, version, 1.0)
 
     readers = [threading.Thread(target=reader) for _ in range(3)]
     for t in readers:
@@ -268,26 +273,50 @@ def test_bad_arguments(cache: SetAssocTableCache) -> None:
     with pytest.raises(InvalidArgumentError):
         cache.lookup(np.arange(2), np.zeros((3, DIM), np.float32))
     with pytest.raises(InvalidArgumentError):
-        cache.admit(np.arange(2), np.zeros((2, DIM + 1), np.float32), 0.0)
+        cache.admit(np.arange(2), np.zeros((2, DIM + 1), np.float32), 0, 0.0)
+    with pytest.raises(InvalidArgumentError):
+        cache.update(np.arange(2), np.zeros((2, DIM), np.float32), np.zeros(3, np.int64))
     with pytest.raises(InvalidArgumentError):
         SetAssocTableCache(SetAssociativeCache(8, DIM, ways=4), lambda k: k, hit_rate_threshold=1.5)
 
 
-def test_device_read_path_answers_like_the_host_path(tier: LowerTier) -> None:
-    """The CuPy read path (lookups under the writer mutex, hits copied back) runs here on NumPy arrays."""
-    host = make(tier, hit_rate_threshold=1.0)  # every admission inline
-    device = make(tier, hit_rate_threshold=1.0)
-    device._on_host = False  # what a CuPy-backed cache sets; the array module stays NumPy here
+def test_interleaved_writers_never_leave_an_older_row(cache: SetAssocTableCache, tier: LowerTier) -> None:
+    """Defect 2 of issue 14: the consumer's update (v5) lands, then a slower REST put (v3) reaches L1: v5 stays."""
+    key = np.array([7], dtype=np.int64)
+    tier.offer(cache, key, 0.0)
+    cache.update(key, np.full((1, DIM), 5.0, np.float32), np.array([5]))
+    cache.update(key, np.full((1, DIM), 3.0, np.float32), np.array([3]))
+    cache.admit(key, np.full((1, DIM), 4.0, np.float32), np.array([4]), 0.0)  # a promotion of an older read
+    hit, out = lookup(cache, key)
+    assert hit.all() and (out == 5.0).all()
+    cache.invalidate(key, np.array([4]))  # a delete older than the cached row leaves it
+    assert lookup(cache, key)[0].all()
+    cache.invalidate(key, np.array([5]))
+    assert not lookup(cache, key)[0].any()
+
+
+def test_stats_take_no_lock_and_queued_rows_count_rows(cache: SetAssocTableCache, tier: LowerTier) -> None:
+    """A scrape while a writer holds the cache answers at once, and the queue depth is in rows, not offers."""
+    got: list[dict] = []
+    with cache._lock.write():
+        tier.offer(cache, np.arange(300, 340, dtype=np.int64), 0.99)  # one offer of 40 rows, queued
+        t = threading.Thread(target=lambda: got.append(cache.stats()))
+        t.start()
+        t.join(WAIT_S)
+        assert got, "stats waited for the writer"
+        assert got[0]["queued_rows"] == 40
+    cache.flush()
+    assert cache.stats()["queued_rows"] == 0 and cache.stats()["rows"] == 40
+
+
+def test_refresh_keeps_rows_newer_than_it_read(tier: LowerTier) -> None:
+    cache = make(tier, refresh_fraction=1.0)
     try:
-        cached = np.arange(0, 300, 3, dtype=np.int64)
-        for c in (host, device):
-            c.admit(cached, tier.fetch(cached), 0.0)
-        keys = np.arange(0, 200, dtype=np.int64)
-        (host_hit, host_out), (dev_hit, dev_out) = lookup(host, keys), lookup(device, keys)
-        assert np.array_equal(host_hit, dev_hit) and host_hit.sum() == 67
-        assert np.array_equal(host_out[host_hit], dev_out[dev_hit])
-        assert np.isnan(dev_out[~dev_hit]).all()  # rows of misses are left as they were
-        assert device.stats()["hits"] == 67 and device.stats()["misses"] == 133
+        keys = np.arange(8, dtype=np.int64)
+        tier.offer(cache, keys, 0.0)
+        cache.update(keys[:2], np.full((2, DIM), 9.0, np.float32), 7)  # newer than the tier's version 1
+        assert cache.refresh_once() == 6
+        hit, out = lookup(cache, keys)
+        assert hit.all() and (out[:2] == 9.0).all() and np.array_equal(out[2:], tier.rows[keys[2:]])
     finally:
-        host.close()
-        device.close()
+        cache.close()

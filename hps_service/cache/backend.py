@@ -1,0 +1,63 @@
+"""Choose where the L1 cache lives from ``cache.backend``: host memory (NumPy) or a CUDA device.
+
+``numpy`` is host memory. ``cupy`` is the CUDA device cache (numba-cuda kernels on CuPy-compatible device
+arrays, from the ``gpu`` extra) and fails at start when no device is usable. ``auto`` takes the device
+when one is usable, else host memory, and logs which it chose and why.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+from typing import Literal
+
+from hps_service.errors import InvalidArgumentError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "numpy", "cupy")
+Resolved = Literal["numpy", "cuda"]
+
+
+@functools.cache
+def device_status() -> tuple[bool, str]:
+    """(usable, why): whether numba-cuda imports and a CUDA device answers, with the device's name or the reason."""
+    if importlib.util.find_spec("hps_service.cache.device") is None:
+        return False, "this build has no CUDA device cache (hps_service.cache.device)"
+    try:
+        from numba import cuda
+    except Exception as exc:  # noqa: BLE001 - a broken CUDA install raises more than ImportError
+        return False, f"numba.cuda does not import ({exc}); install the gpu extra: pip install 'hps-service[gpu]'"
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return True, "the numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1: device kernels run on the CPU, slowly)"
+    try:
+        if not cuda.is_available():
+            return False, "no CUDA driver or device is visible to numba.cuda"
+        device = cuda.get_current_device()
+        name = device.name.decode() if isinstance(device.name, bytes) else str(device.name)
+        return True, f"CUDA device {device.id}: {name}"
+    except Exception as exc:  # noqa: BLE001 - no driver, no device, or a device in a bad state
+        return False, f"the CUDA device is not usable ({type(exc).__name__}: {exc})"
+
+
+def resolve_backend(backend: str) -> Resolved:
+    """``numpy`` or ``cuda`` for a ``cache.backend`` setting; ``auto`` logs its choice and the reason."""
+    if backend not in BACKENDS:
+        raise InvalidArgumentError(f"cache.backend must be one of {', '.join(BACKENDS)}, not {backend!r}")
+    if backend == "numpy":
+        return "numpy"
+    usable, why = device_status()
+    if backend == "cupy":
+        if not usable:
+            raise UnavailableError(
+                f"cache.backend is 'cupy' but no usable CUDA device was found: {why}; use backend 'auto' or "
+                "'numpy' to run the cache in host memory")
+        log.info("L1 cache backend: the CUDA device cache (configured 'cupy'), on %s", why)
+        return "cuda"
+    if usable:
+        log.info("L1 cache backend 'auto' chose the CUDA device cache: %s", why)
+        return "cuda"
+    log.info("L1 cache backend 'auto' chose host memory (NumPy): %s", why)
+    return "numpy"
