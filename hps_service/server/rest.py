@@ -2,16 +2,19 @@
 
 Only protocol translation lives here: every endpoint calls the engine, the job runner or the snapshot store.
 Endpoints are plain ``def`` functions, so FastAPI runs them in its thread pool and a lookup never blocks the event
-loop. Mutating endpoints need ``Authorization: Bearer <server.admin_token>``. Errors are ``{"error": message}``.
+loop. Mutating endpoints need ``Authorization: Bearer <server.admin_token>``. Errors are RFC 9457
+``application/problem+json`` (``type``, ``title``, ``status``, ``detail``) with ``error`` (the same message) kept.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -121,6 +124,12 @@ class KeysBody(BaseModel):
     keys: list[Int64]
 
 
+class LookupBody(BaseModel):
+    """Keys to look up, in the order the rows are wanted (duplicates allowed), up to server.max_batch_keys."""
+
+    keys: list[Int64] = Field(description="int64 keys", examples=[[1, 2, 3]])
+
+
 class PurgeTombstonesRequest(BaseModel):
     below_version: int = Field(ge=0, le=2**63 - 1, description="tombstones older than this version are removed; it "
                                                                 "must be older than any update the log can still deliver")
@@ -131,8 +140,15 @@ class ImportRequest(BaseModel):
     version: Int64 = 0
 
 
+PROBLEM_JSON = "application/problem+json"
+
+
 def _error(code: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    return JSONResponse({"error": message, **extra}, status_code=code, headers=headers)
+    """An RFC 9457 problem (``type``, ``title``, ``status``, ``detail``) that also keeps ``error`` for callers
+    written against the earlier ``{"error": message}`` body; ``extra`` adds extension members."""
+    body = {"type": "about:blank", "title": HTTPStatus(code).phrase, "status": code, "detail": message,
+            "error": message, **extra}
+    return JSONResponse(body, status_code=code, headers=headers, media_type=PROBLEM_JSON)
 
 
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
@@ -263,7 +279,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         errors = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""), "type": e.get("type", "")}
                   for e in exc.errors()]
         summary = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors[:5])
-        return _error(422, f"invalid request: {summary}", detail=errors)
+        return _error(422, f"invalid request: {summary}", errors=errors)
 
     @app.exception_handler(Exception)
     def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
@@ -325,26 +341,40 @@ def create_app(ctx: AdminContext) -> FastAPI:
     # ---- rows -------------------------------------------------------------------------------------
     rows_path = "/v1/models/{model}/tables/{table}/embeddings"
 
-    @app.get(rows_path, tags=["rows"], summary="Rows of keys, and which level answered each")
-    def get_rows(model: str, table: str,
-                 keys: str = Query(..., description="comma-separated int64 keys", examples=["1,2,3"])) -> dict[str, Any]:
-        with ctx.metrics.observe("RestGetEmbeddings") as outcome:
+    def rows_of(method: str, model: str, table: str, keys: Callable[[], np.ndarray]) -> Response:
+        """Look ``keys()`` up, timed and counted as ``method``; the rows as JSON (encoded once, not walked by
+        FastAPI's encoder: a 65,536 x 64 answer is 4M floats)."""
+        with ctx.metrics.observe(method) as outcome:
             try:
-                arr = parse_keys(keys)
+                arr = keys()
+                if arr.shape[0] > ctx.config.server.max_batch_keys:
+                    raise ResourceExhaustedError(f"{arr.shape[0]} keys in one request exceeds "
+                                                 f"server.max_batch_keys={ctx.config.server.max_batch_keys}")
                 ctx.shard_map.check(arr)
                 result = engine.lookup(model, table, arr)
             except HPSError as err:
                 outcome[0] = status_for(err).name
                 raise
             ctx.metrics.keys.observe(arr.shape[0])
-        return {
-            "model": model,
-            "table": table,
-            "dim": int(result.vectors.shape[1]),
-            "keys": arr.tolist(),
-            "vectors": result.vectors.tolist(),
-            "sources": _SOURCE_NAMES[result.sources].tolist(),
-        }
+        body = {"model": model, "table": table, "dim": int(result.vectors.shape[1]), "keys": arr.tolist(),
+                "vectors": result.vectors.tolist(), "sources": _SOURCE_NAMES[result.sources].tolist()}
+        return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
+
+    lookup_responses: dict[int | str, dict[str, Any]] = {
+        200: {"description": "rows in the order asked: `{model, table, dim, keys, vectors, sources}`"}}
+
+    @app.get(rows_path, tags=["rows"], summary="Rows of keys, and which level answered each",
+             response_class=Response, responses=lookup_responses)
+    def get_rows(model: str, table: str,
+                 keys: str = Query(..., description="comma-separated int64 keys (a few thousand at most: the URL is "
+                                                    "limited; POST ...embeddings:lookup takes up to "
+                                                    "server.max_batch_keys)", examples=["1,2,3"])) -> Response:
+        return rows_of("RestGetEmbeddings", model, table, lambda: parse_keys(keys))
+
+    @app.post(rows_path + ":lookup", tags=["rows"], response_class=Response, responses=lookup_responses,
+              summary="Rows of many keys (JSON body, up to server.max_batch_keys), and which level answered each")
+    def lookup_rows(model: str, table: str, body: LookupBody) -> Response:
+        return rows_of("RestLookupEmbeddings", model, table, lambda: np.array(body.keys, dtype=np.int64))
 
     @app.put(rows_path, tags=["rows"], dependencies=admin, summary="Upsert rows (dim checked, NaN/inf rejected)")
     def put_rows(model: str, table: str, body: RowsPut) -> dict[str, int]:

@@ -72,7 +72,7 @@ def _mutating_operations(http: httpx.Client) -> list[tuple[str, str]]:
     ops = []
     for path, methods in spec["paths"].items():
         for method in methods:
-            if method in ("post", "put", "delete"):
+            if method in ("post", "put", "delete") and not path.endswith(":lookup"):  # POST ...:lookup is a read
                 for k, v in fill.items():
                     path = path.replace(k, v)
                 ops.append((method.upper(), path))
@@ -89,7 +89,7 @@ def test_every_mutating_endpoint_needs_the_token(http: httpx.Client) -> None:
         assert "Authorization" in missing.json()["error"]
         wrong = http.request(method, path, json={}, headers={"Authorization": "Bearer not-the-token"})
         assert wrong.status_code == 403, (method, path, wrong.text)
-        assert wrong.json() == {"error": "invalid admin token"}
+        assert wrong.json()["error"] == wrong.json()["detail"] == "invalid admin token"
         basic = http.request(method, path, json={}, headers={"Authorization": f"Basic {TOKEN}"})
         assert basic.status_code == 401
     ok = _put(http, "item", [900_001], np.ones((1, ITEM_DIM), np.float32))
@@ -325,3 +325,39 @@ def test_purge_tombstones_job(http: httpx.Client, server: HPSServer) -> None:
     # The newer tombstones still hold: a replayed put older than them is refused.
     server.engine.apply_updates("demo", "item", keys[60:], np.full((40, ITEM_DIM), 3.0, np.float32), 8)
     assert all(v == [0.0] * ITEM_DIM for v in _get(http, "item", keys[60:].tolist())["vectors"])
+
+
+def test_post_lookup_takes_max_batch_keys_and_errors_are_problem_json(tmp_path: Path) -> None:
+    """65,536 keys (the default server.max_batch_keys) in a JSON body, where the query string stops at a few
+    thousand; one more is 413; every error is RFC 9457 problem+json that still carries ``error``."""
+    with running(server_config(tmp_path, max_batch_keys=65_536)) as srv, \
+            httpx.Client(base_url=base_url(srv), timeout=60) as http:
+        stored = np.arange(1, 101, dtype=np.int64)
+        assert _put(http, "item", stored.tolist(), np.ones((100, ITEM_DIM), np.float32) * 3).status_code == 200
+        keys = np.concatenate([stored, np.arange(10**9, 10**9 + 65_436)])
+        np.random.default_rng(0).shuffle(keys)
+        r = http.post(ROWS.format(table="item") + ":lookup", json={"keys": keys.tolist()})
+        assert r.status_code == 200, r.text[:300]
+        body = r.json()
+        vectors = np.array(body["vectors"], dtype=np.float32)
+        assert body["keys"] == keys.tolist() and vectors.shape == (65_536, ITEM_DIM)
+        stored_at = np.isin(keys, stored)
+        assert (vectors[stored_at] == 3).all() and (vectors[~stored_at] == 0).all()
+        assert {body["sources"][i] for i in np.flatnonzero(~stored_at)} == {"default"}
+        over = http.post(ROWS.format(table="item") + ":lookup", json={"keys": list(range(65_537))})
+        cases = [
+            (over, 413, "max_batch_keys=65536"),
+            (http.post("/v1/models/demo/tables/nope/embeddings:lookup", json={"keys": [1]}), 404, "no table 'nope'"),
+            (http.post(ROWS.format(table="item") + ":lookup", json={"keys": ["x"]}), 422, "keys"),
+            (http.post(ROWS.format(table="item") + ":lookup", json={"keys": [2**63]}), 422, "keys"),
+            (http.get(ROWS.format(table="item"), params={"keys": "1,x"}), 400, "'x'"),
+            (http.delete("/v1/models/demo"), 401, "Authorization"),
+        ]
+        for response, status, fragment in cases:
+            assert response.status_code == status, response.text[:300]
+            assert response.headers["content-type"] == "application/problem+json"
+            problem = response.json()
+            assert problem["status"] == status and problem["type"] == "about:blank" and problem["title"]
+            assert fragment in problem["detail"] and problem["error"] == problem["detail"]
+        invalid = cases[2][0].json()
+        assert invalid["errors"][0]["loc"][:2] == ["body", "keys"]
