@@ -9,7 +9,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from concurrent import futures
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from hps_service.errors import UnavailableError
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate, add_embedding_service
 from hps_service.server.jobs import JobRunner
-from hps_service.server.metrics import ServerMetrics
+from hps_service.server.metrics import QueueTimedExecutor, ServerMetrics
 from hps_service.server.rest import AdminContext, ReadinessCheck, create_app, readiness_reasons
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.sharding import ShardMap
@@ -163,7 +162,7 @@ class HPSServer:
         receive, send = message_limits(self.config)
         self.metrics = ServerMetrics(self.engine)
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=cfg.workers(), thread_name_prefix="grpc"),
+            QueueTimedExecutor(self.metrics.queue_wait.observe, max_workers=cfg.workers(), thread_name_prefix="grpc"),
             maximum_concurrent_rpcs=cfg.max_concurrent_requests,
             options=[
                 ("grpc.max_receive_message_length", receive),

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent import futures
 from contextlib import contextmanager
 
 import grpc
@@ -18,6 +19,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hps_service import __version__
 from hps_service.engine import LEVELS, LookupEngine
 
 log = logging.getLogger(__name__)
@@ -119,6 +121,13 @@ class ServerMetrics:
             "hps_lookup_keys", "Keys per lookup request (all tables)", buckets=KEYS_BUCKETS, registry=self.registry
         )
         self.in_flight = Gauge("hps_lookup_in_flight", "Lookup requests being served", registry=self.registry)
+        self.queue_wait = Histogram(
+            "hps_grpc_queue_wait_seconds", "Time a gRPC call waited for a handler thread after it arrived",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )
+        build = Gauge("hps_build_info", "The hps-service version this process runs (always 1)", ["version"],
+                      registry=self.registry)
+        build.labels(__version__).set(1)
         self.registry.register(EngineCollector(engine))
 
     @contextmanager
@@ -141,3 +150,21 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition: this server's registry, then the process-wide default registry."""
         return generate_latest(self.registry) + generate_latest(REGISTRY)
+
+
+class QueueTimedExecutor(futures.ThreadPoolExecutor):
+    """The gRPC server's handler pool: records, per call, how long it waited for a thread (the server submits a
+    call the moment it arrives, so this is the time between its arrival and its handler starting)."""
+
+    def __init__(self, observe: Callable[[float], None], **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._observe = observe
+
+    def submit(self, fn: Callable, /, *args: object, **kwargs: object) -> futures.Future:
+        queued = time.perf_counter()
+
+        def timed() -> object:
+            self._observe(time.perf_counter() - queued)
+            return fn(*args, **kwargs)
+
+        return super().submit(timed)

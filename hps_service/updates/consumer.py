@@ -363,7 +363,7 @@ class UpdateConsumer:
 
     def _process(self, msgs: list[Message]) -> None:
         groups: dict[tuple[str, str], _TableBatch] = {}
-        produced_at: list[int] = []
+        produced_at: dict[str, list[int]] = {}  # per model
         offsets: dict[tuple[str, int], int] = {}
         loaded = {m.name for m in self.engine.models()}
         unloaded: set[tuple[str, int]] = set()  # partitions of models unloaded before follow() dropped them
@@ -386,15 +386,16 @@ class UpdateConsumer:
                 self._dead_letter(msg, model, str(exc))
                 continue
             groups.setdefault((model, upd.table), _TableBatch()).add(upd, msg)
-            produced_at.append(upd.produced_at_ns)
+            produced_at.setdefault(model, []).append(upd.produced_at_ns)
         for key in unloaded:  # not applied: read again from the committed offset when the model is back
             offsets.pop(key, None)
         if not self._apply(groups):
             return  # stopping with this batch unapplied: its offsets stay uncommitted and are read again
-        if produced_at:
-            lags = (time.time_ns() - np.asarray(produced_at, dtype=np.int64)) / 1e9
-            self.metrics.record_lags(np.maximum(lags, 0.0))
-        self.metrics.messages_total += len(produced_at)
+        now_ns = time.time_ns()
+        for model, stamps in produced_at.items():
+            lags = (now_ns - np.asarray(stamps, dtype=np.int64)) / 1e9
+            self.metrics.record_lags(np.maximum(lags, 0.0), model)
+        self.metrics.messages_total += sum(len(stamps) for stamps in produced_at.values())
         self.metrics.batches_total += 1
         self._applied.update(offsets)
 

@@ -11,7 +11,8 @@ from prometheus_client import Counter, Gauge, Histogram
 
 UPDATE_LAG = Histogram(
     "hps_update_lag_seconds",
-    "End-to-end update lag: time the rows were applied to every tier minus the producer's timestamp",
+    "End-to-end update lag: time the rows were applied to every tier minus the producer's timestamp, per model",
+    ["model"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
 )
 APPLIED_ROWS = Counter(
@@ -45,10 +46,11 @@ class FreshnessStats:
         self.apply_failures = 0
         self.reconnects = 0
 
-    def record_lags(self, lags_s: np.ndarray) -> None:
-        """Record end-to-end lag samples (seconds), one per applied message."""
+    def record_lags(self, lags_s: np.ndarray, model: str) -> None:
+        """Record end-to-end lag samples (seconds) of ``model``, one per applied message."""
+        histogram = UPDATE_LAG.labels(model)
         for lag in lags_s:
-            UPDATE_LAG.observe(float(lag))
+            histogram.observe(float(lag))
         with self._lock:
             size = self._lags.shape[0]
             lags = lags_s[-size:]
