@@ -160,6 +160,10 @@ class UpdatesConfig(_Section):
     brokers: str = "127.0.0.1:9092"
     topic_prefix: str = "hps"
     group: str | None = None
+    stall_after_s: float = Field(
+        30.0, gt=0, description="messages waiting and none applied for this long: the stream is stalled (WARNING "
+        "log, hps_update_stalled, /readyz 503)"
+    )
     kafka_config: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="extra librdkafka settings for every client, e.g. security.protocol, sasl.*, ssl.*",

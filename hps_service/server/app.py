@@ -113,14 +113,15 @@ def snapshots_root(config: HPSConfig) -> Path:
 
 
 def update_consumer_not_ready(consumer: UpdateConsumer) -> str | None:
-    """The readiness reason of the update consumer: no partitions yet, or updates failing to apply (nothing is
-    committed meanwhile, so they are retried and replayed, but the served rows are going stale)."""
+    """The readiness reason of the update consumer: no partitions yet, updates failing to apply (nothing is
+    committed meanwhile, so they are retried and replayed, but the served rows are going stale), or a stalled
+    stream (messages waiting, none applied for ``updates.stall_after_s``)."""
     if not consumer.ready:
         reason = f"update consumer (group {consumer.group}) has no partitions yet"
         return f"{reason}: {consumer.last_error}" if consumer.last_error else reason
     if consumer.apply_error is not None:
         return f"update consumer (group {consumer.group}) cannot apply updates: {consumer.apply_error}"
-    return None
+    return consumer.stall.reason
 
 
 class HPSServer:

@@ -37,6 +37,7 @@ from hps_service.updates.message import (
     topic_name,
 )
 from hps_service.updates.metrics import FreshnessStats
+from hps_service.updates.stall import StallDetector
 from hps_service.updates.topics import DEFAULT_PARTITIONS, ensure_topic
 
 log = logging.getLogger(__name__)
@@ -175,6 +176,12 @@ class UpdateConsumer:
         self.last_error: str | None = None
         #: Why the current batch cannot be applied (a tier write fails); None once it is applied.
         self.apply_error: str | None = None
+        #: Flags a stalled stream: messages waiting and none applied for ``cfg.stall_after_s``.
+        self.stall = StallDetector(
+            cfg.stall_after_s, client_config=self._client_config, name=group,
+            applied=lambda: dict(self._applied), starts=lambda: dict(self._start_offsets),
+            assigned=lambda: [(tp.topic, tp.partition) for tp in list(self._assignment)],
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -192,6 +199,7 @@ class UpdateConsumer:
             raise InvalidArgumentError("UpdateConsumer already started")
         self._thread = threading.Thread(target=self._run, name=f"hps-updates-{self.group}", daemon=True)
         self._thread.start()
+        self.stall.start()
 
     def stop(self, timeout: float = 30.0, commit: bool = True) -> None:
         """Stop the thread; with ``commit`` the offsets of everything applied are committed first, then close."""
@@ -201,6 +209,7 @@ class UpdateConsumer:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.warning("update consumer %s did not stop within %.1fs", self.group, timeout)
+        self.stall.stop()
 
     def follow(self, models: Sequence[str]) -> None:
         """Consume the update topics of exactly ``models`` from now on (models registered or unloaded at runtime).
@@ -223,6 +232,7 @@ class UpdateConsumer:
             committed_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self._committed.items())},
             last_error=self.last_error,
             apply_error=self.apply_error,
+            stall=self.stall.snapshot(),
         )
         return out
 
@@ -331,6 +341,7 @@ class UpdateConsumer:
             self._follow_changes()
         msgs = self._next_batch()
         if msgs:
+            self.stall.received()
             self._process(msgs)
         self._dlq.poll(0)
         if self._dlq_failed:

@@ -89,14 +89,18 @@ def _wait_for_metadata(bootstrap: str, process: subprocess.Popen, timeout_s: flo
 
 
 @contextmanager
-def running_tansu() -> Iterator[KafkaBroker]:
-    """Start tansu with in-memory storage on a free loopback port; stop it on exit (used by the tests, loadtest/ and `hps demo`)."""
+def running_tansu(advertised_port: int | None = None) -> Iterator[KafkaBroker]:
+    """Start tansu with in-memory storage on a free loopback port; stop it on exit (used by the tests, loadtest/ and `hps demo`).
+
+    ``advertised_port``: the port the broker tells clients to connect to (a proxy in front of it); default its own.
+    """
     port = free_port()
     url = f"tcp://127.0.0.1:{port}"
+    advertised = f"tcp://127.0.0.1:{advertised_port or port}"
     env = dict(os.environ, RUST_LOG=os.environ.get("RUST_LOG", "warn"))
     with tempfile.TemporaryFile(prefix="tansu-", suffix=".log") as log:
         process = subprocess.Popen(
-            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", url,
+            [str(tansu_binary()), "broker", "--listener-url", url, "--advertised-listener-url", advertised,
              "--storage-engine", "memory://tansu/"],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )

@@ -24,6 +24,15 @@ CONSUMER_LAG = Gauge(
     ["topic", "partition"],
 )
 LAST_VERSION = Gauge("hps_update_last_version", "Highest row version applied", ["model", "table"])
+UPDATE_STALLED = Gauge(
+    "hps_update_stalled", "1 while messages wait on the topic and none was applied for updates.stall_after_s",
+    ["topic"],
+)
+SINCE_LAST_APPLIED = Gauge(
+    "hps_update_since_last_applied_seconds",
+    "Seconds since the partition's last applied message while messages wait on it (0 when caught up)",
+    ["topic", "partition"],
+)
 
 
 class FreshnessStats:
