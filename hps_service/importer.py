@@ -94,6 +94,16 @@ def read_model_source(path: Path) -> tuple[np.ndarray, np.ndarray]:
     return keys, vectors
 
 
+def check_import_shape(table: str, dim: int, keys: np.ndarray, vectors: np.ndarray) -> None:
+    """InvalidArgumentError unless ``vectors`` are (len(keys), dim) rows for ``table``."""
+    if vectors.ndim != 2:
+        raise InvalidArgumentError(f"vectors must be 2-D (rows, dim), got shape {vectors.shape}")
+    if vectors.shape[1] != dim:
+        raise InvalidArgumentError(f"table {table} has dim {dim} but the file has dim {vectors.shape[1]}")
+    if keys.shape != (vectors.shape[0],):
+        raise InvalidArgumentError(f"{keys.size} keys but {vectors.shape[0]} vectors")
+
+
 def import_table(
     tier: RocksDBTier,
     table: str,
@@ -104,12 +114,7 @@ def import_table(
     progress: Callable[[int], None] | None = None,
 ) -> int:
     """Check the file's dim against the configured one, create the table, bulk-load; return rows written."""
-    if vectors.ndim != 2:
-        raise InvalidArgumentError(f"vectors must be 2-D (rows, dim), got shape {vectors.shape}")
-    if vectors.shape[1] != dim:
-        raise InvalidArgumentError(f"table {table} has dim {dim} but the file has dim {vectors.shape[1]}")
-    if keys.shape != (vectors.shape[0],):
-        raise InvalidArgumentError(f"{keys.size} keys but {vectors.shape[0]} vectors")
+    check_import_shape(table, dim, keys, vectors)
     tier.create_table(table, dim)
     return tier.bulk_import(table, keys, vectors, version=version, progress=progress)
 

@@ -206,12 +206,12 @@ def test_versioned_delete_refuses_older_puts_in_every_tier(cached_engine: Lookup
 
 
 def _read_from_l3_before_a_delete(engine: LookupEngine) -> tuple[np.ndarray, ServedTable, int, Rows]:
-    """20 stored rows read from L3 the way a lookup that missed L2 reads them: (keys, table, delete generation
+    """20 stored rows read from L3 the way a lookup that missed L2 reads them: (keys, table, write generation
     before the read, rows read)."""
     keys = np.arange(20, dtype=np.int64)
     engine.persistent.put("m.t", keys, rows_for(keys, version=1), np.ones(20, np.int64))
     table = engine.table("m", "t")
-    read_at = table.unversioned_deletes.generation
+    read_at = table.guard.generation
     return keys, table, read_at, engine.persistent.get("m.t", keys)
 
 
@@ -224,7 +224,7 @@ def test_promotion_of_a_row_read_before_a_delete_is_refused(engine: LookupEngine
 
 
 def test_promotion_of_a_row_read_before_an_admin_delete_is_left_out(engine: LookupEngine) -> None:
-    """An admin delete carries no version and leaves no tombstone: the delete log keeps the read row out of L2."""
+    """An admin delete carries no version and leaves no tombstone: the write guard keeps the read row out of L2."""
     keys, table, read_at, read_before = _read_from_l3_before_a_delete(engine)
     engine.apply_deletes("m", "t", keys[:10])
     promote(engine.volatile, table, keys, read_before.vectors, read_before.versions, read_at)
@@ -233,7 +233,7 @@ def test_promotion_of_a_row_read_before_an_admin_delete_is_left_out(engine: Look
 
 
 def test_admin_delete_between_the_check_and_the_promotion_is_undone(engine: LookupEngine) -> None:
-    """The delete runs after the promotion checked the log but before its put lands: the put is taken back out."""
+    """The delete runs after the promotion checked the write guard but before its put lands: the put is taken back out."""
     keys, table, read_at, read_before = _read_from_l3_before_a_delete(engine)
     put = engine.volatile.put
 

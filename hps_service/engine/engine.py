@@ -4,6 +4,9 @@ and write paths, the preload and the outage repair together and owns their lifec
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 
 import numpy as np
 
@@ -16,6 +19,7 @@ from hps_service.engine.repair import VolatileRepair
 from hps_service.engine.stats import table_stats
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write import Writer
+from hps_service.errors import UnavailableError
 from hps_service.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,7 @@ class LookupEngine:
         self.reader = Reader(volatile, persistent, max_batch_keys)
         self.writer = Writer(volatile, persistent)
         self.preloader = Preloader(volatile, persistent, self.registry.is_served)
+        self._closed = False
         self.repairer: VolatileRepair | None = None
         if volatile is not None and persistent is not None:
             self.repairer = VolatileRepair(volatile, persistent, self._served_tables)
@@ -47,13 +52,23 @@ class LookupEngine:
 
     # ---- models -------------------------------------------------------------------------------
     def register_model(self, model: ModelConfig) -> None:
-        """Create the model's tables in every tier and build their L1 caches (replaces a loaded model)."""
+        """Create the model's tables in every tier and build their L1 caches (replaces a loaded model).
+
+        The write locks of the model's tables are held from before the new L1 caches exist until the new tables are
+        served, so every write lands entirely before (and is read by the caches' warm start) or entirely after (and
+        reaches the new caches, whose change logs keep the rows read before it out).
+        """
         tiers = [tier for tier in (self.volatile, self.persistent) if tier is not None]
-        tables = {
-            tc.name: make_table(model.name, tc, tiers, self.cache_factory, self._fetch_for_cache, self.persistent)
-            for tc in model.tables
-        }
-        old = self.registry.put(model, tables)
+        guards = {tc.name: self.registry.guard(model.name, tc.name) for tc in model.tables}
+        with ExitStack() as held:
+            for name in sorted(guards):
+                held.enter_context(guards[name].lock)
+            tables = {
+                tc.name: make_table(model.name, tc, guards[tc.name], tiers, self.cache_factory, self._fetch_for_cache,
+                                    self.persistent)
+                for tc in model.tables
+            }
+            old = self.registry.put(model, tables)
         if old:
             close_tables(old.values())
         log.info("model %s loaded: %s", model.name, ", ".join(f"{t.name}(dim {t.dim})" for t in model.tables))
@@ -83,6 +98,19 @@ class LookupEngine:
         got = self.reader.fetch_below(t, keys, count=False)
         return got.vectors, got.versions, got.sources != DEFAULT
 
+    @contextmanager
+    def _writing(self, model: str, table: str) -> Iterator[ServedTable]:
+        """The served table, with its write lock held: writes of one table never interleave across the tiers. A
+        table replaced while this waited for the lock is looked up again, so the write reaches the new one."""
+        while True:
+            t = self.table(model, table)
+            with t.guard.lock:
+                if self._closed:
+                    raise UnavailableError("the lookup engine is closed")
+                if self.registry.is_served(t):
+                    yield t
+                    return
+
     # ---- reads and writes ---------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray) -> LookupResult:
         """Rows of ``keys`` in request order (duplicates included) and the level that answered each."""
@@ -95,16 +123,28 @@ class LookupEngine:
 
         A stored row with a newer version is never replaced, so replays and lagging writers are harmless.
         """
-        return self.writer.apply_updates(self.table(model, table), keys, vectors, versions)
+        with self._writing(model, table) as t:
+            return self.writer.apply_updates(t, keys, vectors, versions)
 
     def apply_deletes(self, model: str, table: str, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
         """Delete keys from every tier and the L1 cache. Returns how many live rows the lowest enabled tier held
         (see :meth:`Writer.apply_deletes` for versioned and admin deletes)."""
-        return self.writer.apply_deletes(self.table(model, table), keys, versions)
+        with self._writing(model, table) as t:
+            return self.writer.apply_deletes(t, keys, versions)
+
+    def import_rows(
+        self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, version: int = 0,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Bulk-load rows into the persistent tier, then drop their keys from L2 and L1, as one write of the table
+        (no promotion, preload or L1 admission of a row read before it lands after it). Returns rows written."""
+        with self._writing(model, table) as t:
+            return self.writer.import_rows(t, keys, vectors, version, progress)
 
     def purge_tombstones(self, model: str, table: str, below_version: int) -> dict[str, int]:
         """Remove the tombstones older than ``below_version`` from every tier; returns how many, per level."""
-        return self.writer.purge_tombstones(self.table(model, table), below_version)
+        with self._writing(model, table) as t:
+            return self.writer.purge_tombstones(t, below_version)
 
     def repair_volatile(self) -> int:
         """Rewrite from L3 the L2 rows whose writes missed a store node (see :class:`VolatileRepair`)."""
@@ -134,12 +174,31 @@ class LookupEngine:
             out["persistent"] = self.persistent.healthy()
         return out
 
-    def close(self) -> None:
-        """Stop the repair and preload threads and the caches (saving warm-start snapshots), then close the tiers."""
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the repair and preload threads and the caches (saving warm-start snapshots), then close the tiers.
+
+        Writes in progress finish first (their tables' write locks are taken) and later ones are refused, so no
+        tier closes under a writer. If a background thread or a write does not end within ``timeout_s``, the tiers
+        are left open (the process is exiting; RocksDB recovers from its WAL) and False is returned.
+        """
+        deadline = time.monotonic() + timeout_s
+        stopped = True
         if self.repairer is not None:
-            self.repairer.stop()
-        self.preloader.stop()
-        close_tables(self.registry.clear())
-        for tier in (self.volatile, self.persistent):
-            if tier is not None:
-                tier.close()
+            stopped &= self.repairer.stop(timeout_s)
+        stopped &= self.preloader.stop(max(0.0, deadline - time.monotonic()))
+        with ExitStack() as held:
+            for guard in self.registry.guards():
+                if not guard.lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                    stopped = False
+                    break
+                held.callback(guard.lock.release)
+            self._closed = True
+            if not stopped:
+                log.error("a write or a background thread of the engine did not end within %.0f s; the tiers are "
+                          "left open", timeout_s)
+                return False
+            close_tables(self.registry.clear())
+            for tier in (self.volatile, self.persistent):
+                if tier is not None:
+                    tier.close()
+        return True

@@ -65,10 +65,13 @@ class Preloader:
             return
         log.info("preloaded %d rows of %s into the volatile tier in %.1f s", loaded, t.id, time.monotonic() - started)
 
-    def stop(self) -> None:
-        """Stop every preload and wait for it (one chunk at most: the tiers must not close under it)."""
+    def stop(self, timeout_s: float = 30.0) -> bool:
+        """Stop every preload and wait for it (one chunk at most); False if one is still running after ``timeout_s``
+        (the tiers must not close under it)."""
         self._stop.set()
+        deadline = time.monotonic() + timeout_s
         with self._lock:
             threads = list(self._threads)
         for thread in threads:
-            thread.join(30)
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in threads)

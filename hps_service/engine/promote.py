@@ -1,7 +1,8 @@
 """Writing rows read from L3 into L2 (promotion, preload, outage repair) without bringing a deleted row back.
 
-Versioned puts keep a row written meanwhile that is newer and tombstones refuse older rows; an admin delete
-leaves no tombstone, so the table's log of admin deletes keeps rows read before one out of L2.
+A row read before a write (put, delete, import) must not land in L2 after it: L2 may have evicted the write's row
+or tombstone, and an admin delete or an import leaves none. The table's write guard tells which keys were written
+since the read (see :mod:`hps_service.engine.write_guard`); those are left out.
 """
 
 from __future__ import annotations
@@ -19,15 +20,18 @@ log = logging.getLogger(__name__)
 def put_read_rows(
     volatile: Tier, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, read_at: int
 ) -> None:
-    """Write rows read from L3 into L2. Rows an admin delete removed after ``read_at`` (the delete generation before
-    the read) are left out, or taken back out when the delete ran between that check and the put."""
-    keep = ~t.deleted_since(read_at, keys)
+    """Write rows read from L3 into L2. Rows of keys written after ``read_at`` (the guard's generation before the
+    read) are left out, or taken back out when the write ran between that check and the put (L2 then misses them;
+    L3 holds the truth)."""
+    keep = ~t.guard.changed_since(read_at, keys)
     if not keep.all():
         keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+    if keys.shape[0] == 0:
+        return
     volatile.put(t.id, keys, vectors, versions)
-    resurrected = t.deleted_since(read_at, keys)
-    if resurrected.any():
-        volatile.delete(t.id, keys[resurrected])
+    overtaken = t.guard.changed_since(read_at, keys)
+    if overtaken.any():
+        volatile.delete(t.id, keys[overtaken])
 
 
 def promote(
@@ -42,7 +46,7 @@ def promote(
 
 def copy_stored_rows(volatile: Tier, persistent: Tier, t: ServedTable, keys: np.ndarray) -> np.ndarray:
     """Read ``keys`` from L3 and write the rows it holds into L2 (see :func:`put_read_rows`); the found mask."""
-    read_at = t.unversioned_deletes.generation
+    read_at = t.guard.generation
     got = persistent.get(t.id, keys)
     if got.found.any():
         put_read_rows(volatile, t, keys[got.found], got.vectors[got.found], got.versions[got.found], read_at)

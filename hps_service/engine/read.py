@@ -74,7 +74,7 @@ class Reader:
     def fetch_below(self, t: ServedTable, keys: np.ndarray, count: bool = True) -> Fetched:
         """Rows and versions of unique ``keys`` from volatile, then persistent, then the default; promotes L3 hits
         to L2. ``count``: add to the table's per-level counters (lookups do; the cache's own reads do not)."""
-        read_at = t.unversioned_deletes.generation
+        read_at = t.guard.generation
         m = keys.shape[0]
         rows: np.ndarray | None = None
         versions: np.ndarray | None = None

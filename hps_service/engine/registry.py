@@ -1,6 +1,7 @@
 """The loaded models and their tables: what lookups and writes resolve ``(model, table)`` against.
 
-Readers never lock: a registration swaps in new dicts whole, so a reader sees the old set or the new one.
+Readers never lock: a registration swaps in new dicts whole, so a reader sees the old set or the new one. The write
+guard of a ``(model, table)`` name outlives the served table: a replaced or reloaded table gets the same one.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.engine.table import CacheFactory, ServedTable
+from hps_service.engine.write_guard import WriteGuard
 from hps_service.errors import NotFoundError
 from hps_service.tiers.base import Tier
 
@@ -22,7 +24,18 @@ class ModelRegistry:
     def __init__(self) -> None:
         self._models: dict[str, dict[str, ServedTable]] = {}
         self._configs: dict[str, ModelConfig] = {}
+        self._guards: dict[tuple[str, str], WriteGuard] = {}
         self._lock = threading.Lock()
+
+    def guard(self, model: str, table: str) -> WriteGuard:
+        """The write guard of a table name (created on first use, kept across replacements)."""
+        with self._lock:
+            return self._guards.setdefault((model, table), WriteGuard())
+
+    def guards(self) -> list[WriteGuard]:
+        """Every write guard handed out so far."""
+        with self._lock:
+            return list(self._guards.values())
 
     def put(self, model: ModelConfig, tables: dict[str, ServedTable]) -> dict[str, ServedTable] | None:
         """Serve ``tables`` as ``model``; returns the tables it replaces, if any."""
@@ -79,6 +92,7 @@ class ModelRegistry:
 def make_table(
     model: str,
     tc: TableConfig,
+    guard: WriteGuard,
     tiers: Iterable[Tier],
     cache_factory: CacheFactory | None,
     fetch_below: Callable[[ServedTable, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
@@ -86,7 +100,7 @@ def make_table(
 ) -> ServedTable:
     """Create a table in every tier and build its L1 cache, which reads misses through ``fetch_below`` and warms
     from the first keys ``warm_source`` holds."""
-    t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default)
+    t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard)
     for tier in tiers:
         tier.create_table(t.id, tc.dim)
     if cache_factory is not None:

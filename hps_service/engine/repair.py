@@ -55,8 +55,10 @@ class VolatileRepair:
             except Exception:  # the next round retries; serving never depends on this thread
                 log.warning("volatile-tier repair failed", exc_info=True)
 
-    def stop(self) -> None:
-        """End the thread (the tiers must not close under it)."""
+    def stop(self, timeout_s: float = 5.0) -> bool:
+        """End the thread; False if it is still running after ``timeout_s`` (the tiers must not close under it)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(5)
+            self._thread.join(timeout_s)
+            return not self._thread.is_alive()
+        return True

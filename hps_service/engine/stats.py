@@ -9,10 +9,7 @@ from hps_service.tiers.base import Tier
 
 def table_stats(t: ServedTable, volatile: Tier | None, persistent: Tier | None) -> dict[str, dict[str, float | int | None]]:
     """Per level: hits, misses, hit_rate, rows, capacity, evictions (+ errors for lower tiers); defaults answered."""
-    with t.lock:
-        hits = dict(t.counters.hits)
-        misses = dict(t.counters.misses)
-        defaults = t.counters.defaults
+    hits, misses, defaults = t.counters.totals()
     out: dict[str, dict[str, float | int | None]] = {}
     for level in LEVELS:
         h, m = hits[level], misses[level]

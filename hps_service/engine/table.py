@@ -1,4 +1,4 @@
-"""One served table: its config, its L1 cache, its per-level counters and its log of admin deletes."""
+"""One served table: its config, its L1 cache, its per-level counters and its write guard."""
 
 from __future__ import annotations
 
@@ -8,20 +8,55 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hps_service.cache.change_log import ChangeLog
 from hps_service.cache.protocol import TableCache
 from hps_service.config import DefaultSpec
 from hps_service.engine.levels import LEVELS
+from hps_service.engine.write_guard import WriteGuard
 from hps_service.tiers.base import table_id
 
+#: Index of each level's hits in a thread's counts (its misses follow); the defaults come last.
+_LEVEL_INDEX = {level: 2 * i for i, level in enumerate(LEVELS)}
+_DEFAULTS = 2 * len(LEVELS)
 
-@dataclass
+
 class TableCounters:
-    """Hits and misses per level of one table (updated under the table's lock)."""
+    """Hits and misses per level and defaults answered, of one table.
 
-    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEVELS, 0))
-    misses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LEVELS, 0))
-    defaults: int = 0
+    Each thread adds to its own list of counts, so a lookup takes no lock and no count is lost; a read sums the
+    lists. ``lock`` only guards the list of lists (taken once per thread, and by readers).
+    """
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._local = threading.local()
+        self._threads: list[list[int]] = []
+
+    def _mine(self) -> list[int]:
+        try:
+            return self._local.counts
+        except AttributeError:
+            counts = [0] * (_DEFAULTS + 1)
+            with self._lock:
+                self._threads.append(counts)
+            self._local.counts = counts
+            return counts
+
+    def add(self, level: str, hits: int, misses: int) -> None:
+        counts = self._mine()
+        i = _LEVEL_INDEX[level]
+        counts[i] += hits
+        counts[i + 1] += misses
+
+    def add_defaults(self, n: int) -> None:
+        self._mine()[_DEFAULTS] += n
+
+    def totals(self) -> tuple[dict[str, int], dict[str, int], int]:
+        """(hits per level, misses per level, defaults answered), summed over threads."""
+        with self._lock:
+            sums = [sum(col) for col in zip(*self._threads, strict=True)] if self._threads else [0] * (_DEFAULTS + 1)
+        hits = {level: sums[i] for level, i in _LEVEL_INDEX.items()}
+        misses = {level: sums[i + 1] for level, i in _LEVEL_INDEX.items()}
+        return hits, misses, sums[_DEFAULTS]
 
 
 @dataclass
@@ -33,34 +68,26 @@ class ServedTable:
     dim: int
     default: DefaultSpec
     cache: TableCache | None = None
-    counters: TableCounters = field(default_factory=TableCounters)
+    #: Serialises the writers of this table and stamps what they wrote (shared with the table it replaced).
+    guard: WriteGuard = field(default_factory=WriteGuard)
+    #: Guards table metadata (the counters' list of threads); never taken by a lookup once its thread counted.
     lock: threading.Lock = field(default_factory=threading.Lock)
-    #: Keys of admin deletes (no version, so no tombstone), guarding L2 writes of rows read from L3 before them.
-    unversioned_deletes: ChangeLog = field(default_factory=ChangeLog)
+    counters: TableCounters = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.counters = TableCounters(self.lock)
 
     @property
     def id(self) -> str:
         return table_id(self.model, self.name)
 
-    def deleted_since(self, generation: int, keys: np.ndarray) -> np.ndarray:
-        """Mask of ``keys`` removed by an admin delete after ``generation`` (all of them if the log forgot)."""
-        with self.lock:
-            changed = self.unversioned_deletes.changed_since(generation, keys)
-        return np.ones(keys.shape[0], dtype=bool) if changed is None else changed
-
-    def record_unversioned_delete(self, keys: np.ndarray) -> None:
-        """Note an admin delete of ``keys`` (before any tier forgets them, so a read made earlier sees it)."""
-        with self.lock:
-            self.unversioned_deletes.record(keys)
-
     def count(self, level: str, hits: int, misses: int) -> None:
-        with self.lock:
-            self.counters.hits[level] += hits
-            self.counters.misses[level] += misses
+        """Add to this thread's hits and misses of ``level`` (no lock)."""
+        self.counters.add(level, hits, misses)
 
     def count_defaults(self, n: int) -> None:
-        with self.lock:
-            self.counters.defaults += n
+        """Add to this thread's count of keys answered with the default (no lock)."""
+        self.counters.add_defaults(n)
 
 
 #: Builds the L1 cache of a table, or None: ``factory(table, fetch_below, warm_keys)``.

@@ -1,18 +1,24 @@
-"""The write path: upserts and deletes through every tier (persistent first, it is the durable one), then L1;
-tombstone purges.
+"""The write path: upserts, deletes and imports through every tier (persistent first, it is the durable one), then
+L1; tombstone purges.
 
 A stored row with a newer version is never replaced, so replays and lagging writers are harmless; a versioned
-delete leaves a tombstone that refuses older puts.
+delete leaves a tombstone that refuses older puts. Every method is called with the table's write lock held (see
+:meth:`LookupEngine._writing`) and stamps the keys it writes (see :mod:`hps_service.engine.write_guard`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from hps_service.engine.table import ServedTable
-from hps_service.errors import InvalidArgumentError
+from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.keys import as_keys
 from hps_service.tiers.base import Tier, delete_versions, max_version_per_key
+
+#: Keys per L2 delete and L1 invalidation after an import (bounds one call).
+INVALIDATE_CHUNK = 65_536
 
 
 def as_rows(vectors: np.ndarray, n: int, dim: int, what: str) -> np.ndarray:
@@ -56,17 +62,18 @@ class Writer:
             keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
         else:
             versions = np.ascontiguousarray(versions)
-        written = np.ones(keys.shape[0], dtype=bool)
-        if self.persistent is not None:
-            written = self.persistent.put(t.id, keys, vectors, versions)
-        if self.volatile is not None:
-            if self.persistent is None:
-                written = self.volatile.put(t.id, keys, vectors, versions)
-            elif written.any():
-                # only rows L3 accepted: an older replay must not reach L2 where an evicted tombstone left a gap
-                self.volatile.put(t.id, keys[written], vectors[written], versions[written])
-        if t.cache is not None and written.any():
-            t.cache.update(keys[written], vectors[written], versions[written])
+        with t.guard.writing(keys):
+            written = np.ones(keys.shape[0], dtype=bool)
+            if self.persistent is not None:
+                written = self.persistent.put(t.id, keys, vectors, versions)
+            if self.volatile is not None:
+                if self.persistent is None:
+                    written = self.volatile.put(t.id, keys, vectors, versions)
+                elif written.any():
+                    # only rows L3 accepted: an older replay must not reach L2 where an evicted tombstone left a gap
+                    self.volatile.put(t.id, keys[written], vectors[written], versions[written])
+            if t.cache is not None and written.any():
+                t.cache.update(keys[written], vectors[written], versions[written])
         return int(np.count_nonzero(written))
 
     def apply_deletes(self, t: ServedTable, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
@@ -82,19 +89,39 @@ class Writer:
             return 0
         if tomb_versions is None:
             keys = np.unique(keys)
-            t.record_unversioned_delete(keys)  # before any tier forgets them (see promote.put_read_rows)
         else:
             keys, tomb_versions = max_version_per_key(keys, tomb_versions)
         removed = 0
-        if self.persistent is not None:
-            removed = self.persistent.delete(t.id, keys, tomb_versions)
-        if self.volatile is not None:
-            n = self.volatile.delete(t.id, keys, tomb_versions)
-            if self.persistent is None:
-                removed = n
-        if t.cache is not None:
-            t.cache.invalidate(keys, tomb_versions)  # versioned: a newer cached row stays
+        with t.guard.writing(keys):
+            if self.persistent is not None:
+                removed = self.persistent.delete(t.id, keys, tomb_versions)
+            if self.volatile is not None:
+                n = self.volatile.delete(t.id, keys, tomb_versions)
+                if self.persistent is None:
+                    removed = n
+            if t.cache is not None:
+                t.cache.invalidate(keys, tomb_versions)  # versioned: a newer cached row stays
         return removed
+
+    def import_rows(
+        self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, version: int,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Bulk-load rows into the persistent tier (its ``bulk_import``: all or nothing, never older than a stored
+        row), then drop their keys from L2 and L1, which read them through again. Returns rows written."""
+        bulk_import = getattr(self.persistent, "bulk_import", None)
+        if bulk_import is None:
+            raise UnavailableError("import needs a persistent tier that bulk-loads (persistent.type rocksdb)")
+        keys = as_keys(keys)
+        with t.guard.writing(keys):
+            written = int(bulk_import(t.id, keys, vectors, version=version, progress=progress))
+            for start in range(0, keys.shape[0], INVALIDATE_CHUNK):
+                chunk = keys[start : start + INVALIDATE_CHUNK]
+                if self.volatile is not None:
+                    self.volatile.delete(t.id, chunk)
+                if t.cache is not None:
+                    t.cache.invalidate(chunk)
+        return written
 
     def purge_tombstones(self, t: ServedTable, below_version: int) -> dict[str, int]:
         """Remove the tombstones older than ``below_version`` from every tier; returns how many, per level.

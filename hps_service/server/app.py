@@ -303,7 +303,11 @@ class HPSServer:
 
     def stop(self, grace: float | None = None) -> None:
         """Refuse new lookups, let in-flight ones finish, commit applied updates, close the tiers: all within
-        ``grace`` seconds (server.grace_period_s), the budget Kubernetes gives between SIGTERM and SIGKILL."""
+        ``grace`` seconds (server.grace_period_s), the budget Kubernetes gives between SIGTERM and SIGKILL.
+
+        The tiers close only once no write is in progress (the engine takes every table's write lock first and
+        refuses later writes), so an update consumer that outlives its join timeout never writes to a closed
+        store; a write that outlives the whole grace leaves the tiers open instead."""
         if self._stopped.is_set():
             return
         grace = self.config.server.grace_period_s if grace is None else grace
@@ -323,8 +327,8 @@ class HPSServer:
         if self._http is not None and self._http_thread is not None:
             self._http.should_exit = True
             self._http_thread.join(max(remaining(0.5), 0.5))
-        if self.engine is not None:
-            self.engine.close()
+        if self.engine is not None and not self.engine.close(timeout_s=remaining()):
+            log.error("a write outlived server.grace_period_s; the tiers were left open (RocksDB recovers its WAL)")
         self._stopped.set()
         log.info("stopped")
 

@@ -16,19 +16,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
-
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, NotFoundError, UnavailableError
-from hps_service.importer import import_table, read_model_source
+from hps_service.importer import check_import_shape, read_model_source
 from hps_service.sharding import ShardMap
 from hps_service.tiers.rocksdb import RocksDBTier
 
 log = logging.getLogger(__name__)
 
 JobState = Literal["pending", "running", "succeeded", "failed"]
-#: Rows evicted from the upper tiers per call after an import (bounds one write batch).
-INVALIDATE_CHUNK = 65_536
 #: Finished jobs remembered for GET /v1/jobs (older ones are forgotten first).
 KEEP_FINISHED = 256
 
@@ -141,31 +137,18 @@ def persistent_rocksdb(engine: LookupEngine, what: str) -> RocksDBTier:
     return tier
 
 
-def invalidate_upper_tiers(engine: LookupEngine, model: str, table: str, keys: np.ndarray) -> None:
-    """After a write that went to the persistent tier only: drop ``keys`` from the volatile tier and L1.
-
-    The L1 records the invalidation, so a lookup that read the old row before this cannot admit it afterwards.
-    """
-    t = engine.table(model, table)
-    for start in range(0, keys.shape[0], INVALIDATE_CHUNK):
-        chunk = np.ascontiguousarray(keys[start : start + INVALIDATE_CHUNK], dtype=np.int64)
-        if engine.volatile is not None:
-            engine.volatile.delete(t.id, chunk)
-        if t.cache is not None:
-            t.cache.invalidate(chunk)
-
-
 def import_job(
     engine: LookupEngine, model: str, table: str, path: Path, version: int, shard_map: ShardMap | None = None
 ) -> Callable[[Job], dict]:
-    """The work of ``POST .../import``: read the file, keep this shard's rows, bulk-load L3, then evict the keys
-    from L2 and L1."""
+    """The work of ``POST .../import``: read the file, keep this shard's rows, then bulk-load L3 and evict the keys
+    from L2 and L1 as one write of the table (see :meth:`LookupEngine.import_rows`)."""
     shard_map = shard_map if shard_map is not None else ShardMap()
 
     def work(job: Job) -> dict[str, Any]:
         tier = persistent_rocksdb(engine, "import")
         t = engine.table(model, table)
         keys, vectors = read_model_source(path)
+        check_import_shape(t.id, t.dim, keys, vectors)
         rows_read = int(keys.shape[0])
         keys, vectors, skipped = shard_map.keep_owned(keys, vectors)
         job.rows_total = int(keys.shape[0])
@@ -173,8 +156,7 @@ def import_job(
         def progress(done: int) -> None:
             job.rows_done = done
 
-        written = import_table(tier, t.id, t.dim, keys, vectors, version=version, progress=progress)
-        invalidate_upper_tiers(engine, model, table, keys)
+        written = engine.import_rows(model, table, keys, vectors, version=version, progress=progress)
         job.rows_done = job.rows_total
         return {"rows_read": rows_read, "rows_written": int(written), "rows_stored": tier.count(t.id),
                 "rows_skipped_other_shards": skipped}
