@@ -22,6 +22,8 @@ class Pause:
         self.obj, self.name = obj, name
         self.real = getattr(obj, name)
         self.reached = threading.Event()
+        #: The arguments of the call that stopped.
+        self.args: tuple = ()
         self._released = threading.Event()
         self._armed = True
         self._lock = threading.Lock()
@@ -37,6 +39,7 @@ class Pause:
                 stop = self._armed and matches(*args, **kwargs)
                 if stop:
                     self._armed = False
+                    self.args = args
             if stop and not after:
                 self._stop()
             result = self.real(*args, **kwargs)

@@ -48,6 +48,7 @@ def test_stop_waits_for_the_consumers_write_before_closing_the_tiers(kafka_broke
     assert not srv.consumer._thread.is_alive()
     store = RocksDBTier(db, read_only=True)
     try:  # the write completed on an open store (before: RocksDB was closed under it and the rows were lost)
-        assert store.get(f"{model}.t", keys).found.all()
+        written = l3_write.args[1]
+        assert written.shape[0] and store.get(f"{model}.t", written).found.all()
     finally:
         store.close()
