@@ -34,7 +34,9 @@ NAMESPACE = "ml"
 KUBE_VERSIONS = ("1.27", kubernetes_validate.utils.latest_version())
 LINT_KUBE_VERSION = "v1.33.0"
 # Custom resources have no schema in kubernetes-validate; check_consistency covers their fields.
-CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+#: Server config keys that hold secrets: they reach the pod from Secrets, never through the ConfigMap.
+SECRET_KEYS = ("admin_token", "password", "sasl_password", "sasl.password", "ssl.key.password")
 _ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -266,9 +268,26 @@ def check_consistency(rendered: Rendered, report: Report) -> None:
         elif mount["name"] not in claims | volumes:
             report.add(f"volume {mount['name']} at {mount['mountPath']} is neither a claim template nor a volume")
 
-    if not cfg.server.admin_token:
-        report.add("the server gets no admin token")
+    _check_secrets(rendered, container, cfg, report)
     _check_policies(rendered, container, report)
+
+
+def _check_secrets(rendered: Rendered, container: dict[str, Any], cfg: HPSConfig, report: Report) -> None:
+    """Secrets reach the server from Secrets (env secretKeyRef), never through the ConfigMap; an admin token is
+    given to the server exactly when the chart has one."""
+    text = rendered.one("ConfigMap")["data"]["config.yaml"]
+    for key in SECRET_KEYS:
+        if re.search(rf"(^|\s|['\"]){re.escape(key)}['\"]?\s*:", text, re.MULTILINE):
+            report.add(f"the ConfigMap holds the secret key {key}")
+    for secret in rendered.find("Secret"):
+        for value in secret.get("data", {}).values():
+            if base64.b64decode(value).decode() in text:
+                report.add(f"the ConfigMap holds a value of Secret {secret['metadata']['name']}")
+    token_env = [e for e in container.get("env", []) if e["name"] == "HPS_SERVER__ADMIN_TOKEN"]
+    if token_env and "secretKeyRef" not in token_env[0].get("valueFrom", {}):
+        report.add("HPS_SERVER__ADMIN_TOKEN is not read from a Secret")
+    if bool(token_env) != (cfg.server.admin_token is not None):
+        report.add("the server's admin token does not follow the chart's adminToken values")
 
 
 def _check_policies(rendered: Rendered, container: dict[str, Any], report: Report) -> None:

@@ -168,6 +168,18 @@ class UpdatesConfig(_Section):
         default_factory=dict,
         description="extra librdkafka settings for every client, e.g. security.protocol, sasl.*, ssl.*",
     )
+    sasl_username: str | None = Field(None, description="SASL user (sasl.username), e.g. from a Secret's env var")
+    sasl_password: SecretStr | None = Field(
+        None, description="SASL password (sasl.password): HPS_UPDATES__SASL_PASSWORD from a Secret, not the file")
+
+    @model_validator(mode="after")
+    def _sasl_into_client_config(self) -> UpdatesConfig:
+        """SASL credentials given as their own keys (environment variables from a Secret) reach every client."""
+        if self.sasl_username is not None:
+            self.kafka_config["sasl.username"] = self.sasl_username
+        if self.sasl_password is not None:
+            self.kafka_config["sasl.password"] = self.sasl_password.get_secret_value()
+        return self
 
 
 #: Partitions of every update topic (cluster.partitions): its divisors are the shard counts a fleet can grow to

@@ -59,7 +59,8 @@ def test_chart_lints_renders_and_validates(name: str, path: Path | None) -> None
 
 def test_every_template_renders_something_in_some_scenario(rendered: dict) -> None:
     templates = {t.name for t in (REPO / "deploy/helm/hps/templates").glob("*.yaml")}
-    produced = {Path(s).name for r in rendered.values() for s in r.sources}
+    with_token = check_chart.render({"adminToken": {"value": "a-token-given-in-values"}})
+    produced = {Path(s).name for r in [*rendered.values(), with_token] for s in r.sources}
     assert templates - produced == set()
 
 
@@ -80,10 +81,38 @@ def test_defaults_install_self_contained(rendered: dict) -> None:
     services = {s["metadata"]["name"]: s for s in r.find("Service")}
     assert services["hps-headless"]["spec"]["clusterIP"] == "None"
     assert sts["spec"]["serviceName"] == "hps-headless"
-    secret = r.one("Secret")
-    token = base64.b64decode(secret["data"]["admin-token"]).decode()
-    assert len(token) >= 32
-    assert cfg.server.admin_token is not None and cfg.server.admin_token.get_secret_value() == token
+    assert sts["spec"]["minReadySeconds"] == 10
+    # no token given: nothing generated (the render is the same every time), the admin API is off
+    assert not r.find("Secret") and cfg.server.admin_token is None and not r.find("PrometheusRule")
+    assert "admin API is disabled" in r.notes
+
+
+def test_helm_template_renders_the_same_every_time() -> None:
+    """A GitOps sync renders the chart with no cluster to look up: two renders must be identical, token included."""
+    for values in ({}, {"adminToken": {"value": "s3cret-token-from-values"}}):
+        first, second = (check_chart.render(values) for _ in range(2))
+        assert first.docs == second.docs
+    r = check_chart.render({"adminToken": {"value": "s3cret-token-from-values"}})
+    assert base64.b64decode(r.one("Secret")["data"]["admin-token"]).decode() == "s3cret-token-from-values"
+    cfg = check_chart.server_config(r, "hps-0")
+    assert cfg.server.admin_token is not None and cfg.server.admin_token.get_secret_value() == "s3cret-token-from-values"
+    assert "s3cret" not in r.one("ConfigMap")["data"]["config.yaml"]
+    annotations = r.one("StatefulSet")["spec"]["template"]["metadata"]["annotations"]
+    assert "checksum/admin-token" in annotations and "s3cret" not in json.dumps(annotations)
+
+
+@pytest.mark.parametrize("config,where", [
+    ({"server": {"admin_token": "x"}}, "adminToken.existingSecret"),
+    ({"volatile": {"password": "x"}}, "redisCluster.existingSecret"),
+    ({"updates": {"sasl_password": "x"}}, "kafka.sasl.existingSecret"),
+    ({"updates": {"kafka_config": {"sasl.password": "x"}}}, "kafka.sasl.existingSecret"),
+])
+def test_secrets_in_config_values_fail_the_render(config: dict, where: str) -> None:
+    values = yaml.safe_load((REPO / "deploy/helm/hps/values.yaml").read_text())["config"]
+    for section, keys in config.items():
+        values[section] = {**values.get(section, {}), **keys}
+    with pytest.raises(helm_python.HelmError, match=where.replace(".", r"\.")):
+        check_chart.render({"config": values})
 
 
 def test_gpu_redis_kafka_example(rendered: dict) -> None:
@@ -131,6 +160,31 @@ def test_all_features_example(rendered: dict) -> None:
     cfg = check_chart.server_config(r, "hps-full-0")
     assert cfg.cache.refresh_interval_s == 60.0  # extraEnv reaches the server
     assert cfg.updates.group == "hps-full.hps-full-0"
+    container = pod["containers"][0]
+    assert container["image"] == ("registry.example.com/ml/hps-service@sha256:"
+                                  "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef")
+    assert sts["spec"]["minReadySeconds"] == 20
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"] if "secretKeyRef" in
+            e.get("valueFrom", {})}
+    assert refs["HPS_VOLATILE__USERNAME"] == {"name": "redis-acl", "key": "user"}
+    assert refs["HPS_VOLATILE__PASSWORD"] == {"name": "redis-acl", "key": "pass"}
+    assert refs["HPS_UPDATES__SASL_USERNAME"] == {"name": "kafka-scram", "key": "username"}
+    assert refs["HPS_UPDATES__SASL_PASSWORD"] == {"name": "kafka-scram", "key": "password"}
+    assert cfg.updates.kafka_config == {"security.protocol": "SASL_SSL", "sasl.mechanism": "SCRAM-SHA-512",
+                                        "sasl.username": "existing-secret:kafka-scram/username",
+                                        "sasl.password": "existing-secret:kafka-scram/password"}
+    assert cfg.volatile.username == "existing-secret:redis-acl/user"
+    text = r.one("ConfigMap")["data"]["config.yaml"]
+    assert "password" not in text and "existing-secret" not in text
+    hpa = r.one("HorizontalPodAutoscaler")
+    kinds = [m["type"] for m in hpa["spec"]["metrics"]]
+    assert kinds == ["Resource", "Pods"] and hpa["spec"]["metrics"][1]["pods"]["metric"]["name"] == \
+        "hps_lookups_per_second"
+    rule = r.one("PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    alerts = {a["alert"] for g in rule["spec"]["groups"] for a in g["rules"] if "alert" in a}
+    assert alerts == {"HPSUpdateFreshnessSlow", "HPSConsumerLagGrowing", "HPSLookupErrorRatioHigh",
+                      "HPSReplicaNotReady", "HPSCacheHitRateCollapsed"}
 
 
 def test_config_map_is_a_valid_server_config_file(rendered: dict) -> None:

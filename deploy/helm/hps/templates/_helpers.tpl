@@ -46,15 +46,45 @@ app.kubernetes.io/component: server
 {{- end }}
 {{- end }}
 
-{{/* The image: an explicit tag, else appVersion (+ "-cuda" for GPU pods). */}}
+{{/* The image: pinned by image.digest when given, else an explicit tag, else appVersion (+ "-cuda" for GPU pods). */}}
 {{- define "hps.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- $suffix := ternary "-cuda" "" .Values.gpu.enabled }}
 {{- $tag := .Values.image.tag | default (printf "%s%s" .Chart.AppVersion $suffix) }}
 {{- printf "%s:%s" .Values.image.repository $tag }}
 {{- end }}
+{{- end }}
 
 {{- define "hps.adminSecretName" -}}
 {{- .Values.adminToken.existingSecret | default (printf "%s-admin" (include "hps.fullname" .)) }}
+{{- end }}
+
+{{/* Whether the server gets an admin token: from adminToken.existingSecret, or adminToken.value (a chart Secret). */}}
+{{- define "hps.adminEnabled" -}}
+{{- if or .Values.adminToken.existingSecret .Values.adminToken.value }}true{{ end }}
+{{- end }}
+
+{{/*
+Secrets never go into the ConfigMap: refuse values that would put one there, naming where it belongs.
+*/}}
+{{- define "hps.checkNoSecretsInConfig" -}}
+{{- $cfg := .Values.config }}
+{{- if and $cfg.server (hasKey $cfg.server "admin_token") }}
+{{- fail "config.server.admin_token would land in the ConfigMap: set adminToken.existingSecret (or adminToken.value)" }}
+{{- end }}
+{{- if and $cfg.volatile (hasKey $cfg.volatile "password") }}
+{{- fail "config.volatile.password would land in the ConfigMap: set redisCluster.existingSecret" }}
+{{- end }}
+{{- if and $cfg.updates (hasKey $cfg.updates "sasl_password") }}
+{{- fail "config.updates.sasl_password would land in the ConfigMap: set kafka.sasl.existingSecret" }}
+{{- end }}
+{{- range $key, $_ := (($cfg.updates | default dict).kafka_config | default dict) }}
+{{- if or (hasSuffix "password" $key) (hasSuffix ".pem" $key) (eq $key "sasl.oauthbearer.client.secret") }}
+{{- fail (printf "config.updates.kafka_config.%s would land in the ConfigMap: set kafka.sasl.existingSecret" $key) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{- define "hps.consumerGroupPrefix" -}}
@@ -66,6 +96,7 @@ The server's config as YAML: .Values.config with the redisCluster and kafka swit
 The consumer group and the secrets come from the environment (see the StatefulSet).
 */}}
 {{- define "hps.serverConfig" -}}
+{{- include "hps.checkNoSecretsInConfig" . }}
 {{- $cfg := deepCopy .Values.config }}
 {{- if .Values.redisCluster.enabled }}
 {{- $volatile := mergeOverwrite (deepCopy ($cfg.volatile | default dict)) (dict "type" "redis_cluster" "nodes" .Values.redisCluster.nodes) }}
@@ -73,6 +104,14 @@ The consumer group and the secrets come from the environment (see the StatefulSe
 {{- end }}
 {{- if .Values.kafka.enabled }}
 {{- $updates := mergeOverwrite (deepCopy ($cfg.updates | default dict)) (dict "type" "kafka" "brokers" (join "," .Values.kafka.brokers) "topic_prefix" .Values.kafka.topicPrefix) }}
+{{- with .Values.kafka.sasl }}
+{{- if .existingSecret }}
+{{- $client := deepCopy ($updates.kafka_config | default dict) }}
+{{- $_ := set $client "security.protocol" .securityProtocol }}
+{{- $_ := set $client "sasl.mechanism" .mechanism }}
+{{- $_ := set $updates "kafka_config" $client }}
+{{- end }}
+{{- end }}
 {{- $_ := set $cfg "updates" $updates }}
 {{- end }}
 {{- toYaml $cfg }}
@@ -101,17 +140,38 @@ The consumer group and the secrets come from the environment (see the StatefulSe
       fieldPath: metadata.name
 - name: HPS_UPDATES__GROUP
   value: {{ printf "%s.$(POD_NAME)" (include "hps.consumerGroupPrefix" .) | quote }}
+{{- if include "hps.adminEnabled" . }}
 - name: HPS_SERVER__ADMIN_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ include "hps.adminSecretName" . }}
       key: {{ .Values.adminToken.key }}
+{{- end }}
 {{- if and .Values.redisCluster.enabled .Values.redisCluster.existingSecret }}
+{{- if .Values.redisCluster.usernameKey }}
+- name: HPS_VOLATILE__USERNAME
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.redisCluster.existingSecret }}
+      key: {{ .Values.redisCluster.usernameKey }}
+{{- end }}
 - name: HPS_VOLATILE__PASSWORD
   valueFrom:
     secretKeyRef:
       name: {{ .Values.redisCluster.existingSecret }}
       key: {{ .Values.redisCluster.passwordKey }}
+{{- end }}
+{{- if and .Values.kafka.enabled .Values.kafka.sasl.existingSecret }}
+- name: HPS_UPDATES__SASL_USERNAME
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.kafka.sasl.existingSecret }}
+      key: {{ .Values.kafka.sasl.usernameKey }}
+- name: HPS_UPDATES__SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.kafka.sasl.existingSecret }}
+      key: {{ .Values.kafka.sasl.passwordKey }}
 {{- end }}
 - name: NUMBA_CACHE_DIR
   value: /tmp/numba
