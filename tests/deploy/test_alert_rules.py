@@ -1,6 +1,6 @@
 """The chart's PrometheusRule, checked by Prometheus's own promtool: `promtool check rules` on the rendered rules,
 and `promtool test rules` (tests/deploy/alert_rules_test.yaml) showing when each alert fires and when it must not:
-update freshness, the lookup error ratio, consumer lag growing, a replica not ready, the L1 hit rate collapsing."""
+update freshness, the lookup error ratio, consumer lag growing, the update stream stalled, a replica not ready, the L1 hit rate collapsing."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def _promtool(*args: str) -> subprocess.CompletedProcess:
 
 def test_rules_pass_promtool_check(tmp_path: Path) -> None:
     checked = _promtool("check", "rules", str(_rules(tmp_path)))
-    assert checked.returncode == 0 and "SUCCESS: 8 rules found" in checked.stdout, checked.stdout + checked.stderr
+    assert checked.returncode == 0 and "SUCCESS: 9 rules found" in checked.stdout, checked.stdout + checked.stderr
     extra = {"additionalRules": [{"alert": "Broken", "expr": "sum(rate(x[5m])"}]}
     broken = _promtool("check", "rules", str(_rules(tmp_path, extra)))
     assert broken.returncode != 0  # the check is not a formality

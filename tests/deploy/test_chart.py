@@ -184,7 +184,7 @@ def test_all_features_example(rendered: dict) -> None:
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     alerts = {a["alert"] for g in rule["spec"]["groups"] for a in g["rules"] if "alert" in a}
     assert alerts == {"HPSUpdateFreshnessSlow", "HPSConsumerLagGrowing", "HPSLookupErrorRatioHigh",
-                      "HPSReplicaNotReady", "HPSCacheHitRateCollapsed"}
+                      "HPSReplicaNotReady", "HPSCacheHitRateCollapsed", "HPSUpdateStreamStalled"}
 
 
 def test_config_map_is_a_valid_server_config_file(rendered: dict) -> None:
