@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -12,8 +13,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from hps_service import __version__
 from hps_service.config import ConfigError, HPSConfig, load_config
 from hps_service.errors import HPSError
+from hps_service.logs import setup_logging
 from hps_service.trainer.cli import train_command
 
 app = typer.Typer(
@@ -41,12 +44,18 @@ def _config(path: Path | None) -> HPSConfig:
         _fail(str(exc), code=2)
 
 
-def _setup_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"hps-service {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+) -> None:
+    """hps-service: a hierarchical parameter server for recommendation and MoE embeddings."""
 
 
 @app.command()
@@ -58,7 +67,7 @@ def serve(
     from hps_service.server.app import HPSServer
 
     cfg = _config(config)
-    _setup_logging(log_level)
+    setup_logging(log_level, cfg.server.log_format)
     server = HPSServer(cfg)
     try:
         server.start()
@@ -171,6 +180,8 @@ def lookup(
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="PEM CA bundle that signed the server (turns TLS on)."),
     tls_cert: Path | None = typer.Option(None, "--tls-cert", help="PEM client certificate (mutual TLS)."),
     tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM client private key (mutual TLS)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: model, table, dim, keys, vectors, "
+                                                       "sources."),
 ) -> None:
     """Look keys up on a running server and print one row per key with the level that answered."""
     from hps_service.client import HPSClient
@@ -185,9 +196,71 @@ def lookup(
             answer = client.lookup_with_sources(model, table, np.array(keys, dtype=np.int64))
         except HPSError as exc:
             _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps({"model": model, "table": table, "dim": int(answer.vectors.shape[1]), "keys": keys,
+                               "vectors": answer.vectors.tolist(),
+                               "sources": [names.get(int(s), "unspecified") for s in answer.sources]}))
+        return
     np.set_printoptions(precision=5, suppress=True, linewidth=140, threshold=64)
     for key, row, src in zip(keys, answer.vectors, answer.sources):
         typer.echo(f"{key} [{names.get(int(src), '?')}] {np.array2string(row, max_line_width=1 << 30)}")
+
+
+@app.command()
+def stats(
+    url: str = typer.Option("http://127.0.0.1:8000", "--url", help="The server's REST address (server.http_port)."),
+    as_json: bool = typer.Option(False, "--json", help="Print /v1/stats as JSON instead of tables."),
+    timeout: float = typer.Option(10.0, help="Seconds."),
+    tls_ca: Path | None = typer.Option(None, "--tls-ca", help="PEM CA bundle that signed the server (https)."),
+) -> None:
+    """Show a running server's /v1/stats: per table and level hits, misses, hit rate, rows; update freshness."""
+    import httpx
+    from rich.table import Table
+
+    try:
+        response = httpx.get(f"{url.rstrip('/')}/v1/stats", timeout=timeout,
+                             verify=str(tls_ca) if tls_ca is not None else True)
+    except httpx.HTTPError as exc:
+        _fail(f"cannot reach {url}: {exc}")
+    if response.status_code != 200:
+        _fail(f"{url}/v1/stats answered {response.status_code}: {response.text[:200]}")
+    data = response.json()
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    table = Table(title=f"hps-service {url}", title_justify="left")
+    for column in ("model.table", "level", "hit rate", "hits", "misses", "rows", "capacity", "evictions"):
+        table.add_column(column, justify="left" if column in ("model.table", "level") else "right")
+    for model, m in sorted(data.get("models", {}).items()):
+        for name, t in sorted(m.get("tables", {}).items()):
+            for i, level in enumerate(level for level in ("cache", "volatile", "persistent") if level in t):
+                s = t[level]
+                if not s.get("enabled", True):
+                    continue
+                rate = s.get("hit_rate")
+                table.add_row(f"{model}.{name}" if i == 0 else "", level,
+                              "-" if rate is None else f"{rate:.1%}", *(_count(s.get(k)) for k in
+                                                                        ("hits", "misses", "rows", "capacity",
+                                                                         "evictions")))
+    console = out_console if out_console.is_terminal else Console(width=140)  # piped: no wrapping at 80 columns
+    console.print(table)
+    updates = data.get("updates") or {}
+    if updates.get("enabled", True) and "rows_applied" in updates:
+        lag = updates.get("end_to_end_lag_s") or {}
+        console.print(
+            f"updates: {updates['rows_applied']:,} rows applied, {updates.get('rows_per_s', 0):,.0f} rows/s, "
+            f"freshness p50 {_seconds(lag.get('p50'))} p99 {_seconds(lag.get('p99'))}, "
+            f"consumer lag {sum((updates.get('consumer_lag') or {}).values()):,} messages", highlight=False)
+    else:
+        console.print("updates: off", highlight=False)
+
+
+def _count(value: object) -> str:
+    return "-" if value is None else f"{int(value):,}"  # type: ignore[call-overload]
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1000:.1f} ms"
 
 
 @app.command()
@@ -231,12 +304,25 @@ def demo(
         _fail(f"hps demo needs the trainer and demo extras (pip install 'hps-service[trainer,demo]'): {exc}", 2)
     if threads:
         torch.set_num_threads(threads)
-    _setup_logging("warning")
+    setup_logging("warning")
+    _kafka_log_to_file(workdir / "kafka.log")
     try:
         summary = run_demo(DemoSettings(steps=steps, cardinality=cardinality, workdir=workdir), out_console)
     except (HPSError, FileNotFoundError) as exc:
         _fail(str(exc))
     out_console.print_json(data=summary)
+
+
+def _kafka_log_to_file(path: Path) -> None:
+    """librdkafka's lines (broker connects and disconnects as the demo starts and stops its broker) go to a file
+    in the demo's workdir, not the console."""
+    from hps_service.updates.kafka_log import KAFKA_LOG
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    KAFKA_LOG.addHandler(handler)
+    KAFKA_LOG.propagate = False
 
 
 def main() -> None:

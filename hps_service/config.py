@@ -69,6 +69,8 @@ class ServerConfig(_Section):
         None, ge=1024, description="gRPC requests larger get RESOURCE_EXHAUSTED; default: sized from max_batch_keys"
     )
     tls: TLSConfig | None = None
+    log_format: Literal["text", "json"] = Field(
+        "text", description="stderr log lines as text, or one JSON object per line (librdkafka and uvicorn too)")
 
     @model_validator(mode="after")
     def _admin_token_alias(self) -> ServerConfig:

@@ -289,7 +289,7 @@ class HPSServer:
             raise UnavailableError(f"cannot bind the REST port {cfg.host}:{cfg.http_port}: {exc}") from None
         self.http_port = sock.getsockname()[1]
         http = uvicorn.Server(
-            uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="off",
+            uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="off", log_config=None,
                            timeout_graceful_shutdown=5, **self._ssl_options)
         )
         thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="hps-http", daemon=True)

@@ -29,6 +29,7 @@ from confluent_kafka.admin import AdminClient
 from hps_service.config import UpdatesConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.updates.kafka_log import KAFKA_LOG, with_logging
 from hps_service.updates.message import (
     DecodedUpdate,
     MalformedUpdateError,
@@ -144,7 +145,8 @@ class UpdateConsumer:
         self.shard = shard
         #: Partition count of each update topic as the broker reported it.
         self.topic_partitions: dict[str, int] = {}
-        self._client_config = {**cfg.kafka_config, "bootstrap.servers": cfg.brokers, "socket.nagle.disable": True}
+        self._client_config = with_logging(
+            {**cfg.kafka_config, "bootstrap.servers": cfg.brokers, "socket.nagle.disable": True})
         self._consumer_config = {
             **_CONSUMER_DEFAULTS,
             **cfg.kafka_config,
@@ -153,6 +155,7 @@ class UpdateConsumer:
             "group.id": group,
             "on_commit": self._on_commit,
             "error_cb": self._on_client_error,
+            "logger": KAFKA_LOG,
         }
         self.metrics = FreshnessStats()
         self._consumer: Consumer | None = None

@@ -19,6 +19,7 @@ from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from hps_service.local_processes import free_port, stop_process
+from hps_service.updates.kafka_log import with_logging
 
 #: Partitions given to every topic the tests create.
 TEST_PARTITIONS = 4
@@ -54,7 +55,7 @@ class KafkaBroker:
 
     def create_topics(self, names: list[str], partitions: int = TEST_PARTITIONS) -> None:
         """Create topics (ignoring ones that already exist) and wait until metadata shows them."""
-        admin = AdminClient({"bootstrap.servers": self.bootstrap})
+        admin = AdminClient(with_logging({"bootstrap.servers": self.bootstrap}))
         futures = admin.create_topics(
             [NewTopic(n, num_partitions=partitions, replication_factor=1) for n in names], operation_timeout=10
         )
@@ -74,7 +75,7 @@ class KafkaBroker:
 
 
 def _wait_for_metadata(bootstrap: str, process: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin = AdminClient(with_logging({"bootstrap.servers": bootstrap}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:

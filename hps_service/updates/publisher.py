@@ -13,6 +13,7 @@ from confluent_kafka.admin import AdminClient
 
 from hps_service.config import valid_name
 from hps_service.errors import InvalidArgumentError, UnavailableError
+from hps_service.updates.kafka_log import with_logging
 from hps_service.updates.message import MAX_MESSAGE_BYTES, encode_update, rows_per_message, topic_name
 from hps_service.updates.partitioning import group_by_partition, partition_of
 from hps_service.updates.topics import DEFAULT_PARTITIONS, ensure_topic
@@ -55,9 +56,9 @@ class Publisher:
             raise InvalidArgumentError("brokers must be a non-empty 'host:port[,host:port]' string")
         self.model = model
         self.topic = topic_name(model, topic_prefix)
-        self._conf = {**_PRODUCER_DEFAULTS, **producer_config, "bootstrap.servers": brokers}
+        self._conf = with_logging({**_PRODUCER_DEFAULTS, **producer_config, "bootstrap.servers": brokers})
         self._producer = Producer(self._conf)
-        admin = AdminClient({**connection_settings(producer_config), "bootstrap.servers": brokers})
+        admin = AdminClient(with_logging({**connection_settings(producer_config), "bootstrap.servers": brokers}))
         self.partitions = ensure_topic(admin, self.topic, partitions, timeout_s=metadata_timeout_s)
         self._errors: list[str] = []
         self._fatal: list[str] = []  # fatal producer errors: the producer must be replaced before the next send
