@@ -1,8 +1,10 @@
 """L1 cache hit path vs a raw NumPy gather of the same rows, side by side in one run.
 
 ``python -m loadtest.bench_cache``: for each batch size, times (interleaved, median of repeats)
-``np.take(table, idx, axis=0, out=buf, mode="clip")`` from a preallocated array, the cache's compiled
-query, the same query behind a plain mutex, and ``SetAssocTableCache.lookup`` (sequence lock, argument
+``np.take(table, idx, axis=0, out=buf, mode="clip")`` from a preallocated array, the probe the cache used
+before slot tags (every key of the set compared; kept here to measure the tags against it in one run), the
+cache's compiled query (tag bytes scanned, a key compared only on a tag match), the same query behind a plain
+mutex, and ``SetAssocTableCache.lookup`` (sequence lock, argument
 checks, hit counters); prints times and the speed ratio gather_time / cache_time (target: >= 0.5 at
 batch 1024, i.e. the cache within 2x of the gather).
 
@@ -20,12 +22,60 @@ import threading
 import time
 from collections.abc import Callable
 
+import numba
 import numpy as np
 
 from hps_service.cache import SetAssociativeCache, SetAssocTableCache
+from hps_service.cache.cpu_kernels import PREFETCH_AHEAD
+from hps_service.hashing import mix64
+from hps_service.numba_prefetch import prefetch
 
 #: Different batches each contender cycles through (the same ones for every contender).
 DISTINCT_BATCHES = 64
+
+
+_S32 = np.uint64(32)
+_NO_KEY = np.uint64(1 << 63)
+
+
+@numba.njit(cache=True, nogil=True)
+def key_scan_query(table, values, keys, out, hit, sets):  # type: ignore[no-untyped-def]
+    """The probe before slot tags, for comparison in the same run: the set's 32 int64 keys prefetched (4 lines)
+    and compared one by one (a key equal to the free marker 2**63 as uint64 stands for a free slot)."""
+    ways = table.shape[1]
+    dim = values.shape[1]
+    usets = np.uint64(sets)
+    n = keys.shape[0]
+    ahead = PREFETCH_AHEAD
+    set_idx = np.empty(n, np.int64)
+    for i in range(n):
+        set_idx[i] = np.int64(((mix64(keys[i]) >> _S32) * usets) >> _S32)
+    slots = np.empty(n, np.int64)
+    nhit = 0
+    for j in range(n + ahead):
+        if j < n:
+            for c in range(0, ways, 8):
+                prefetch(table, set_idx[j], c)
+        i = j - ahead
+        if i >= 0:
+            s = set_idx[i]
+            slots[i] = -1
+            hit[i] = False
+            for w in range(ways):
+                if table[s, w] == keys[i]:
+                    slots[i] = s * ways + w
+                    hit[i] = True
+                    nhit += 1
+                    break
+    for j in range(n + ahead):
+        if j < n and slots[j] >= 0:
+            for d in range(0, dim, 16):
+                prefetch(values, slots[j], d)
+        i = j - ahead
+        if i >= 0 and slots[i] >= 0:
+            for d in range(dim):
+                out[i, d] = values[slots[i], d]
+    return nhit
 
 
 def _time_per_call(fn: Callable[[int], object], calls: int, distinct: int) -> float:
@@ -60,6 +110,7 @@ def run(rows: int, dim: int, ways: int, batches: list[int], repeats: int, budget
         cache, lambda k: (np.zeros((len(k), dim), np.float32), np.zeros(len(k), np.int64), np.ones(len(k), bool)),
         hit_rate_threshold=0.0)
     mutex = threading.Lock()
+    scan_table = np.where(cache.tags != 0, cache.keys.view(np.uint64), _NO_KEY)
     rng = np.random.default_rng(1)
     results = []
     try:
@@ -68,6 +119,7 @@ def run(rows: int, dim: int, ways: int, batches: list[int], repeats: int, budget
             batch_keys = [keys[i] for i in idx]
             buf = np.empty((batch, dim), np.float32)
             out = np.empty((batch, dim), np.float32)
+            hit = np.empty(batch, np.bool_)
 
             def mutex_query(j: int, batch_keys: list[np.ndarray] = batch_keys, out: np.ndarray = out) -> None:
                 with mutex:
@@ -75,6 +127,8 @@ def run(rows: int, dim: int, ways: int, batches: list[int], repeats: int, budget
 
             contenders: dict[str, Callable[[int], object]] = {
                 "gather": lambda j, idx=idx, buf=buf: np.take(table, idx[j], axis=0, out=buf, mode="clip"),
+                "key-scan probe": lambda j, k=batch_keys, out=out, hit=hit: key_scan_query(
+                    scan_table, cache.values, k[j].view(np.uint64), out, hit, cache.sets),
                 "query": lambda j, k=batch_keys, out=out: cache.query(k[j], out),
                 "query+mutex": mutex_query,
                 "TableCache.lookup": lambda j, k=batch_keys, out=out: table_cache.lookup(k[j], out),
@@ -96,11 +150,13 @@ def run(rows: int, dim: int, ways: int, batches: list[int], repeats: int, budget
 
 def report(results: list[dict]) -> None:
     """Print microseconds per call and speed ratios (gather time / contender time)."""
-    print(f"{'batch':>6} {'batches':>7} {'gather us':>10} {'query us':>9} {'ratio':>6} {'+mutex us':>10} {'ratio':>6} "
-          f"{'lookup us':>10} {'ratio':>6} {'lookup Mkeys/s':>15}")
+    print(f"{'batch':>6} {'batches':>7} {'gather us':>10} {'scan us':>8} {'ratio':>6} {'query us':>9} {'ratio':>6} "
+          f"{'+mutex us':>10} {'ratio':>6} {'lookup us':>10} {'ratio':>6} {'lookup Mkeys/s':>15}")
     for r in results:
         g = r["gather"]
-        print(f"{r['batch']:>6} {r['distinct']:>7} {g * 1e6:>10.1f} {r['query'] * 1e6:>9.1f} {g / r['query']:>6.2f} "
+        scan = r["key-scan probe"]
+        print(f"{r['batch']:>6} {r['distinct']:>7} {g * 1e6:>10.1f} {scan * 1e6:>8.1f} {g / scan:>6.2f} "
+              f"{r['query'] * 1e6:>9.1f} {g / r['query']:>6.2f} "
               f"{r['query+mutex'] * 1e6:>10.1f} {g / r['query+mutex']:>6.2f} "
               f"{r['TableCache.lookup'] * 1e6:>10.1f} {g / r['TableCache.lookup']:>6.2f} "
               f"{r['batch'] / r['TableCache.lookup'] / 1e6:>15.2f}")

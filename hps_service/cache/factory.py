@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hps_service.cache.backend import resolve_backend
 from hps_service.cache.protocol import FetchBelow, TableCache
-from hps_service.cache.set_assoc import SetAssociativeCache
+from hps_service.cache.set_assoc import SetAssociativeCache, warm_up_kernels
 from hps_service.cache.table_cache import SetAssocTableCache, WarmKeys
 from hps_service.config import CacheConfig
 from hps_service.errors import InvalidArgumentError
@@ -43,7 +43,9 @@ def build_table_cache(
         from hps_service.cache.device import DeviceCache
 
         cache: SetAssociativeCache | DeviceCache = DeviceCache(rows, dim, ways=cfg.ways, policy=cfg.policy)
+        cache.warm_up()  # compiles the device kernels while the table loads, before the server says ready
     else:
+        warm_up_kernels()
         cache = SetAssociativeCache(rows, dim, ways=cfg.ways, policy=cfg.policy)
     return SetAssocTableCache(
         cache,

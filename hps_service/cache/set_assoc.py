@@ -25,6 +25,7 @@ Semantics every path follows exactly:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -451,3 +452,20 @@ class SetAssociativeCache:
             "backend": self.backend,
             "memory_bytes": float(self.memory_bytes()),
         }
+
+
+@functools.cache
+def warm_up_kernels() -> None:
+    """Compile (or load from numba's cache) every CPU kernel of the cache on a private scratch cache, so the
+    first lookup after start runs compiled code: the query, insert, update, invalidate, dedup and seqlock."""
+    from hps_service.cache.seqlock import SeqLock
+
+    for policy in ("lru", "lfu"):
+        cache = SetAssociativeCache(8, 1, ways=8, policy=policy)
+        keys = np.array([1, 2, 2], dtype=np.int64)
+        with SeqLock(cache.meta).write():
+            cache.insert(keys, np.ones((3, 1), np.float32), np.array([1, 2, 3]))
+            cache.update(keys, np.ones((3, 1), np.float32), 4)
+        cache.query(keys, np.empty((3, 1), np.float32))
+        cache.invalidate(keys[:1], 5)
+        cache.invalidate(keys[1:])

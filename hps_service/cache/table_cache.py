@@ -85,6 +85,8 @@ class SetAssocTableCache:
         self._refresh_cursor = 0
         self._snapshot_path = snapshot_path
         self._lock = SeqLock(cache.meta)
+        if hasattr(cache, "exclusive"):  # the device cache finishes reads that keep losing to writers under it
+            cache.exclusive = self._lock.exclusive
         self._changes = ChangeLog()
         self._counter_lock = threading.Lock()
         self._queued_rows = 0
