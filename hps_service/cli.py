@@ -167,7 +167,8 @@ def import_model(
     if cfg.cluster.shards > 1:
         shard = (f"; skipped {skipped} rows of other shards (this is shard {cfg.cluster.shard} of "
                  f"{cfg.cluster.shards})")
-    out_console.print(f"imported {n} rows (dim {tc.dim}) into {tid} at {cfg.persistent.path}{shard}", highlight=False)
+    out_console.print(f"imported {n} rows (dim {tc.dim}) into {tid} at {cfg.persistent.path}{shard}", highlight=False,
+                      soft_wrap=True)
 
 
 @app.command()

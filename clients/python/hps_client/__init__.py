@@ -4,6 +4,7 @@ from hps_client.aio import AsyncHPSClient
 from hps_client.channel import channel_options, channel_target, service_config
 from hps_client.client import HPSClient
 from hps_client.errors import (
+    FailedPreconditionError,
     HPSError,
     InvalidArgumentError,
     LookupError_,
@@ -16,7 +17,7 @@ from hps_client.wire import TableAnswer, build_request, decode_answer, encode_ke
 __version__ = "0.1.0"
 
 __all__ = [
-    "AsyncHPSClient", "HPSClient", "HPSError", "InvalidArgumentError", "LookupError_", "NotFoundError",
+    "AsyncHPSClient", "FailedPreconditionError", "HPSClient", "HPSError", "InvalidArgumentError", "LookupError_", "NotFoundError",
     "ResourceExhaustedError", "TableAnswer", "UnavailableError", "build_request", "channel_options",
     "channel_target", "decode_answer", "encode_keys", "service_config",
 ]

@@ -1,4 +1,4 @@
-"""asyncio client over grpc.aio: the same API as HPSClient, awaited.
+"""asyncio client over grpc.aio: the same API as HPSClient, awaited, sharded fleets included.
 
     async with AsyncHPSClient("dns:///hps-headless.ml.svc:8500") as client:
         rows = await client.lookup("demo", "item", np.array([1, 2, 3]))   # (3, dim) float32
@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
@@ -13,17 +15,29 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
-from hps_client.channel import channel_options, channel_target
+from hps_client.channel import channel_options
+from hps_client.client import _INFO, PROBE_TIMEOUT_S, _Routes, remaining, shard_error
+from hps_client.errors import FailedPreconditionError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_client.routing import (
+    ShardPart,
+    ShardShape,
+    check_same_shape,
+    shard_channel_targets,
+    shard_unavailable,
+    split_batch,
+    whole_target,
+)
 from hps_client.tls import channel_credentials
 from hps_client.wire import TableAnswer, as_error, build_request, decode_answer
 
 
 class AsyncHPSClient:
-    """One grpc.aio channel over every replica, balanced and retried by gRPC as in HPSClient.
+    """Replicas or shards as in HPSClient: one grpc.aio channel per replica set, balanced and retried by gRPC;
+    a sharded batch is split by shard and its parts awaited concurrently.
 
-    The channel opens on first use, inside the running event loop (grpc.aio channels belong to one loop).
+    Channels open on first use, inside the running event loop (grpc.aio channels belong to one loop).
     """
 
     def __init__(
@@ -41,30 +55,114 @@ class AsyncHPSClient:
     ) -> None:
         """Targets, retry, channel and TLS options as in HPSClient."""
         self._credentials = channel_credentials(tls_ca, tls_cert, tls_key, tls)
-        self.target = channel_target(targets)
         self.targets = [targets] if isinstance(targets, str) else list(targets)
+        self.target = whole_target(self.targets)
         self.timeout = timeout
         self.retries = retries
         self._options = channel_options(retries, backoff_s, options)
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: pb_grpc.EmbeddingServiceStub | None = None
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._routes: _Routes | None = None
+        self._unsharded = False
+        self._watchers: dict[int, asyncio.Task] = {}
 
-    def _get_stub(self) -> pb_grpc.EmbeddingServiceStub:
-        if self._stub is None:
-            self._channel = (
-                grpc.aio.secure_channel(self.target, self._credentials, options=self._options)
-                if self._credentials is not None
-                else grpc.aio.insecure_channel(self.target, options=self._options)
-            )
-            self._stub = pb_grpc.EmbeddingServiceStub(self._channel)
-        return self._stub
+    # ---- channels -----------------------------------------------------------------------------------------
+    def _open(self, target: str) -> pb_grpc.EmbeddingServiceStub:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = (grpc.aio.secure_channel(target, self._credentials, options=self._options)
+                       if self._credentials is not None else grpc.aio.insecure_channel(target, options=self._options))
+            self._channels[target] = channel
+        return pb_grpc.EmbeddingServiceStub(channel)
+
+    def _get_stub(self) -> pb_grpc.EmbeddingServiceStub | None:
+        return self._open(self.target) if self.target is not None else None
+
+    async def _any_stub(self, deadline: float | None) -> pb_grpc.EmbeddingServiceStub:
+        stub = self._get_stub()
+        if stub is not None:
+            return stub
+        routes = await self._learn(deadline)
+        stubs = [s for shard in sorted(routes.stubs) for s in routes.stubs[shard]] if routes else []
+        if not stubs:
+            raise UnavailableError(f"none of the targets {', '.join(self.targets)} answered")
+        return stubs[0]
 
     async def _call(self, method: str, request: object, timeout: float | None) -> Any:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return await getattr(self._get_stub(), method)(request, timeout=self.timeout if timeout is None else timeout)
+            return await getattr(await self._any_stub(deadline), method)(request, timeout=remaining(deadline))
         except grpc.aio.AioRpcError as err:
             raise as_error(err) from None
 
+    # ---- the shard map ------------------------------------------------------------------------------------
+    async def cluster_info(self, timeout: float | None = None) -> dict[str, Any]:
+        """GetClusterInfo of one target: shards, its shard, partitions, readiness (as a dict)."""
+        info = await self._call("GetClusterInfo", _INFO, timeout)
+        return {"shards": info.shards, "shard": info.shard, "partitions": info.partitions,
+                "partitioner": info.partitioner, "owned_partitions": list(info.owned_partitions),
+                "topic_partitions": dict(info.topic_partitions), "ready": info.ready,
+                "not_ready": list(info.not_ready)}
+
+    async def _learn(self, deadline: float | None) -> _Routes | None:
+        """The sharded routes, learned on first use; None: call through the one channel, as unsharded."""
+        if self._unsharded:
+            return None
+        if self._routes is not None:
+            return self._routes
+        stub = self._get_stub()
+        if stub is not None:
+            try:
+                info = await stub.GetClusterInfo(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+            except grpc.aio.AioRpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    self._unsharded = True
+                return None
+            if info.shards <= 1:
+                self._unsharded = True
+                return None
+        probes = [self._open(t).GetClusterInfo(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+                  for t in self.targets]
+        answers = await asyncio.gather(*probes, return_exceptions=True)
+        infos = {i: a for i, a in enumerate(answers) if isinstance(a, pb.ClusterInfo)}
+        errors = {i: a for i, a in enumerate(answers) if not isinstance(a, pb.ClusterInfo)}
+        for a in errors.values():
+            if not isinstance(a, grpc.aio.AioRpcError):
+                raise a
+        if not infos:
+            if stub is not None:
+                return None
+            raise UnavailableError("no target answered GetClusterInfo: " + "; ".join(
+                f"{self.targets[i]}: {e.code().name}: {e.details()}" for i, e in errors.items()))
+        shape = check_same_shape({i: ShardShape.of(info) for i, info in infos.items()}, self.targets)
+        self._routes = self._build(shape, {i: int(info.shard) for i, info in infos.items()})
+        for i in errors:
+            if i not in self._watchers:
+                self._watchers[i] = asyncio.get_running_loop().create_task(self._watch(i))
+        return self._routes
+
+    def _build(self, shape: ShardShape, known: dict[int, int]) -> _Routes:
+        targets = shard_channel_targets(self.targets, known)
+        stubs = {shard: [self._open(t) for t in ts] for shard, ts in targets.items()}
+        return _Routes(shape=shape, known=dict(known), targets=targets, stubs=stubs)
+
+    async def _watch(self, i: int) -> None:
+        """Add target ``i`` (down when first asked) to its shard's routes as soon as it answers."""
+        try:
+            info = await self._open(self.targets[i]).GetClusterInfo(_INFO, wait_for_ready=True)
+        except grpc.aio.AioRpcError:
+            return
+        finally:
+            self._watchers.pop(i, None)
+        routes = self._routes
+        if routes is not None and ShardShape.of(info) == routes.shape:
+            self._routes = self._build(routes.shape, {**routes.known, i: int(info.shard)})
+
+    def _forget(self) -> None:
+        self._routes = None
+        self._unsharded = False
+
+    # ---- lookups ------------------------------------------------------------------------------------------
     async def lookup(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None
     ) -> np.ndarray:
@@ -81,8 +179,47 @@ class AsyncHPSClient:
         self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``."""
-        response = await self._call("Lookup", build_request(model, tables), timeout)
-        return {tv.table: decode_answer(tv) for tv in response.tables}
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in range(2):
+            try:
+                routes = await self._learn(deadline)
+                if routes is None:
+                    stub = self._get_stub()
+                    assert stub is not None
+                    try:
+                        response = await stub.Lookup(build_request(model, tables), timeout=remaining(deadline))
+                    except grpc.aio.AioRpcError as err:
+                        raise as_error(err) from None
+                    return {tv.table: decode_answer(tv) for tv in response.tables}
+                split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
+                total = sum(split.sizes)
+                tasks = [asyncio.ensure_future(self._answer(routes, part, deadline, total)) for part in split.parts]
+                try:
+                    responses = await asyncio.gather(*tasks)
+                finally:
+                    for task in tasks:
+                        task.cancel()  # a no-op for finished calls; stops the others when one shard failed
+                return split.merge(responses)
+            except FailedPreconditionError:
+                if attempt:
+                    raise
+                self._forget()  # a server refused keys of another shard: the fleet changed; learn it again
+        raise AssertionError("unreachable")
+
+    async def _answer(self, routes: _Routes, part: ShardPart, deadline: float | None,
+                      total: int) -> pb.LookupResponse:
+        """The part's answer from the shard's channels in turn; UnavailableError naming the shard when none does."""
+        detail = "none of the client's targets serves this shard"
+        for stub in routes.stubs_from(part.shard):
+            try:
+                return await stub.Lookup(part.request, timeout=remaining(deadline))
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise shard_error(part.shard, routes.shape, err) from None
+                detail = f"{err.code().name}: {err.details()}"
+        raise shard_unavailable(part.shard, routes.shape, part.keys, total, routes.targets.get(part.shard, []),
+                                detail)
 
     async def list_models(self, timeout: float | None = None) -> dict[str, dict[str, int]]:
         """``{model: {table: dim}}`` of the models the server serves."""
@@ -90,9 +227,13 @@ class AsyncHPSClient:
         return {m.name: {t.name: t.dim for t in m.tables} for m in response.models}
 
     async def close(self) -> None:
-        channel, self._channel, self._stub = self._channel, None, None
-        if channel is not None:
-            await channel.close()
+        watchers, self._watchers = self._watchers, {}
+        for task in watchers.values():
+            task.cancel()
+        channels, self._channels = self._channels, {}
+        self._routes = None
+        for c in channels.values():
+            await c.close()
 
     async def __aenter__(self) -> Self:
         return self

@@ -1,30 +1,89 @@
-"""Synchronous client that inference services use: NumPy keys in, NumPy rows out, over one gRPC channel.
+"""Synchronous client that inference services use: NumPy keys in, NumPy rows out, over gRPC.
 
     client = HPSClient("dns:///hps-headless.ml.svc:8500")       # every replica behind one name
     rows = client.lookup("demo", "item", np.array([1, 2, 3]))   # (3, dim) float32
+
+    # a sharded fleet: one name (or several endpoints) per shard, in any order
+    client = HPSClient(["dns:///hps-shard-0-headless.ml.svc:8500", "dns:///hps-shard-1-headless.ml.svc:8500"])
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
+import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 
-from hps_client.channel import channel_options, channel_target
-from hps_client.errors import UnavailableError
+from hps_client.channel import channel_options
+from hps_client.errors import FailedPreconditionError, HPSError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_client.routing import (
+    ShardPart,
+    ShardShape,
+    check_same_shape,
+    shard_channel_targets,
+    shard_unavailable,
+    split_batch,
+    whole_target,
+)
 from hps_client.tls import channel_credentials
 from hps_client.wire import TableAnswer, as_error, build_request, decode_answer
 
+#: The longest a call waits for the targets' GetClusterInfo answers before it goes on without them.
+PROBE_TIMEOUT_S = 2.0
+_INFO = pb.GetClusterInfoRequest()
+
+
+def remaining(deadline: float | None, cap: float | None = None) -> float | None:
+    """Seconds left before ``deadline`` (monotonic), at most ``cap``; None for no deadline and no cap."""
+    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    if cap is None:
+        return left
+    return cap if left is None else min(left, cap)
+
+
+def shard_error(shard: int, shape: ShardShape, err: grpc.RpcError) -> HPSError:
+    """A shard's failed answer as the client error of its status, naming the shard."""
+    error = as_error(err)
+    return type(error)(f"shard {shard} of {shape.shards}: {error}")
+
+
+@dataclass
+class _Routes:
+    """What the client learned of a sharded fleet: the shape, each target's shard, and per shard its stubs."""
+
+    shape: ShardShape
+    known: dict[int, int]
+    targets: dict[int, list[str]]
+    stubs: dict[int, list[pb_grpc.EmbeddingServiceStub]]
+    turn: dict[int, itertools.count] = field(default_factory=dict)
+
+    def stubs_from(self, shard: int) -> list[pb_grpc.EmbeddingServiceStub]:
+        """The shard's stubs, starting at the next in turn (round robin when a shard has several channels)."""
+        stubs = self.stubs.get(shard, [])
+        if len(stubs) < 2:
+            return stubs
+        start = next(self.turn.setdefault(shard, itertools.count())) % len(stubs)
+        return stubs[start:] + stubs[:start]
+
 
 class HPSClient:
-    """One channel over every replica of ``targets``: gRPC's ``round_robin`` spreads calls, its retry policy
-    retries UNAVAILABLE (a replica down or draining) on another one, and ``timeout`` bounds each call as a whole,
-    retries included."""
+    """A client over one or several targets: replicas of one unsharded service, or the shards of a sharded fleet
+    (learned from GetClusterInfo on first use).
+
+    Unsharded, one channel spans every replica: gRPC's ``round_robin`` spreads calls, its retry policy retries
+    UNAVAILABLE (a replica down or draining) on another one, and ``timeout`` bounds each call as a whole. Sharded,
+    each batch is split by shard (``partition(key) % shards``), the parts go to their shards concurrently (one
+    channel per shard over its replicas, balanced and retried the same way) and the answer comes back in the order
+    asked. A shard none of whose replicas answers raises UnavailableError naming it.
+    """
 
     def __init__(
         self,
@@ -39,33 +98,167 @@ class HPSClient:
         tls_key: str | Path | None = None,
         tls: bool = False,
     ) -> None:
-        """``targets``: a gRPC target (``host:port``, ``dns:///name:port``) or a list of ``host:port`` replicas.
+        """``targets``: a gRPC target (``host:port``, ``dns:///name:port``) or a list of them: ``host:port``
+        replicas, or for a sharded fleet the replicas or ``dns:///`` names of its shards, in any order.
         ``retries`` (at most 4) and ``backoff_s`` shape the retry policy; ``options`` adds or overrides channel
         options. ``tls_ca`` (or ``tls=True`` for the system roots) turns TLS on; ``tls_cert``/``tls_key`` add a
         client certificate for servers that require mutual TLS."""
-        self.target = channel_target(targets)
         self.targets = [targets] if isinstance(targets, str) else list(targets)
+        self.target = whole_target(self.targets)
         self.timeout = timeout
         self.retries = retries
-        opts = channel_options(retries, backoff_s, options)
-        creds = channel_credentials(tls_ca, tls_cert, tls_key, tls)
-        self._channel = (grpc.secure_channel(self.target, creds, options=opts) if creds is not None
-                         else grpc.insecure_channel(self.target, options=opts))
-        self._stub = pb_grpc.EmbeddingServiceStub(self._channel)
+        self._options = channel_options(retries, backoff_s, options)
+        self._creds = channel_credentials(tls_ca, tls_cert, tls_key, tls)
+        self._channels: dict[str, grpc.Channel] = {}
+        self._lock = threading.RLock()
+        self._stub = self._open(self.target) if self.target is not None else None
+        #: The one channel over every target (None for several named targets, e.g. a dns:/// name per shard).
+        self._channel = self._channels.get(self.target) if self.target is not None else None
+        self._routes: _Routes | None = None
+        self._unsharded = False
+        self._watching: dict[int, grpc.Future] = {}
+        self._found: dict[int, int] = {}  # targets whose shard a watcher learned since the routes were built
+        self._closed = False
+
+    # ---- channels -----------------------------------------------------------------------------------------
+    def _open(self, target: str) -> pb_grpc.EmbeddingServiceStub:
+        """A stub over the channel of ``target`` (one channel per distinct target, kept until close)."""
+        with self._lock:
+            channel = self._channels.get(target)
+            if channel is None:
+                channel = (grpc.secure_channel(target, self._creds, options=self._options) if self._creds is not None
+                           else grpc.insecure_channel(target, options=self._options))
+                self._channels[target] = channel
+        return pb_grpc.EmbeddingServiceStub(channel)
+
+    def _any_stub(self, deadline: float | None) -> pb_grpc.EmbeddingServiceStub:
+        if self._stub is not None:
+            return self._stub
+        routes = self._learn(deadline)
+        stubs = [s for shard in sorted(routes.stubs) for s in routes.stubs[shard]] if routes else []
+        if not stubs:
+            raise UnavailableError(f"none of the targets {', '.join(self.targets)} answered")
+        return stubs[0]
 
     def _call(self, method: str, request: object, timeout: float | None) -> Any:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return getattr(self._stub, method)(request, timeout=self.timeout if timeout is None else timeout)
+            return getattr(self._any_stub(deadline), method)(request, timeout=remaining(deadline))
         except grpc.RpcError as err:
             raise as_error(err) from None
 
     def wait_ready(self, timeout: float | None = None) -> None:
         """Block until the channel has a connection (UnavailableError after ``timeout`` seconds)."""
+        channel = self._channel
+        if channel is None:
+            self._any_stub(None if timeout is None else time.monotonic() + timeout)
+            return
         try:
-            grpc.channel_ready_future(self._channel).result(timeout=timeout)
+            grpc.channel_ready_future(channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
             raise UnavailableError(f"no replica of {self.target} reachable within {timeout} s") from None
 
+    # ---- the shard map ------------------------------------------------------------------------------------
+    def cluster_info(self, timeout: float | None = None) -> dict[str, Any]:
+        """GetClusterInfo of one target: shards, its shard, partitions, readiness (as a dict)."""
+        info = self._call("GetClusterInfo", _INFO, timeout)
+        return {"shards": info.shards, "shard": info.shard, "partitions": info.partitions,
+                "partitioner": info.partitioner, "owned_partitions": list(info.owned_partitions),
+                "topic_partitions": dict(info.topic_partitions), "ready": info.ready,
+                "not_ready": list(info.not_ready)}
+
+    def _learn(self, deadline: float | None) -> _Routes | None:
+        """The sharded routes, learned on first use; None: call through the one channel, as unsharded."""
+        if self._unsharded:
+            return None
+        routes = self._routes
+        if routes is not None:
+            if self._found:
+                with self._lock:
+                    routes = self._with_found()
+            return routes
+        if self._stub is not None:
+            try:
+                info = self._stub.GetClusterInfo(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server from before shards
+                    self._unsharded = True
+                return None  # unreachable now: this call goes the unsharded way; learn on the next one
+            if info.shards <= 1:
+                self._unsharded = True
+                return None
+        return self._learn_targets(deadline)
+
+    def _learn_targets(self, deadline: float | None) -> _Routes | None:
+        """Ask every target its shard (concurrently) and build one channel per shard."""
+        stubs = {i: pb_grpc.EmbeddingServiceStub(self._probe_channel(t)) for i, t in enumerate(self.targets)}
+        futures = {i: s.GetClusterInfo.future(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+                   for i, s in stubs.items()}
+        infos: dict[int, pb.ClusterInfo] = {}
+        errors: dict[int, str] = {}
+        for i, fut in futures.items():
+            try:
+                infos[i] = fut.result()
+            except grpc.RpcError as err:
+                errors[i] = f"{err.code().name}: {err.details()}"
+        if not infos:
+            if self._stub is not None:
+                return None
+            raise UnavailableError("no target answered GetClusterInfo: "
+                                   + "; ".join(f"{self.targets[i]}: {e}" for i, e in errors.items()))
+        shape = check_same_shape({i: ShardShape.of(info) for i, info in infos.items()}, self.targets)
+        routes = self._build(shape, {i: int(info.shard) for i, info in infos.items()})
+        with self._lock:
+            self._routes = routes
+        for i in errors:
+            self._watch(i)
+        return routes
+
+    def _probe_channel(self, target: str) -> grpc.Channel:
+        self._open(target)
+        return self._channels[target]
+
+    def _build(self, shape: ShardShape, known: dict[int, int]) -> _Routes:
+        targets = shard_channel_targets(self.targets, known)
+        stubs = {shard: [self._open(t) for t in ts] for shard, ts in targets.items()}
+        return _Routes(shape=shape, known=dict(known), targets=targets, stubs=stubs)
+
+    def _watch(self, i: int) -> None:
+        """Learn the shard of target ``i`` (down when first asked) as soon as it answers."""
+        stub = pb_grpc.EmbeddingServiceStub(self._probe_channel(self.targets[i]))
+        fut = stub.GetClusterInfo.future(_INFO, wait_for_ready=True)
+
+        def done(f: grpc.Future) -> None:
+            if f.cancelled() or f.exception() is not None:
+                return
+            with self._lock:
+                self._watching.pop(i, None)
+                self._found[i] = int(f.result().shard)
+
+        with self._lock:
+            if self._closed:
+                fut.cancel()
+                return
+            self._watching[i] = fut
+        fut.add_done_callback(done)
+
+    def _with_found(self) -> _Routes:
+        """The routes with the targets that watchers found since added (called with the lock held)."""
+        routes = self._routes
+        assert routes is not None
+        if self._found:
+            found, self._found = self._found, {}
+            self._routes = routes = self._build(routes.shape, {**routes.known, **found})
+        return routes
+
+    def _forget(self) -> None:
+        """Learn the shard map again on the next call (a server said a key is not its shard's)."""
+        with self._lock:
+            self._routes = None
+            self._unsharded = False
+
+    # ---- lookups ------------------------------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None) -> np.ndarray:
         """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
         return self.lookup_with_sources(model, table, keys, timeout).vectors
@@ -80,8 +273,57 @@ class HPSClient:
         self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``."""
-        response = self._call("Lookup", build_request(model, tables), timeout)
-        return {tv.table: decode_answer(tv) for tv in response.tables}
+        timeout = self.timeout if timeout is None else timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in range(2):
+            try:
+                routes = self._learn(deadline)
+                if routes is None:
+                    assert self._stub is not None
+                    try:
+                        response = self._stub.Lookup(build_request(model, tables), timeout=remaining(deadline))
+                    except grpc.RpcError as err:
+                        raise as_error(err) from None
+                    return {tv.table: decode_answer(tv) for tv in response.tables}
+                return self._lookup_sharded(routes, model, tables, deadline)
+            except FailedPreconditionError:
+                if attempt:
+                    raise
+                self._forget()  # a server refused keys of another shard: the fleet changed; learn it again
+        raise AssertionError("unreachable")
+
+    def _lookup_sharded(self, routes: _Routes, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
+                        deadline: float | None) -> dict[str, TableAnswer]:
+        split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
+        total = sum(split.sizes)
+        calls: list[tuple[ShardPart, list[pb_grpc.EmbeddingServiceStub], grpc.Future | None]] = []
+        try:
+            for part in split.parts:
+                stubs = routes.stubs_from(part.shard)
+                fut = stubs[0].Lookup.future(part.request, timeout=remaining(deadline)) if stubs else None
+                calls.append((part, stubs, fut))
+            responses = [self._answer(routes, part, stubs, fut, deadline, total) for part, stubs, fut in calls]
+        finally:
+            for _, _, fut in calls:
+                if fut is not None:
+                    fut.cancel()  # a no-op for finished calls; stops the others when one shard failed
+        return split.merge(responses)
+
+    def _answer(self, routes: _Routes, part: ShardPart, stubs: list[pb_grpc.EmbeddingServiceStub],
+                fut: grpc.Future | None, deadline: float | None, total: int) -> pb.LookupResponse:
+        """The part's answer: its call, else the shard's other channels in turn; UnavailableError naming the
+        shard when none answers."""
+        detail = "none of the client's targets serves this shard"
+        for i, stub in enumerate(stubs):
+            try:
+                return fut.result() if i == 0 and fut is not None else stub.Lookup(part.request,
+                                                                                 timeout=remaining(deadline))
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise shard_error(part.shard, routes.shape, err) from None
+                detail = f"{err.code().name}: {err.details()}"
+        raise shard_unavailable(part.shard, routes.shape, part.keys, total, routes.targets.get(part.shard, []),
+                                detail)
 
     def list_models(self, timeout: float | None = None) -> dict[str, dict[str, int]]:
         """``{model: {table: dim}}`` of the models the server serves."""
@@ -89,7 +331,14 @@ class HPSClient:
         return {m.name: {t.name: t.dim for t in m.tables} for m in response.models}
 
     def close(self) -> None:
-        self._channel.close()
+        with self._lock:
+            self._closed = True
+            watching, self._watching = self._watching, {}
+            channels, self._channels = self._channels, {}
+        for fut in watching.values():
+            fut.cancel()
+        for channel in channels.values():
+            channel.close()
 
     def __enter__(self) -> HPSClient:
         return self

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 
 from hps_client.errors import (
+    FailedPreconditionError,
     HPSError,
     InvalidArgumentError,
     LookupError_,
@@ -23,6 +24,7 @@ _ERRORS: dict[grpc.StatusCode, type[HPSError]] = {
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
 }
 
 
@@ -41,14 +43,19 @@ def as_error(err: grpc.RpcError) -> HPSError:
     return cls(f"{code.name}: {err.details()}")
 
 
-def encode_keys(keys: np.ndarray | Sequence[int]) -> bytes:
-    """Keys as packed little-endian int64 bytes."""
+def as_keys(keys: np.ndarray | Sequence[int]) -> np.ndarray:
+    """Keys as a contiguous little-endian int64 array; InvalidArgumentError when they are not 1-D integers."""
     arr = np.asarray(keys)
     if arr.ndim != 1:
         raise InvalidArgumentError(f"keys must be 1-D, got shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
         raise InvalidArgumentError(f"keys must be integers, got dtype {arr.dtype}")
-    return np.ascontiguousarray(arr, dtype="<i8").tobytes()
+    return np.ascontiguousarray(arr, dtype="<i8")
+
+
+def encode_keys(keys: np.ndarray | Sequence[int]) -> bytes:
+    """Keys as packed little-endian int64 bytes."""
+    return as_keys(keys).tobytes()
 
 
 def decode_answer(tv: pb.TableVectors) -> TableAnswer:

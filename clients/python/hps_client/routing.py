@@ -1,0 +1,154 @@
+"""Routing a batch over a sharded fleet: which shard each target serves (from GetClusterInfo), the batch split by
+shard (vectorised: one hash, one stable argsort per table), and the shards' answers put back in the order asked.
+
+The I/O lives in HPSClient and AsyncHPSClient; this module is the part they share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hps_client.channel import channel_target
+from hps_client.errors import InvalidArgumentError, LookupError_, UnavailableError
+from hps_client.partitioning import shard_of
+from hps_client.proto.hps.v1 import embedding_pb2 as pb
+from hps_client.wire import TableAnswer, as_keys
+
+
+@dataclass(frozen=True, slots=True)
+class ShardShape:
+    """S shards over P partitions: key k is served by shard ``partition(k) % S``."""
+
+    shards: int
+    partitions: int
+
+    @classmethod
+    def of(cls, info: pb.ClusterInfo) -> ShardShape:
+        return cls(shards=max(1, info.shards), partitions=max(1, info.partitions))
+
+
+@dataclass(slots=True)
+class ShardPart:
+    """The request to one shard and, per table (in request order), where its keys sit in the batch asked."""
+
+    shard: int
+    request: pb.LookupRequest
+    positions: list[np.ndarray]
+    keys: int
+
+
+@dataclass(slots=True)
+class SplitBatch:
+    """A batch split by shard; ``merge`` reassembles the parts' answers in the order asked."""
+
+    tables: list[str]
+    sizes: list[int]
+    parts: list[ShardPart]
+
+    def merge(self, responses: Sequence[pb.LookupResponse]) -> dict[str, TableAnswer]:
+        """``{table: TableAnswer}`` with every key's row and source where it was asked (duplicates included)."""
+        out: dict[str, TableAnswer] = {}
+        for i, (table, n) in enumerate(zip(self.tables, self.sizes)):
+            answers = [_table_of(r, i, table) for r in responses]
+            dim = max((tv.dim for tv in answers), default=0)
+            vectors = np.empty((n, dim), dtype=np.float32)
+            sources = np.empty(n, dtype=np.uint8)
+            for part, tv in zip(self.parts, answers):
+                pos = part.positions[i]
+                if tv.count != pos.shape[0] or (pos.shape[0] and tv.dim != dim):
+                    raise LookupError_(f"shard {part.shard} answered {tv.count} rows of dim {tv.dim} for table "
+                                       f"'{table}', asked {pos.shape[0]} of dim {dim}")
+                if pos.shape[0]:
+                    vectors[pos] = np.frombuffer(tv.vectors, dtype="<f4").reshape(tv.count, tv.dim)
+                    sources[pos] = np.frombuffer(tv.sources, dtype=np.uint8)
+            out[table] = TableAnswer(vectors=vectors, sources=sources)
+        return out
+
+
+def _table_of(response: pb.LookupResponse, i: int, table: str) -> pb.TableVectors:
+    if i >= len(response.tables) or response.tables[i].table != table:
+        raise LookupError_(f"a shard's answer lacks table '{table}'")
+    return response.tables[i]
+
+
+def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], shape: ShardShape,
+                fallback_shard: int = 0) -> SplitBatch:
+    """One request per shard holding keys of the batch; every part names every table (possibly with no keys), so
+    each answer carries each table's dim. A batch with no key at all goes to ``fallback_shard``."""
+    names = list(tables)
+    arrays = [as_keys(tables[t]) for t in names]
+    per_table = []  # (order, starts) per table
+    counts = np.zeros(shape.shards, dtype=np.int64)
+    for arr in arrays:
+        shard = shard_of(arr, shape.partitions, shape.shards)
+        order = np.argsort(shard, kind="stable")
+        table_counts = np.bincount(shard, minlength=shape.shards)
+        starts = np.zeros(shape.shards + 1, dtype=np.int64)
+        np.cumsum(table_counts, out=starts[1:])
+        per_table.append((order, starts))
+        counts += table_counts
+    used = [int(s) for s in np.flatnonzero(counts)] or [fallback_shard]
+    parts = []
+    for s in used:
+        positions = [order[starts[s] : starts[s + 1]] for order, starts in per_table]
+        request = pb.LookupRequest(model=model, tables=[
+            pb.TableKeys(table=t, keys=arr[pos].astype("<i8", copy=False).tobytes())
+            for t, arr, pos in zip(names, arrays, positions)
+        ])
+        parts.append(ShardPart(shard=s, request=request, positions=positions, keys=int(counts[s])))
+    return SplitBatch(tables=names, sizes=[int(a.shape[0]) for a in arrays], parts=parts)
+
+
+def is_endpoint(target: str) -> bool:
+    """Whether ``target`` is a plain ``host:port`` (not a ``dns:///``, ``ipv4:``, ``unix:`` ... target)."""
+    if "://" in target or target.startswith(("ipv4:", "ipv6:", "unix:", "unix-abstract:", "vsock:")):
+        return False
+    host, sep, port = target.rpartition(":")
+    return bool(sep and host and port.isdigit())
+
+
+def whole_target(targets: Sequence[str]) -> str | None:
+    """One gRPC target over all ``targets`` (a single one as it is; several ``host:port`` as one ``ipv4:``
+    target), or None when they cannot share a channel (several names with schemes, e.g. one ``dns:///`` per shard)."""
+    if len(targets) == 1:
+        return channel_target(targets[0])
+    if not all(is_endpoint(t) for t in targets):
+        return None
+    return channel_target(targets)
+
+
+def shard_channel_targets(targets: Sequence[str], shard_of_target: Mapping[int, int]) -> dict[int, list[str]]:
+    """Per shard, the gRPC targets of its replicas: its ``host:port`` targets joined into one (so gRPC's
+    round_robin balances them and its retry policy fails over between them), each other target on its own."""
+    endpoints: dict[int, list[str]] = {}
+    named: dict[int, list[str]] = {}
+    for i, shard in sorted(shard_of_target.items()):
+        (endpoints if is_endpoint(targets[i]) else named).setdefault(shard, []).append(targets[i])
+    out: dict[int, list[str]] = {}
+    for shard in sorted(set(endpoints) | set(named)):
+        joined = [channel_target(endpoints[shard])] if shard in endpoints else []
+        out[shard] = joined + named.get(shard, [])
+    return out
+
+
+def check_same_shape(shapes: Mapping[int, ShardShape], targets: Sequence[str]) -> ShardShape:
+    """The one shard shape all answering targets agree on; InvalidArgumentError naming them when they differ."""
+    distinct = set(shapes.values())
+    if len(distinct) > 1:
+        described = ", ".join(f"{targets[i]}: {s.shards} shards over {s.partitions} partitions"
+                              for i, s in sorted(shapes.items()))
+        raise InvalidArgumentError(f"the targets disagree on the shard map ({described}); give targets of one fleet")
+    return distinct.pop()
+
+
+def shard_unavailable(shard: int, shape: ShardShape, part_keys: int, total_keys: int, targets: Sequence[str],
+                      detail: str) -> UnavailableError:
+    """The error of a batch that needed a shard no replica of which answered."""
+    where = ", ".join(targets) if targets else "none of the client's targets serves it"
+    return UnavailableError(
+        f"shard {shard} of {shape.shards} is unavailable: no replica answered ({part_keys} of the {total_keys} keys "
+        f"asked are on it; its targets: {where}): {detail}"
+    )
