@@ -3,6 +3,11 @@
 It assigns itself every partition of ``<prefix>.<model>`` at the group's committed offsets (or the earliest for
 a new group) instead of joining a group with ``subscribe()``: on tansu a group join waits about half of
 ``session.timeout.ms``; assign() starts in milliseconds. Each pod uses its own group, so assign() loses nothing.
+
+An offset is committed only once every message before it in its partition was applied, or dead-lettered on its
+own (it is malformed, or does not fit the loaded model). A message of a model that is not loaded (unloaded, or
+being replaced) is neither: its partition is *parked* at that message (unassigned, nothing after it applied or
+committed) and resumes there once the model is loaded again.
 """
 
 from __future__ import annotations
@@ -60,6 +65,10 @@ _CONSUMER_DEFAULTS: dict[str, Any] = {
 }
 
 
+class ModelUnloadedError(Exception):
+    """The model of a message is not loaded now (its partition is parked until it is)."""
+
+
 @dataclass
 class _TableBatch:
     """Rows and tombstones of one table gathered from the messages of one polled batch."""
@@ -98,6 +107,13 @@ def resolve_latest(
     last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
     winners = order[last]
     return winners[winners < n], winners[winners >= n] - n
+
+
+@dataclass
+class _Applied:
+    """What applying a batch left undone: models unloaded meanwhile (their partitions are parked)."""
+
+    unloaded: set[str] = field(default_factory=set)
 
 
 class UpdateConsumer:
@@ -170,6 +186,8 @@ class UpdateConsumer:
         self._follow_retry_at = 0.0
         self._start_offsets: dict[tuple[str, int], int] = {}
         self._applied: dict[tuple[str, int], int] = {}  # next offset to read, per partition, applied to the engine
+        #: Partitions parked at the offset of the first message whose model was not loaded (see the module doc).
+        self._parked: dict[tuple[str, int], int] = {}
         self._committed: dict[tuple[str, int], int] = {}
         self._commit_in_flight_since: float | None = None
         self._last_commit = 0.0
@@ -233,6 +251,7 @@ class UpdateConsumer:
             topics=sorted(self.topics),
             applied_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self._applied.items())},
             committed_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self._committed.items())},
+            parked_offsets={f"{t}[{p}]": o for (t, p), o in sorted(dict(self._parked).items())},
             last_error=self.last_error,
             apply_error=self.apply_error,
             stall=self.stall.snapshot(),
@@ -281,8 +300,8 @@ class UpdateConsumer:
         )
 
     def _starting_positions(self, consumer: Consumer, topics: list[str]) -> list[TopicPartition]:
-        """Every partition of ``topics`` (created if missing, with their DLQs) at this group's committed offset,
-        or the earliest where nothing is committed yet."""
+        """Every partition of ``topics`` (created if missing, with their DLQs) where this consumer stopped applying
+        (a topic followed again), else at this group's committed offset, else the earliest."""
         admin = AdminClient(self._client_config)
         partitions: dict[str, int] = {}
         for topic in topics:
@@ -301,6 +320,7 @@ class UpdateConsumer:
             if tp.error is not None:
                 raise UnavailableError(f"committed offset of {tp.topic}[{tp.partition}]: {tp.error}")
             start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            start = max(start, self._applied.get((tp.topic, tp.partition), OFFSET_BEGINNING))
             assignment.append(TopicPartition(tp.topic, tp.partition, start))
             self._start_offsets[(tp.topic, tp.partition)] = start
             if tp.offset >= 0:
@@ -319,6 +339,8 @@ class UpdateConsumer:
         if dropped:
             gone = [tp for tp in self._assignment if tp.topic in dropped]
             self._consumer.incremental_unassign(gone)
+            gone += [TopicPartition(t, p) for t, p in list(self._parked) if t in dropped]
+            self._parked = {tp: o for tp, o in self._parked.items() if tp[0] not in dropped}
             self._assignment = [tp for tp in self._assignment if tp.topic not in dropped]
             self.topics = {t: m for t, m in self.topics.items() if t not in dropped}  # replaced: stats() reads it
             self.metrics.forget_partitions([(tp.topic, tp.partition) for tp in gone])
@@ -342,6 +364,8 @@ class UpdateConsumer:
         assert self._consumer is not None and self._dlq is not None
         if self._wanted is not None and time.monotonic() >= self._follow_retry_at:
             self._follow_changes()
+        if self._parked:
+            self._resume_parked()
         msgs = self._next_batch()
         if msgs:
             self.stall.received()
@@ -378,9 +402,10 @@ class UpdateConsumer:
     def _process(self, msgs: list[Message]) -> None:
         groups: dict[tuple[str, str], _TableBatch] = {}
         produced_at: dict[str, list[int]] = {}  # per model
-        offsets: dict[tuple[str, int], int] = {}
+        offsets: dict[tuple[str, int], int] = {}  # per partition, the next offset once this batch is applied
+        first: dict[tuple[str, int], int] = {}  # per partition, its first offset in this batch
+        park: dict[tuple[str, int], int] = {}
         loaded = {m.name for m in self.engine.models()}
-        unloaded: set[tuple[str, int]] = set()  # partitions of models unloaded before follow() dropped them
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -389,22 +414,34 @@ class UpdateConsumer:
                     log.warning("update consumer %s: %s", self.group, err.str())
                 continue
             topic = msg.topic()
-            offsets[(topic, msg.partition())] = msg.offset() + 1
-            model = self.topics[topic]
-            if model not in loaded:
-                unloaded.add((topic, msg.partition()))
-                continue
+            part = (topic, msg.partition())
+            model = self.topics.get(topic)
+            if model is None or part in self._parked or part in park:
+                continue  # fetched before its partition was dropped or parked: read again from there
+            first.setdefault(part, msg.offset())
             try:
+                if model not in loaded:
+                    raise ModelUnloadedError(model)
                 upd = self._validated(model, msg.value())
+            except ModelUnloadedError:
+                park[part] = msg.offset()
+                continue
             except MalformedUpdateError as exc:
                 self._dead_letter(msg, model, str(exc))
-                continue
-            groups.setdefault((model, upd.table), _TableBatch()).add(upd, msg)
-            produced_at.setdefault(model, []).append(upd.produced_at_ns)
-        for key in unloaded:  # not applied: read again from the committed offset when the model is back
-            offsets.pop(key, None)
-        if not self._apply(groups):
+            else:
+                groups.setdefault((model, upd.table), _TableBatch()).add(upd, msg)
+                produced_at.setdefault(model, []).append(upd.produced_at_ns)
+            offsets[part] = msg.offset() + 1
+        applied = self._apply(groups)
+        if applied is None:
             return  # stopping with this batch unapplied: its offsets stay uncommitted and are read again
+        for model in applied.unloaded:  # unloaded while its batch was applied: read it all again once it is back
+            produced_at.pop(model, None)
+            for part, offset in first.items():
+                if self.topics.get(part[0]) == model:
+                    park[part] = min(offset, park.get(part, offset))
+        for part, offset in park.items():
+            offsets[part] = offset
         now_ns = time.time_ns()
         for model, stamps in produced_at.items():
             lags = (now_ns - np.asarray(stamps, dtype=np.int64)) / 1e9
@@ -412,31 +449,78 @@ class UpdateConsumer:
         self.metrics.messages_total += sum(len(stamps) for stamps in produced_at.values())
         self.metrics.batches_total += 1
         self._applied.update(offsets)
+        if park:
+            self._park(park)
+
+    def _park(self, parts: dict[tuple[str, int], int]) -> None:
+        """Stop reading ``parts`` at the given offsets (their model is not loaded) until it is loaded again."""
+        assert self._consumer is not None
+        gone = [TopicPartition(t, p) for t, p in parts]
+        self._consumer.incremental_unassign(gone)
+        self._assignment = [tp for tp in self._assignment if (tp.topic, tp.partition) not in parts]
+        self._parked.update(parts)
+        log.warning("update consumer %s: model %s is not loaded; %s parked until it is", self.group,
+                    ", ".join(sorted({self.topics.get(t, t) for t, _ in parts})),
+                    ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(parts.items())))
+
+    def _resume_parked(self) -> None:
+        """Assign again, at their parked offsets, the parked partitions whose model is loaded now."""
+        assert self._consumer is not None
+        loaded = {m.name for m in self.engine.models()}
+        back = {part: o for part, o in self._parked.items() if self.topics.get(part[0]) in loaded}
+        if not back:
+            return
+        assignment = [TopicPartition(t, p, o) for (t, p), o in back.items()]
+        self._consumer.incremental_assign(assignment)
+        self._assignment.extend(TopicPartition(t, p) for t, p in back)
+        self._parked = {part: o for part, o in self._parked.items() if part not in back}
+        log.info("update consumer %s: resumed %s", self.group,
+                 ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(back.items())))
 
     def _validated(self, model: str, payload: bytes | None) -> DecodedUpdate:
         upd = decode_update(payload)
         if upd.model != model:
             raise MalformedUpdateError(f"message for model {upd.model!r} on the topic of model {model!r}")
-        try:
-            dim = self.engine.table(model, upd.table).dim
-        except NotFoundError as exc:
-            raise MalformedUpdateError(str(exc)) from None
+        dim = self._table_dim(model, upd.table)
         if upd.keys.shape[0] and upd.dim != dim:
             raise MalformedUpdateError(f"rows of dim {upd.dim} for table {model}.{upd.table} of dim {dim}")
         return upd
 
-    def _apply(self, groups: dict[tuple[str, str], _TableBatch]) -> bool:
-        """Apply every table's rows and tombstones; retry transient failures until done or stopping."""
+    def _table_dim(self, model: str, table: str) -> int:
+        """The dim of a loaded table; ModelUnloadedError when the model is not loaded, MalformedUpdateError when it
+        has no such table."""
+        try:
+            return self.engine.table(model, table).dim
+        except NotFoundError as exc:
+            if not any(m.name == model for m in self.engine.models()):
+                raise ModelUnloadedError(model) from None
+            raise MalformedUpdateError(str(exc)) from None
+
+    def _apply(self, groups: dict[tuple[str, str], _TableBatch]) -> _Applied | None:
+        """Apply every table's rows and tombstones; retry transient failures until done (None if stopping first).
+
+        A batch the engine rejects is applied message by message, and only the messages it rejects on their own
+        are dead-lettered; a batch whose model was unloaded meanwhile is left for when it is back.
+        """
         backoff = 0.05
         pending = dict(groups)
+        done = _Applied()
         while pending:
             for (model, table), batch in list(pending.items()):
+                if model in done.unloaded:
+                    del pending[(model, table)]
+                    continue
                 try:
                     self._apply_table(model, table, batch)
                     del pending[(model, table)]
-                except (InvalidArgumentError, NotFoundError) as exc:
-                    for msg in batch.messages:
-                        self._dead_letter(msg, model, f"rejected by the engine: {exc}")
+                except ModelUnloadedError:
+                    done.unloaded.add(model)
+                    del pending[(model, table)]
+                except (InvalidArgumentError, MalformedUpdateError) as exc:
+                    if len(batch.messages) > 1:
+                        self._apply_one_by_one(model, table, batch, done)
+                    else:
+                        self._dead_letter(batch.messages[0], model, f"rejected by the engine: {exc}")
                     del pending[(model, table)]
                 except Exception as exc:  # noqa: BLE001  (a tier is down: retry the same rows, commit nothing)
                     self.metrics.apply_failures += 1
@@ -444,13 +528,27 @@ class UpdateConsumer:
                     log.warning("update consumer %s: %s; retrying in %.2fs", self.group, self.last_error, backoff)
             if pending:
                 if self._stopping.wait(backoff):
-                    return False
+                    return None
                 backoff = min(backoff * 2, 2.0)
         self.apply_error = None
-        return True
+        return done
+
+    def _apply_one_by_one(self, model: str, table: str, batch: _TableBatch, done: _Applied) -> None:
+        """Apply a rejected batch message by message (in offset order), dead-lettering the ones rejected alone."""
+        for msg in batch.messages:
+            single = _TableBatch()
+            single.add(decode_update(msg.value()), msg)
+            try:
+                self._apply_table(model, table, single)
+            except ModelUnloadedError:
+                done.unloaded.add(model)
+                return
+            except (InvalidArgumentError, MalformedUpdateError) as exc:
+                self._dead_letter(msg, model, f"rejected by the engine: {exc}")
 
     def _apply_table(self, model: str, table: str, batch: _TableBatch) -> None:
-        dim = self.engine.table(model, table).dim
+        """Apply one table's batch; ModelUnloadedError / MalformedUpdateError when the model or table is gone."""
+        dim = self._table_dim(model, table)
         keys = np.concatenate(batch.keys) if batch.keys else np.empty(0, dtype=np.int64)
         vectors = np.concatenate(batch.vectors) if batch.vectors else np.empty((0, dim), dtype=np.float32)
         versions = np.concatenate(batch.versions) if batch.versions else np.empty(0, dtype=np.int64)
@@ -459,10 +557,14 @@ class UpdateConsumer:
             np.concatenate(batch.delete_versions) if batch.delete_versions else np.empty(0, dtype=np.int64)
         )
         puts, deletes = resolve_latest(keys, versions, del_keys, del_versions)
-        if puts.shape[0]:
-            self.engine.apply_updates(model, table, keys[puts], vectors[puts], versions[puts])
-        if deletes.shape[0]:
-            self.engine.apply_deletes(model, table, del_keys[deletes], del_versions[deletes])
+        try:
+            if puts.shape[0]:
+                self.engine.apply_updates(model, table, keys[puts], vectors[puts], versions[puts])
+            if deletes.shape[0]:
+                self.engine.apply_deletes(model, table, del_keys[deletes], del_versions[deletes])
+        except NotFoundError:
+            self._table_dim(model, table)  # raises why: the model unloaded, or the table gone from it
+            raise  # the table is back (replaced meanwhile): a transient failure, retried
         top = max(
             int(versions.max()) if versions.shape[0] else -1, int(del_versions.max()) if del_versions.shape[0] else -1
         )
