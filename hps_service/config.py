@@ -278,6 +278,16 @@ class HPSConfig(BaseSettings):
             raise ValueError(f"duplicate model name(s): {', '.join(dupes)}")
         return models
 
+    @model_validator(mode="after")
+    def _updates_need_a_durable_store(self) -> HPSConfig:
+        """Kafka updates commit their offsets once applied; with no persistent tier that would acknowledge updates
+        held in memory only, which a restart loses while the committed offsets skip them. Refused."""
+        if self.updates.type == "kafka" and self.persistent.type == "disabled":
+            raise ValueError(
+                "updates.type kafka needs persistent.type rocksdb: with persistent.type disabled, offsets would be "
+                "committed for updates held in memory only, and a restart would lose them")
+        return self
+
     def model(self, name: str) -> ModelConfig | None:
         return next((m for m in self.models if m.name == name), None)
 

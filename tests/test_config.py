@@ -88,3 +88,13 @@ def test_cluster_shards_partitions_and_shard_are_checked_in_one_line() -> None:
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"cluster.shard \(2\) must be below cluster.shards \(2\)"):
         load_config(None, cluster={"shards": 2, "shard": 2})
+
+
+def test_kafka_updates_without_a_persistent_tier_are_refused_in_one_line(tmp_path: Path) -> None:
+    """Offsets would be committed for updates held only in memory (issue 14, defect 5)."""
+    data = {"persistent": {"type": "disabled"}, "updates": {"type": "kafka", "brokers": "127.0.0.1:9092"}}
+    with pytest.raises(ConfigError) as err:
+        load_config(write(tmp_path, data))
+    assert "updates.type kafka needs persistent.type rocksdb" in str(err.value) and "\n" not in str(err.value)
+    assert load_config(write(tmp_path, {**data, "updates": {"type": "disabled"}})).persistent.type == "disabled"
+    assert load_config(write(tmp_path, {"updates": data["updates"]})).updates.type == "kafka"
