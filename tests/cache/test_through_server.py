@@ -3,9 +3,6 @@ plain-Python reference model of the cache fed the same requests, and every answe
 
 from __future__ import annotations
 
-import threading
-import time
-import uuid
 from pathlib import Path
 
 import httpx
@@ -94,81 +91,3 @@ def test_int64_edge_keys_are_never_answered_from_free_slots(tmp_path: Path) -> N
         assert http.request("DELETE", rows_url, json={"keys": I64_EDGES}, headers=AUTH).status_code == 200
         answer = client.lookup_with_sources("demo", "user", I64_EDGES)
         assert (answer.sources == 4).all() and (answer.vectors == 0.5).all()
-
-
-class PausingTier:
-    """The server's real volatile tier, with a gate: a put carrying ``pause_version`` waits inside the write
-    path (after the L3 write, before L2 and L1) until the test lets it go."""
-
-    def __init__(self, tier, pause_version: int) -> None:
-        self._tier = tier
-        self._pause_version = pause_version
-        self.paused = threading.Event()
-        self.release = threading.Event()
-
-    def put(self, table, keys, vectors, versions):  # noqa: ANN001, ANN201
-        if int(np.max(versions)) == self._pause_version:
-            self.paused.set()
-            assert self.release.wait(60), "the test never released the paused put"
-        return self._tier.put(table, keys, vectors, versions)
-
-    def __getattr__(self, name: str):  # noqa: ANN204
-        return getattr(self._tier, name)
-
-
-def test_rest_put_overtaken_by_a_consumer_update_leaves_the_newer_row_in_l1(tmp_path: Path, kafka_broker) -> None:
-    """Issue 14 defect 2: a REST put (v3) pauses after its L3 write; the consumer applies v5 to every tier and to
-    the cached row; the REST put then reaches L1. Before L1 knew versions, it kept v3 for good."""
-    from hps_service.updates import Publisher
-    from tests.server.conftest import AUTH, base_url, running, target
-
-    model = f"v{uuid.uuid4().hex[:10]}"
-    cfg = load_config(
-        None,
-        server={"host": "127.0.0.1", "grpc_port": 0, "http_port": 0, "admin_token": "t0ken", "grpc_workers": 4},
-        cache={"backend": "numpy", "capacity": 1024, "warm_start": False},
-        volatile={"type": "hashmap", "capacity_rows": 10_000},
-        persistent={"type": "rocksdb", "path": str(tmp_path / "db"), "block_cache_mb": 8},
-        updates={"type": "kafka", "brokers": kafka_broker.bootstrap, "topic_prefix": "hps", "group": f"g-{model}"},
-        models=[{"name": model, "tables": [{"name": "t", "dim": 4}]}],
-    )
-    auth = {**AUTH, "Authorization": "Bearer t0ken"}
-    url = f"/v1/models/{model}/tables/t/embeddings"
-    key = [7]
-
-    def row(version: int) -> list[list[float]]:
-        return [[float(version)] * 4]
-
-    with running(cfg) as srv, httpx.Client(base_url=base_url(srv), timeout=60) as http, \
-            HPSClient(target(srv)) as client:
-        assert srv.consumer is not None and srv.consumer.wait_ready(30)
-        assert http.put(url, json={"keys": key, "vectors": row(1), "version": 1}, headers=auth).status_code == 200
-        for _ in range(2):
-            answer = client.lookup_with_sources(model, "t", key)
-        assert answer.sources.tolist() == [1], "the row was not cached"
-        writer = srv.engine.writer
-        gate = PausingTier(writer.volatile, pause_version=3)
-        writer.volatile = gate
-        rest: list[int] = []
-        put = threading.Thread(target=lambda: rest.append(
-            http.put(url, json={"keys": key, "vectors": row(3), "version": 3}, headers=auth).status_code))
-        put.start()
-        try:
-            assert gate.paused.wait(30), "the REST put never reached the volatile tier"
-            publisher = Publisher(kafka_broker.bootstrap, model, partitions=4)
-            publisher.publish("t", np.array(key), np.array(row(5), np.float32), version=5)
-            publisher.flush()
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                answer = client.lookup_with_sources(model, "t", key)
-                if answer.vectors[0, 0] == 5.0:
-                    break
-                time.sleep(0.02)
-            assert answer.vectors[0, 0] == 5.0 and answer.sources.tolist() == [1], "the consumer's v5 never arrived"
-        finally:
-            gate.release.set()
-            put.join(60)
-        assert rest == [200]
-        for _ in range(3):
-            answer = client.lookup_with_sources(model, "t", key)
-            assert answer.vectors[0].tolist() == row(5)[0], f"L1 went back to an older row ({answer.sources})"
