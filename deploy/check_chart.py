@@ -163,9 +163,14 @@ def _process_env(env: dict[str, str]) -> Iterator[None]:
         os.environ.update(saved)
 
 
+def statefulset_of(rendered: Rendered, pod_name: str) -> dict[str, Any]:
+    """The StatefulSet whose pod ``pod_name`` is (``<statefulset>-<ordinal>``)."""
+    return rendered.one("StatefulSet", pod_name.rsplit("-", 1)[0])
+
+
 def server_config(rendered: Rendered, pod_name: str) -> HPSConfig:
     """The config the server in ``pod_name`` loads: the ConfigMap's file under the pod's environment."""
-    sts = rendered.one("StatefulSet")
+    sts = statefulset_of(rendered, pod_name)
     container = _server_container(sts)
     config_map = rendered.one("ConfigMap")
     env = pod_environment(rendered, container, pod_name)
@@ -197,8 +202,66 @@ def _resolve_port(container: dict[str, Any], port: int | str) -> int | None:
 
 def check_consistency(rendered: Rendered, report: Report) -> None:
     """Check what the schemas cannot: the config loads, probes and Services reach the server's ports,
-    each pod has its own consumer group, the grace period covers the drain, RocksDB sits on the volume."""
-    sts = rendered.one("StatefulSet")
+    each pod has its own consumer group, the grace period covers the drain, RocksDB sits on the volume, and a
+    sharded release gives every shard its StatefulSet, its headless Service and its pods their shard."""
+    configs: dict[str, list[HPSConfig]] = {}
+    for sts in rendered.find("StatefulSet"):
+        loaded = _check_statefulset(rendered, sts, report)
+        if loaded is None:
+            return
+        configs[sts["metadata"]["name"]] = loaded
+    every = [c for loaded in configs.values() for c in loaded]
+    if not every:
+        report.add("no StatefulSet rendered")
+        return
+    groups = [c.updates.group for c in every]
+    if every[0].updates.type == "kafka" and (None in groups or len(set(groups)) != len(groups)):
+        report.add(f"pods must consume with their own Kafka consumer group, got {groups}")
+    _check_shards(rendered, configs, report)
+    container = _server_container(rendered.find("StatefulSet")[0])
+    _check_secrets(rendered, container, every[0], report)
+    _check_policies(rendered, container, report)
+
+
+def _check_shards(rendered: Rendered, configs: dict[str, list[HPSConfig]], report: Report) -> None:
+    """Each StatefulSet's pods serve one shard, every shard has exactly one StatefulSet, its headless Service selects
+    only its pods, and NOTES gives the client a target per shard."""
+    shards = {c.cluster.shards for loaded in configs.values() for c in loaded}
+    if len(shards) != 1:
+        report.add(f"pods disagree on cluster.shards: {sorted(shards)}")
+        return
+    count = shards.pop()
+    owner: dict[int, str] = {}
+    for name, loaded in configs.items():
+        served = {c.cluster.shard for c in loaded}
+        if len(served) != 1:
+            report.add(f"the pods of StatefulSet {name} serve different shards {sorted(served)}")
+            continue
+        shard = served.pop()
+        if shard in owner:
+            report.add(f"StatefulSets {owner[shard]} and {name} both serve shard {shard}")
+        owner[shard] = name
+    if sorted(owner) != list(range(count)):
+        report.add(f"cluster.shards is {count} but the StatefulSets serve shards {sorted(owner)}")
+    if count == 1:
+        return
+    pod_labels = {s["metadata"]["name"]: s["spec"]["template"]["metadata"]["labels"]
+                  for s in rendered.find("StatefulSet")}
+    for shard, name in owner.items():
+        headless = rendered.one("StatefulSet", name)["spec"]["serviceName"]
+        service = rendered.find("Service", headless)
+        if not service:
+            continue  # reported by _check_statefulset
+        selector = service[0]["spec"]["selector"]
+        selected = [n for n, labels in pod_labels.items() if selector.items() <= labels.items()]
+        if selected != [name]:
+            report.add(f"headless Service {headless} of shard {shard} selects the pods of {selected}")
+        if f"dns:///{headless}." not in rendered.notes:
+            report.add(f"NOTES does not give clients the target of shard {shard} ({headless})")
+
+
+def _check_statefulset(rendered: Rendered, sts: dict[str, Any], report: Report) -> list[HPSConfig] | None:
+    """The checks of one StatefulSet (one shard); the configs of two of its pods, None when they do not load."""
     pod_spec = sts["spec"]["template"]["spec"]
     container = _server_container(sts)
     pods = [f"{sts['metadata']['name']}-{i}" for i in range(2)]
@@ -206,7 +269,7 @@ def check_consistency(rendered: Rendered, report: Report) -> None:
         configs = [server_config(rendered, pod) for pod in pods]
     except ConfigError as exc:
         report.add(f"rendered server config does not load: {exc}")
-        return
+        return None
     cfg = configs[0]
     server = cfg.server
     if server.host not in ("0.0.0.0", "::"):
@@ -237,15 +300,12 @@ def check_consistency(rendered: Rendered, report: Report) -> None:
             if target not in (server.grpc_port, server.http_port):
                 report.add(f"Service {svc['metadata']['name']} port {port['name']} targets no server port")
         selector = svc["spec"]["selector"]
-        if not selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items():
+        if not any(selector.items() <= s["spec"]["template"]["metadata"]["labels"].items()
+                   for s in rendered.find("StatefulSet")):
             report.add(f"Service {svc['metadata']['name']} selects no server pod")
     if sts["spec"]["serviceName"] not in {s["metadata"]["name"] for s in rendered.find("Service")
                                           if s["spec"].get("clusterIP") == "None"}:
-        report.add("the StatefulSet's serviceName is not a rendered headless Service")
-
-    groups = [c.updates.group for c in configs]
-    if cfg.updates.type == "kafka" and (None in groups or len(set(groups)) != len(groups)):
-        report.add(f"pods must consume with their own Kafka consumer group, got {groups}")
+        report.add(f"the serviceName of StatefulSet {sts['metadata']['name']} is not a rendered headless Service")
 
     pre_stop = container.get("lifecycle", {}).get("preStop", {}).get("exec", {}).get("command", [])
     sleep_s = float(pre_stop[1]) if len(pre_stop) == 2 and pre_stop[0] == "sleep" else 0.0
@@ -267,9 +327,7 @@ def check_consistency(rendered: Rendered, report: Report) -> None:
             report.add(f"{key} {path} is on no writable volume (the root filesystem is read-only)")
         elif mount["name"] not in claims | volumes:
             report.add(f"volume {mount['name']} at {mount['mountPath']} is neither a claim template nor a volume")
-
-    _check_secrets(rendered, container, cfg, report)
-    _check_policies(rendered, container, report)
+    return configs
 
 
 def _check_secrets(rendered: Rendered, container: dict[str, Any], cfg: HPSConfig, report: Report) -> None:
@@ -308,13 +366,19 @@ def _check_policies(rendered: Rendered, container: dict[str, Any], report: Repor
             for port in rule.get("ports", []):
                 if isinstance(port["port"], str) and port["port"] not in port_names:
                     report.add(f"NetworkPolicy allows named port {port['port']} the container lacks")
-    sts_name = rendered.one("StatefulSet")["metadata"]["name"]
+    statefulsets = {s["metadata"]["name"]: s for s in rendered.find("StatefulSet")}
+    scaled = []
     for hpa in rendered.find("HorizontalPodAutoscaler"):
         ref = hpa["spec"]["scaleTargetRef"]
-        if (ref["kind"], ref["name"]) != ("StatefulSet", sts_name):
-            report.add(f"HPA scales {ref}, not the StatefulSet {sts_name}")
-        if "replicas" in rendered.one("StatefulSet")["spec"]:
-            report.add("with an HPA the StatefulSet must not set replicas (every upgrade would reset them)")
+        if ref["kind"] != "StatefulSet" or ref["name"] not in statefulsets:
+            report.add(f"HPA scales {ref}, not one of the StatefulSets {sorted(statefulsets)}")
+            continue
+        scaled.append(ref["name"])
+        if "replicas" in statefulsets[ref["name"]]["spec"]:
+            report.add(f"with an HPA the StatefulSet {ref['name']} must not set replicas (every upgrade would reset "
+                       "them)")
+    if scaled and sorted(scaled) != sorted(statefulsets):
+        report.add(f"HPAs scale {sorted(scaled)}, not every StatefulSet {sorted(statefulsets)}")
 
 
 def scenarios() -> list[tuple[str, Path | None]]:

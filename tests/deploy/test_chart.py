@@ -37,6 +37,7 @@ check_chart = _load("check_chart", REPO / "deploy" / "check_chart.py")
 values_schema = _load("values_schema", REPO / "deploy" / "values_schema.py")
 GPU_EXAMPLE = REPO / "deploy" / "examples" / "values-gpu-redis-kafka.yaml"
 ALL_FEATURES = REPO / "deploy" / "examples" / "values-all-features.yaml"
+SHARDED = REPO / "deploy" / "examples" / "values-sharded.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def rendered() -> dict[str, object]:
 def test_scenarios_cover_defaults_and_examples() -> None:
     names = [name for name, _ in check_chart.scenarios()]
     assert names[0] == "defaults"
-    assert GPU_EXAMPLE.name in names and ALL_FEATURES.name in names
+    assert GPU_EXAMPLE.name in names and ALL_FEATURES.name in names and SHARDED.name in names
 
 
 @pytest.mark.parametrize("name,path", check_chart.scenarios(), ids=[n for n, _ in check_chart.scenarios()])
@@ -285,3 +286,63 @@ def test_notes_tell_how_to_reach_the_service(rendered: dict) -> None:
     notes = rendered["defaults"].notes
     assert "hps.ml.svc:8500" in notes and "port-forward svc/hps" in notes and "/metrics" in notes
     assert "scale statefulset/hps" in notes
+
+
+def test_sharded_example_is_two_shards_of_two_replicas(rendered: dict) -> None:
+    r = rendered[SHARDED.name]
+    statefulsets = {s["metadata"]["name"]: s for s in r.find("StatefulSet")}
+    assert sorted(statefulsets) == ["hps-shard-0", "hps-shard-1"]
+    for shard, (name, sts) in enumerate(sorted(statefulsets.items())):
+        assert sts["spec"]["replicas"] == 2
+        assert sts["spec"]["serviceName"] == f"{name}-headless"
+        assert sts["spec"]["selector"]["matchLabels"]["hps/shard"] == str(shard)
+        configs = [check_chart.server_config(r, f"{name}-{i}") for i in range(2)]
+        assert {(c.cluster.shards, c.cluster.shard, c.cluster.partitions) for c in configs} == {(2, shard, 24)}
+        init = sts["spec"]["template"]["spec"]["initContainers"][0]  # bootstrap imports keep the pod's shard
+        assert {"name": "HPS_CLUSTER__SHARD", "value": str(shard)} in init["env"]
+        headless = r.one("Service", f"{name}-headless")
+        assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["selector"]["hps/shard"] == str(shard)
+        budget = r.one("PodDisruptionBudget", name)
+        assert budget["spec"]["selector"]["matchLabels"]["hps/shard"] == str(shard)
+    groups = {check_chart.server_config(r, f"hps-shard-{s}-{i}").updates.group for s in (0, 1) for i in (0, 1)}
+    assert len(groups) == 4
+    assert "hps/shard" not in r.one("Service", "hps")["spec"]["selector"]  # REST and metrics reach every pod
+    targets = '["dns:///hps-shard-0-headless.ml.svc:8500","dns:///hps-shard-1-headless.ml.svc:8500"]'
+    assert f"HPSClient({targets})" in r.notes and "2 shards x 2 replicas" in r.notes
+
+
+def test_one_shard_keeps_the_unsharded_names_and_selectors(rendered: dict) -> None:
+    r = check_chart.render({"shards": 1, "replicasPerShard": 3})
+    sts = r.one("StatefulSet")
+    assert sts["metadata"]["name"] == "hps" and sts["spec"]["replicas"] == 3
+    assert "hps/shard" not in sts["spec"]["selector"]["matchLabels"]  # selectors are immutable: upgrades work
+    assert r.one("Service", "hps-headless") and check_chart.server_config(r, "hps-0").cluster.shards == 1
+    assert sts["spec"]["selector"] == rendered["defaults"].one("StatefulSet")["spec"]["selector"]
+
+
+def test_sharded_autoscaling_scales_each_shard() -> None:
+    r = check_chart.render({"shards": 3, "autoscaling": {"enabled": True}})
+    refs = sorted(h["spec"]["scaleTargetRef"]["name"] for h in r.find("HorizontalPodAutoscaler"))
+    assert refs == ["hps-shard-0", "hps-shard-1", "hps-shard-2"]
+    report = check_chart.Report("hpa")
+    check_chart.check_consistency(r, report)
+    assert report.problems == []
+
+
+def test_shards_must_divide_the_partitions() -> None:
+    with pytest.raises(helm_python.HelmError, match=r"partitions \(24\) must be a multiple of shards \(5\)"):
+        check_chart.render({"shards": 5})
+
+
+@pytest.mark.parametrize("mutation,complaint", [
+    (lambda r: r.one("Service", "hps-shard-0-headless")["spec"]["selector"].pop("hps/shard"), "selects the pods of"),
+    (lambda r: [e.update(value="0") for s in r.find("StatefulSet") for e in s["spec"]["template"]["spec"]
+                ["containers"][0]["env"] if e["name"] == "HPS_CLUSTER__SHARD"], "both serve shard 0"),
+    (lambda r: r.docs.remove(r.one("StatefulSet", "hps-shard-1")), "serve shards [0]"),
+    (lambda r: setattr(r, "notes", r.notes.replace("hps-shard-1-headless", "x")), "target of shard 1"),
+])
+def test_consistency_check_catches_sharding_mistakes(rendered: dict, mutation, complaint: str) -> None:
+    broken = _mutated(rendered[SHARDED.name], mutation)
+    report = check_chart.Report("broken")
+    check_chart.check_consistency(broken, report)
+    assert any(complaint in p for p in report.problems), report.problems

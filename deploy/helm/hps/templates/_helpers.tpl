@@ -114,7 +114,88 @@ The consumer group and the secrets come from the environment (see the StatefulSe
 {{- end }}
 {{- $_ := set $cfg "updates" $updates }}
 {{- end }}
+{{- if gt (int .Values.shards) 1 }}
+{{- $cluster := deepCopy ($cfg.cluster | default dict) }}
+{{- $_ := set $cluster "shards" (int .Values.shards) }}
+{{- $_ := set $cfg "cluster" $cluster }}
+{{- end }}
 {{- toYaml $cfg }}
+{{- end }}
+
+{{/*
+Sharding (README "Sharding"): with shards > 1 every shard gets its own StatefulSet "<fullname>-shard-<i>" and
+headless Service "<fullname>-shard-<i>-headless"; its pods are labelled hps/shard=<i> and told their shard by
+HPS_CLUSTER__SHARD. With shards: 1 the names and selectors are those of an unsharded release.
+The templates that render one object per shard call these with a context of .Values, .Release, .Chart,
+.Capabilities, .Template and .Shard.
+*/}}
+{{- define "hps.sharded" -}}
+{{- if gt (int .Values.shards) 1 }}true{{ end }}
+{{- end }}
+
+{{/* Fails the render when the shards cannot split config.cluster.partitions (the server would refuse to start). */}}
+{{- define "hps.checkShards" -}}
+{{- $shards := int .Values.shards }}
+{{- $partitions := int ((.Values.config.cluster | default dict).partitions | default 24) }}
+{{- if lt $shards 1 }}
+{{- fail (printf "shards must be >= 1, got %d" $shards) }}
+{{- end }}
+{{- if ne (mod $partitions $shards) 0 }}
+{{- fail (printf "config.cluster.partitions (%d) must be a multiple of shards (%d)" $partitions $shards) }}
+{{- end }}
+{{- end }}
+
+{{- define "hps.shardName" -}}
+{{- if include "hps.sharded" . }}
+{{- printf "%s-shard-%d" (include "hps.fullname" . | trunc 43 | trimSuffix "-") (int .Shard) }}
+{{- else }}
+{{- include "hps.fullname" . }}
+{{- end }}
+{{- end }}
+
+{{- define "hps.shardHeadlessName" -}}
+{{- if include "hps.sharded" . }}
+{{- printf "%s-headless" (include "hps.shardName" .) }}
+{{- else }}
+{{- include "hps.headlessName" . }}
+{{- end }}
+{{- end }}
+
+{{- define "hps.shardLabels" -}}
+{{ include "hps.labels" . }}
+{{- if include "hps.sharded" . }}
+hps/shard: {{ .Shard | quote }}
+{{- end }}
+{{- end }}
+
+{{- define "hps.shardSelectorLabels" -}}
+{{ include "hps.selectorLabels" . }}
+{{- if include "hps.sharded" . }}
+hps/shard: {{ .Shard | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Pods per shard: replicasPerShard, else replicaCount. */}}
+{{- define "hps.replicasPerShard" -}}
+{{- if kindIs "invalid" .Values.replicasPerShard }}{{ .Values.replicaCount }}{{ else }}{{ .Values.replicasPerShard }}{{ end }}
+{{- end }}
+
+{{/* The pod's shard, for the server (HPS_CLUSTER__SHARD) and hps import; nothing when unsharded. */}}
+{{- define "hps.shardEnv" -}}
+{{- if include "hps.sharded" . }}
+- name: HPS_CLUSTER__SHARD
+  value: {{ .Shard | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The gRPC targets a client takes: one dns:/// name per shard (each shard's headless Service). */}}
+{{- define "hps.clientTargets" -}}
+{{- $targets := list }}
+{{- range $i := until (int .Values.shards) }}
+{{- $ctx := dict "Values" $.Values "Release" $.Release "Chart" $.Chart "Shard" $i }}
+{{- $targets = append $targets (printf "dns:///%s.%s.svc:%d" (include "hps.shardHeadlessName" $ctx) $.Release.Namespace (int $.Values.config.server.grpc_port)) }}
+{{- end }}
+{{- toJson $targets }}
 {{- end }}
 
 {{/* Seconds the pod may take to stop: preStop sleep + the server's drain period + a margin. */}}
