@@ -1,15 +1,19 @@
-"""A Mixture-of-Experts layer in the style of Megatron Core's MoE: top-k router, token dispatcher, stacked experts.
+"""A Mixture-of-Experts layer that follows Megatron Core's MoE rules: top-k router, token dispatcher, stacked experts.
 
-Router: softmax (pre- or post-top-k) or sigmoid scores, switch load-balancing aux loss, router z-loss, optional
-aux-loss-free balancing with a per-expert bias (DeepSeek-V3: bias += rate * sign(mean load - load) after each step),
-capacity factor with token dropping by lowest probability and optional padding to capacity. Dispatcher: permute the
-tokens grouped by expert, run all experts as batched matmuls over stacked weights, unpermute with the routing
-probabilities as weights. A shared expert sees every token.
+Router (``megatron/core/transformer/moe/router.py`` and ``moe_utils.py``): softmax (pre- or post-top-k) or sigmoid
+scores, group-limited top-k, a top-k scaling factor, the switch load-balancing aux loss and the sequence-level aux
+loss (DeepSeek-V2/V3), the router z-loss, aux-loss-free balancing with a per-expert bias (DeepSeek-V3:
+``bias += rate * sign(mean load - load)`` after each step, sigmoid scores only), and a capacity factor that drops
+tokens by lowest probability or by position, optionally padding every expert to capacity. The aux losses count
+tokens from the unbiased top-k of the scores, as Megatron does. Dispatcher: permute the tokens grouped by expert,
+run all experts as batched matmuls over stacked weights, unpermute with the routing probabilities as weights. A
+shared expert sees every token. The router runs in fp32 whatever the autocast.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -22,18 +26,28 @@ from hps_service.errors import InvalidArgumentError
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Hyper-parameters of one MoE layer (names follow Megatron's ``--moe-*`` options)."""
+    """Hyper-parameters of one MoE layer; names follow Megatron's ``--moe-*`` options, defaults are DeepSeek-V3's.
+
+    ``seq_length``: the MoE's tokens are samples, and the sequence aux loss treats each run of ``seq_length``
+    consecutive samples of a batch as one sequence.
+    """
 
     num_experts: int = 4
     top_k: int = 2
     ffn_hidden: int = 32
-    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    score_function: Literal["softmax", "sigmoid"] = "sigmoid"
     pre_softmax: bool = False
-    aux_loss_coeff: float = 1e-2
-    z_loss_coeff: float = 1e-3
-    expert_bias: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    topk_scaling_factor: float | None = None
+    aux_loss_coeff: float = 0.0
+    seq_aux_loss_coeff: float = 1e-4
+    seq_length: int = 32
+    z_loss_coeff: float = 0.0
+    expert_bias: bool = True
     bias_update_rate: float = 1e-3
     capacity_factor: float | None = None
+    drop_policy: Literal["probs", "position"] = "probs"
     pad_to_capacity: bool = False
     shared_expert_hidden: int = 0
 
@@ -46,12 +60,47 @@ class MoEConfig:
             raise InvalidArgumentError(f"ffn_hidden must be >= 1, got {self.ffn_hidden}")
         if self.score_function not in ("softmax", "sigmoid"):
             raise InvalidArgumentError(f"score_function must be softmax or sigmoid, got {self.score_function!r}")
+        # Megatron Core: "Please use --moe-router-pre-softmax when topk is 1."
+        if self.top_k == 1 and self.score_function == "softmax" and not self.pre_softmax:
+            raise InvalidArgumentError(
+                "top-k 1 with post-softmax scores gives every chosen expert weight 1.0 and the router no gradient; "
+                "use pre-softmax or sigmoid scores (Megatron Core refuses this too)"
+            )
+        # Megatron Core: expert bias only with sigmoid (or sqrtsoftplus) scores.
+        if self.expert_bias and self.score_function == "softmax":
+            raise InvalidArgumentError(
+                "the expert bias (aux-loss-free balancing) needs sigmoid scores, not softmax "
+                "(DeepSeek-V3's recipe; Megatron Core refuses this too)"
+            )
+        if self.group_topk is not None or self.num_groups is not None:
+            if not self.group_topk or not self.num_groups:
+                raise InvalidArgumentError("group-limited routing needs both num_groups and group_topk (>= 1)")
+            if self.num_experts % self.num_groups:
+                raise InvalidArgumentError(
+                    f"num_experts ({self.num_experts}) must be divisible by num_groups ({self.num_groups})"
+                )
+            if self.group_topk > self.num_groups:
+                raise InvalidArgumentError(
+                    f"group_topk ({self.group_topk}) must be <= num_groups ({self.num_groups})"
+                )
+            per_group = self.num_experts // self.num_groups
+            if self.top_k // self.group_topk < 1 or self.group_topk * per_group < self.top_k:
+                raise InvalidArgumentError(
+                    f"top_k ({self.top_k}) must be >= group_topk ({self.group_topk}) and fit in the selected "
+                    f"groups ({self.group_topk} x {per_group} experts)"
+                )
+        if self.topk_scaling_factor is not None and self.topk_scaling_factor <= 0:
+            raise InvalidArgumentError(f"topk_scaling_factor must be > 0, got {self.topk_scaling_factor}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise InvalidArgumentError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if self.drop_policy not in ("probs", "position"):
+            raise InvalidArgumentError(f"drop_policy must be probs or position, got {self.drop_policy!r}")
         if self.pad_to_capacity and self.capacity_factor is None:
             raise InvalidArgumentError("pad_to_capacity needs a capacity_factor")
-        if self.aux_loss_coeff < 0 or self.z_loss_coeff < 0 or self.bias_update_rate < 0:
-            raise InvalidArgumentError("aux_loss_coeff, z_loss_coeff and bias_update_rate must be >= 0")
+        if min(self.aux_loss_coeff, self.seq_aux_loss_coeff, self.z_loss_coeff, self.bias_update_rate) < 0:
+            raise InvalidArgumentError("aux, sequence aux and z loss coefficients and the bias rate must be >= 0")
+        if self.seq_length < 1:
+            raise InvalidArgumentError(f"seq_length must be >= 1, got {self.seq_length}")
         if self.shared_expert_hidden < 0:
             raise InvalidArgumentError(f"shared_expert_hidden must be >= 0, got {self.shared_expert_hidden}")
 
@@ -62,14 +111,20 @@ class RoutingResult:
 
     probs: torch.Tensor  # (T, E) weight of each kept (token, expert) pair, zero elsewhere
     routing_map: torch.Tensor  # (T, E) bool: the pairs sent to experts (kept top-k, plus padding if padded)
-    topk_map: torch.Tensor  # (T, E) bool: the router's top-k choice before capacity dropping
-    aux_loss: torch.Tensor
+    topk_map: torch.Tensor  # (T, E) bool: the router's (biased) top-k choice before capacity dropping
+    aux_map: torch.Tensor  # (T, E) bool: the unbiased top-k the aux losses count
+    aux_loss: torch.Tensor  # switch aux loss + sequence aux loss (zero when both coefficients are)
     z_loss: torch.Tensor
 
     @property
     def tokens_per_expert(self) -> torch.Tensor:
         """Pairs each expert really serves (kept top-k choices, padding excluded)."""
         return (self.routing_map & self.topk_map).sum(dim=0)
+
+    @property
+    def routed_pairs(self) -> int:
+        """(token, expert) pairs computed for real: the model FLOPs of the routed experts scale with this."""
+        return int((self.routing_map & self.topk_map).sum())
 
     @property
     def dropped_fraction(self) -> torch.Tensor:
@@ -91,55 +146,121 @@ def switch_load_balancing_loss(
     return torch.sum(per_expert * tokens_per_expert) * (num_experts * coeff / (num_tokens * num_tokens * top_k))
 
 
+def sequence_load_balancing_loss(
+    scores: torch.Tensor, aux_map: torch.Tensor, seq_length: int, top_k: int, coeff: float
+) -> torch.Tensor:
+    """DeepSeek's sequence-wise aux loss: the switch loss of each run of ``seq_length`` tokens, averaged over runs.
+
+    Equal to Megatron's ``seq_aux_loss`` when the tokens are whole sequences; a last shorter run counts with its
+    own length.
+    """
+    num_tokens, num_experts = scores.shape
+    seq = torch.arange(num_tokens, device=scores.device) // seq_length
+    num_seqs = int(seq[-1]) + 1 if num_tokens else 0
+    if num_seqs == 0:
+        return scores.new_zeros(())
+    prob_sums = scores.new_zeros(num_seqs, num_experts).index_add(0, seq, scores)
+    counts = scores.new_zeros(num_seqs, num_experts).index_add(0, seq, aux_map.to(scores.dtype))
+    lengths = torch.bincount(seq, minlength=num_seqs).to(scores.dtype)
+    per_seq = (prob_sums * counts).sum(dim=1) * (num_experts * coeff / top_k) / lengths.square()
+    return per_seq.mean()
+
+
 def router_z_loss(logits: torch.Tensor, coeff: float) -> torch.Tensor:
     """ST-MoE z-loss: coeff * mean over tokens of logsumexp(logits)^2; keeps router logits small."""
     return torch.mean(torch.square(torch.logsumexp(logits, dim=-1))) * coeff
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Tokens one expert may take: ceil(T * k / E * capacity_factor), at most T."""
-    return min(num_tokens, max(1, math.ceil(num_tokens * top_k / num_experts * capacity_factor)))
+    """Tokens one expert may take: ceil(T * k / E * capacity_factor) (Megatron's ``get_capacity``)."""
+    return max(1, math.ceil(num_tokens * top_k / num_experts * capacity_factor))
+
+
+def _group_limited_topk(scores: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k within the ``group_topk`` groups whose best ``top_k // group_topk`` scores sum highest."""
+    num_tokens, num_experts = scores.shape
+    groups, chosen = config.num_groups or 1, config.group_topk or 1
+    group_scores = scores.view(num_tokens, groups, -1).topk(config.top_k // chosen, dim=-1).values.sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=chosen, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_idx, True)
+    expert_mask = group_mask.unsqueeze(-1).expand(num_tokens, groups, num_experts // groups).reshape(num_tokens, -1)
+    return torch.topk(scores.masked_fill(~expert_mask, float("-inf")), k=config.top_k, dim=-1)
+
+
+def _topk(scores: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    if config.group_topk:
+        return _group_limited_topk(scores, config)
+    return torch.topk(scores, k=config.top_k, dim=-1)
 
 
 def topk_routing(
     logits: torch.Tensor, config: MoEConfig, expert_bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Top-k selection with capacity; returns (probs, routing_map, topk_map, scores for the aux loss).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``topk_routing_with_score_function``: (probs (T, E), routing_map (T, E) bool) of the top-k.
 
     The expert bias only changes which experts are selected; the weights come from the unbiased scores.
     """
-    num_tokens, num_experts = logits.shape
-    k = config.top_k
     logits = logits.float()
-    bias = expert_bias
     if config.score_function == "softmax":
-        aux_scores = torch.softmax(logits, dim=-1)
         if config.pre_softmax:
-            selection = aux_scores if bias is None else aux_scores + bias
-            top_idx = torch.topk(selection, k, dim=-1).indices
-            top_probs = torch.gather(aux_scores, 1, top_idx)
+            probs, top_idx = _topk(torch.softmax(logits, dim=-1), config)
         else:
-            selection = logits if bias is None else logits + bias
-            top_idx = torch.topk(selection, k, dim=-1).indices
-            top_probs = torch.softmax(torch.gather(logits, 1, top_idx), dim=-1)
+            top_logits, top_idx = _topk(logits, config)
+            probs = torch.softmax(top_logits, dim=-1)
     else:
         scores = torch.sigmoid(logits)
-        aux_scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-        selection = scores if bias is None else scores + bias
-        top_idx = torch.topk(selection, k, dim=-1).indices
-        top_probs = torch.gather(scores, 1, top_idx)
-        if k > 1:
-            top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
-    probs = torch.zeros_like(logits).scatter(1, top_idx, top_probs)
-    topk_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True)
-    routing_map = topk_map
-    if config.capacity_factor is not None:
-        capacity = expert_capacity(num_tokens, num_experts, k, config.capacity_factor)
-        keep_idx = torch.topk(probs, capacity, dim=0, sorted=False).indices  # per expert: highest-probability tokens
-        capacity_mask = torch.zeros_like(topk_map).scatter(0, keep_idx, True)
-        routing_map = capacity_mask if config.pad_to_capacity else topk_map & capacity_mask
-        probs = probs * (topk_map & capacity_mask)
-    return probs, routing_map, topk_map, aux_scores
+        if expert_bias is not None:
+            _, top_idx = _topk(scores + expert_bias.float(), config)
+            top_scores = torch.gather(scores, 1, top_idx)
+        else:
+            top_scores, top_idx = _topk(scores, config)
+        probs = top_scores / (top_scores.sum(dim=-1, keepdim=True) + 1e-20) if config.top_k > 1 else top_scores
+    if config.topk_scaling_factor:
+        probs = probs * config.topk_scaling_factor
+    routing_probs = torch.zeros_like(logits).scatter(1, top_idx, probs)
+    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True)
+    return routing_probs, routing_map
+
+
+def scores_for_aux_loss(logits: torch.Tensor, config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``compute_routing_scores_for_aux_loss``: (routing map of the plain unbiased top-k, scores).
+
+    Scores are the softmax, or the sigmoid normalised over all experts; no bias, no groups.
+    """
+    logits = logits.float()
+    if config.score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    top_idx = torch.topk(scores, k=config.top_k, dim=1).indices
+    return torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_idx, True), scores
+
+
+def apply_token_dropping(
+    probs: torch.Tensor, routing_map: torch.Tensor, config: MoEConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's ``apply_router_token_dropping``: keep at most the capacity per expert; (probs, routing map).
+
+    ``probs`` keeps each expert's highest-probability tokens, ``position`` its earliest tokens. With padding the
+    map is the capacity mask itself (every expert gets exactly ``capacity`` rows).
+    """
+    if config.capacity_factor is None:
+        return probs, routing_map
+    num_tokens, num_experts = probs.shape
+    capacity = expert_capacity(num_tokens, num_experts, config.top_k, config.capacity_factor)
+    if capacity >= num_tokens:
+        capacity_mask = torch.ones_like(routing_map)
+    elif config.drop_policy == "probs":
+        keep_idx = torch.topk(probs, capacity, dim=0, sorted=False).indices
+        capacity_mask = torch.zeros_like(routing_map).scatter(0, keep_idx, True)
+    else:
+        # earliest tokens first: the routed ones in token order, then (for padding) the earliest others
+        order = routing_map.long() * (2 * num_tokens) - torch.arange(num_tokens, device=probs.device).unsqueeze(1)
+        keep_idx = torch.topk(order, capacity, dim=0, sorted=False).indices
+        capacity_mask = torch.zeros_like(routing_map).scatter(0, keep_idx, True)
+    final_map = capacity_mask if config.pad_to_capacity else routing_map & capacity_mask
+    return probs * final_map, final_map
 
 
 class TopKRouter(nn.Module):
@@ -151,24 +272,39 @@ class TopKRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(config.num_experts, hidden))
         nn.init.normal_(self.weight, std=1.0 / math.sqrt(hidden))
         self.register_buffer("expert_bias", torch.zeros(config.num_experts) if config.expert_bias else None)
-        self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_experts))
+        self.register_buffer("local_tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
 
     def forward(self, hidden: torch.Tensor) -> RoutingResult:
-        logits = F.linear(hidden, self.weight)
-        probs, routing_map, topk_map, aux_scores = topk_routing(logits, self.config, self.expert_bias)
-        if self.training and torch.is_grad_enabled():
-            with torch.no_grad():
-                self.local_tokens_per_expert += topk_map.sum(dim=0).to(self.local_tokens_per_expert.dtype)
-        aux = switch_load_balancing_loss(aux_scores, topk_map.sum(dim=0), self.config.top_k,
-                                         self.config.aux_loss_coeff)
-        z = router_z_loss(logits, self.config.z_loss_coeff)
-        return RoutingResult(probs=probs, routing_map=routing_map, topk_map=topk_map, aux_loss=aux, z_loss=z)
+        cfg = self.config
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = F.linear(hidden.float(), self.weight.float())
+            probs, topk_map = topk_routing(logits, cfg, self.expert_bias)
+            probs, routing_map = apply_token_dropping(probs, topk_map, cfg)
+            aux_map, aux_scores = scores_for_aux_loss(logits, cfg)
+            aux = logits.new_zeros(())
+            if cfg.aux_loss_coeff > 0:
+                aux = aux + switch_load_balancing_loss(aux_scores, aux_map.sum(dim=0), cfg.top_k, cfg.aux_loss_coeff)
+            if cfg.seq_aux_loss_coeff > 0:
+                aux = aux + sequence_load_balancing_loss(
+                    aux_scores, aux_map, cfg.seq_length, cfg.top_k, cfg.seq_aux_loss_coeff
+                )
+            z = router_z_loss(logits, cfg.z_loss_coeff) if cfg.z_loss_coeff > 0 else logits.new_zeros(())
+        if self.expert_bias is not None and self.training and torch.is_grad_enabled():
+            with torch.no_grad():  # Megatron counts the final routing map (after dropping) for the bias update
+                self.local_tokens_per_expert += routing_map.sum(dim=0).to(self.local_tokens_per_expert.dtype)
+        return RoutingResult(probs=probs, routing_map=routing_map, topk_map=topk_map, aux_map=aux_map,
+                             aux_loss=aux, z_loss=z)
 
     @torch.no_grad()
-    def update_expert_bias(self) -> None:
-        """DeepSeek-V3 rule after an optimizer step: raise the bias of under-loaded experts, lower the over-loaded."""
+    def update_expert_bias(self, all_reduce: Callable[[torch.Tensor], None] | None = None) -> None:
+        """DeepSeek-V3 rule after an optimizer step: raise the bias of under-loaded experts, lower the over-loaded.
+
+        ``all_reduce`` sums the counts over data-parallel ranks first, so every rank applies the same update.
+        """
         if self.expert_bias is not None:
             load = self.local_tokens_per_expert
+            if all_reduce is not None:
+                all_reduce(load)
             offset = load.mean() - load
             self.expert_bias += torch.sign(offset) * self.config.bias_update_rate
         self.local_tokens_per_expert.zero_()
@@ -213,10 +349,11 @@ class StackedExperts(nn.Module):
         starts = torch.cumsum(counts, 0) - counts
         slot = torch.arange(permuted.shape[0], device=permuted.device) - starts[expert_of_row]
         capacity = int(counts.max())
+        w1, w2 = self.w1.to(permuted.dtype), self.w2.to(permuted.dtype)
         padded = permuted.new_zeros(num_experts, capacity, permuted.shape[-1])
         padded = padded.index_put((expert_of_row, slot), permuted)
-        hidden = F.gelu(torch.bmm(padded, self.w1))
-        return torch.bmm(hidden, self.w2)[expert_of_row, slot]
+        hidden = F.gelu(torch.bmm(padded, w1))
+        return torch.bmm(hidden, w2)[expert_of_row, slot]
 
 
 class SharedExpert(nn.Module):
@@ -264,9 +401,17 @@ class MoELayer(nn.Module):
         return MoEOutput(output=out, routing=routing)
 
     def flops_per_token(self) -> int:
-        """Forward multiply-adds x2 of the router GEMM, the k routed expert MLPs and the shared expert."""
+        """Nominal forward FLOPs (2 x multiply-adds) of the router, k routed expert MLPs and the shared expert."""
+        return self.router_flops_per_token() + self.config.top_k * self.expert_flops_per_pair()
+
+    def router_flops_per_token(self) -> int:
+        """Router GEMM plus the shared expert: work every token costs whatever the routing."""
         h, c = self.hidden, self.config
-        flops = 2 * h * c.num_experts + c.top_k * 2 * (2 * h * c.ffn_hidden)
+        flops = 2 * h * c.num_experts
         if self.shared_expert is not None:
             flops += 2 * (2 * h * c.shared_expert_hidden)
         return flops
+
+    def expert_flops_per_pair(self) -> int:
+        """One routed (token, expert) pair: the expert's two GEMMs."""
+        return 2 * (2 * self.hidden * self.config.ffn_hidden)
