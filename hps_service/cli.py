@@ -1,4 +1,4 @@
-"""The ``hps`` command: serve, import, lookup, synth."""
+"""The ``hps`` command: serve, import, lookup, synth, train, predict, demo."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hps_service import __version__
 from hps_service.config import ConfigError, HPSConfig, load_config
 from hps_service.errors import HPSError
 from hps_service.logs import setup_logging
-from hps_service.trainer.cli import train_command
+from hps_service.trainer.cli import predict_command, train_command
 
 app = typer.Typer(
     name="hps",
@@ -287,6 +287,7 @@ def synth(
 
 
 app.command("train")(train_command)
+app.command("predict")(predict_command)
 
 
 @app.command()

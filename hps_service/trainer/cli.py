@@ -1,7 +1,12 @@
-"""``hps train``: train the DLRM/MoE model of a served config online and publish its rows to the update topic."""
+"""``hps train`` and ``hps predict``: train the DLRM/MoE model of a served config online; score with what it exported.
+
+``hps train`` also runs data-parallel under torchrun (``torchrun --nproc-per-node 2 -m hps_service.trainer ...``):
+gloo on the CPU, nccl on GPUs. Torch is imported only when a command runs, so the rest of ``hps`` starts without it.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -14,23 +19,83 @@ from hps_service.errors import HPSError, InvalidArgumentError
 CONFIG_OPTION = typer.Option(..., "--config", "-c", help="hps config YAML: the model's tables (names, dims) and "
                              "updates.brokers / updates.topic_prefix for publishing.")
 METRICS_OPTION = typer.Option(Path("var/train-metrics.json"), "--metrics-out", help="Where to write the metrics JSON.")
+DATA_OPTION = typer.Option(None, "--data", help="Training data file or directory (repeatable); Criteo TSV or Parquet.")
+
+
+def _data_format(data_format: str | None, data: list[str] | None) -> str:
+    if data_format is not None:
+        return data_format
+    if not data:
+        return "synthetic"
+    return "parquet" if all(str(p).endswith((".parquet", ".pq")) for p in data) else "criteo"
+
+
+def _init_distributed(device: str) -> str:
+    """Join the torchrun process group when WORLD_SIZE > 1; returns this process's device."""
+    import torch
+    import torch.distributed as dist
+
+    from hps_service.trainer.train import resolve_device
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return device
+    resolved = resolve_device(device)
+    if resolved.type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        dist.init_process_group("nccl")
+        return f"cuda:{local}"
+    dist.init_process_group("gloo")
+    return "cpu"
 
 
 def train_command(
     config: Path = CONFIG_OPTION,
-    steps: int = typer.Option(1000, "--steps", min=1, help="Training steps (one batch each)."),
+    steps: int | None = typer.Option(None, "--steps", min=1, help="Training steps (one global batch each); "
+                                     "default: 1000 on synthetic data, one pass over files."),
     model: str | None = typer.Option(None, "--model", "-m", help="Model to train; default: the config's first."),
-    batch_size: int = typer.Option(1024, "--batch-size", min=1, help="Samples per step."),
-    cardinality: int = typer.Option(1000, "--cardinality", min=1, help="Ids per table; keys are 0..N-1."),
-    num_dense: int = typer.Option(4, "--num-dense", min=1, help="Dense features per sample."),
+    batch_size: int = typer.Option(1024, "--batch-size", min=1, help="Samples per step, over all processes."),
+    data: list[str] | None = DATA_OPTION,
+    data_format: str | None = typer.Option(None, "--data-format", help="synthetic, criteo (TSV) or parquet; "
+                                           "default: synthetic without --data, else from the file names."),
+    eval_data: list[str] | None = typer.Option(None, "--eval-data", help="Held-out file(s); default: the first "
+                                               "--holdout-size rows of --data are held out."),
+    holdout_size: int = typer.Option(20000, "--holdout-size", min=2, help="Held-out samples per evaluation."),
+    max_rows_per_table: int = typer.Option(10_000_000, "--max-rows-per-table", min=1, help="Rows a table holds in "
+                                           "one process; the coldest are evicted (published as deletes)."),
+    cardinality: int = typer.Option(1000, "--cardinality", min=1, help="Synthetic data: ids per table."),
+    num_dense: int = typer.Option(4, "--num-dense", min=1, help="Synthetic data: dense features per sample."),
     experts: int = typer.Option(4, "--experts", min=0, help="Routed experts of the MoE block; 0: no MoE block."),
     top_k: int = typer.Option(2, "--top-k", min=1, help="Experts per sample."),
+    expert_hidden: int = typer.Option(32, "--moe-ffn-hidden", min=1, help="Hidden size of each routed expert."),
+    shared_expert_hidden: int = typer.Option(32, "--moe-shared-expert-hidden", min=0, help="Hidden size of the "
+                                             "shared expert; 0: none."),
+    score_function: str = typer.Option("sigmoid", "--moe-score-function", help="sigmoid or softmax."),
+    pre_softmax: bool = typer.Option(False, "--moe-pre-softmax/--no-moe-pre-softmax", help="Softmax before top-k."),
+    expert_bias: bool = typer.Option(True, "--moe-expert-bias/--no-moe-expert-bias", help="Aux-loss-free balancing "
+                                     "(DeepSeek-V3; sigmoid scores only)."),
+    bias_update_rate: float = typer.Option(1e-3, "--moe-bias-update-rate", help="Expert bias step per update."),
+    aux_loss_coeff: float = typer.Option(0.0, "--moe-aux-loss-coeff", help="Switch load-balancing loss weight."),
+    seq_aux_loss_coeff: float = typer.Option(1e-4, "--moe-seq-aux-loss-coeff", help="Sequence aux loss weight "
+                                             "(DeepSeek-V3); 0: off."),
+    seq_length: int = typer.Option(32, "--moe-seq-length", min=1, help="Consecutive samples that form one sequence "
+                                   "for the sequence aux loss."),
+    z_loss_coeff: float = typer.Option(0.0, "--moe-z-loss-coeff", help="Router z-loss weight; 0: off."),
     capacity_factor: float | None = typer.Option(None, "--capacity-factor", help="Expert capacity factor; "
-                                                    "tokens beyond it are dropped (default: no limit)."),
+                                                 "tokens beyond it are dropped (default: no limit)."),
+    drop_policy: str = typer.Option("probs", "--moe-drop-policy", help="Which tokens a full expert drops: probs "
+                                    "(lowest probability) or position (latest)."),
+    pad_to_capacity: bool = typer.Option(False, "--moe-pad-to-capacity", help="Pad every expert to capacity."),
+    num_groups: int | None = typer.Option(None, "--moe-num-groups", help="Group-limited routing: expert groups."),
+    group_topk: int | None = typer.Option(None, "--moe-group-topk", help="Group-limited routing: groups per token."),
+    topk_scaling_factor: float | None = typer.Option(None, "--moe-topk-scaling-factor", help="Scale of the top-k "
+                                                     "weights."),
     embedding_optimizer: str = typer.Option("adagrad", "--embedding-optimizer", help="adagrad (row-wise) or sgd."),
     embedding_lr: float = typer.Option(0.2, "--embedding-lr", help="Learning rate of the embedding tables."),
     dense_lr: float = typer.Option(1e-2, "--dense-lr", help="Adam learning rate of the dense part."),
-    publish: bool = typer.Option(True, "--publish/--no-publish", help="Publish touched rows to Kafka "
+    device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
+    precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16 (autocast for the dense part)."),
+    publish: bool = typer.Option(True, "--publish/--no-publish", help="Publish changed rows to Kafka "
                                  "(needs updates.type kafka in the config, or --brokers)."),
     brokers: str | None = typer.Option(None, "--brokers", help="Kafka bootstrap host:port; overrides the config."),
     publish_every_steps: int = typer.Option(50, "--publish-every-steps", min=1, help="Publish after this many "
@@ -40,9 +105,16 @@ def train_command(
     generation: int = typer.Option(0, "--generation", min=0, help="High 32 bits of every row version; raise it "
                                    "for each new training run so its rows win over older runs."),
     eval_every: int = typer.Option(100, "--eval-every", min=1, help="Steps between held-out evaluations."),
-    holdout_size: int = typer.Option(20000, "--holdout-size", min=2, help="Held-out samples per evaluation."),
-    drift_step: int | None = typer.Option(None, "--drift-step", help="Step at which the teacher re-draws the "
-                                             "true rows of the hottest ids of the first table."),
+    checkpoint_dir: Path | None = typer.Option(None, "--checkpoint-dir", help="Write checkpoints here."),
+    checkpoint_every: int = typer.Option(1000, "--checkpoint-every", min=1, help="Steps between checkpoints "
+                                         "(one is also written at exit)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue from the newest checkpoint in --checkpoint-dir."),
+    export_dir: str | None = typer.Option(None, "--export-dir", help="Export the dense tower here (DIR or "
+                                          "s3://bucket/prefix) for `hps predict` / Predictor."),
+    export_every: int | None = typer.Option(None, "--export-every", min=1, help="Steps between exports (one is "
+                                            "also written at exit)."),
+    drift_step: int | None = typer.Option(None, "--drift-step", help="Synthetic data: step at which the teacher "
+                                          "re-draws the true rows of the hottest ids of the first table."),
     drift_ids: int = typer.Option(50, "--drift-ids", min=1, help="How many hottest ids drift."),
     seed: int = typer.Option(0, "--seed", help="Seed of the data, the teacher and the model."),
     metrics_out: Path = METRICS_OPTION,
@@ -50,9 +122,12 @@ def train_command(
     threads: int = typer.Option(1, "--threads", min=0, help="torch intra-op threads; 0: torch's default. One "
                                 "is fastest for these small GEMMs on a shared CPU (spinning threads stall there)."),
 ) -> None:
-    """Train DLRM (+ MoE) on planted-teacher data; publish changed rows; write AUC vs oracle and throughput."""
+    """Train DLRM (+ MoE) on Criteo-format files or synthetic data; publish changed rows; export the dense tower."""
     console = Console(stderr=True, soft_wrap=True)
     try:  # torch comes with the optional 'trainer' extra; the rest of hps must start without it
+        import torch
+        import torch.distributed as dist
+
         from hps_service.trainer.factory import RunSpec, build_run
         from hps_service.trainer.train import TrainConfig, Trainer
     except ImportError as exc:
@@ -60,11 +135,12 @@ def train_command(
                                                      f"'hps-service[trainer]'): {exc}"))
         raise typer.Exit(2) from None
     if threads:
-        import torch
-
         torch.set_num_threads(threads)
     publisher = None
+    rank = 0
     try:
+        device = _init_distributed(device)
+        rank = dist.get_rank() if dist.is_initialized() else 0
         cfg = load_config(config)
         if not cfg.models:
             raise InvalidArgumentError(f"config {config} defines no models")
@@ -73,17 +149,35 @@ def train_command(
             raise InvalidArgumentError(f"model {model!r} is not in {config}")
         if embedding_optimizer not in ("adagrad", "sgd"):
             raise InvalidArgumentError(f"--embedding-optimizer must be adagrad or sgd, not {embedding_optimizer!r}")
+        fmt = _data_format(data_format, data)
+        moe = {
+            "score_function": score_function, "pre_softmax": pre_softmax, "expert_bias": expert_bias,
+            "bias_update_rate": bias_update_rate, "aux_loss_coeff": aux_loss_coeff,
+            "seq_aux_loss_coeff": seq_aux_loss_coeff, "seq_length": seq_length, "z_loss_coeff": z_loss_coeff,
+            "capacity_factor": capacity_factor, "drop_policy": drop_policy, "pad_to_capacity": pad_to_capacity,
+            "num_groups": num_groups, "group_topk": group_topk, "topk_scaling_factor": topk_scaling_factor,
+        }
         spec = RunSpec(
+            data_format=fmt, data=tuple(data or ()), eval_data=tuple(eval_data or ()), holdout_rows=holdout_size,
             cardinality=cardinality, num_dense=num_dense, experts=experts, top_k=top_k,
-            capacity_factor=capacity_factor, seed=seed, drift_step=drift_step,
+            expert_ffn_hidden=expert_hidden, shared_expert_hidden=shared_expert_hidden, moe=moe,
+            max_rows_per_table=max_rows_per_table, seed=seed, drift_step=drift_step,
             drift_ids=drift_ids if drift_step is not None else 0,
         )
-        dlrm, data = build_run(model_cfg, spec)
+        dlrm, source = build_run(model_cfg, spec)
+        if rank == 0:
+            other = [t.name for t in model_cfg.tables if t.default != "hashed_random"]
+            if other:
+                console.print(f"[yellow]tables {other} do not default to hashed_random in {config}: ids the "
+                              "trainer has not published yet will read differently from the server")
         train_cfg = TrainConfig(
-            steps=steps, batch_size=batch_size, embedding_optimizer=embedding_optimizer,  # type: ignore[arg-type]
+            steps=steps if steps is not None or fmt != "synthetic" else 1000, batch_size=batch_size,
+            embedding_optimizer=embedding_optimizer,  # type: ignore[arg-type]
             embedding_lr=embedding_lr, dense_lr=dense_lr, publish_every_steps=publish_every_steps,
             publish_every_s=publish_every_s, eval_every=eval_every, holdout_size=holdout_size,
-            generation=generation, progress=progress,
+            generation=generation, progress=progress, device=device, precision=precision,  # type: ignore[arg-type]
+            checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, export_dir=export_dir,
+            export_every=export_every,
         )
         target = brokers or (cfg.updates.brokers if cfg.updates.type == "kafka" else None)
         if publish and target:
@@ -91,19 +185,64 @@ def train_command(
 
             publisher = Publisher(target, model_cfg.name, cfg.updates.topic_prefix,
                                   partitions=cfg.cluster.partitions, **cfg.updates.kafka_config)
-        elif publish:
+        elif publish and rank == 0:
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
-        metrics = Trainer(dlrm, data, train_cfg, publisher).run(metrics_out)
+        metrics = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,
+                          partitions=cfg.cluster.partitions).run(metrics_out)
     except (ConfigError, HPSError) as exc:
         console.print("[red]error:[/red] " + escape(str(exc)))
         raise typer.Exit(2) from None
     finally:
         if publisher is not None:
             publisher.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if rank != 0:
+        return
     final = metrics["final"]
+    oracle = f" (oracle {final['oracle_auc']:.4f})" if final["oracle_auc"] is not None else ""
+    mfu = f", MFU {metrics['mfu']:.1%}" if metrics["mfu"] is not None else ""
     console.print(
-        f"AUC {final['auc']:.4f} (oracle {final['oracle_auc']:.4f}), log-loss {final['log_loss']:.4f} "
-        f"(oracle {final['oracle_log_loss']:.4f}), {metrics['samples_per_s']:,.0f} samples/s, "
-        f"{metrics['model_flops_per_s'] / 1e9:.2f} GFLOP/s, "
-        f"{metrics['publishing']['rows_published_per_s']:,.0f} rows published/s; metrics in {metrics_out}"
+        f"AUC {final['auc']:.4f}{oracle}, log-loss {final['log_loss']:.4f}, {metrics['samples_per_s']:,.0f} "
+        f"samples/s on {metrics['world_size']} process(es), {metrics['model_flops_per_s'] / 1e9:.2f} GFLOP/s{mfu}, "
+        f"{metrics['publishing']['rows_published']:,} rows published; metrics in {metrics_out}"
     )
+
+
+def predict_command(
+    export_dir: str = typer.Option(..., "--export-dir", help="Where `hps train --export-dir` wrote the tower."),
+    target: str = typer.Option("127.0.0.1:8500", "--target", help="hps serve host:port."),
+    data: list[str] = typer.Option(..., "--data", help="Labelled Criteo-format file(s) to score."),
+    data_format: str | None = typer.Option(None, "--data-format", help="criteo (TSV) or parquet; default: from the "
+                                           "file names."),
+    model: str | None = typer.Option(None, "--model", "-m", help="Served model name; default: the artifact's."),
+    batch_size: int = typer.Option(4096, "--batch-size", min=1, help="Rows per lookup."),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Score at most this many rows."),
+    timeout: float = typer.Option(10.0, "--timeout", help="Seconds per lookup."),
+) -> None:
+    """Score labelled rows with the newest exported tower and rows served over gRPC; print AUC and log-loss."""
+    console = Console(stderr=True, soft_wrap=True)
+    try:
+        import numpy as np
+
+        from hps_service.trainer.metrics import auc, log_loss
+        from hps_service.trainer.predictor import Predictor
+    except ImportError as exc:
+        console.print("[red]error:[/red] " + escape(f"hps predict needs the trainer extra: {exc}"))
+        raise typer.Exit(2) from None
+    fmt = _data_format(data_format, data)
+    try:
+        if fmt not in ("criteo", "parquet"):
+            raise InvalidArgumentError(f"--data-format must be criteo or parquet, not {fmt!r}")
+        with Predictor(export_dir, target, model=model, timeout=timeout) as predictor:
+            probs, labels = [], []
+            for p, y in predictor.score_files(data, fmt, batch_size, limit):  # type: ignore[arg-type]
+                probs.append(p)
+                labels.append(y)
+            prob, label = np.concatenate(probs), np.concatenate(labels)
+            version = predictor.version
+    except HPSError as exc:
+        console.print("[red]error:[/red] " + escape(str(exc)))
+        raise typer.Exit(2) from None
+    typer.echo(f"rows {prob.size}  AUC {auc(prob, label):.4f}  log-loss {log_loss(prob, label):.4f}  "
+               f"(model version {version}, rows from {target})")

@@ -84,17 +84,25 @@ class TeacherConfig:
 
 @dataclass
 class Batch:
-    """One batch: dense features, id bags per field, sampled labels, and the teacher's true probability."""
+    """One batch: dense features, id bags per field (int64 keys), labels, and (planted teacher) the true probability."""
 
     dense: np.ndarray  # (B, num_dense) float32
     sparse: dict[str, np.ndarray]  # field -> (B, bag_size) int64
     labels: np.ndarray  # (B,) float32 in {0, 1}
-    prob: np.ndarray  # (B,) float64, the true click probability
-    cluster: np.ndarray  # (B,) int64, the hidden cluster that scored the sample
+    prob: np.ndarray | None = None  # (B,) float64, the true click probability where it is known
+    cluster: np.ndarray | None = None  # (B,) int64, the hidden cluster that scored the sample
     step: int = -1
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+    def rows(self, index: slice | np.ndarray) -> Batch:
+        """The samples at ``index`` (a slice or an index array), as a new Batch."""
+        return Batch(
+            dense=self.dense[index], sparse={k: v[index] for k, v in self.sparse.items()}, labels=self.labels[index],
+            prob=None if self.prob is None else self.prob[index],
+            cluster=None if self.cluster is None else self.cluster[index], step=self.step,
+        )
 
 
 class PlantedTeacherData:

@@ -1,8 +1,9 @@
 """DLRM whose embedding tables are the parameter server's tables, with an optional MoE block after the interaction.
 
-The model is split in two: ``DLRM.embeddings`` (one EmbeddingBag(sum) per sparse field, named like the server's
-tables) and ``DenseTower`` (bottom MLP, pairwise dot interaction, MoE block, top MLP). Inference elsewhere fetches
-embedding rows from the server and runs only the dense tower: ``predict_from_rows``.
+The model is split in two: ``DLRM.tables`` (one table per sparse field, named like the server's tables, keyed by any
+int64, summed over each sample's bag) and ``DenseTower`` (bottom MLP, pairwise dot interaction, MoE block, top
+MLP). Inference elsewhere fetches embedding rows from the server and runs only the dense tower:
+``predict_from_rows`` (or ``hps_service.trainer.predictor.Predictor``, which loads an exported tower).
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ from torch import nn
 from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.data import Batch
 from hps_service.trainer.moe import MoEConfig, MoELayer, RoutingResult
+from hps_service.trainer.tables import EmbeddingTable
 
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One embedding table: the server's table name, its row width and the number of ids it holds."""
+    """One embedding table: the server's table name and its row width."""
 
     name: str
     dim: int
-    cardinality: int
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,6 @@ class DLRMConfig:
     interaction_dim: int | None = None
     moe: MoEConfig | None = None
     moe_hidden: int = 32
-    embedding_init_std: float = 0.1
 
     def __post_init__(self) -> None:
         if not self.tables:
@@ -49,8 +49,8 @@ class DLRMConfig:
         if len(set(names)) != len(names):
             raise InvalidArgumentError(f"table names must be unique, got {names}")
         for t in self.tables:
-            if t.dim < 1 or t.cardinality < 1:
-                raise InvalidArgumentError(f"table {t.name!r}: dim and cardinality must be >= 1")
+            if t.dim < 1:
+                raise InvalidArgumentError(f"table {t.name!r}: dim must be >= 1")
         if self.num_dense < 1:
             raise InvalidArgumentError(f"num_dense must be >= 1, got {self.num_dense}")
         if any(h < 1 for h in self.bottom_hidden + self.top_hidden) or self.moe_hidden < 1:
@@ -123,7 +123,14 @@ class DenseTower(nn.Module):
         return TowerOutput(logits=self.top(features).squeeze(-1), routing=routing)
 
     def flops_per_sample(self) -> int:
-        """Forward FLOPs of one sample counted as 2 x GEMM sizes (Linear layers, interaction bmm, MoE)."""
+        """Nominal forward FLOPs of one sample, 2 x GEMM sizes (Linear layers, interaction bmm, MoE with k experts)."""
+        flops = self.dense_flops_per_sample()
+        if self.moe is not None:
+            flops += self.moe.config.top_k * self.moe.expert_flops_per_pair()
+        return flops
+
+    def dense_flops_per_sample(self) -> int:
+        """Forward FLOPs every sample costs whatever the routing: all but the routed experts."""
         flops = 0
         inside_moe = set(self.moe.modules()) if self.moe is not None else set()
         for module in self.modules():
@@ -132,55 +139,39 @@ class DenseTower(nn.Module):
         n_vec = len(self.config.tables) + 1
         flops += 2 * n_vec * n_vec * self.config.resolved_interaction_dim
         if self.moe is not None:
-            flops += self.moe.flops_per_token()
+            flops += self.moe.router_flops_per_token()
         return flops
 
 
-class DLRM(nn.Module):
-    """Embedding tables (``embeddings[table]``, EmbeddingBag sum, sparse grads) feeding a ``DenseTower``."""
+class DLRM:
+    """Embedding tables keyed by any int64 (``tables[name]``) feeding a ``DenseTower``."""
 
-    def __init__(self, config: DLRMConfig) -> None:
-        super().__init__()
+    def __init__(self, config: DLRMConfig, max_rows_per_table: int = 1_000_000) -> None:
         self.config = config
-        self.embeddings = nn.ModuleDict()
-        for t in config.tables:
-            bag = nn.EmbeddingBag(t.cardinality, t.dim, mode="sum", sparse=True)
-            nn.init.normal_(bag.weight, std=config.embedding_init_std)
-            self.embeddings[t.name] = bag
         self.tower = DenseTower(config)
+        self.tables = {t.name: EmbeddingTable(t.name, t.dim, max_rows_per_table) for t in config.tables}
 
-    def pooled(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Sum of each field's bag of rows, per sample."""
-        out = {}
+    def rows_for(self, batch: Batch) -> dict[str, np.ndarray]:
+        """Rows of every id of the batch (``batch.sparse[t].ravel()`` order) as the server would answer them."""
         for name in self.config.table_names:
             if name not in batch.sparse:
                 raise InvalidArgumentError(f"batch has no ids for table {name!r}")
-            out[name] = self.embeddings[name](torch.from_numpy(np.ascontiguousarray(batch.sparse[name])))
-        return out
+        return {name: self.tables[name].read(batch.sparse[name].ravel()) for name in self.config.table_names}
 
-    def forward(self, batch: Batch) -> TowerOutput:
-        return self.tower(torch.from_numpy(batch.dense), self.pooled(batch))
-
-    @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
-        """Click probabilities of the batch from the model's own tables (eval mode)."""
-        was_training = self.training
-        self.eval()
-        try:
-            return torch.sigmoid(self.forward(batch).logits).numpy().astype(np.float32)
-        finally:
-            self.train(was_training)
+        """Click probabilities of the batch from the model's own tables (eval mode, fp32, on the CPU)."""
+        return predict_from_rows(self.tower, self.rows_for(batch), batch)
 
     def table_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
-        """Current float32 values of rows ``keys`` of ``table`` (what gets published to the server)."""
-        if table not in self.embeddings:
+        """Current float32 rows of ``keys`` (the hashed_random default for keys not held): what the server serves."""
+        if table not in self.tables:
             raise InvalidArgumentError(f"model has no table {table!r}")
-        weight = self.embeddings[table].weight
-        keys = np.asarray(keys, dtype=np.int64)
-        if keys.size and (keys.min() < 0 or keys.max() >= weight.shape[0]):
-            raise InvalidArgumentError(f"keys of table {table!r} must be in [0, {weight.shape[0]})")
-        with torch.no_grad():
-            return weight[torch.from_numpy(keys)].numpy().copy()
+        return self.tables[table].read(np.asarray(keys, dtype=np.int64))
+
+
+def pool(rows: torch.Tensor, inverse: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Sum each sample's bag: ``rows[inverse]`` viewed as (batch, bag, dim), summed over the bag."""
+    return rows.index_select(0, inverse).view(batch_size, -1, rows.shape[-1]).sum(dim=1)
 
 
 @torch.no_grad()
@@ -190,6 +181,7 @@ def predict_from_rows(dense_model: DenseTower, rows_by_table: Mapping[str, np.nd
     ``rows_by_table[table]`` holds the rows of ``batch.sparse[table].ravel()`` in that order, shape
     (batch * bag_size, dim), exactly what a lookup of those keys returns.
     """
+    device = next(dense_model.parameters()).device
     pooled = {}
     for spec in dense_model.config.tables:
         if spec.name not in rows_by_table:
@@ -201,11 +193,11 @@ def predict_from_rows(dense_model: DenseTower, rows_by_table: Mapping[str, np.nd
             raise InvalidArgumentError(
                 f"rows for table {spec.name!r} must have shape {(ids.size, spec.dim)}, got {rows.shape}"
             )
-        pooled[spec.name] = torch.from_numpy(rows).reshape(ids.shape[0], ids.shape[1], spec.dim).sum(dim=1)
+        pooled[spec.name] = torch.from_numpy(rows).to(device).reshape(ids.shape[0], ids.shape[1], spec.dim).sum(dim=1)
     was_training = dense_model.training
     dense_model.eval()
     try:
-        logits = dense_model(torch.from_numpy(batch.dense), pooled).logits
+        logits = dense_model(torch.from_numpy(batch.dense).to(device), pooled).logits
     finally:
         dense_model.train(was_training)
-    return torch.sigmoid(logits).numpy().astype(np.float32)
+    return torch.sigmoid(logits.float()).cpu().numpy().astype(np.float32)
