@@ -1,4 +1,4 @@
-"""``train_command`` as ``hps train`` registers it: options parse, a short run writes its metrics, errors exit 2."""
+"""``hps train`` / ``hps predict`` as registered: Criteo files end to end, options parse, errors exit 2 with a line."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ pytest.importorskip("torch")
 import typer
 from typer.testing import CliRunner
 
-from hps_service.trainer.cli import train_command
+from hps_service.trainer.cli import predict_command, train_command
+from tests.trainer.criteo_data import criteo_config, make_rows, write_parquet, write_tsv
 
 CONFIG = """
 updates: {type: disabled}
 models:
   - name: demo
     tables:
-      - {name: user, dim: 8}
+      - {name: user, dim: 8, default: hashed_random}
       - {name: item, dim: 4}
 """
 
@@ -27,11 +28,45 @@ models:
 def _app() -> typer.Typer:
     app = typer.Typer()
     app.command("train")(train_command)
-    app.command("noop")(lambda: None)  # a second command keeps "train" a subcommand, as in hps
+    app.command("predict")(predict_command)
     return app
 
 
-def test_train_command_runs_and_measures_drift(tmp_path: Path) -> None:
+def test_train_on_criteo_files_checkpoints_exports_and_resumes(tmp_path: Path) -> None:
+    cols = make_rows(6000, seed=2, fields=6)
+    tsv = write_tsv(tmp_path / "day_0.tsv", cols)
+    config = criteo_config(tmp_path / "ctr.yaml", fields=6)
+    out = tmp_path / "metrics.json"
+    args = ["train", "--config", str(config), "--data", str(tsv), "--batch-size", "500", "--holdout-size", "1000",
+            "--eval-every", "5", "--no-progress", "--metrics-out", str(out), "--max-rows-per-table", "150",
+            "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4", "--export-dir",
+            str(tmp_path / "export"), "--export-every", "5", "--precision", "bf16", "--device", "cpu",
+            "--moe-num-groups", "2", "--moe-group-topk", "1", "--moe-topk-scaling-factor", "1.5",
+            "--capacity-factor", "1.5", "--moe-drop-policy", "position"]
+    result = CliRunner().invoke(_app(), [*args, "--steps", "6"])
+    assert result.exit_code == 0, result.output
+    assert "not publishing" in result.output and "AUC" in result.output
+    metrics = json.loads(out.read_text())
+    assert metrics["steps"] == 6 and metrics["final"]["oracle_auc"] is None and metrics["precision"] == "bf16"
+    assert metrics["tables"]["C1"]["rows"] <= 150 and metrics["tables"]["C1"]["evictions"] > 0
+    assert [Path(p).name for p in metrics["checkpoints"]] == ["step-000000000004", "step-000000000006"]
+    assert len(metrics["exports"]) == 2 and len(metrics["moe"]["load_over_time"]) == 2
+    # run on to the end of the file (one pass: 5000 training rows after the 1000 held out)
+    result = CliRunner().invoke(_app(), [*args, "--resume"])
+    assert result.exit_code == 0, result.output
+    metrics = json.loads(out.read_text())
+    assert metrics["steps"] == 10 and metrics["resumed_from"].endswith("step-000000000006")
+    assert metrics["publishing"]["generation"] == 1 and metrics["samples"] == 4 * 500
+    assert metrics["final"]["auc"] > 0.65  # a planted signal the model found
+    parquet = write_parquet(tmp_path / "day_0.parquet", cols)
+    result = CliRunner().invoke(_app(), ["train", "--config", str(config), "--data", str(parquet), "--steps", "2",
+                                         "--batch-size", "256", "--holdout-size", "500", "--experts", "0",
+                                         "--no-progress", "--metrics-out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["steps"] == 2
+
+
+def test_train_on_synthetic_data_measures_drift(tmp_path: Path) -> None:
     config = tmp_path / "hps.yaml"
     config.write_text(CONFIG)
     out = tmp_path / "metrics.json"
@@ -41,7 +76,7 @@ def test_train_command_runs_and_measures_drift(tmp_path: Path) -> None:
         "--drift-ids", "3", "--no-progress", "--metrics-out", str(out),
     ])
     assert result.exit_code == 0, result.output
-    assert "not publishing" in result.output and "AUC" in result.output
+    assert "['item'] do not default to hashed_random" in result.output
     metrics = json.loads(out.read_text())
     assert metrics["steps"] == 150 and metrics["publishing"]["enabled"] is False
     assert len(metrics["moe"]["load_per_expert"]) == 2
@@ -50,10 +85,30 @@ def test_train_command_runs_and_measures_drift(tmp_path: Path) -> None:
     assert drift["auc_gap_at_drift"] > drift["auc_gap_before"]  # the hottest ids moved: the model is off
 
 
-def test_train_command_errors_exit_2_with_a_message(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--model", "nope"], "nope"),
+        (["--top-k", "1", "--moe-score-function", "softmax", "--no-moe-expert-bias"], "top-k 1 with post-softmax"),
+        (["--moe-score-function", "softmax"], "expert bias"),
+        (["--moe-num-groups", "3"], "group"),
+        (["--data", "{tsv}"], "C1..C26"),
+        (["--resume"], "--resume needs --checkpoint-dir"),
+        (["--precision", "fp8"], "precision"),
+        (["--batch-size", "0"], "batch-size"),
+    ],
+)
+def test_train_errors_exit_2_with_a_message(tmp_path: Path, extra: list[str], message: str) -> None:
     config = tmp_path / "hps.yaml"
     config.write_text(CONFIG)
-    result = CliRunner().invoke(_app(), ["train", "--config", str(config), "--model", "nope", "--steps", "1"])
-    assert result.exit_code == 2 and "nope" in result.output
-    result = CliRunner().invoke(_app(), ["train", "--config", str(tmp_path / "missing.yaml")])
-    assert result.exit_code == 2 and "does not exist" in result.output
+    tsv = write_tsv(tmp_path / "x.tsv", make_rows(10))
+    extra = [e.replace("{tsv}", str(tsv)) for e in extra]
+    result = CliRunner().invoke(_app(), ["train", "--config", str(config), "--steps", "1", "--no-progress",
+                                         "--metrics-out", str(tmp_path / "m.json"), *extra])
+    assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_predict_errors_exit_2_with_a_message(tmp_path: Path) -> None:
+    tsv = write_tsv(tmp_path / "x.tsv", make_rows(10))
+    result = CliRunner().invoke(_app(), ["predict", "--export-dir", str(tmp_path / "none"), "--data", str(tsv)])
+    assert result.exit_code == 2 and "no exported model" in result.output, result.output

@@ -1,4 +1,4 @@
-"""DLRM training: optimizer, FLOP count, publishing the touched rows, serving-path consistency, quality vs oracle."""
+"""DLRM training: FLOP counts, publishing, serving-path consistency, eviction, precision, checkpoints, quality."""
 
 from __future__ import annotations
 
@@ -10,51 +10,30 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hps_service.errors import InvalidArgumentError
+from hps_service.errors import FailedPreconditionError, InvalidArgumentError
 from hps_service.trainer.baseline import train_logistic_baseline
-from hps_service.trainer.data import Batch, PlantedTeacherData, TeacherConfig
+from hps_service.trainer.data import PlantedTeacherData, TeacherConfig
 from hps_service.trainer.metrics import auc
-from hps_service.trainer.model import DLRM, DLRMConfig, TableSpec, predict_from_rows
+from hps_service.trainer.model import DLRM, DLRMConfig, TableSpec
 from hps_service.trainer.moe import MoEConfig
-from hps_service.trainer.optim import SparseRowOptimizer, TouchedRows
+from hps_service.trainer.predictor import Predictor
 from hps_service.trainer.rowstore import LatestRowStore
-from hps_service.trainer.train import TrainConfig, Trainer, make_version
+from hps_service.trainer.sources import SyntheticSource
+from hps_service.trainer.train import TrainConfig, Trainer, make_version, resolve_device
 
 SMALL = TeacherConfig(cardinalities=(30, 30, 10), seed=0)
-MOE = MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, expert_bias=True, shared_expert_hidden=16)
+MOE = MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, shared_expert_hidden=16)
 
 
-def _model(teacher: TeacherConfig, dims: tuple[int, ...] = (8, 8, 8), moe: MoEConfig | None = None) -> DLRM:
+def _model(teacher: TeacherConfig, dims: tuple[int, ...] = (8, 8, 8), moe: MoEConfig | None = None,
+           max_rows: int = 10_000) -> DLRM:
     torch.manual_seed(0)
-    tables = tuple(TableSpec(n, d, c) for n, d, c in zip(teacher.fields, dims, teacher.cardinalities))
-    return DLRM(DLRMConfig(tables=tables, num_dense=teacher.num_dense, moe=moe, moe_hidden=16))
+    tables = tuple(TableSpec(n, d) for n, d in zip(teacher.fields, dims))
+    return DLRM(DLRMConfig(tables=tables, num_dense=teacher.num_dense, moe=moe, moe_hidden=16), max_rows)
 
 
-def _rows_for(lookup, model: DLRM, batch: Batch) -> dict[str, np.ndarray]:
-    return {name: lookup(name, batch.sparse[name].ravel()) for name in model.config.table_names}
-
-
-def test_row_wise_adagrad_moves_only_touched_rows_by_the_formula() -> None:
-    bag = torch.nn.EmbeddingBag(10, 3, mode="sum", sparse=True)
-    before = bag.weight.detach().clone()
-    ids = torch.tensor([[1, 1], [4, 2]])
-    coeff = torch.tensor([[1.0, 2.0, 3.0], [-1.0, 0.5, 0.0]])
-    (bag(ids) * coeff).sum().backward()
-    opt = SparseRowOptimizer({"t": bag}, lr=0.1, kind="adagrad")
-    touched = opt.step()
-    assert sorted(touched["t"].tolist()) == [1, 2, 4]
-    grads = {1: 2 * coeff[0], 2: coeff[1], 4: coeff[1]}
-    for row, g in grads.items():
-        expected = before[row] - 0.1 * g / (g.pow(2).mean().sqrt() + 1e-8)
-        torch.testing.assert_close(bag.weight[row].detach(), expected)
-    untouched = [r for r in range(10) if r not in grads]
-    assert torch.equal(bag.weight[untouched].detach(), before[untouched])
-    assert bag.weight.grad is None
-    marks = TouchedRows({"t": 10})
-    marks.mark("t", touched["t"])
-    marks.mark("t", np.array([4, 9]))
-    assert marks.take()["t"].tolist() == [1, 2, 4, 9]
-    assert marks.take() == {} and marks.pending() == 0
+def _store(model: DLRM) -> LatestRowStore:
+    return LatestRowStore({t.name: t.dim for t in model.config.tables})
 
 
 def test_flops_per_sample_counts_every_gemm() -> None:
@@ -64,66 +43,44 @@ def test_flops_per_sample_counts_every_gemm() -> None:
     top = 14 * 64 + 64 * 32 + 32 * 1  # 8 dense outputs + 6 pairwise dots in
     assert plain.tower.flops_per_sample() == 2 * (bottom + interaction + top)
     moe = _model(SMALL, moe=MOE)
-    moe_part = 14 * 16 + 16 * 4 + 2 * (2 * 16 * 16) + 2 * 16 * 16  # in-proj, router, 2 experts, shared
+    always = 14 * 16 + 16 * 4 + 2 * 16 * 16  # in-proj, router, shared expert
+    routed = 2 * (2 * 16 * 16)  # k=2 experts of two GEMMs each
     top_moe = 16 * 64 + 64 * 32 + 32 * 1
-    assert moe.tower.flops_per_sample() == 2 * (bottom + interaction + moe_part + top_moe)
+    assert moe.tower.dense_flops_per_sample() == 2 * (bottom + interaction + always + top_moe)
+    assert moe.tower.flops_per_sample() == 2 * (bottom + interaction + always + routed + top_moe)
 
 
-@pytest.mark.parametrize("moe", [None, MOE])
-def test_predict_from_rows_reproduces_the_trainers_predictions(moe: MoEConfig | None) -> None:
+def test_served_rows_and_the_exported_tower_reproduce_the_trainers_predictions(tmp_path: Path) -> None:
     teacher = TeacherConfig(cardinalities=(30, 30, 10), bag_size=2, seed=1)
-    data = PlantedTeacherData(teacher)
-    model = _model(teacher, dims=(8, 6, 4), moe=moe)  # narrower tables go through projections
-    Trainer(model, data, TrainConfig(steps=20, batch_size=256, eval_every=20, holdout_size=1000)).run()
-    batch = data.holdout(3000)
-    expected = model.predict(batch)
-    got = predict_from_rows(model.tower, _rows_for(model.table_rows, model, batch), batch)
-    assert float(np.max(np.abs(got - expected))) <= 1e-5
-    assert float(np.std(expected)) > 0.01  # a trained model, not a constant
-    with pytest.raises(InvalidArgumentError, match="shape"):
-        predict_from_rows(model.tower, {n: np.zeros((3, 8)) for n in model.config.table_names}, batch)
-
-
-def test_published_rows_reproduce_the_model_through_a_row_store(tmp_path: Path) -> None:
-    data = PlantedTeacherData(SMALL)
-    model = _model(SMALL, moe=MOE)
-    store = LatestRowStore({t.name: (t.cardinality, t.dim) for t in model.config.tables})
+    data = SyntheticSource(PlantedTeacherData(teacher))
+    model = _model(teacher, dims=(8, 6, 4), moe=MOE)  # narrower tables go through projections
+    store = _store(model)
     cfg = TrainConfig(steps=30, batch_size=256, publish_every_steps=7, publish_every_s=3600.0, eval_every=30,
-                      holdout_size=2000, generation=3)
-    metrics = Trainer(model, data, cfg, publisher=store).run(tmp_path / "m.json")
-    for spec in model.config.tables:
-        keys = np.arange(spec.cardinality)
-        np.testing.assert_array_equal(store.lookup(spec.name, keys), model.table_rows(spec.name, keys))
-        versions = store.versions(spec.name, keys)
-        assert versions.min() >= make_version(3, 0) and versions.max() == make_version(3, 30)
-    batch = data.holdout(2000)
-    got = predict_from_rows(model.tower, _rows_for(store.lookup, model, batch), batch)
-    assert float(np.max(np.abs(got - model.predict(batch)))) <= 1e-5
-    # initial full publish + steps 7, 14, 21, 28 + the rest at 30
-    assert metrics["publishing"]["publishes"] == 6 == store.flushes
-    assert metrics["publishing"]["rows_published"] == store.rows_published
+                      holdout_size=2000, generation=3, export_dir=str(tmp_path / "export"), export_every=14)
+    metrics = Trainer(model, data, cfg, publisher=store, model_name="m").run(tmp_path / "m.json")
+    assert metrics["publishing"]["publishes"] == 5 == store.flushes  # steps 7, 14, 21, 28 and the rest at 30
     assert metrics["publishing"]["last_version"] == make_version(3, 30)
     assert json.loads((tmp_path / "m.json").read_text())["publishing"]["rows_published"] == store.rows_published
-
-
-def test_without_the_initial_publish_only_trained_rows_are_sent() -> None:
-    data = PlantedTeacherData(SMALL)
-    model = _model(SMALL)
-    store = LatestRowStore({t.name: (t.cardinality, t.dim) for t in model.config.tables})
-    cfg = TrainConfig(steps=3, batch_size=16, publish_initial=False, eval_every=3, holdout_size=500)
-    Trainer(model, data, cfg, publisher=store).run()
-    for name in SMALL.fields:
-        seen = np.unique(np.concatenate([data.batch(s, 16).sparse[name].ravel() for s in range(3)]))
-        published = np.flatnonzero(store.versions(name, np.arange(model.embeddings[name].num_embeddings)) >= 0)
-        np.testing.assert_array_equal(published, seen)
+    assert [Path(p).name for p in metrics["exports"]] == [f"v{make_version(3, s):020d}" for s in (14, 28, 30)]
+    held = store.held("user")
+    assert held.size and np.array_equal(store.lookup("user", held), model.table_rows("user", held))
+    assert store.versions("user", held).min() >= make_version(3, 7)
+    batch = data.holdout(3000, 30)
+    batch.sparse["user"][:5, 0] = 2**62 + np.arange(5)  # ids never trained: served and trained as the default
+    expected = model.predict(batch)
+    assert float(np.std(expected)) > 0.01  # a trained model, not a constant
+    with Predictor(tmp_path / "export", store) as predictor:
+        assert predictor.version == make_version(3, 30) and predictor.model == "m"
+        assert predictor.tower is not model.tower
+        got = predictor.predict(batch)
+    assert float(np.max(np.abs(got - expected))) <= 1e-5
 
 
 def test_short_run_reaches_the_oracle_and_beats_logistic_regression() -> None:
     data = PlantedTeacherData(SMALL)
     model = _model(SMALL)
-    cfg = TrainConfig(steps=400, batch_size=1024, embedding_lr=0.2, dense_lr=1e-2, eval_every=100,
-                      holdout_size=20_000)
-    metrics = Trainer(model, data, cfg).run()
+    cfg = TrainConfig(steps=400, batch_size=1024, eval_every=100, holdout_size=20_000)
+    metrics = Trainer(model, SyntheticSource(data), cfg).run()
     final = metrics["final"]
     print("DLRM", final)
     assert final["auc_gap"] <= 0.01
@@ -134,28 +91,118 @@ def test_short_run_reaches_the_oracle_and_beats_logistic_regression() -> None:
     print("logistic regression AUC", baseline_auc)
     assert final["auc"] > baseline_auc + 0.05
     assert metrics["samples_per_s"] > 0 and metrics["model_flops_per_s"] > 0 and metrics["moe"] is None
+    assert metrics["throughput_window_steps"] == 50 and metrics["mfu"] is None  # no GPU: no utilisation claimed
 
 
-def test_moe_run_learns_with_balanced_experts() -> None:
-    data = PlantedTeacherData(SMALL)
+def test_moe_run_with_deepseek_defaults_learns_with_balanced_experts_and_counts_routed_flops() -> None:
+    data = SyntheticSource(PlantedTeacherData(SMALL))
     model = _model(SMALL, moe=MOE)
-    cfg = TrainConfig(steps=100, batch_size=1024, eval_every=50, holdout_size=10_000)
-    metrics = Trainer(model, data, cfg).run()
+    metrics = Trainer(model, data, TrainConfig(steps=100, batch_size=1024, eval_every=50, holdout_size=10_000)).run()
     moe = metrics["moe"]
     print("MoE", metrics["final"], moe)
-    assert metrics["final"]["auc_gap"] <= 0.05
+    assert metrics["final"]["auc_gap"] <= 0.06  # from about 0.3 at the start
     assert len(moe["load_per_expert"]) == 4 and sum(moe["load_per_expert"]) == pytest.approx(1.0)
     assert moe["max_load_over_mean"] < 1.5
     assert moe["dropped_fraction"] == 0.0
-    assert moe["aux_loss"] == pytest.approx(MOE.aux_loss_coeff, rel=0.5)
-    assert 0 < moe["z_loss"] < 1.0
+    assert [p["step"] for p in moe["load_over_time"]] == [50, 100]
+    assert all(sum(p["load"]) == pytest.approx(1.0) for p in moe["load_over_time"])
+    assert 0 < moe["aux_loss"] < 1e-3 and moe["z_loss"] == 0.0  # the sequence aux loss only
     assert any(b != 0 for b in moe["expert_bias"])
+    per_sample = metrics["model_flops_per_s"] / metrics["samples_per_s"]
+    assert per_sample == pytest.approx(metrics["model_flops_per_sample_nominal"], rel=1e-6)  # nothing dropped
+    dropping = _model(SMALL, moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, capacity_factor=0.5))
+    m2 = Trainer(dropping, data, TrainConfig(steps=20, batch_size=512, eval_every=20, holdout_size=2000)).run()
+    assert m2["moe"]["dropped_fraction"] > 0.2
+    assert m2["model_flops_per_s"] / m2["samples_per_s"] < m2["model_flops_per_sample_nominal"]
 
 
-def test_trainer_rejects_a_model_that_does_not_fit_the_data() -> None:
-    data = PlantedTeacherData(SMALL)
-    small = TeacherConfig(cardinalities=(10, 30, 10), seed=0)
-    with pytest.raises(InvalidArgumentError, match="holds 10 rows"):
-        Trainer(_model(small), data, TrainConfig(steps=1))
-    with pytest.raises(InvalidArgumentError, match="steps"):
-        TrainConfig(steps=0)
+def test_bounded_tables_evict_and_the_served_view_still_equals_the_trainers() -> None:
+    teacher = TeacherConfig(cardinalities=(400, 30, 10), seed=2)
+    data = SyntheticSource(PlantedTeacherData(teacher))
+    model = _model(teacher, max_rows=120)
+    store = _store(model)
+    cfg = TrainConfig(steps=40, batch_size=128, publish_every_steps=5, eval_every=40, holdout_size=1000)
+    metrics = Trainer(model, data, cfg, publisher=store).run()
+    assert metrics["tables"]["user"]["rows"] <= 120 and metrics["tables"]["user"]["evictions"] > 0
+    assert metrics["publishing"]["rows_deleted"] > 0 and store.rows_deleted > 0
+    keys = np.arange(400, dtype=np.int64)
+    assert np.array_equal(store.lookup("user", keys), model.table_rows("user", keys))
+
+
+def test_mixed_precision_on_the_cpu_learns_like_fp32_and_keeps_fp32_state() -> None:
+    data = SyntheticSource(PlantedTeacherData(SMALL))
+    aucs = {}
+    for precision in ("fp32", "bf16", "fp16"):
+        model = _model(SMALL, moe=MOE)
+        cfg = TrainConfig(steps=40, batch_size=256, eval_every=40, holdout_size=5000, precision=precision,
+                          device="auto")
+        metrics = Trainer(model, data, cfg).run()
+        assert metrics["device"] == "cpu" and metrics["precision"] == precision
+        assert all(p.dtype == torch.float32 for p in model.tower.parameters())
+        assert model.tables["user"].weight.dtype == torch.float32
+        aucs[precision] = metrics["final"]["auc"]
+    print(aucs)
+    assert aucs["fp32"] > 0.68  # from about 0.5
+    assert abs(aucs["bf16"] - aucs["fp32"]) < 0.02 and abs(aucs["fp16"] - aucs["fp32"]) < 0.02
+    assert aucs["bf16"] != aucs["fp32"]  # autocast really ran the tower in bf16
+
+
+def test_device_choice() -> None:
+    assert resolve_device("cpu").type == "cpu"
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(FailedPreconditionError, match="no CUDA"):
+            resolve_device("cuda")
+    with pytest.raises(InvalidArgumentError, match="--device"):
+        resolve_device("tpu")
+    with pytest.raises(InvalidArgumentError, match="precision"):
+        TrainConfig(steps=1, precision="fp8")  # type: ignore[arg-type]
+
+
+class _CrashingSource(SyntheticSource):
+    """The synthetic stream, dying before training step ``crash_at``."""
+
+    crash_at = 10**9
+
+    def batches(self, batch_size: int, position: int):
+        for batch, after in super().batches(batch_size, position):
+            if after > self.crash_at:
+                raise RuntimeError("killed")
+            yield batch, after
+
+
+def test_resume_after_a_crash_continues_exactly_with_a_newer_generation(tmp_path: Path) -> None:
+    data = _CrashingSource(PlantedTeacherData(SMALL))
+    store = LatestRowStore({"user": 8, "item": 8, "category": 8})
+
+    def run(ckpt: Path | None, resume: bool = False):
+        model = _model(SMALL, moe=MOE)
+        cfg = TrainConfig(steps=50, batch_size=256, eval_every=1000, holdout_size=1000, generation=4,
+                          checkpoint_dir=ckpt, checkpoint_every=10, keep_checkpoints=2, resume=resume,
+                          publish_every_steps=5)
+        trainer = Trainer(model, data, cfg, publisher=store if ckpt else None)
+        return model, trainer, trainer.run
+
+    straight, _, go = run(None)
+    go()
+    data.crash_at = 35
+    _, crashed, go = run(tmp_path / "ckpt")
+    with pytest.raises(RuntimeError, match="killed"):
+        go()
+    assert crashed.last_version == make_version(4, 35)  # rows of steps 31..35 reached the server
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000000020", "step-000000000030"]
+    with pytest.raises(FailedPreconditionError, match="--resume"):
+        run(tmp_path / "ckpt")[2]()
+    data.crash_at = 10**9
+    resumed, trainer, go = run(tmp_path / "ckpt", resume=True)
+    second = go()
+    assert second["resumed_from"].endswith("step-000000000030") and second["steps"] == 50
+    assert second["publishing"]["generation"] == 5 and second["publishing"]["last_version"] == make_version(5, 50)
+    for a, b in zip(straight.tower.state_dict().values(), resumed.tower.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for name in ("user", "item", "category"):
+        keys = np.arange(30, dtype=np.int64)
+        np.testing.assert_allclose(straight.table_rows(name, keys), resumed.table_rows(name, keys), atol=1e-6)
+        held = store.held(name)  # everything served is the resumed model's, at the new generation
+        assert np.array_equal(store.lookup(name, held), resumed.table_rows(name, held))
+        assert store.versions(name, held).min() >= make_version(5, 30)
