@@ -293,7 +293,8 @@ app.command("predict")(predict_command)
 @app.command()
 def demo(
     steps: int = typer.Option(400, min=1, help="Training steps."),
-    cardinality: int = typer.Option(5000, min=10, help="Ids per table."),
+    batch_size: int = typer.Option(4096, min=1, help="Samples per training step."),
+    cardinality: int = typer.Option(2000, min=10, help="Ids per table."),
     workdir: Path = typer.Option(Path("var/demo-live"), help="Where the server's RocksDB, config and log go."),
     threads: int = typer.Option(1, min=0, help="torch threads for the trainer (0: torch's default)."),
 ) -> None:
@@ -309,7 +310,8 @@ def demo(
     setup_logging("warning")
     _kafka_log_to_file(workdir / "kafka.log")
     try:
-        summary = run_demo(DemoSettings(steps=steps, cardinality=cardinality, workdir=workdir), out_console)
+        summary = run_demo(DemoSettings(steps=steps, batch_size=batch_size, cardinality=cardinality, workdir=workdir),
+                           out_console)
     except (HPSError, FileNotFoundError) as exc:
         _fail(str(exc))
     out_console.print_json(data=summary)

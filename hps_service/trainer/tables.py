@@ -70,6 +70,11 @@ class EmbeddingTable:
     def fetch_for_training(self, keys: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(slots, rows) of distinct ``keys``, creating missing rows (evicting cold ones when full)."""
         keys = np.ascontiguousarray(keys, dtype=np.int64)
+        if keys.shape[0] > self.max_rows:
+            raise InvalidArgumentError(
+                f"table {self.name!r}: one batch holds {keys.shape[0]} distinct ids but --max-rows-per-table is "
+                f"{self.max_rows}"
+            )
         slots = self.index.find(keys)
         new = slots < 0
         if new.any():
@@ -78,11 +83,6 @@ class EmbeddingTable:
         return slots, self.weight.numpy()[slots]
 
     def _create(self, keys: np.ndarray, protect: np.ndarray) -> np.ndarray:
-        if keys.shape[0] > self.max_rows:
-            raise InvalidArgumentError(
-                f"table {self.name!r}: one batch holds {keys.shape[0]} new ids but --max-rows-per-table is "
-                f"{self.max_rows}"
-            )
         overflow = self.rows + keys.shape[0] - self.max_rows
         if overflow > 0:
             self._evict(overflow + self.max_rows // 64, protect)
