@@ -200,7 +200,7 @@ class Trainer:
 
             self.tower = DistributedDataParallel(
                 model.tower, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                broadcast_buffers=False,
+                forward_sync_buffers=False,
             )
         self.dense_opt = torch.optim.Adam(model.tower.parameters(), lr=config.dense_lr)
         self._schedule_steps = config.steps or data.total_steps(config.batch_size, 0)
