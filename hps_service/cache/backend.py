@@ -7,8 +7,9 @@ when one is usable, else host memory, and logs which it chose and why.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
-import importlib.util
 import logging
 import os
 from typing import Literal
@@ -21,16 +22,31 @@ BACKENDS = ("auto", "numpy", "cupy")
 Resolved = Literal["numpy", "cuda"]
 
 
+def _driver_present() -> bool:
+    """Whether the CUDA driver library loads (no driver: no device, whatever is installed)."""
+    for name in ("libcuda.so.1", "libcuda.so", ctypes.util.find_library("cuda")):
+        if not name:
+            continue
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
 @functools.cache
 def device_status() -> tuple[bool, str]:
     """(usable, why): whether numba-cuda imports and a CUDA device answers, with the device's name or the reason."""
-    if importlib.util.find_spec("hps_service.cache.device") is None:
-        return False, "this build has no CUDA device cache (hps_service.cache.device)"
+    simulated = os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
+    if not simulated and not _driver_present():
+        # Checked first: importing numba.cuda takes seconds, which every start on a CPU machine would pay.
+        return False, "no CUDA driver on this machine (libcuda not found)"
     try:
         from numba import cuda
     except Exception as exc:  # noqa: BLE001 - a broken CUDA install raises more than ImportError
         return False, f"numba.cuda does not import ({exc}); install the gpu extra: pip install 'hps-service[gpu]'"
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+    if simulated:
         return True, "the numba CUDA simulator (NUMBA_ENABLE_CUDASIM=1: device kernels run on the CPU, slowly)"
     try:
         if not cuda.is_available():
