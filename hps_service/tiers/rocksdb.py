@@ -95,8 +95,10 @@ class RocksDBTier(Tier):
         self._lock = threading.Lock()
         self._block_cache = Cache(block_cache_mb * _MiB) if block_cache_mb else None
         self._row_cache = Cache(row_cache_mb * _MiB) if row_cache_mb else None
+        # Batches are written unsynced, then the WAL is synced with flush_wal, which rocksdict runs with the GIL
+        # released; a write with sync=True would hold the GIL through the fsync and stall every lookup thread.
         self._write_opts = WriteOptions()
-        self._write_opts.sync = sync_writes
+        self._write_opts.sync = False
         if read_only and not (self.path / "CURRENT").exists():
             raise UnavailableError(f"no RocksDB store at {self.path} to open read-only")
         self.path.mkdir(parents=True, exist_ok=True)
@@ -151,6 +153,12 @@ class RocksDBTier(Tier):
             opts.set_row_cache(self._row_cache)
         opts.set_level_compaction_dynamic_level_bytes(True)
         return opts
+
+    def _write(self, batch: WriteBatch) -> None:
+        """Apply ``batch`` atomically; with ``sync_writes`` it is on disk (WAL fsynced) when this returns."""
+        self._db.write(batch, self._write_opts)
+        if self.sync_writes:
+            self._db.flush_wal(True)
 
     def _meta_int(self, kind: str, table: str) -> int | None:
         if self._meta is None:
@@ -211,7 +219,7 @@ class RocksDBTier(Tier):
             meta = self._db.get_column_family_handle(META_CF)
             batch.put(_meta_key("dim", table), _int_value(dim), meta)
             batch.put(_meta_key("count", table), _int_value(0), meta)
-            self._db.write(batch, self._write_opts)
+            self._write(batch)
             self._attach(table, int(dim))
 
     def get(self, table: str, keys: np.ndarray) -> Rows:
@@ -275,7 +283,7 @@ class RocksDBTier(Tier):
                     rows=int(np.count_nonzero(replaced != LIVE)),
                     tombstones=-int(np.count_nonzero(replaced == TOMBSTONE)),
                 )
-                self._db.write(batch, self._write_opts)
+                self._write(batch)
         return written
 
     def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
@@ -319,7 +327,7 @@ class RocksDBTier(Tier):
                 self._add_counts(
                     batch, table, rows=-removed, tombstones=int(np.count_nonzero(new_tombstones))
                 )
-            self._db.write(batch, self._write_opts)
+            self._write(batch)
         return removed
 
     def purge_tombstones(self, table: str, below_version: int) -> int:
@@ -349,7 +357,7 @@ class RocksDBTier(Tier):
                 batch = WriteBatch(raw_mode=True)
                 _drain(map(batch.delete, compress(candidates, purge.tolist()), repeat(handle)))
                 self._add_counts(batch, table, rows=0, tombstones=-n_purge)
-                self._db.write(batch, self._write_opts)
+                self._write(batch)
             purged += n_purge
         return purged
 
@@ -415,7 +423,7 @@ class RocksDBTier(Tier):
             batch.delete(_meta_key("dim", table), meta)
             batch.delete(_meta_key("count", table), meta)
             batch.delete(_meta_key("tombstones", table), meta)
-            self._db.write(batch, self._write_opts)
+            self._write(batch)
 
     def healthy(self) -> bool:
         """Open and answering a property read."""
@@ -519,7 +527,7 @@ class RocksDBTier(Tier):
                 if new_rows or replaced_tombstones:
                     batch = WriteBatch(raw_mode=True)
                     self._add_counts(batch, table, rows=new_rows, tombstones=-replaced_tombstones)
-                    self._db.write(batch, self._write_opts)
+                    self._write(batch)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         return written
