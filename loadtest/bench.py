@@ -8,6 +8,8 @@
 4. Bytes per row held by the in-process tiers (hash map, L1 arrays) over the raw row bytes; target <= 1.3x.
 5. Cost curves over gRPC: keys/s and p99 vs batch size, table size and cache fraction (PNG).
 6. Freshness under load: loadtest.bench_updates run beside the lookup numbers (reported as not run if it fails).
+7. Lookups under sustained ingest (loadtest.bench_ingest): gRPC keys/s with vs without 10,000 rows/s of Kafka
+   updates applied meanwhile, interleaved rounds; target >= 0.8x. With --profile also who holds the GIL meanwhile.
 
     python -m loadtest.bench            # ~10 min on 2 cores
     python -m loadtest.bench --quick    # ~2-3 min
@@ -474,6 +476,18 @@ def bench_freshness(p: Plan, console: Console) -> dict[str, Any]:
             "target_p99_ms": 1000.0, "output": text.strip().splitlines()}
 
 
+# ---------------------------------------------------------------------------------------------- 7. ingest
+def bench_ingest(p: Plan, workdir: Path, console: Console, profile: bool) -> dict[str, Any]:
+    """loadtest.bench_ingest on a table of the plan's rows: lookups with and without 10k rows/s of updates."""
+    from loadtest import bench_ingest as ingest
+
+    result = ingest.run(rows=p.rows, rate=10_000, rounds=p.rounds, measure_s=p.measure_s, workers=p.workers,
+                        concurrency=p.concurrency, profile=profile, persistent={}, workdir=workdir / "ingest",
+                        quiet=False)
+    console.print(f"  lookups with 10,000 rows/s of ingest: {result['ratio']:.2f}x of those without")
+    return result
+
+
 # ---------------------------------------------------------------------------------------------- report
 def ratio_table(res: dict[str, Any]) -> Table:
     t = Table(title="hps-service benchmarks: ratios measured side by side in this run", header_style="bold")
@@ -527,6 +541,11 @@ def ratio_table(res: dict[str, Any]) -> Table:
                 f["p99_ms"] <= 1000)
         else:
             row("6. freshness under load", "not run", f.get("reason", "")[:60], None, "p99 <= 1 s", None)
+    ing = res.get("ingest")
+    if ing:
+        row("7. lookups under 10k rows/s of ingest vs without",
+            f"{ing['keys_per_s_ingest'] / 1e6:.2f} M keys/s ({ing['applied_rows_per_s']:,.0f} rows/s applied)",
+            f"{ing['keys_per_s_idle'] / 1e6:.2f} M keys/s", ing["ratio"], ">= 0.8", ing["ratio"] >= 0.8)
     return t
 
 
@@ -551,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy the server under the gRPC load")
     ap.add_argument("--cache-fraction", type=float, default=0.2,
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -599,6 +618,9 @@ def main(argv: list[str] | None = None) -> int:
         if "freshness" not in skip:
             console.rule("6. freshness under load (loadtest.bench_updates)")
             res["freshness"] = bench_freshness(p, console)
+        if "ingest" not in skip:
+            console.rule("7. lookups under sustained ingest (loadtest.bench_ingest)")
+            res["ingest"] = bench_ingest(p, workdir, console, args.profile)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
