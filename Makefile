@@ -8,11 +8,12 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test run demo proto bench loadtest soak lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test test-images image-deps lock run demo proto bench loadtest soak lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
 	@echo "make test    - install with dev extras, install redis-server if missing, run the test suite"
+	@echo "make test-images - build the CPU image with podman and run it (minutes)"
 	@echo "make proto   - regenerate gRPC stubs from protos/"
 	@echo "make demo    - broker + server + online trainer + inference loop, printing AUC, hit rates, freshness"
 	@echo "make bench   - run the benchmarks under loadtest/ and print the ratios"
@@ -54,6 +55,20 @@ test-deps:
 
 test: install-dev test-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The CPU image built and run with rootful podman (Debian's packages, no daemon) on an mmdebstrap stand-in for its
+# base image; minutes long, so not part of `make test`.
+image-deps:
+	@command -v podman >/dev/null && command -v mmdebstrap >/dev/null && command -v runc >/dev/null || { \
+	  echo "installing podman, runc and mmdebstrap (apt)"; \
+	  apt-get update -qq && $(APT_INSTALL) podman runc mmdebstrap uidmap fuse-overlayfs >/dev/null; }
+
+test-images: install-dev test-deps image-deps
+	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/deploy/test_images.py $(PYTEST_ARGS)
+
+# Re-pin the image's dependencies (docker/requirements.lock) after changing them in pyproject.toml.
+lock: install-dev
+	$(PY) docker/lock_requirements.py
 
 proto: install-dev
 	PYTHON=$(PY) ./scripts/gen_proto.sh

@@ -288,3 +288,32 @@ def test_healthcheck_reads_the_port_the_server_uses(http_server, tmp_path: Path)
 def test_healthcheck_fails_when_nothing_listens() -> None:
     result = _healthcheck({"HPS_SERVER__HTTP_PORT": str(free_port())})
     assert result.returncode == 1
+
+
+def test_lock_pins_every_dependency_with_hashes() -> None:
+    """docker/requirements.lock (installed with --require-hashes) satisfies pyproject.toml's dependencies and pins
+    each package once, to one version, with its sha256: a stale lock after a dependency change fails here."""
+    from packaging.requirements import Requirement
+
+    sys.path.insert(0, str(REPO / "docker"))
+    try:
+        from pyproject_requirements import requirements
+    finally:
+        sys.path.pop(0)
+    pins: dict[str, str] = {}
+    for line in (REPO / "docker" / "requirements.lock").read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        spec, _, hashes = line.partition(" --hash=sha256:")
+        name, _, version = spec.partition("==")
+        assert version and re.fullmatch(r"[0-9a-f]{64}", hashes), line
+        assert name not in pins, f"{name} pinned twice"
+        pins[name] = version
+    for dep in requirements(str(REPO / "pyproject.toml"), []):
+        req = Requirement(dep)
+        name = req.name.lower().replace("_", "-")
+        assert name in pins, f"{dep} is not in docker/requirements.lock: run `make lock`"
+        assert req.specifier.contains(pins[name], prereleases=True), f"lock pins {name}=={pins[name]}, wants {dep}"
+        for extra in req.extras:  # redis[hiredis]
+            assert extra in pins, f"{dep}: extra {extra} not locked"
+    assert "hps-client" not in pins and "setuptools" in pins  # local distributions are built without isolation
