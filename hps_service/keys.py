@@ -52,3 +52,12 @@ def unique_with_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     inverse = np.empty(keys.shape[0], dtype=np.int64)
     m = _unique_inverse(keys, uniq, inverse)
     return uniq[:m], inverse
+
+
+def warm_up_kernels() -> None:
+    """Compile (or load) the dedup kernel for the key arrays lookups pass: writable and read-only (see warmup)."""
+    from hps_service.warmup import read_only
+
+    keys = np.array([3, 1, 3], dtype=np.int64)
+    unique_with_inverse(keys)
+    unique_with_inverse(read_only(keys))

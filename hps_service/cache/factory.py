@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
+
 from hps_service.cache.backend import resolve_backend
 from hps_service.cache.protocol import FetchBelow, TableCache
 from hps_service.cache.set_assoc import SetAssociativeCache, warm_up_kernels
@@ -58,3 +60,30 @@ def build_table_cache(
         warm_start=cfg.warm_start,
         admit_after_misses=cfg.admit_after_misses,
     )
+
+
+def warm_up_table_cache() -> None:
+    """Compile (or load) what a table's NumPy L1 runs on the serving paths, with the argument types those pass:
+    lookups of read-only keys (gRPC requests), admission into a full cache (the miss sketch), updates and deletes
+    with read-only arrays (Kafka messages) and writable ones (REST); LRU and LFU. See hps_service.warmup."""
+    from hps_service.warmup import read_only
+
+    dim = 2
+    for policy in ("lru", "lfu"):
+        cfg = CacheConfig(backend="numpy", capacity=64, ways=8, policy=policy, admit_after_misses=2,
+                          hit_rate_threshold=1.0, warm_start=False)
+        cache = build_table_cache(cfg, dim, 0, lambda keys: np.zeros((keys.shape[0], dim), np.float32), None, None)
+        assert cache is not None
+        try:
+            keys = np.arange(256, dtype=np.int64)
+            rows = np.ones((256, dim), np.float32)
+            versions = np.ones(256, np.int64)
+            for _ in range(3):  # the third offer finds the cache full: admission by the miss sketch
+                cache.admit(keys, rows, versions, 0.0)
+            for variant in (np.asarray, read_only):
+                cache.lookup(variant(keys), np.empty((256, dim), np.float32))
+                cache.update(variant(keys), variant(rows), variant(versions + 1))
+                cache.invalidate(variant(keys[:8]), variant(versions[:8] + 2))
+                cache.invalidate(variant(keys[8:16]))
+        finally:
+            cache.close()

@@ -34,6 +34,7 @@ from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
 from hps_service.tls import grpc_server_credentials, uvicorn_ssl_options
 from hps_service.updates import UpdateConsumer
+from hps_service.warmup import warm_all
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,8 @@ class HPSServer:
         self._ssl_options: dict = {}
 
     def start(self) -> None:
-        """Open tiers, load models, bind the gRPC port; lookups are accepted once this returns."""
+        """Open tiers, load models, bind the gRPC port, compile the kernels; lookups are accepted (and gRPC health
+        and /readyz say so) once this returns."""
         cfg = self.config.server
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         # TLS material is read before any tier opens, so a bad path fails fast and leaves nothing open.
@@ -195,6 +197,9 @@ class HPSServer:
             server.stop(0)
             raise
         self._start_updates()
+        # Ready means warm: nothing compiles on a request once health says SERVING (see hps_service.warmup).
+        self.gate.close("compiling the lookup and update kernels")
+        warm_all()
         self.gate.open()
         self.health.set("", health_pb2.HealthCheckResponse.SERVING)
         health_name = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
@@ -253,12 +258,15 @@ class HPSServer:
                 self._start_updates()
 
     def sync_model_health(self) -> None:
-        """gRPC health per model: SERVING for every loaded model, NOT_SERVING for one unloaded since."""
+        """gRPC health per model: SERVING for every loaded model once the server serves (start() calls this after
+        the warm-up), NOT_SERVING for one unloaded since."""
         assert self.engine is not None
         with self._health_lock:
             loaded = {m.name for m in self.engine.models()}
+            status = health_pb2.HealthCheckResponse.SERVING if self.gate.is_open else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
             for name in loaded:
-                self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+                self.health.set(name, status)
             for name in self._served_models - loaded:
                 self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
             self._served_models = loaded

@@ -320,3 +320,28 @@ class HashMapTier(Tier):
         """Free every table."""
         with self._tables_lock:
             self._tables.clear()
+
+
+def warm_up_kernels() -> None:
+    """Compile (or load) every kernel of the tier with the argument types the engine passes: a table that grows
+    its index and evicts, gets, puts (new, replacing, refused), versioned and unversioned deletes, each with writable
+    and read-only inputs (see hps_service.warmup)."""
+    from hps_service.warmup import read_only
+
+    tier = HashMapTier(capacity_rows=_INITIAL_ROWS * 2)
+    try:
+        tier.create_table("warm.up", 2)
+        for variant in (np.asarray, read_only):
+            keys = np.arange(_INITIAL_ROWS * 3, dtype=np.int64)
+            for lo in range(0, keys.shape[0], _INITIAL_ROWS):
+                chunk = keys[lo : lo + _INITIAL_ROWS]
+                ones = np.ones((chunk.shape[0], 2), np.float32)
+                tier.put("warm.up", variant(chunk), variant(ones), variant(np.full(chunk.shape[0], 2, np.int64)))
+            few = variant(keys[-4:])
+            tier.get("warm.up", few)
+            tier.put("warm.up", few, variant(np.ones((4, 2), np.float32)), variant(np.ones(4, np.int64)))
+            tier.delete("warm.up", few[:2], variant(np.full(2, 3, np.int64)))
+            tier.delete("warm.up", few[2:])
+            tier.scan_keys("warm.up", 4)
+    finally:
+        tier.close()

@@ -317,3 +317,21 @@ def test_lock_pins_every_dependency_with_hashes() -> None:
         for extra in req.extras:  # redis[hiredis]
             assert extra in pins, f"{dep}: extra {extra} not locked"
     assert "hps-client" not in pins and "setuptools" in pins  # local distributions are built without isolation
+
+
+def test_images_compile_the_kernels_at_build_time_for_any_cpu(dockerfile) -> None:
+    """Ready means warm (issue 14, defect 6): the build stage runs the warm-up into a directory of /opt/hps (which the
+    final stage copies), as generic x86-64 code; the final stage seeds NUMBA_CACHE_DIR from it with the same CPU name
+    (numba ignores a cache compiled for another CPU name)."""
+    path, _, stages = dockerfile
+    build, final = stages[0], stages[-1]
+    runs = [i.args for i in build.all("RUN") if "-m hps_service.warmup" in i.args]
+    assert len(runs) == 1, f"{path.name}: the build stage does not run python -m hps_service.warmup"
+    cache_dir = re.search(r"NUMBA_CACHE_DIR=(\S+)", runs[0]).group(1)
+    assert cache_dir.startswith("/opt/hps/")
+    env = " ".join(i.args for i in final.all("ENV"))
+    assert f"HPS_KERNEL_CACHE_SEED={cache_dir}" in env and "NUMBA_CACHE_DIR=/tmp/" in env
+    for stage in (build, final):
+        args = {i.args.partition("=")[0]: i.args.partition("=")[2] for i in stage.all("ARG")}
+        assert args.get("NUMBA_CPU_NAME") == "generic", f"{path.name}: stage {stage.name}"
+        assert "NUMBA_CPU_NAME=${NUMBA_CPU_NAME}" in " ".join(i.args for i in stage.all("ENV"))
