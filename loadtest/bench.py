@@ -10,6 +10,8 @@
 6. Freshness under load: loadtest.bench_updates run beside the lookup numbers (reported as not run if it fails).
 7. Lookups under sustained ingest (loadtest.bench_ingest): gRPC keys/s with vs without 10,000 rows/s of Kafka
    updates applied meanwhile, interleaved rounds; target >= 0.8x. With --profile also who holds the GIL meanwhile.
+8. Sharding (loadtest.bench_shards): fan-out keys/s and p99 through the client against 1, 2 and 4 shards beside an
+   unsharded server (batch 1024 and 4096), and the import of a 1M-row table into 2 shards vs 1.
 
     python -m loadtest.bench            # ~10 min on 2 cores
     python -m loadtest.bench --quick    # ~2-3 min
@@ -570,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="py-spy the server under the gRPC load")
     ap.add_argument("--cache-fraction", type=float, default=0.2,
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -621,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
         if "ingest" not in skip:
             console.rule("7. lookups under sustained ingest (loadtest.bench_ingest)")
             res["ingest"] = bench_ingest(p, workdir, console, args.profile)
+        if "shards" not in skip:
+            from loadtest import bench_shards
+
+            res["shards"] = bench_shards.run(args.quick, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
@@ -629,6 +636,10 @@ def main(argv: list[str] | None = None) -> int:
     console.print(ratio_table(res))
     if res.get("curves"):
         console.print(curves_table(res["curves"]))
+    if res.get("shards"):
+        from loadtest import bench_shards
+
+        console.print(bench_shards.table(res["shards"]))
     prof = (res.get("grpc") or {}).get("profile")
     if prof and "by_category" in prof:
         console.print(f"server under gRPC load (py-spy --gil): GIL held {prof['gil_busy']:.0%} of the time; by part: " + ", ".join(

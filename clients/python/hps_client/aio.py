@@ -194,6 +194,8 @@ class AsyncHPSClient:
                     return {tv.table: decode_answer(tv) for tv in response.tables}
                 split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
                 total = sum(split.sizes)
+                if len(split.parts) == 1:
+                    return split.merge([await self._answer(routes, split.parts[0], deadline, total)])
                 tasks = [asyncio.ensure_future(self._answer(routes, part, deadline, total)) for part in split.parts]
                 try:
                     responses = await asyncio.gather(*tasks)

@@ -300,7 +300,8 @@ class HPSClient:
         try:
             for part in split.parts:
                 stubs = routes.stubs_from(part.shard)
-                fut = stubs[0].Lookup.future(part.request, timeout=remaining(deadline)) if stubs else None
+                concurrent = len(split.parts) > 1 and stubs  # one part: called in _answer, no future needed
+                fut = stubs[0].Lookup.future(part.request, timeout=remaining(deadline)) if concurrent else None
                 calls.append((part, stubs, fut))
             responses = [self._answer(routes, part, stubs, fut, deadline, total) for part, stubs, fut in calls]
         finally:
@@ -316,8 +317,9 @@ class HPSClient:
         detail = "none of the client's targets serves this shard"
         for i, stub in enumerate(stubs):
             try:
-                return fut.result() if i == 0 and fut is not None else stub.Lookup(part.request,
-                                                                                 timeout=remaining(deadline))
+                if i == 0 and fut is not None:
+                    return fut.result()
+                return stub.Lookup(part.request, timeout=remaining(deadline))
             except grpc.RpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE:
                     raise shard_error(part.shard, routes.shape, err) from None

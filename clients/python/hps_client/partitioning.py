@@ -30,23 +30,32 @@ def murmur2(keys: np.ndarray) -> np.ndarray:
     return h
 
 
-def partition_of(keys: np.ndarray, partitions: int) -> np.ndarray:
-    """The partition of every key (int64 array in, int32 array out): Kafka's default partitioner; see module doc."""
+def _partition(keys: np.ndarray, partitions: int) -> np.ndarray:
+    """``(murmur2 & 0x7fffffff) % partitions`` as uint32 (computed in place on the hash)."""
     if partitions < 1:
         raise ValueError(f"partitions must be >= 1, got {partitions}")
     h = murmur2(keys)
     h &= np.uint32(0x7FFFFFFF)
     h %= np.uint32(partitions)
-    return h.astype(np.int32)
+    return h
+
+
+def partition_of(keys: np.ndarray, partitions: int) -> np.ndarray:
+    """The partition of every key (int64 array in, int32 array out): Kafka's default partitioner; see module doc."""
+    return _partition(keys, partitions).astype(np.int32)
+
+
+def shard_ids(keys: np.ndarray, partitions: int, shards: int) -> np.ndarray:
+    """The shard of every key as uint16 (what a stable argsort orders fastest); no hashing when unsharded."""
+    if shards < 1 or shards > 65535 or partitions % shards:
+        raise ValueError(f"partitions ({partitions}) must be a positive multiple of shards ({shards}, at most 65535)")
+    if shards == 1:
+        return np.zeros(np.shape(keys)[0], dtype=np.uint16)
+    h = _partition(keys, partitions)
+    h %= np.uint32(shards)
+    return h.astype(np.uint16)
 
 
 def shard_of(keys: np.ndarray, partitions: int, shards: int) -> np.ndarray:
     """The shard of every key: ``partition_of(keys, partitions) % shards`` (int32)."""
-    if shards < 1 or partitions % shards:
-        raise ValueError(f"partitions ({partitions}) must be a positive multiple of shards ({shards})")
-    part = partition_of(keys, partitions)
-    if shards > 1:
-        part %= np.int32(shards)
-    else:
-        part[:] = 0
-    return part
+    return shard_ids(keys, partitions, shards).astype(np.int32)

@@ -13,9 +13,9 @@ import numpy as np
 
 from hps_client.channel import channel_target
 from hps_client.errors import InvalidArgumentError, LookupError_, UnavailableError
-from hps_client.partitioning import shard_of
+from hps_client.partitioning import shard_ids
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
-from hps_client.wire import TableAnswer, as_keys
+from hps_client.wire import TableAnswer, as_keys, decode_answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,11 +32,12 @@ class ShardShape:
 
 @dataclass(slots=True)
 class ShardPart:
-    """The request to one shard and, per table (in request order), where its keys sit in the batch asked."""
+    """The request to one shard and, per table (in request order), where its keys sit in the batch asked (None:
+    the part is the whole batch, in the order asked)."""
 
     shard: int
     request: pb.LookupRequest
-    positions: list[np.ndarray]
+    positions: list[np.ndarray] | None
     keys: int
 
 
@@ -50,13 +51,23 @@ class SplitBatch:
 
     def merge(self, responses: Sequence[pb.LookupResponse]) -> dict[str, TableAnswer]:
         """``{table: TableAnswer}`` with every key's row and source where it was asked (duplicates included)."""
-        out: dict[str, TableAnswer] = {}
+        if len(self.parts) == 1 and self.parts[0].positions is None:  # one shard: its answer as it is (no copy)
+            out = {}
+            for i, (table, n) in enumerate(zip(self.tables, self.sizes)):
+                tv = _table_of(responses[0], i, table)
+                if tv.count != n:
+                    raise LookupError_(f"shard {self.parts[0].shard} answered {tv.count} rows for table '{table}', "
+                                       f"asked {n}")
+                out[table] = decode_answer(tv)
+            return out
+        out = {}
         for i, (table, n) in enumerate(zip(self.tables, self.sizes)):
             answers = [_table_of(r, i, table) for r in responses]
             dim = max((tv.dim for tv in answers), default=0)
             vectors = np.empty((n, dim), dtype=np.float32)
             sources = np.empty(n, dtype=np.uint8)
             for part, tv in zip(self.parts, answers):
+                assert part.positions is not None
                 pos = part.positions[i]
                 if tv.count != pos.shape[0] or (pos.shape[0] and tv.dim != dim):
                     raise LookupError_(f"shard {part.shard} answered {tv.count} rows of dim {tv.dim} for table "
@@ -80,17 +91,23 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
     each answer carries each table's dim. A batch with no key at all goes to ``fallback_shard``."""
     names = list(tables)
     arrays = [as_keys(tables[t]) for t in names]
-    per_table = []  # (order, starts) per table
+    sizes = [int(a.shape[0]) for a in arrays]
+    ids = [shard_ids(arr, shape.partitions, shape.shards) for arr in arrays]
     counts = np.zeros(shape.shards, dtype=np.int64)
-    for arr in arrays:
-        shard = shard_of(arr, shape.partitions, shape.shards)
-        order = np.argsort(shard, kind="stable")
-        table_counts = np.bincount(shard, minlength=shape.shards)
+    for shard in ids:
+        counts += np.bincount(shard, minlength=shape.shards)
+    used = [int(s) for s in np.flatnonzero(counts)]
+    if len(used) <= 1:  # every key on one shard (always so when unsharded): the batch as it is, to that shard
+        request = pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=a.tobytes())
+                                                        for t, a in zip(names, arrays)])
+        return SplitBatch(tables=names, sizes=sizes, parts=[
+            ShardPart(shard=used[0] if used else fallback_shard, request=request, positions=None, keys=sum(sizes))])
+    per_table = []  # (order, starts) per table
+    for shard in ids:
+        order = np.argsort(shard, kind="stable")  # uint16: a radix sort
         starts = np.zeros(shape.shards + 1, dtype=np.int64)
-        np.cumsum(table_counts, out=starts[1:])
+        np.cumsum(np.bincount(shard, minlength=shape.shards), out=starts[1:])
         per_table.append((order, starts))
-        counts += table_counts
-    used = [int(s) for s in np.flatnonzero(counts)] or [fallback_shard]
     parts = []
     for s in used:
         positions = [order[starts[s] : starts[s + 1]] for order, starts in per_table]
@@ -99,7 +116,7 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
             for t, arr, pos in zip(names, arrays, positions)
         ])
         parts.append(ShardPart(shard=s, request=request, positions=positions, keys=int(counts[s])))
-    return SplitBatch(tables=names, sizes=[int(a.shape[0]) for a in arrays], parts=parts)
+    return SplitBatch(tables=names, sizes=sizes, parts=parts)
 
 
 def is_endpoint(target: str) -> bool:
