@@ -177,7 +177,9 @@ def import_model(
 @app.command()
 def lookup(
     keys: list[int] = typer.Argument(..., help="Keys to look up (int64)."),
-    target: str = typer.Option("127.0.0.1:8500", "--target", help="Server host:port."),
+    target: list[str] = typer.Option(["127.0.0.1:8500"], "--target",
+                                     help="Server host:port or dns:/// name; repeat it for every shard of a "
+                                          "sharded fleet (each key goes to its shard)."),
     model: str = typer.Option(..., "--model", "-m"),
     table: str = typer.Option(..., "--table", "-t"),
     timeout: float = typer.Option(5.0, help="Seconds."),
@@ -192,7 +194,8 @@ def lookup(
 
     names = {1: "cache", 2: "volatile", 3: "persistent", 4: "default"}
     try:
-        client = HPSClient(target, timeout=timeout, retries=1, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        client = HPSClient(target[0] if len(target) == 1 else target, timeout=timeout, retries=1, tls_ca=tls_ca,
+                           tls_cert=tls_cert, tls_key=tls_key)
     except HPSError as exc:
         _fail(str(exc))
     with client:

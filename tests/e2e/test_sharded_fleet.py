@@ -11,6 +11,7 @@ DNS name per shard (what each shard's headless Service gives).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -32,7 +33,7 @@ from hps_service.importer import synthesize_model
 from hps_service.updates import Publisher, make_version
 from hps_service.updates.partitioning import shard_of
 from tests.fixtures.dns import loopback_dns
-from tests.helpers import HPS, REPO, free_port, stop_process, wait_serving, write_config
+from tests.helpers import HPS, REPO, free_port, run_hps, stop_process, wait_serving, write_config
 
 DIM, P, ROWS = 16, 8, 100_000
 HOSTS = {(0, 0): "127.0.0.1", (0, 1): "127.0.0.2", (1, 0): "127.0.0.3", (1, 1): "127.0.0.4"}
@@ -159,6 +160,11 @@ def test_each_shard_stores_its_half_and_the_client_answers_every_key_in_order(fl
         info = fleet.http((s, r), "/v1/cluster")
         assert (info["shards"], info["shard"], info["partitions"], info["ready"]) == (2, s, P, True)
         assert info["topic_partitions"] == {f"fleet.{fleet.model}": P}
+    cli = run_hps("lookup", "--target", f"{HOSTS[0, 1]}:{fleet.grpc_port}", "--target",
+                  f"{HOSTS[1, 0]}:{fleet.grpc_port}", "--model", fleet.model, "--table", TABLE, "--json",
+                  *map(str, fleet.keys[:6]))
+    assert cli.returncode == 0, cli.stderr
+    np.testing.assert_allclose(json.loads(cli.stdout)["vectors"], fleet.vectors[:6], rtol=1e-6)
     rng = np.random.default_rng(5)
     absent = np.arange(1, 2001, dtype=np.int64) * -7  # synthesized keys are >= 0
     ask = np.concatenate((rng.permutation(fleet.keys), fleet.keys[rng.integers(0, ROWS, 20_000)], absent))

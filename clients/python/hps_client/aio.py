@@ -64,6 +64,7 @@ class AsyncHPSClient:
         self._routes: _Routes | None = None
         self._unsharded = False
         self._watchers: dict[int, asyncio.Task] = {}
+        self._learning: asyncio.Lock | None = None  # one coroutine learns the shard map at a time
 
     # ---- channels -----------------------------------------------------------------------------------------
     def _open(self, target: str) -> pb_grpc.EmbeddingServiceStub:
@@ -110,6 +111,14 @@ class AsyncHPSClient:
             return None
         if self._routes is not None:
             return self._routes
+        if self._learning is None:
+            self._learning = asyncio.Lock()
+        async with self._learning:
+            if self._unsharded or self._routes is not None:  # another call learned it meanwhile
+                return self._routes
+            return await self._learn_locked(deadline)
+
+    async def _learn_locked(self, deadline: float | None) -> _Routes | None:
         stub = self._get_stub()
         if stub is not None:
             try:
@@ -135,7 +144,12 @@ class AsyncHPSClient:
             raise UnavailableError("no target answered GetClusterInfo: " + "; ".join(
                 f"{self.targets[i]}: {e.code().name}: {e.details()}" for i, e in errors.items()))
         shape = check_same_shape({i: ShardShape.of(info) for i, info in infos.items()}, self.targets)
-        self._routes = self._build(shape, {i: int(info.shard) for i, info in infos.items()})
+        self._routes = routes = self._build(shape, {i: int(info.shard) for i, info in infos.items()})
+        in_use = {t for ts in routes.targets.values() for t in ts} | {self.target}
+        for i in infos:  # a probe channel no route uses (its replica is in a joined channel): closed
+            channel = self._channels.pop(self.targets[i], None) if self.targets[i] not in in_use else None
+            if channel is not None:
+                await channel.close()
         for i in errors:
             if i not in self._watchers:
                 self._watchers[i] = asyncio.get_running_loop().create_task(self._watch(i))

@@ -111,13 +111,15 @@ class HPSClient:
         self._creds = channel_credentials(tls_ca, tls_cert, tls_key, tls)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.RLock()
+        self._learning = threading.Lock()  # one thread learns the shard map at a time
         self._stub = self._open(self.target) if self.target is not None else None
         #: The one channel over every target (None for several named targets, e.g. a dns:/// name per shard).
         self._channel = self._channels.get(self.target) if self.target is not None else None
         self._routes: _Routes | None = None
         self._unsharded = False
         self._watching: dict[int, grpc.Future] = {}
-        self._found: dict[int, int] = {}  # targets whose shard a watcher learned since the routes were built
+        #: targets whose shard (and shard map) a watcher learned since the routes were built
+        self._found: dict[int, tuple[int, ShardShape]] = {}
         self._closed = False
 
     # ---- channels -----------------------------------------------------------------------------------------
@@ -178,17 +180,20 @@ class HPSClient:
                 with self._lock:
                     routes = self._with_found()
             return routes
-        if self._stub is not None:
-            try:
-                info = self._stub.GetClusterInfo(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server from before shards
+        with self._learning:
+            if self._unsharded or self._routes is not None:  # another thread learned it meanwhile
+                return self._routes
+            if self._stub is not None:
+                try:
+                    info = self._stub.GetClusterInfo(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+                except grpc.RpcError as err:
+                    if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server from before shards
+                        self._unsharded = True
+                    return None  # unreachable now: this call goes the unsharded way; learn on the next one
+                if info.shards <= 1:
                     self._unsharded = True
-                return None  # unreachable now: this call goes the unsharded way; learn on the next one
-            if info.shards <= 1:
-                self._unsharded = True
-                return None
-        return self._learn_targets(deadline)
+                    return None
+            return self._learn_targets(deadline)
 
     def _learn_targets(self, deadline: float | None) -> _Routes | None:
         """Ask every target its shard (concurrently) and build one channel per shard."""
@@ -211,8 +216,15 @@ class HPSClient:
         routes = self._build(shape, {i: int(info.shard) for i, info in infos.items()})
         with self._lock:
             self._routes = routes
+            in_use = {t for ts in routes.targets.values() for t in ts} | {self.target}
+            for i in infos:  # a probe channel no route uses (its replica is in a joined channel): closed
+                channel = self._channels.get(self.targets[i])
+                if self.targets[i] not in in_use and channel is not None:
+                    del self._channels[self.targets[i]]
+                    channel.close()
         for i in errors:
-            self._watch(i)
+            if i not in self._watching:
+                self._watch(i)
         return routes
 
     def _probe_channel(self, target: str) -> grpc.Channel:
@@ -232,9 +244,10 @@ class HPSClient:
         def done(f: grpc.Future) -> None:
             if f.cancelled() or f.exception() is not None:
                 return
+            info = f.result()
             with self._lock:
                 self._watching.pop(i, None)
-                self._found[i] = int(f.result().shard)
+                self._found[i] = (int(info.shard), ShardShape.of(info))
 
         with self._lock:
             if self._closed:
@@ -249,7 +262,9 @@ class HPSClient:
         assert routes is not None
         if self._found:
             found, self._found = self._found, {}
-            self._routes = routes = self._build(routes.shape, {**routes.known, **found})
+            added = {i: shard for i, (shard, shape) in found.items() if shape == routes.shape}
+            if added:
+                self._routes = routes = self._build(routes.shape, {**routes.known, **added})
         return routes
 
     def _forget(self) -> None:
@@ -257,6 +272,7 @@ class HPSClient:
         with self._lock:
             self._routes = None
             self._unsharded = False
+            self._found = {}
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None) -> np.ndarray:
