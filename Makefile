@@ -8,7 +8,7 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test test-images image-deps lock run demo proto bench loadtest soak lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test test-images image-deps lock run demo proto bench loadtest soak history lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench   - run the benchmarks under loadtest/ and print the ratios"
 	@echo "make loadtest - load the embedded default over gRPC: QPS, latency percentiles, hit rates, plots"
 	@echo "make soak    - 3 min soak of lookups + 10k rows/s of updates, judged on its plot (SOAK_ARGS=--duration 3600)"
+	@echo "make history - 10 min history check: concurrent writers and readers, no stale, lost or resurrected row (HPS_HISTORY_LONG_SECONDS)"
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
@@ -96,6 +97,11 @@ loadtest: install-dev
 # shows (loadtest/results/soak); an hour with SOAK_ARGS="--duration 3600".
 soak: install-dev
 	$(PY) -m loadtest.soak $(SOAK_ARGS)
+
+# The history checker of tests/history for 10 minutes (make test runs it for 40 s): every violation with its key's
+# history; HPS_HISTORY_LONG_SECONDS sets the duration.
+history: install-dev test-deps
+	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/history/test_history.py -k long $(PYTEST_ARGS)
 
 lint: install-dev
 	$(VENV)/bin/ruff check hps_service clients/python tests loadtest

@@ -1,0 +1,44 @@
+"""The history checker against real processes (issue 14): ``hps serve`` (small L1, small hash map, RocksDB, Kafka
+updates from the tansu broker), Kafka and REST writers, imports and gRPC readers at once; then the three properties.
+
+``make test`` runs it for HPS_HISTORY_SECONDS (default 40 s); the ``long`` one (HPS_RUN_LONG=1, ``make history``)
+for HPS_HISTORY_LONG_SECONDS (default 600 s).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tests.history.model import check, check_tiers_agree
+from tests.history.workload import HistoryServer, Workload, key_space, report
+
+
+def run_history(broker: str, workdir: Path, seconds: float, **overrides: dict) -> None:
+    server = HistoryServer(workdir, broker, model=f"h{uuid.uuid4().hex[:10]}", overrides=overrides)
+    keys = key_space(2000)
+    server.start()
+    try:
+        workload = Workload(server, keys)
+        workload.run(seconds)
+        passes = workload.final_passes()
+    finally:
+        assert server.stop() == 0, (workdir / "server.log").read_text()[-4000:]
+    violations = check(workload.history) + check_tiers_agree(keys, passes, workload.stored_versions())
+    text = report(workload.history, violations, workload.t0)
+    print(text)
+    assert not workload.errors, workload.errors
+    assert workload.history.counts()["acknowledged writes"] > 0
+    assert not violations, text
+
+
+def test_history_has_no_violation(kafka_broker, tmp_path: Path) -> None:
+    run_history(kafka_broker.bootstrap, tmp_path, float(os.environ.get("HPS_HISTORY_SECONDS", "40")))
+
+
+@pytest.mark.long
+def test_long_history_has_no_violation(kafka_broker, tmp_path: Path) -> None:
+    run_history(kafka_broker.bootstrap, tmp_path, float(os.environ.get("HPS_HISTORY_LONG_SECONDS", "600")))
