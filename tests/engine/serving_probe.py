@@ -1,11 +1,14 @@
-"""Run as ``python -m tests.engine.serving_probe BROKER WORKDIR`` in a fresh interpreter: start an HPSServer, note the
-compiled versions of every numba kernel of hps_service once it says SERVING, drive every serving path (gRPC lookups,
-REST reads, puts and deletes, Kafka updates and tombstones, an import job, L1 and L2 full so admission and eviction
-run), and print as JSON the kernels that compiled anything new after ready (``{}`` when the warm-up covered all)."""
+"""Run as ``python -m tests.engine.serving_probe BROKER WORKDIR`` in a fresh interpreter: import every module of
+hps_service, start an HPSServer, note the compiled versions of every numba kernel once it says SERVING, drive every
+serving path (gRPC lookups, REST reads, puts and deletes, Kafka updates and tombstones, an import job, L1 and L2 full
+so admission and eviction run), and print as JSON ``{"after_ready": {kernel: [signatures compiled after ready]},
+"never_compiled": [kernels without a compiled version at ready that no other kernel calls]}``."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 import sys
 import time
 from pathlib import Path
@@ -14,6 +17,7 @@ import httpx
 import numpy as np
 from numba.core.registry import CPUDispatcher
 
+import hps_service
 from hps_service.client import HPSClient
 from hps_service.config import load_config
 from hps_service.server.app import HPSServer
@@ -35,6 +39,15 @@ def kernel_signatures() -> dict[str, set[str]]:
             if isinstance(obj, CPUDispatcher) and obj.__module__ == name and obj.targetoptions.get("inline") != "always":
                 out[f"{name}.{attr}"] = {str(sig) for sig in obj.signatures}
     return out
+
+
+def never_compiled(signatures: dict[str, set[str]]) -> list[str]:
+    """Kernels with no compiled version that no other kernel calls (a kernel only other kernels call is compiled into
+    them)."""
+    kernels = [o for n, m in list(sys.modules.items()) if n.startswith("hps_service") and m is not None
+               for o in vars(m).values() if isinstance(o, CPUDispatcher)]
+    called = {name for k in kernels for name in k.py_func.__code__.co_names}
+    return sorted(k for k, sigs in signatures.items() if not sigs and k.rsplit(".", 1)[1] not in called)
 
 
 def until(predicate, what: str, timeout: float = 60.0) -> None:  # type: ignore[no-untyped-def]
@@ -81,6 +94,9 @@ def drive(srv: HPSServer, broker: str, workdir: Path) -> None:
 
 
 def main(broker: str, workdir: str) -> int:
+    for info in pkgutil.walk_packages(hps_service.__path__, "hps_service."):
+        if not info.name.startswith(("hps_service.trainer", "hps_service.demo")):
+            importlib.import_module(info.name)
     work = Path(workdir)
     cfg = load_config(
         None,
@@ -101,7 +117,7 @@ def main(broker: str, workdir: str) -> int:
     finally:
         srv.stop(grace=5)
     new = {name: sorted(sigs - ready.get(name, set())) for name, sigs in after.items() if sigs - ready.get(name, set())}
-    print(json.dumps(new))
+    print(json.dumps({"after_ready": new, "never_compiled": never_compiled(ready)}))
     return 0
 
 
