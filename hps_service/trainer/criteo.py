@@ -171,8 +171,8 @@ class CriteoFiles:
             except (OSError, ValueError) as exc:  # pyarrow's parse errors are ValueError subclasses
                 raise InvalidArgumentError(f"cannot read {path} as {self.file_format}: {exc}") from None
 
-    def batches(self, batch_size: int, skip_rows: int = 0) -> Iterator[Batch]:
-        """Batches of ``batch_size`` rows (the last may be shorter), starting ``skip_rows`` rows in."""
+    def tables(self, batch_size: int, skip_rows: int = 0) -> Iterator[object]:
+        """Raw pyarrow tables of ``batch_size`` rows (the last may be shorter), starting ``skip_rows`` rows in."""
         import pyarrow as pa
 
         if batch_size < 1:
@@ -191,12 +191,17 @@ class CriteoFiles:
             held += rb.num_rows
             while held >= batch_size:
                 table = pa.Table.from_batches(pending)
-                yield encode(table.slice(0, batch_size), self.sparse_fields)
+                yield table.slice(0, batch_size)
                 rest = table.slice(batch_size)
                 pending = rest.to_batches() if rest.num_rows else []
                 held -= batch_size
         if held:
-            yield encode(pa.Table.from_batches(pending), self.sparse_fields)
+            yield pa.Table.from_batches(pending)
+
+    def batches(self, batch_size: int, skip_rows: int = 0) -> Iterator[Batch]:
+        """Encoded batches of ``batch_size`` rows (the last may be shorter), starting ``skip_rows`` rows in."""
+        for table in self.tables(batch_size, skip_rows):
+            yield encode(table, self.sparse_fields)
 
     def head(self, rows: int) -> Batch:
         """The first ``rows`` rows as one batch (fewer if the files are shorter)."""

@@ -1,7 +1,8 @@
 """Where training batches come from: the planted teacher (known oracle) or Criteo-format files, both resumable.
 
-A source yields global batches with the position after each (synthetic: the step; files: rows consumed), and a
-held-out batch for evaluation (files: ``--eval-data``, or the first rows of the training data, which training then
+A source yields, for one data-parallel rank, its share of each global batch with the position after it (synthetic:
+the step; files: rows consumed) and the global batch's size (files encode only the rank's rows), and a held-out
+batch for evaluation (files: ``--eval-data``, or the first rows of the training data, which training then
 skips).
 """
 
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from hps_service.errors import InvalidArgumentError
-from hps_service.trainer.criteo import DENSE_FIELDS, CriteoFiles
+from hps_service.trainer.criteo import DENSE_FIELDS, CriteoFiles, encode
 from hps_service.trainer.data import Batch, DriftSpec, PlantedTeacherData
 
 
@@ -23,7 +24,8 @@ class DataSource(Protocol):
     num_dense: int
     drift: DriftSpec | None
 
-    def batches(self, batch_size: int, position: int) -> Iterator[tuple[Batch, int]]: ...
+    def batches(self, batch_size: int, position: int, rank: int = 0, world: int = 1
+                ) -> Iterator[tuple[Batch, int, int]]: ...
 
     def holdout(self, size: int, step: int) -> Batch: ...
 
@@ -47,10 +49,12 @@ class SyntheticSource:
     def drift(self) -> DriftSpec | None:
         return self.data.config.drift
 
-    def batches(self, batch_size: int, position: int) -> Iterator[tuple[Batch, int]]:
+    def batches(self, batch_size: int, position: int, rank: int = 0, world: int = 1
+                ) -> Iterator[tuple[Batch, int, int]]:
         step = position
         while True:
-            yield self.data.batch(step, batch_size), step + 1
+            batch = self.data.batch(step, batch_size)
+            yield batch.rows(shard_rows(batch_size, rank, world)), step + 1, batch_size
             step += 1
 
     def holdout(self, size: int, step: int) -> Batch:
@@ -85,11 +89,14 @@ class FileSource:
     def _skip(self) -> int:
         return 0 if self.eval_files is not None else self.holdout_rows
 
-    def batches(self, batch_size: int, position: int) -> Iterator[tuple[Batch, int]]:
+    def batches(self, batch_size: int, position: int, rank: int = 0, world: int = 1
+                ) -> Iterator[tuple[Batch, int, int]]:
         rows = position
-        for batch in self.files.batches(batch_size, skip_rows=self._skip + position):
-            rows += len(batch)
-            yield batch, rows
+        for table in self.files.tables(batch_size, skip_rows=self._skip + position):
+            n = table.num_rows
+            rows += n
+            part = shard_rows(n, rank, world)
+            yield encode(table.slice(part.start, part.stop - part.start), self.files.sparse_fields), rows, n
 
     def holdout(self, size: int, step: int) -> Batch:
         if self._holdout is None:

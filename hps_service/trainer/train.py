@@ -229,6 +229,8 @@ class Trainer:
         self._moe_z: list[float] = []
         self._window: deque[tuple[float, int, float]] = deque(maxlen=config.throughput_window)
         self._train_s = 0.0
+        self._data_s = 0.0
+        self._cpu_s = 0.0
         self._samples = 0
         self._flops = 0.0
 
@@ -464,24 +466,28 @@ class Trainer:
         if progress is not None:
             progress.start()
         try:
-            for global_batch, position in self.data.batches(cfg.batch_size, self.position):
+            t_ready, cpu_ready = time.perf_counter(), time.process_time()
+            for batch, position, global_size in self.data.batches(cfg.batch_size, self.position, self.rank,
+                                                                  self.world):
+                data_s = time.perf_counter() - t_ready  # reading and encoding this rank's rows
                 if cfg.steps is not None and self.step >= cfg.steps:
                     break
-                if self.world > 1 and len(global_batch) < cfg.batch_size:
+                if self.world > 1 and global_size < cfg.batch_size:
                     break  # ranks need equal shards: the last short batch of a pass is left out
                 if drift is not None and self.step == drift.step and (not self.history or
                                                                       self.history[-1].step != self.step):
                     self.evaluate(time.perf_counter() - start)
-                batch = global_batch.rows(shard_rows(len(global_batch), self.rank, self.world))
                 t0 = time.perf_counter()
                 loss = self.train_step(batch)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 dt = time.perf_counter() - t0
+                self._cpu_s += time.process_time() - cpu_ready
                 flops = self._step_flops(len(batch))
-                self._window.append((dt, len(global_batch), flops))
+                self._window.append((data_s + dt, global_size, flops))
                 self._train_s += dt
-                self._samples += len(global_batch)
+                self._data_s += data_s
+                self._samples += global_size
                 self._flops += flops
                 self.step += 1
                 self.position = position
@@ -507,6 +513,7 @@ class Trainer:
                     auc_text = f"{last.auc:.4f}" if last is not None else "-"
                     progress.update(task, completed=self.step, stats=f"{self.samples_per_s():,.0f} samples/s  "
                                     f"loss {loss_ema:.4f}  AUC {auc_text}")
+                t_ready, cpu_ready = time.perf_counter(), time.process_time()
             if self.publisher is not None:
                 self.publish_changes()
             if not self.history or self.history[-1].step != self.step:
@@ -526,7 +533,8 @@ class Trainer:
         return metrics
 
     def samples_per_s(self) -> float:
-        """Global samples/s over the last ``throughput_window`` steps."""
+        """Global samples/s over the last ``throughput_window`` steps: reading the data and the training step
+        (publishing, evaluations, checkpoints and exports not included)."""
         seconds = sum(w[0] for w in self._window)
         return sum(w[1] for w in self._window) / seconds if seconds > 0 else 0.0
 
@@ -549,7 +557,7 @@ class Trainer:
     def _metrics(self, wall_s: float) -> dict[str, Any]:
         window_s = sum(w[0] for w in self._window)
         window_flops = sum(w[2] for w in self._window)
-        totals = torch.tensor([window_flops, self._flops], dtype=torch.float64)
+        totals = torch.tensor([window_flops, self._flops, self._cpu_s], dtype=torch.float64)
         if self.distributed:
             dist.all_reduce(totals)
         flops_per_s = float(totals[0]) / window_s if window_s > 0 else 0.0
@@ -566,7 +574,12 @@ class Trainer:
             "wall_s": wall_s,
             "train_s": self._train_s,
             "samples_per_s": self.samples_per_s(),
-            "samples_per_s_whole_run": self._samples / self._train_s if self._train_s > 0 else 0.0,
+            "samples_per_s_whole_run": self._samples / (self._train_s + self._data_s) if self._train_s > 0 else 0.0,
+            "data_s": self._data_s,
+            # CPU seconds all ranks spent reading data and in training steps: samples per CPU second is what
+            # the wall-clock samples/s would be per core on otherwise idle cores
+            "train_cpu_s": float(totals[2]),
+            "samples_per_cpu_s": self._samples / float(totals[2]) if totals[2] > 0 else 0.0,
             "throughput_window_steps": len(self._window),
             "model_flops_per_sample_nominal": 3 * tower.flops_per_sample(),
             "model_flops_per_s": flops_per_s,

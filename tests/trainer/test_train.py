@@ -164,11 +164,11 @@ class _CrashingSource(SyntheticSource):
 
     crash_at = 10**9
 
-    def batches(self, batch_size: int, position: int):
-        for batch, after in super().batches(batch_size, position):
+    def batches(self, batch_size: int, position: int, rank: int = 0, world: int = 1):
+        for batch, after, size in super().batches(batch_size, position, rank, world):
             if after > self.crash_at:
                 raise RuntimeError("killed")
-            yield batch, after
+            yield batch, after, size
 
 
 def test_resume_after_a_crash_continues_exactly_with_a_newer_generation(tmp_path: Path) -> None:
