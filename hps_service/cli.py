@@ -298,7 +298,7 @@ app.command("predict")(predict_command)
 
 @app.command()
 def demo(
-    steps: int = typer.Option(400, min=1, help="Training steps."),
+    steps: int = typer.Option(500, min=1, help="Training steps."),
     batch_size: int = typer.Option(4096, min=1, help="Samples per training step."),
     cardinality: int = typer.Option(2000, min=10, help="Ids per table."),
     workdir: Path = typer.Option(Path("var/demo-live"), help="Where the server's RocksDB, config and log go."),

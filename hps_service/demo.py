@@ -34,10 +34,10 @@ class DemoSettings:
     """Sizes of the demo: small enough for a laptop CPU, big enough for the cache to matter.
 
     The data must be able to teach the rows: 400 x 1024 samples over 3 x 5000 Zipf-distributed ids ended 0.053 AUC
-    below the oracle whatever the learning rates, while 400 x 4096 samples over 3 x 2000 ids end within 0.02.
+    below the oracle whatever the learning rates, while 500 x 4096 samples over 3 x 2000 ids end within 0.02.
     """
 
-    steps: int = 400
+    steps: int = 500
     batch_size: int = 4096
     cardinality: int = 2000
     dim: int = 16

@@ -9,6 +9,7 @@ AWS environment, e.g. ``AWS_ENDPOINT_URL``).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -47,12 +48,18 @@ def config_from_dict(data: dict[str, Any]) -> DLRMConfig:
 def _s3(dest: str) -> tuple[Any, str, str]:
     try:
         import boto3
+        from botocore.config import Config
     except ImportError:
         raise InvalidArgumentError("an s3:// export needs boto3 (pip install boto3)") from None
     bucket, _, prefix = dest[len("s3://"):].partition("/")
     if not bucket:
         raise InvalidArgumentError(f"{dest!r}: expected s3://bucket/prefix")
-    return boto3.client("s3"), bucket, prefix.strip("/")
+    # S3-compatible servers named by AWS_ENDPOINT_URL (MinIO, SeaweedFS, ...) want path-style addressing
+    custom = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    config = Config(s3={"addressing_style": "path" if custom else "auto"},
+                    retries={"max_attempts": 5, "mode": "standard"},
+                    request_checksum_calculation="when_required", response_checksum_validation="when_required")
+    return boto3.client("s3", config=config), bucket, prefix.strip("/")
 
 
 def export_tower(
