@@ -227,6 +227,7 @@ class Trainer:
         self._moe_dropped: list[float] = []
         self._moe_aux: list[float] = []
         self._moe_z: list[float] = []
+        self._routed_pairs = 0  # (token, expert) pairs the experts computed in the last step
         self._window: deque[tuple[float, int, float]] = deque(maxlen=config.throughput_window)
         self._train_s = 0.0
         self._data_s = 0.0
@@ -311,7 +312,7 @@ class Trainer:
         tower = self.model.tower
         flops = samples * tower.dense_flops_per_sample()
         if tower.moe is not None:
-            flops += getattr(self, "_routed_pairs", 0) * tower.moe.expert_flops_per_pair()
+            flops += self._routed_pairs * tower.moe.expert_flops_per_pair()
         return 3.0 * flops
 
     # ---- publishing ---------------------------------------------------------------------------------------
