@@ -179,7 +179,7 @@ def test_resume_after_a_crash_continues_exactly_with_a_newer_generation(tmp_path
         model = _model(SMALL, moe=MOE)
         cfg = TrainConfig(steps=50, batch_size=256, eval_every=1000, holdout_size=1000, generation=4,
                           checkpoint_dir=ckpt, checkpoint_every=10, keep_checkpoints=2, resume=resume,
-                          publish_every_steps=5)
+                          publish_every_steps=5, publish_every_s=3600.0)
         trainer = Trainer(model, data, cfg, publisher=store if ckpt else None)
         return model, trainer, trainer.run
 
