@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import REPO, free_port, run_hps
 
-pytestmark = pytest.mark.long
+pytestmark = [pytest.mark.long, pytest.mark.timeout(3600)]
 IMAGE = "localhost/hps-service:test-images"
 BASE = "docker.io/library/python:3.11-slim-bookworm"
 CONTAINERS_CONF = REPO / "docker" / "containers.conf"

@@ -88,7 +88,7 @@ def test_round_robin_over_one_name_and_a_rolling_restart_under_load(tmp_path: Pa
                         failures.append("wrong rows")
                     answered[0] += 1
 
-            workers = [threading.Thread(target=load, daemon=True) for _ in range(3)]
+            workers = [threading.Thread(target=load, daemon=True) for _ in range(2)]
             for w in workers:
                 w.start()
             for srv in replicas:
