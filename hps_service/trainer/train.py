@@ -271,7 +271,9 @@ class Trainer:
             self._record_moe(out.routing)
         self.dense_opt.zero_grad(set_to_none=True)
         (loss * self.scaler.scale).backward()
-        grads = {name: leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for name, leaf in leaves.items()}
+        # row gradients go back to the tables in host memory
+        grads = {name: (leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)).to("cpu", torch.float32)
+                 for name, leaf in leaves.items()}
         if self.scaler.enabled:
             inv = 1.0 / self.scaler.scale
             for p in self.model.tower.parameters():
@@ -282,7 +284,7 @@ class Trainer:
                 bool(torch.isfinite(p.grad).all()) for p in self.model.tower.parameters() if p.grad is not None)
             found = torch.tensor([1.0 if bad else 0.0])
             if self.distributed:
-                dist.all_reduce(found, op=dist.ReduceOp.MAX)
+                found = self._all_reduce(found, dist.ReduceOp.MAX)
             self.scaler.update(bool(found.item()))
             if found.item():
                 grads = {name: torch.zeros_like(g) for name, g in grads.items()}
@@ -355,7 +357,7 @@ class Trainer:
         if self._moe_load_since_eval is not None:
             total = self._moe_load_since_eval
             if self.distributed:
-                dist.all_reduce(total)
+                total = self._all_reduce(total)
             load = (total / total.sum().clamp(min=1)).tolist()
             self._moe_load_since_eval = None
         point = EvalPoint(
@@ -368,6 +370,12 @@ class Trainer:
         return point
 
     # ---- checkpoints and exports ----------------------------------------------------------------------------
+    def _all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+        """Sum (or ``op``) over the ranks; through the GPU when the group is nccl, which takes no host tensors."""
+        on = tensor.to(self.device) if dist.get_backend() == "nccl" else tensor
+        dist.all_reduce(on, op=op)
+        return on.to(tensor.device)
+
     def _barrier(self) -> None:
         if self.distributed:
             dist.barrier()
@@ -560,7 +568,7 @@ class Trainer:
         window_flops = sum(w[2] for w in self._window)
         totals = torch.tensor([window_flops, self._flops, self._cpu_s], dtype=torch.float64)
         if self.distributed:
-            dist.all_reduce(totals)
+            totals = self._all_reduce(totals)
         flops_per_s = float(totals[0]) / window_s if window_s > 0 else 0.0
         peak = self._peak_flops()
         final = self.history[-1]

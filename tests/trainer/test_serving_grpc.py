@@ -69,6 +69,7 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
         with Predictor(export, srv.target) as predictor:
             assert predictor.version == metrics["publishing"]["last_version"] and unseen.any()
             got = predictor.predict(batch)
+        print("max |served - trainer| prediction difference", float(np.max(np.abs(got - expected))))
         assert float(np.max(np.abs(got - expected))) <= 1e-5
         result = run_hps("predict", "--export-dir", str(export), "--target", srv.target, "--data", str(tsv),
                          "--limit", "1000")

@@ -107,3 +107,31 @@ def test_state_round_trips_and_can_be_split_by_owner() -> None:
     mask = state["keys"] % 2 == 0
     even.load_state({k: v[mask] if v.shape[:1] == mask.shape else v for k, v in state.items()})
     assert even.rows == int(mask.sum())
+
+
+def test_a_checkpoint_written_by_two_ranks_loads_on_one_or_three(tmp_path) -> None:
+    from hps_service.trainer.checkpoint import load_tables, write_tables
+    from hps_service.updates.partitioning import partition_of
+
+    keys = np.arange(500, dtype=np.int64) * 7919 - 10**6
+    source = EmbeddingTable("t", 4, max_rows=1000)
+    slots, _ = source.fetch_for_training(keys, step=3)
+    source.apply_gradients(slots, torch.ones(keys.size, 4))
+    for rank in range(2):  # what two ranks hold: the keys of their partitions
+        shard = EmbeddingTable("t", 4, max_rows=1000)
+        mine = keys[partition_of(keys, 24) % 2 == rank]
+        shard.load_state({k: v[np.isin(source.state()["keys"], mine)] if k != "deletes" else v
+                          for k, v in source.state().items()})
+        write_tables(tmp_path, rank, {"t": shard})
+    whole = EmbeddingTable("t", 4, max_rows=1000)
+    load_tables(tmp_path, {"t": whole})
+    assert np.array_equal(whole.read(keys), source.read(keys)) and whole.rows == 500
+    parts = []
+    for rank in range(3):
+        table = EmbeddingTable("t", 4, max_rows=1000)
+        load_tables(tmp_path, {"t": table}, lambda k, r=rank: partition_of(k, 24) % 3 == r)
+        held = table.keys[table.live]
+        assert (partition_of(held, 24) % 3 == rank).all()
+        assert np.array_equal(table.read(held), source.read(held))
+        parts.append(held)
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.sort(keys))
