@@ -111,6 +111,11 @@ class KeyIndex:
         _remove(self._keys, self._slots, keys)
         self.count -= int(keys.shape[0])
 
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every (key, slot) held, in no particular order."""
+        live = self._slots >= 0
+        return self._keys[live].copy(), self._slots[live].copy()
+
     def _grow(self, needed: int) -> None:
         live = self._slots >= 0
         keys, slots = self._keys[live], self._slots[live]

@@ -137,7 +137,5 @@ class LatestRowStore:
     def held(self, table: str) -> np.ndarray:
         """Keys with a live (not deleted) row, sorted."""
         t = self._table(table)
-        keys = np.empty(t.size, dtype=np.int64)
-        found = t.index._slots >= 0
-        keys[t.index._slots[found]] = t.index._keys[found]
-        return np.sort(keys[~t.deleted[: t.size]])
+        keys, slots = t.index.items()
+        return np.sort(keys[~t.deleted[slots]])
