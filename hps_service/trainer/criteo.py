@@ -86,12 +86,17 @@ def _column_keys(column: object) -> np.ndarray:
     raise InvalidArgumentError(f"categorical column of type {col.type}: expected strings or integers")
 
 
-def encode(table: object, sparse_fields: Sequence[str]) -> Batch:
-    """A pyarrow Table/RecordBatch of Criteo columns -> a Batch (labels, transformed dense, int64 keys (n, 1))."""
+def encode(table: object, sparse_fields: Sequence[str], require_label: bool = True) -> Batch:
+    """A pyarrow Table/RecordBatch of Criteo columns -> a Batch (labels, transformed dense, int64 keys (n, 1)).
+
+    Without ``require_label`` a table may lack the label column (rows to score): the labels are then zeros.
+    """
     import pyarrow as pa
 
     names = set(table.schema.names)
-    missing = [c for c in (LABEL, *DENSE_FIELDS, *sparse_fields) if c not in names]
+    wanted = (LABEL, *DENSE_FIELDS, *sparse_fields) if require_label or LABEL in names else (*DENSE_FIELDS,
+                                                                                                *sparse_fields)
+    missing = [c for c in wanted if c not in names]
     if missing:
         raise InvalidArgumentError(f"data has no column(s) {missing}; Criteo columns are {LABEL}, I1..I13, C1..C26")
     n = table.num_rows
@@ -100,7 +105,10 @@ def encode(table: object, sparse_fields: Sequence[str]) -> Batch:
         col = table.column(name)
         col = col.cast(pa.float64()) if not pa.types.is_floating(col.type) else col
         dense[:, j] = dense_transform(col.to_numpy(zero_copy_only=False))
-    labels = np.array(table.column(LABEL).cast(pa.float32()).fill_null(0.0).to_numpy(zero_copy_only=False))
+    if LABEL in names:
+        labels = np.array(table.column(LABEL).cast(pa.float32()).fill_null(0.0).to_numpy(zero_copy_only=False))
+    else:
+        labels = np.zeros(n, dtype=np.float32)
     if n and not np.isin(labels, (0.0, 1.0)).all():
         raise InvalidArgumentError("labels must be 0 or 1")
     sparse = {name: _column_keys(table.column(name)).reshape(n, 1) for name in sparse_fields}

@@ -79,9 +79,9 @@ class Predictor:
         return predict_from_rows(self.tower, self.rows(batch), batch)
 
     def predict_raw(self, table: Any) -> np.ndarray:
-        """Click probabilities of raw Criteo-format rows (a pyarrow Table or RecordBatch)."""
+        """Click probabilities of raw Criteo-format rows (a pyarrow Table or RecordBatch; the label may be absent)."""
         assert self.tower is not None
-        return self.predict(encode(table, self.tower.config.table_names))
+        return self.predict(encode(table, self.tower.config.table_names, require_label=False))
 
     def score_files(self, paths: Sequence[str | Path], file_format: FileFormat, batch_size: int = 4096,
                     limit: int | None = None) -> Iterator[tuple[np.ndarray, np.ndarray]]:

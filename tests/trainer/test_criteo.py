@@ -69,6 +69,15 @@ def test_streams_resume_at_any_row_across_files(tmp_path: Path) -> None:
                                   np.concatenate([b.sparse["C3"] for b in files.batches(256)]).ravel()[650:])
 
 
+def test_rows_to_score_need_no_label() -> None:
+    table = pa.table({**{c: [1, None] for c in DENSE_FIELDS}, "C1": ["ab", None]})
+    batch = encode(table, ("C1",), require_label=False)
+    assert batch.labels.tolist() == [0.0, 0.0] and batch.sparse["C1"].ravel().tolist() == [
+        _fnv1a_reference("ab"), _fnv1a_reference("")]
+    with pytest.raises(InvalidArgumentError, match="label"):
+        encode(table, ("C1",))
+
+
 def test_integer_categorical_columns_are_keys(tmp_path: Path) -> None:
     table = pa.table({"label": [0, 1, 1], **{c: [1, None, 5] for c in DENSE_FIELDS},
                       **{c: pa.array([-7, 2**62, 0], pa.int64()) for c in SPARSE_FIELDS}})

@@ -69,6 +69,8 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
         with Predictor(export, srv.target) as predictor:
             assert predictor.version == metrics["publishing"]["last_version"] and unseen.any()
             got = predictor.predict(batch)
+            raw = next(source.files.tables(1000)).drop(["label"])  # the same rows as they are in the file
+            assert np.array_equal(predictor.predict_raw(raw), got)
         print("max |served - trainer| prediction difference", float(np.max(np.abs(got - expected))))
         assert float(np.max(np.abs(got - expected))) <= 1e-5
         result = run_hps("predict", "--export-dir", str(export), "--target", srv.target, "--data", str(tsv),
