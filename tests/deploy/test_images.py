@@ -1,6 +1,7 @@
 """The CPU image built and run for real with rootful podman (Debian's package, no daemon): a Debian stand-in for
 its base (docker/build_base.sh), `podman build --format docker` (so HEALTHCHECK survives), then the container
-answers /healthz, `podman healthcheck run`, a `hps lookup` over gRPC on a loopback port, and exits 0 on SIGTERM.
+answers /healthz, `podman healthcheck run`, /readyz, a `hps lookup` over gRPC on a loopback port, and exits 0 on
+SIGTERM.
 Minutes long: `make test-images` runs it (HPS_RUN_LONG=1)."""
 
 from __future__ import annotations
@@ -68,8 +69,13 @@ def test_image_builds_runs_answers_and_stops_cleanly(image: str) -> None:
             time.sleep(0.5)
         checked = podman("healthcheck", "run", name, check=False)
         assert checked.returncode == 0, checked.stdout + checked.stderr
+        started = time.monotonic()
+        while httpx.get(f"http://127.0.0.1:{http_port}/readyz", timeout=5).status_code != 200:  # ready means warm
+            assert time.monotonic() - started < 300, podman("logs", name, check=False).stderr[-3000:]
+            time.sleep(0.5)
+        print(f"ready {time.monotonic() - started:.1f} s after /healthz answered")
         looked = run_hps("lookup", "--target", f"127.0.0.1:{grpc_port}", "--model", "demo", "--table", "item",
-                         "--json", "--timeout", "120", "1", "2")  # the first lookup compiles the kernels
+                         "--json", "--timeout", "60", "1", "2")
         assert looked.returncode == 0, looked.stderr
         answer = json.loads(looked.stdout)
         assert answer["dim"] == 64 and answer["sources"] == ["default", "default"]
