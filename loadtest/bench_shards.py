@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -32,6 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from loadtest.embedded import EmbeddedServer, synth_model
+from loadtest.loadgen import process_cpu_s
 
 MODEL, TABLE, DIM = "demo", "item", 64
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +62,9 @@ def plan(quick: bool) -> Plan:
 
 # ---------------------------------------------------------------------------------------------- load
 def _worker(targets: list[str], keys_file: str, batch: int, in_flight: int, duration_s: float, seed: int,
-            start_at: float, out: Any) -> None:
-    """One client process: ``in_flight`` closed-loop lookups through AsyncHPSClient; puts (latencies, keys, cpu)."""
+            ready: Any, go: Any, start_at: Any, out: Any) -> None:
+    """One client process: ``in_flight`` closed-loop lookups through AsyncHPSClient from the common start on;
+    puts (latencies, keys, cpu)."""
     from hps_client import AsyncHPSClient
 
     with np.load(keys_file) as archive:
@@ -73,10 +76,12 @@ def _worker(targets: list[str], keys_file: str, batch: int, in_flight: int, dura
         latencies: list[float] = []
         async with AsyncHPSClient(targets, timeout=30) as client:
             await client.lookup(MODEL, TABLE, pool[0])  # learn the shard map and connect before the clock starts
-            while time.monotonic() < start_at:
-                await asyncio.sleep(0.005)
+            ready.put(True)
+            await asyncio.to_thread(go.wait)
+            while time.monotonic() < start_at.value:  # CLOCK_MONOTONIC: one clock for every process
+                await asyncio.sleep(0.001)
             cpu0 = time.process_time()
-            end = start_at + duration_s
+            end = start_at.value + duration_s
 
             async def loop(i: int) -> None:
                 n = i
@@ -92,23 +97,31 @@ def _worker(targets: list[str], keys_file: str, batch: int, in_flight: int, dura
     out.put(asyncio.run(run()))
 
 
-def measure(targets: list[str], keys_file: Path, batch: int, p: Plan, seed: int) -> dict[str, float]:
-    """keys/s, p50/p99 (ms) and client CPU per call of ``p.workers`` processes x ``p.in_flight`` calls in flight."""
+def measure(targets: list[str], server_pids: list[int], keys_file: Path, batch: int, p: Plan,
+            seed: int) -> dict[str, float]:
+    """keys/s, p50/p99 (ms), and client and server CPU per call, of ``p.workers`` processes x ``p.in_flight``
+    calls in flight (CPU time is what contention on a shared machine disturbs least)."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    start_at = time.monotonic() + 8.0  # spawned workers import numpy and grpc, load keys and connect meanwhile
+    out, ready, go, start_at = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Value("d", 0.0)
     procs = [ctx.Process(target=_worker, args=(targets, str(keys_file), batch, p.in_flight, p.measure_s,
-                                               seed + w, start_at, out)) for w in range(p.workers)]
+                                               seed + w, ready, go, start_at, out)) for w in range(p.workers)]
     for proc in procs:
         proc.start()
+    for _ in procs:  # spawned workers import numpy and grpc, load keys, connect and learn the shard map
+        ready.get(timeout=300)
+    start_at.value = time.monotonic() + 0.1
+    server_cpu0 = process_cpu_s(server_pids)
+    go.set()
     results = [out.get(timeout=120 + p.measure_s) for _ in procs]
+    server_cpu = process_cpu_s(server_pids) - server_cpu0
     for proc in procs:
         proc.join(30)
     latencies = np.concatenate([np.asarray(r[0]) for r in results])
     calls = latencies.shape[0]
     return {"keys_per_s": sum(r[1] for r in results) / p.measure_s, "calls": int(calls),
             "p50_ms": float(np.percentile(latencies, 50) * 1e3), "p99_ms": float(np.percentile(latencies, 99) * 1e3),
-            "client_cpu_ms_per_call": sum(r[2] for r in results) / max(calls, 1) * 1e3}
+            "client_cpu_ms_per_call": sum(r[2] for r in results) / max(calls, 1) * 1e3,
+            "server_cpu_ms_per_call": server_cpu / max(calls, 1) * 1e3}
 
 
 # ---------------------------------------------------------------------------------------------- 1. fan-out
@@ -150,6 +163,8 @@ def bench_fanout(p: Plan, workdir: Path, console: Console) -> dict[str, Any]:
         for s in p.shard_counts:
             fleets[f"{s} shards"] = start_fleet(workdir, keys_file, p.rows, s, console)
         one = fleets["unsharded"][0]
+        pids = {name: [srv.proc.pid for srv in fleet if srv.proc is not None] for name, fleet in fleets.items()}
+        pids["1 shard (routed)"] = pids["unsharded"]
         contenders = {
             "unsharded": [one.target],
             # the same server through the routing path (hash, split, reassemble): named twice, so the client cannot
@@ -165,7 +180,8 @@ def bench_fanout(p: Plan, workdir: Path, console: Console) -> dict[str, Any]:
                 order = list(contenders) if r % 2 == 0 else list(contenders)[::-1]
                 console.print(f"  round {r + 1}/{p.rounds}, batch {batch}: {', '.join(order)}")
                 for name in order:
-                    runs[batch][name].append(measure(contenders[name], keys_file, batch, p, seed=100 * r + batch))
+                    runs[batch][name].append(measure(contenders[name], pids[name], keys_file, batch, p,
+                                                     seed=100 * r + batch))
     finally:
         for fleet in fleets.values():
             for srv in fleet:
@@ -180,7 +196,11 @@ def bench_fanout(p: Plan, workdir: Path, console: Console) -> dict[str, Any]:
             rows[name] = {"keys_per_s": kps, "p50_ms": statistics.median(x["p50_ms"] for x in rs),
                           "p99_ms": statistics.median(x["p99_ms"] for x in rs),
                           "client_cpu_ms_per_call": statistics.mean(x["client_cpu_ms_per_call"] for x in rs),
+                          "server_cpu_ms_per_call": statistics.mean(x["server_cpu_ms_per_call"] for x in rs),
                           "ratio": kps / base, "rounds": rs}
+        base_cpu = rows["unsharded"]["client_cpu_ms_per_call"] + rows["unsharded"]["server_cpu_ms_per_call"]
+        for r in rows.values():
+            r["cpu_ratio"] = (r["client_cpu_ms_per_call"] + r["server_cpu_ms_per_call"]) / base_cpu
         out["per_batch"][str(batch)] = rows
     return out
 
@@ -202,15 +222,26 @@ def _import(config: Path, source: Path) -> subprocess.Popen:
                              str(source)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
 
 
-def _timed(procs: list[subprocess.Popen]) -> tuple[float, list[str]]:
-    t = time.perf_counter()
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _timed(procs: list[subprocess.Popen], t0: float, cpu0: float) -> tuple[float, float, list[str]]:
+    """Wall seconds since ``t0`` until every process ended, their CPU seconds (since ``cpu0``), their outputs."""
     outs = []
     for proc in procs:
         out, err = proc.communicate(timeout=1800)
         if proc.returncode != 0:
             raise RuntimeError(f"hps import failed: {err.strip()[-1000:]}")
         outs.append(" ".join(out.split()))
-    return time.perf_counter() - t, outs
+    return time.perf_counter() - t0, _children_cpu_s() - cpu0, outs
+
+
+def _run_imports(*configs: Path, source: Path) -> tuple[float, float, list[str]]:
+    """``hps import`` of ``source`` with each config, all at once; wall and CPU seconds, outputs."""
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
+    return _timed([_import(c, source) for c in configs], t0, cpu0)
 
 
 def bench_import(p: Plan, workdir: Path, console: Console) -> dict[str, Any]:
@@ -218,35 +249,45 @@ def bench_import(p: Plan, workdir: Path, console: Console) -> dict[str, Any]:
     cfg = lambda name, shards, shard: _import_config(workdir / f"{name}.yaml", workdir / name / "rocksdb",  # noqa: E731
                                                      shards, shard)
     console.print(f"  hps import of {p.import_rows:,} x {DIM}: unsharded, 2 shards one after the other, both at once")
-    # each started as one timed process (interpreter start included in all, as a pod's init container would)
-    t_one, _ = _timed([_import(cfg("one", 1, 0), source)])
-    t_s0, out0 = _timed([_import(cfg("seq0", 2, 0), source)])
-    t_s1, out1 = _timed([_import(cfg("seq1", 2, 1), source)])
-    t_both, _ = _timed([_import(cfg("par0", 2, 0), source), _import(cfg("par1", 2, 1), source)])
+    # each a whole `hps import` process (interpreter start included, as a pod's init container would run it)
+    t_one, cpu_one, _ = _run_imports(cfg("one", 1, 0), source=source)
+    t_s0, cpu_s0, out0 = _run_imports(cfg("seq0", 2, 0), source=source)
+    t_s1, cpu_s1, out1 = _run_imports(cfg("seq1", 2, 1), source=source)
+    t_both, cpu_both, _ = _run_imports(cfg("par0", 2, 0), cfg("par1", 2, 1), source=source)
     return {"rows": p.import_rows, "unsharded_s": t_one, "shard0_s": t_s0, "shard1_s": t_s1,
             "two_shards_sequential_s": t_s0 + t_s1, "two_shards_parallel_s": t_both,
+            "unsharded_cpu_s": cpu_one, "shard0_cpu_s": cpu_s0, "shard1_cpu_s": cpu_s1,
+            "two_shards_parallel_cpu_s": cpu_both,
             "ratio_per_shard": max(t_s0, t_s1) / t_one, "ratio_parallel": t_both / t_one,
-            "ratio_sequential": (t_s0 + t_s1) / t_one, "shard_output": [out0[0], out1[0]]}
+            "ratio_sequential": (t_s0 + t_s1) / t_one,
+            "cpu_ratio_per_shard": max(cpu_s0, cpu_s1) / cpu_one, "cpu_ratio_both": (cpu_s0 + cpu_s1) / cpu_one,
+            "shard_output": [out0[0], out1[0]]}
 
 
 # ---------------------------------------------------------------------------------------------- report
 def table(res: dict[str, Any]) -> Table:
     t = Table(title="sharding: fan-out through the client and import, side by side in one run", header_style="bold")
-    for col in ("benchmark", "contender", "M keys/s", "p50 ms", "p99 ms", "client CPU ms/call", "ratio"):
+    for col in ("benchmark", "contender", "M keys/s", "p50 ms", "p99 ms", "CPU ms/call client + servers",
+                "ratio keys/s", "ratio CPU"):
         t.add_column(col, justify="left" if col in ("benchmark", "contender") else "right")
     for batch, rows in (res.get("fanout") or {}).get("per_batch", {}).items():
         for name, r in rows.items():
             t.add_row(f"8. fan-out, batch {batch}", name, f"{r['keys_per_s'] / 1e6:.2f}", f"{r['p50_ms']:.1f}",
-                      f"{r['p99_ms']:.1f}", f"{r['client_cpu_ms_per_call']:.2f}", f"{r['ratio']:.2f}x")
+                      f"{r['p99_ms']:.1f}", f"{r['client_cpu_ms_per_call']:.2f} + {r['server_cpu_ms_per_call']:.2f}",
+                      f"{r['ratio']:.2f}x", f"{r['cpu_ratio']:.2f}x")
     imp = res.get("import")
     if imp:
-        t.add_row(f"8. import {imp['rows']:,} rows", "unsharded", "", "", "", "", f"{imp['unsharded_s']:.1f} s")
-        t.add_row("", "2 shards: each (max)", "", "", "", "", f"{max(imp['shard0_s'], imp['shard1_s']):.1f} s = "
-                  f"{imp['ratio_per_shard']:.2f}x")
-        t.add_row("", "2 shards: both at once", "", "", "", "", f"{imp['two_shards_parallel_s']:.1f} s = "
-                  f"{imp['ratio_parallel']:.2f}x")
-        t.add_row("", "2 shards: one after the other", "", "", "", "", f"{imp['two_shards_sequential_s']:.1f} s = "
-                  f"{imp['ratio_sequential']:.2f}x")
+        t.add_row(f"8. import {imp['rows']:,} rows", "unsharded", "", "", "", f"CPU {imp['unsharded_cpu_s']:.1f} s",
+                  f"{imp['unsharded_s']:.1f} s", "")
+        t.add_row("", "2 shards: each (the slower)", "", "", "",
+                  f"CPU {max(imp['shard0_cpu_s'], imp['shard1_cpu_s']):.1f} s",
+                  f"{max(imp['shard0_s'], imp['shard1_s']):.1f} s = {imp['ratio_per_shard']:.2f}x",
+                  f"{imp['cpu_ratio_per_shard']:.2f}x")
+        t.add_row("", "2 shards: both at once", "", "", "", f"CPU {imp['two_shards_parallel_cpu_s']:.1f} s",
+                  f"{imp['two_shards_parallel_s']:.1f} s = {imp['ratio_parallel']:.2f}x",
+                  f"{imp['cpu_ratio_both']:.2f}x")
+        t.add_row("", "2 shards: one after the other", "", "", "", "",
+                  f"{imp['two_shards_sequential_s']:.1f} s = {imp['ratio_sequential']:.2f}x", "")
     return t
 
 
