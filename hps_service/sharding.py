@@ -9,7 +9,7 @@ import numpy as np
 
 from hps_service.config import ClusterConfig
 from hps_service.errors import FailedPreconditionError
-from hps_service.updates.partitioning import shard_of
+from hps_service.updates.partitioning import shard_ids
 
 #: Example keys named per owning shard in a WrongShardError message.
 _EXAMPLES = 3
@@ -44,8 +44,8 @@ class ShardMap:
         return [p for p in range(self.partitions) if p % self.shards == self.shard]
 
     def shard_of(self, keys: np.ndarray) -> np.ndarray:
-        """The shard of each key (int32)."""
-        return shard_of(keys, self.partitions, self.shards)
+        """The shard of each key (uint16)."""
+        return shard_ids(keys, self.partitions, self.shards)
 
     def owned(self, keys: np.ndarray) -> np.ndarray:
         """A boolean mask of the keys this shard serves (all of them when unsharded)."""

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from hps_client.partitioning import murmur2, partition_of, shard_of
+from hps_client.partitioning import murmur2, partition_of, shard_ids, shard_of
 
-__all__ = ["group_by_partition", "murmur2", "partition_of", "shard_of"]
+__all__ = ["group_by_partition", "murmur2", "partition_of", "shard_ids", "shard_of"]
 
 
 def group_by_partition(partition: np.ndarray, partitions: int) -> tuple[np.ndarray, np.ndarray]:
