@@ -35,10 +35,16 @@ def run_history(broker: str, workdir: Path, seconds: float, **overrides: dict) -
     assert not violations, text
 
 
+SECONDS = float(os.environ.get("HPS_HISTORY_SECONDS", "40"))
+LONG_SECONDS = float(os.environ.get("HPS_HISTORY_LONG_SECONDS", "600"))
+
+
+@pytest.mark.timeout(SECONDS + 300)
 def test_history_has_no_violation(kafka_broker, tmp_path: Path) -> None:
-    run_history(kafka_broker.bootstrap, tmp_path, float(os.environ.get("HPS_HISTORY_SECONDS", "40")))
+    run_history(kafka_broker.bootstrap, tmp_path, SECONDS)
 
 
 @pytest.mark.long
+@pytest.mark.timeout(LONG_SECONDS + 600)
 def test_long_history_has_no_violation(kafka_broker, tmp_path: Path) -> None:
-    run_history(kafka_broker.bootstrap, tmp_path, float(os.environ.get("HPS_HISTORY_LONG_SECONDS", "600")))
+    run_history(kafka_broker.bootstrap, tmp_path, LONG_SECONDS)
