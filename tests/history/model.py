@@ -4,7 +4,8 @@ In the manner of Jepsen's checkers: every operation is recorded with its start a
 clock of the recording process), then per key:
 
 1. no lookup returns a version older than one whose write was acknowledged before the lookup began (and a stored
-   key is never answered with the default unless a delete could explain it);
+   key is never answered with the default unless a delete could explain it), unless an admin delete may have come
+   between them and the older put, still in flight then, landed after it;
 2. no deleted key comes back after its delete was acknowledged, unless a newer put was acknowledged or in flight
    (or an admin delete, which forgets tombstones by design, let an older put that was still in flight land after it);
 3. once writes stop and the updates are applied, L1, L2 and L3 agree on every key (checked from final reads by
@@ -123,14 +124,16 @@ class Violation:
     key: int
     rule: str
     detail: str
+    at: float | None = None  # the start of the read that shows it
 
 
 def _fmt(t: float, t0: float) -> str:
     return "-" if t is None or t == INF else f"{t - t0:.3f}"
 
 
-def key_history(history: History, key: int, t0: float, limit: int = 60) -> str:
-    """The writes and reads of one key, in start order (the last ``limit``), for a violation report."""
+def key_history(history: History, key: int, t0: float, limit: int = 60, at: float | None = None) -> str:
+    """The writes and reads of one key in start order, for a violation report: the ``limit`` operations up to a
+    little after ``at`` (the violating read), else the last ``limit``."""
     lines = []
     for w in history.writes:
         if np.any(w.keys == key):
@@ -143,6 +146,9 @@ def key_history(history: History, key: int, t0: float, limit: int = 60) -> str:
             lines.append((r.start, f"  {_fmt(r.start, t0):>9} .. {_fmt(r.end, t0):>9}  {r.via:6} read         "
                                    f"{shown} (source {int(r.sources[i])})"))
     lines.sort(key=lambda x: x[0])
+    if at is not None:
+        upto = sum(1 for t, _ in lines if t <= at) + 5
+        lines = lines[:upto]
     shown = [text for _, text in lines[-limit:]]
     skipped = len(lines) - len(shown)
     return "\n".join(([f"  ... {skipped} earlier operations"] if skipped else []) + shown)
@@ -203,27 +209,37 @@ def _check_key(key: int, writes: list[Write], reads: list[tuple[float, float, in
     for i in range(len(reads)):
         v = int(shown[i])
         if v == WRONG:
-            out.append(Violation(key, "wrong row", "the answer is neither a row written for this key nor the default"))
+            out.append(Violation(key, "wrong row", "the answer is neither a row written for this key nor the default",
+                                 float(r_start[i])))
         elif v == DEFAULT:
             if has_need[i] and not vdel_ok[i] and not adel_ok[i]:
                 out.append(Violation(key, "lost update", f"the default, although v{int(need_ver[i])} was acknowledged "
-                                                         "before the lookup began and no delete can follow it"))
+                                                         "before the lookup began and no delete can follow it",
+                                     float(r_start[i])))
         else:
             j = version_index.get(v)
             if j is None or p_start[j] >= r_end[i]:
-                out.append(Violation(key, "phantom", f"v{v}, which no put of this key had started"))
+                out.append(Violation(key, "phantom", f"v{v}, which no put of this key had started", float(r_start[i])))
                 continue
-            if has_need[i] and v < need_ver[i]:
+            if has_need[i] and v < need_ver[i] and not _older_put_after_admin_delete(
+                    need_start[i], r_end[i], p_ack[j], a_start, a_ack):
                 out.append(Violation(key, "stale read", f"v{v}, older than v{int(need_ver[i])}, acknowledged before "
-                                                        "the lookup began"))
+                                                        "the lookup began", float(r_start[i])))
             if gone_ver[i] >= v and not _tombstones_forgotten(v, r_start[i], r_end[i], p_ack[j], d_start, d_ack,
                                                               d_ver, a_start, a_ack):
                 out.append(Violation(key, "resurrected", f"v{v}, deleted at v{int(gone_ver[i])} (acknowledged before "
-                                                         "the lookup began)"))
+                                                         "the lookup began)", float(r_start[i])))
             if p_cancel[j] < r_start[i]:
                 out.append(Violation(key, "resurrected", f"v{v}, removed by an admin delete acknowledged before the "
-                                                         "lookup began"))
+                                                         "lookup began", float(r_start[i])))
     return out
+
+
+def _older_put_after_admin_delete(need_start: float, end: float, put_ack: float, a_start: np.ndarray,
+                                  a_ack: np.ndarray) -> bool:
+    """Whether an admin delete may have removed the newer put (it did not end before that put began) before the read
+    ended, and the older put shown, not acknowledged when that delete began, landed after it: allowed."""
+    return bool(((a_ack >= need_start) & (a_start < end) & (put_ack >= a_start)).any())
 
 
 def _tombstones_forgotten(v: int, start: float, end: float, put_ack: float, d_start: np.ndarray, d_ack: np.ndarray,

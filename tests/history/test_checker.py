@@ -81,3 +81,15 @@ def test_tiers_agree() -> None:
     assert check_tiers_agree(keys, {"L1": np.array([4, DEFAULT, 6])}, stored) == []
     bad = check_tiers_agree(keys, {"L1": np.array([4, 5, 6]), "L2": np.array([3, DEFAULT, 6])}, stored)
     assert [(v.key, v.rule) for v in bad] == [(2, "tiers disagree"), (1, "tiers disagree")]
+
+
+def test_an_older_put_may_land_after_an_admin_delete_that_may_follow_a_newer_put() -> None:
+    h = History()
+    put(h, 1, 0.0, 6.0, via="kafka")  # in flight until after the admin delete began
+    h.add_write(Write("admin_delete", np.array([7]), None, 1.0, "rest", 3.0))
+    put(h, 2, 2.0, 2.5)  # acknowledged while the admin delete ran: the delete may follow it
+    read(h, 1, 7.0, 8.0)
+    assert rules(h) == []
+    put(h, 3, 9.0, 9.5)  # acknowledged after every delete ended: nothing excuses an older answer
+    read(h, 1, 10.0, 11.0)
+    assert rules(h) == ["stale read"]

@@ -8,6 +8,7 @@ for HPS_HISTORY_LONG_SECONDS (default 600 s).
 from __future__ import annotations
 
 import os
+import pickle
 import uuid
 from pathlib import Path
 
@@ -30,6 +31,10 @@ def run_history(broker: str, workdir: Path, seconds: float, **overrides: dict) -
     violations = check(workload.history) + check_tiers_agree(keys, passes, workload.stored_versions())
     text = report(workload.history, violations, workload.t0)
     print(text)
+    if violations:  # for a look afterwards: pickle.load(open(path, "rb")) -> (history, violations, t0)
+        with open(workdir / "history.pkl", "wb") as f:
+            pickle.dump((workload.history.writes, workload.history.reads, violations, workload.t0), f)
+        print(f"history saved to {workdir / 'history.pkl'}")
     assert not workload.errors, workload.errors
     assert workload.history.counts()["acknowledged writes"] > 0
     assert not violations, text

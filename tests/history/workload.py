@@ -313,6 +313,7 @@ def report(history: History, violations: list[Violation], t0: float, limit: int 
              + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()) if k != "operations")
              + f"); {len(violations)} violations"]
     for v in violations[:limit]:
-        lines.append(f"VIOLATION key {v.key}: {v.rule}: {v.detail}")
-        lines.append(key_history(history, v.key, t0))
+        when = "" if v.at is None else f" (lookup at {v.at - t0:.3f})"
+        lines.append(f"VIOLATION key {v.key}: {v.rule}: {v.detail}{when}")
+        lines.append(key_history(history, v.key, t0, at=v.at))
     return "\n".join(lines)
