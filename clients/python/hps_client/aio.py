@@ -16,15 +16,19 @@ import grpc
 import numpy as np
 
 from hps_client.channel import channel_options
-from hps_client.client import _INFO, PROBE_TIMEOUT_S, _Routes, remaining, shard_error
 from hps_client.errors import FailedPreconditionError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_client.routing import (
+    CLUSTER_INFO,
+    PROBE_TIMEOUT_S,
     ShardPart,
+    ShardRoutes,
     ShardShape,
     check_same_shape,
+    remaining,
     shard_channel_targets,
+    shard_error,
     shard_unavailable,
     split_batch,
     whole_target,
@@ -61,7 +65,7 @@ class AsyncHPSClient:
         self.retries = retries
         self._options = channel_options(retries, backoff_s, options)
         self._channels: dict[str, grpc.aio.Channel] = {}
-        self._routes: _Routes | None = None
+        self._routes: ShardRoutes | None = None
         self._unsharded = False
         self._watchers: dict[int, asyncio.Task] = {}
         self._learning: asyncio.Lock | None = None  # one coroutine learns the shard map at a time
@@ -99,13 +103,13 @@ class AsyncHPSClient:
     # ---- the shard map ------------------------------------------------------------------------------------
     async def cluster_info(self, timeout: float | None = None) -> dict[str, Any]:
         """GetClusterInfo of one target: shards, its shard, partitions, readiness (as a dict)."""
-        info = await self._call("GetClusterInfo", _INFO, timeout)
+        info = await self._call("GetClusterInfo", CLUSTER_INFO, timeout)
         return {"shards": info.shards, "shard": info.shard, "partitions": info.partitions,
                 "partitioner": info.partitioner, "owned_partitions": list(info.owned_partitions),
                 "topic_partitions": dict(info.topic_partitions), "ready": info.ready,
                 "not_ready": list(info.not_ready)}
 
-    async def _learn(self, deadline: float | None) -> _Routes | None:
+    async def _learn(self, deadline: float | None) -> ShardRoutes | None:
         """The sharded routes, learned on first use; None: call through the one channel, as unsharded."""
         if self._unsharded:
             return None
@@ -118,11 +122,11 @@ class AsyncHPSClient:
                 return self._routes
             return await self._learn_locked(deadline)
 
-    async def _learn_locked(self, deadline: float | None) -> _Routes | None:
+    async def _learn_locked(self, deadline: float | None) -> ShardRoutes | None:
         stub = self._get_stub()
         if stub is not None:
             try:
-                info = await stub.GetClusterInfo(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+                info = await stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     self._unsharded = True
@@ -130,7 +134,7 @@ class AsyncHPSClient:
             if info.shards <= 1:
                 self._unsharded = True
                 return None
-        probes = [self._open(t).GetClusterInfo(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+        probes = [self._open(t).GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
                   for t in self.targets]
         answers = await asyncio.gather(*probes, return_exceptions=True)
         infos = {i: a for i, a in enumerate(answers) if isinstance(a, pb.ClusterInfo)}
@@ -155,15 +159,15 @@ class AsyncHPSClient:
                 self._watchers[i] = asyncio.get_running_loop().create_task(self._watch(i))
         return self._routes
 
-    def _build(self, shape: ShardShape, known: dict[int, int]) -> _Routes:
+    def _build(self, shape: ShardShape, known: dict[int, int]) -> ShardRoutes:
         targets = shard_channel_targets(self.targets, known)
         stubs = {shard: [self._open(t) for t in ts] for shard, ts in targets.items()}
-        return _Routes(shape=shape, known=dict(known), targets=targets, stubs=stubs)
+        return ShardRoutes(shape=shape, known=dict(known), targets=targets, stubs=stubs)
 
     async def _watch(self, i: int) -> None:
         """Add target ``i`` (down when first asked) to its shard's routes as soon as it answers."""
         try:
-            info = await self._open(self.targets[i]).GetClusterInfo(_INFO, wait_for_ready=True)
+            info = await self._open(self.targets[i]).GetClusterInfo(CLUSTER_INFO, wait_for_ready=True)
         except grpc.aio.AioRpcError:
             return
         finally:
@@ -223,7 +227,7 @@ class AsyncHPSClient:
                 self._forget()  # a server refused keys of another shard: the fleet changed; learn it again
         raise AssertionError("unreachable")
 
-    async def _answer(self, routes: _Routes, part: ShardPart, deadline: float | None,
+    async def _answer(self, routes: ShardRoutes, part: ShardPart, deadline: float | None,
                       total: int) -> pb.LookupResponse:
         """The part's answer from the shard's channels in turn; UnavailableError naming the shard when none does."""
         detail = "none of the client's targets serves this shard"

@@ -9,11 +9,9 @@
 
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,57 +19,25 @@ import grpc
 import numpy as np
 
 from hps_client.channel import channel_options
-from hps_client.errors import FailedPreconditionError, HPSError, UnavailableError
+from hps_client.errors import FailedPreconditionError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_client.routing import (
+    CLUSTER_INFO,
+    PROBE_TIMEOUT_S,
     ShardPart,
+    ShardRoutes,
     ShardShape,
     check_same_shape,
+    remaining,
     shard_channel_targets,
+    shard_error,
     shard_unavailable,
     split_batch,
     whole_target,
 )
 from hps_client.tls import channel_credentials
 from hps_client.wire import TableAnswer, as_error, build_request, decode_answer
-
-#: The longest a call waits for the targets' GetClusterInfo answers before it goes on without them.
-PROBE_TIMEOUT_S = 2.0
-_INFO = pb.GetClusterInfoRequest()
-
-
-def remaining(deadline: float | None, cap: float | None = None) -> float | None:
-    """Seconds left before ``deadline`` (monotonic), at most ``cap``; None for no deadline and no cap."""
-    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-    if cap is None:
-        return left
-    return cap if left is None else min(left, cap)
-
-
-def shard_error(shard: int, shape: ShardShape, err: grpc.RpcError) -> HPSError:
-    """A shard's failed answer as the client error of its status, naming the shard."""
-    error = as_error(err)
-    return type(error)(f"shard {shard} of {shape.shards}: {error}")
-
-
-@dataclass
-class _Routes:
-    """What the client learned of a sharded fleet: the shape, each target's shard, and per shard its stubs."""
-
-    shape: ShardShape
-    known: dict[int, int]
-    targets: dict[int, list[str]]
-    stubs: dict[int, list[pb_grpc.EmbeddingServiceStub]]
-    turn: dict[int, itertools.count] = field(default_factory=dict)
-
-    def stubs_from(self, shard: int) -> list[pb_grpc.EmbeddingServiceStub]:
-        """The shard's stubs, starting at the next in turn (round robin when a shard has several channels)."""
-        stubs = self.stubs.get(shard, [])
-        if len(stubs) < 2:
-            return stubs
-        start = next(self.turn.setdefault(shard, itertools.count())) % len(stubs)
-        return stubs[start:] + stubs[:start]
 
 
 class HPSClient:
@@ -115,7 +81,7 @@ class HPSClient:
         self._stub = self._open(self.target) if self.target is not None else None
         #: The one channel over every target (None for several named targets, e.g. a dns:/// name per shard).
         self._channel = self._channels.get(self.target) if self.target is not None else None
-        self._routes: _Routes | None = None
+        self._routes: ShardRoutes | None = None
         self._unsharded = False
         self._watching: dict[int, grpc.Future] = {}
         #: targets whose shard (and shard map) a watcher learned since the routes were built
@@ -164,13 +130,13 @@ class HPSClient:
     # ---- the shard map ------------------------------------------------------------------------------------
     def cluster_info(self, timeout: float | None = None) -> dict[str, Any]:
         """GetClusterInfo of one target: shards, its shard, partitions, readiness (as a dict)."""
-        info = self._call("GetClusterInfo", _INFO, timeout)
+        info = self._call("GetClusterInfo", CLUSTER_INFO, timeout)
         return {"shards": info.shards, "shard": info.shard, "partitions": info.partitions,
                 "partitioner": info.partitioner, "owned_partitions": list(info.owned_partitions),
                 "topic_partitions": dict(info.topic_partitions), "ready": info.ready,
                 "not_ready": list(info.not_ready)}
 
-    def _learn(self, deadline: float | None) -> _Routes | None:
+    def _learn(self, deadline: float | None) -> ShardRoutes | None:
         """The sharded routes, learned on first use; None: call through the one channel, as unsharded."""
         if self._unsharded:
             return None
@@ -185,7 +151,7 @@ class HPSClient:
                 return self._routes
             if self._stub is not None:
                 try:
-                    info = self._stub.GetClusterInfo(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+                    info = self._stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
                 except grpc.RpcError as err:
                     if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server from before shards
                         self._unsharded = True
@@ -195,10 +161,10 @@ class HPSClient:
                     return None
             return self._learn_targets(deadline)
 
-    def _learn_targets(self, deadline: float | None) -> _Routes | None:
+    def _learn_targets(self, deadline: float | None) -> ShardRoutes | None:
         """Ask every target its shard (concurrently) and build one channel per shard."""
         stubs = {i: pb_grpc.EmbeddingServiceStub(self._probe_channel(t)) for i, t in enumerate(self.targets)}
-        futures = {i: s.GetClusterInfo.future(_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+        futures = {i: s.GetClusterInfo.future(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
                    for i, s in stubs.items()}
         infos: dict[int, pb.ClusterInfo] = {}
         errors: dict[int, str] = {}
@@ -231,15 +197,15 @@ class HPSClient:
         self._open(target)
         return self._channels[target]
 
-    def _build(self, shape: ShardShape, known: dict[int, int]) -> _Routes:
+    def _build(self, shape: ShardShape, known: dict[int, int]) -> ShardRoutes:
         targets = shard_channel_targets(self.targets, known)
         stubs = {shard: [self._open(t) for t in ts] for shard, ts in targets.items()}
-        return _Routes(shape=shape, known=dict(known), targets=targets, stubs=stubs)
+        return ShardRoutes(shape=shape, known=dict(known), targets=targets, stubs=stubs)
 
     def _watch(self, i: int) -> None:
         """Learn the shard of target ``i`` (down when first asked) as soon as it answers."""
         stub = pb_grpc.EmbeddingServiceStub(self._probe_channel(self.targets[i]))
-        fut = stub.GetClusterInfo.future(_INFO, wait_for_ready=True)
+        fut = stub.GetClusterInfo.future(CLUSTER_INFO, wait_for_ready=True)
 
         def done(f: grpc.Future) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -256,7 +222,7 @@ class HPSClient:
             self._watching[i] = fut
         fut.add_done_callback(done)
 
-    def _with_found(self) -> _Routes:
+    def _with_found(self) -> ShardRoutes:
         """The routes with the targets that watchers found since added (called with the lock held)."""
         routes = self._routes
         assert routes is not None
@@ -308,7 +274,7 @@ class HPSClient:
                 self._forget()  # a server refused keys of another shard: the fleet changed; learn it again
         raise AssertionError("unreachable")
 
-    def _lookup_sharded(self, routes: _Routes, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
+    def _lookup_sharded(self, routes: ShardRoutes, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
                         deadline: float | None) -> dict[str, TableAnswer]:
         split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
         total = sum(split.sizes)
@@ -326,7 +292,7 @@ class HPSClient:
                     fut.cancel()  # a no-op for finished calls; stops the others when one shard failed
         return split.merge(responses)
 
-    def _answer(self, routes: _Routes, part: ShardPart, stubs: list[pb_grpc.EmbeddingServiceStub],
+    def _answer(self, routes: ShardRoutes, part: ShardPart, stubs: list[pb_grpc.EmbeddingServiceStub],
                 fut: grpc.Future | None, deadline: float | None, total: int) -> pb.LookupResponse:
         """The part's answer: its call, else the shard's other channels in turn; UnavailableError naming the
         shard when none answers."""

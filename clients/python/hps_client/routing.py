@@ -6,16 +6,20 @@ The I/O lives in HPSClient and AsyncHPSClient; this module is the part they shar
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import grpc
 import numpy as np
 
 from hps_client.channel import channel_target
-from hps_client.errors import InvalidArgumentError, LookupError_, UnavailableError
+from hps_client.errors import HPSError, InvalidArgumentError, LookupError_, UnavailableError
 from hps_client.partitioning import shard_ids
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
-from hps_client.wire import TableAnswer, as_keys, decode_answer
+from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_client.wire import TableAnswer, as_error, as_keys, decode_answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,3 +173,42 @@ def shard_unavailable(shard: int, shape: ShardShape, part_keys: int, total_keys:
         f"shard {shard} of {shape.shards} is unavailable: no replica answered ({part_keys} of the {total_keys} keys "
         f"asked are on it; its targets: {where}): {detail}"
     )
+
+
+#: The longest a call waits for the targets' GetClusterInfo answers before it goes on without them.
+PROBE_TIMEOUT_S = 2.0
+#: The request of every GetClusterInfo call.
+CLUSTER_INFO = pb.GetClusterInfoRequest()
+
+
+def remaining(deadline: float | None, cap: float | None = None) -> float | None:
+    """Seconds left before ``deadline`` (monotonic), at most ``cap``; None for no deadline and no cap."""
+    left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+    if cap is None:
+        return left
+    return cap if left is None else min(left, cap)
+
+
+def shard_error(shard: int, shape: ShardShape, err: grpc.RpcError) -> HPSError:
+    """A shard's failed answer as the client error of its status, naming the shard."""
+    error = as_error(err)
+    return type(error)(f"shard {shard} of {shape.shards}: {error}")
+
+
+@dataclass
+class ShardRoutes:
+    """What the client learned of a sharded fleet: the shape, each target's shard, and per shard its stubs."""
+
+    shape: ShardShape
+    known: dict[int, int]
+    targets: dict[int, list[str]]
+    stubs: dict[int, list[pb_grpc.EmbeddingServiceStub]]
+    turn: dict[int, itertools.count] = field(default_factory=dict)
+
+    def stubs_from(self, shard: int) -> list[pb_grpc.EmbeddingServiceStub]:
+        """The shard's stubs, starting at the next in turn (round robin when a shard has several channels)."""
+        stubs = self.stubs.get(shard, [])
+        if len(stubs) < 2:
+            return stubs
+        start = next(self.turn.setdefault(shard, itertools.count())) % len(stubs)
+        return stubs[start:] + stubs[:start]
