@@ -71,6 +71,9 @@ class ServerConfig(_Section):
     tls: TLSConfig | None = None
     log_format: Literal["text", "json"] = Field(
         "text", description="stderr log lines as text, or one JSON object per line (librdkafka and uvicorn too)")
+    probe_port: int | None = Field(
+        None, ge=0, le=65535, description="plaintext HTTP port answering only /healthz and /readyz, for probes that "
+        "cannot speak (mutual) TLS; off when unset")
 
     @model_validator(mode="after")
     def _admin_token_alias(self) -> ServerConfig:
@@ -153,6 +156,22 @@ class PersistentConfig(_Section):
     read_only: bool = False
     block_cache_mb: int = Field(256, ge=0)
     sync_writes: bool = Field(True, description="fsync the WAL on every update batch before its offset is committed")
+    snapshot_store: str | None = Field(
+        None, description="s3://BUCKET/PREFIX where snapshots are uploaded and an empty store bootstraps from "
+        "(endpoint and credentials from the standard AWS environment, AWS_ENDPOINT_URL included)")
+    snapshot_interval_s: float = Field(0.0, ge=0.0, description="take and upload a snapshot this often (0 = off)")
+    snapshot_retain: int = Field(3, ge=1, description="newest snapshots kept in the store per model")
+    snapshot_upload_bytes_per_s: int = Field(
+        0, ge=0, description="bandwidth cap of a snapshot upload, so it leaves room for serving (0 = unlimited)")
+
+    @field_validator("snapshot_store")
+    @classmethod
+    def _s3_url(cls, v: str | None) -> str | None:
+        if v is None or v == "":
+            return None
+        if not re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$", v):
+            raise ValueError(f"must be s3://BUCKET[/PREFIX] with a valid bucket name, got {v!r}")
+        return v
 
 
 class UpdatesConfig(_Section):
@@ -166,6 +185,9 @@ class UpdatesConfig(_Section):
         30.0, gt=0, description="messages waiting and none applied for this long: the stream is stalled (WARNING "
         "log, hps_update_stalled, /readyz 503)"
     )
+    max_lag_s: float = Field(
+        60.0, ge=0.0, description="a ready replica whose oldest unapplied update is older than this leaves the "
+        "Service (NOT_SERVING, /readyz 503) until it catches up; 0 = never")
     kafka_config: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="extra librdkafka settings for every client, e.g. security.protocol, sasl.*, ssl.*",

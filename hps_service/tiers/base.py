@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,6 +26,11 @@ log = logging.getLogger(__name__)
 
 #: Version stored with a row when the writer gives none (bulk import without a version).
 NO_VERSION = 0
+
+
+#: How far a writer has applied an ordered log: ``(source, partition) -> next offset``. Opaque to the tiers, which
+#: only keep it beside the rows (the update consumer uses Kafka topics as sources).
+Positions = Mapping[tuple[str, int], int]
 
 
 def table_id(model: str, table: str) -> str:
@@ -58,6 +64,26 @@ class TierStats:
     evictions: int = 0
     errors: int = 0  # batches or keys that failed and fell through to the next tier
     extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class TableWrite:
+    """Puts and deletes of one table that are written together; a key is either put or deleted, never both."""
+
+    table: str
+    keys: np.ndarray  # (n,) int64, unique
+    vectors: np.ndarray  # (n, dim) float32
+    versions: np.ndarray  # (n,) int64
+    delete_keys: np.ndarray  # (m,) int64, unique
+    delete_versions: np.ndarray | None  # (m,) int64 tombstone versions, or None for deletes that forget the key
+
+
+@dataclass(slots=True)
+class WriteResult:
+    """What one :class:`TableWrite` did: the mask of puts written and how many live rows the deletes removed."""
+
+    written: np.ndarray  # (n,) bool
+    removed: int
 
 
 def max_version_per_key(keys: np.ndarray, versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -167,6 +193,32 @@ class Tier(ABC):
         """Remove tombstones of ``table`` older than ``below_version``; returns how many. Stores whose
         tombstones are bounded otherwise (evicted with the rows) keep them and return 0."""
         return 0
+
+    #: True when :meth:`write` keeps the positions in the same atomic write as the rows (see :meth:`positions`).
+    stores_positions: bool = False
+
+    def write(self, writes: Sequence[TableWrite], positions: Positions | None = None) -> list[WriteResult]:
+        """Apply several tables' puts and deletes; a store that ``stores_positions`` writes them and ``positions``
+        atomically. This default applies each write in turn and keeps no positions."""
+        results = []
+        for w in writes:
+            written = (self.put(w.table, w.keys, w.vectors, w.versions) if w.keys.shape[0]
+                       else np.zeros(0, dtype=bool))
+            removed = self.delete(w.table, w.delete_keys, w.delete_versions) if w.delete_keys.shape[0] else 0
+            results.append(WriteResult(written=written, removed=removed))
+        return results
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        """The positions stored by the last :meth:`write` that carried them (empty for stores that keep none)."""
+        return {}
+
+    def metadata(self, prefix: str = "") -> dict[str, bytes]:
+        """Entries the layers above stored with :meth:`set_metadata` (e.g. runtime model registrations)."""
+        return {}
+
+    def set_metadata(self, key: str, value: bytes | None) -> bool:
+        """Store (or with None remove) an entry durably; False where the store keeps no metadata."""
+        return False
 
     def take_missed_writes(self, table: str) -> np.ndarray:
         """Keys whose puts or deletes could not reach the store and that it may now serve stale: the engine

@@ -16,10 +16,11 @@ import shutil
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from itertools import compress, islice, repeat
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rocksdict import (
@@ -38,7 +39,16 @@ from rocksdict import (
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.keys import as_keys
-from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
+from hps_service.tiers.base import (
+    Positions,
+    Rows,
+    TableWrite,
+    Tier,
+    TierStats,
+    WriteResult,
+    delete_versions,
+    max_version_per_key,
+)
 from hps_service.tiers.codec import (
     ABSENT,
     LIVE,
@@ -51,8 +61,14 @@ from hps_service.tiers.codec import (
     encode_tombstones,
 )
 
-#: Column family holding ``dim:<table>``, ``count:<table>`` and ``tombstones:<table>`` entries (int64 LE values).
+#: Column family holding ``dim:<table>``, ``count:<table>`` and ``tombstones:<table>`` entries (int64 LE values),
+#: and the ``app:`` entries of :meth:`RocksDBTier.set_metadata`.
 META_CF = "__hps_meta__"
+#: Column family of the log positions written with the rows: ``<source>\0<partition u32 BE>`` -> next offset (i64 LE).
+POSITIONS_CF = "__hps_positions__"
+#: Column families that are not tables.
+RESERVED_CFS = (META_CF, POSITIONS_CF, "default")
+_APP_PREFIX = "app:"
 #: Rows per SST file written by :meth:`RocksDBTier.bulk_import` (one progress report per file).
 IMPORT_CHUNK_ROWS = 262_144
 #: Entries read per step by :meth:`RocksDBTier.scan_keys` and :meth:`RocksDBTier.purge_tombstones`.
@@ -66,6 +82,14 @@ def _meta_key(kind: str, table: str) -> bytes:
 
 def _int_value(value: int) -> bytes:
     return int(value).to_bytes(8, "little", signed=True)
+
+
+def _position_key(source: str, partition: int) -> bytes:
+    return source.encode() + b"\0" + int(partition).to_bytes(4, "big")
+
+
+def _parse_position_key(key: bytes) -> tuple[str, int]:
+    return key[:-5].decode(), int.from_bytes(key[-4:], "big")
 
 
 def _drain(iterator) -> None:
@@ -105,7 +129,7 @@ class RocksDBTier(Tier):
         existing = (
             set(Rdict.list_cf(str(self.path), self._options())) if (self.path / "CURRENT").exists() else set()
         )
-        column_families = {name: self._options() for name in existing | {META_CF}}
+        column_families = {name: self._options() for name in existing | {META_CF, POSITIONS_CF}}
         if read_only:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
             access = AccessType.read_only(False)
@@ -121,11 +145,12 @@ class RocksDBTier(Tier):
         if not read_only:  # SST files of an import that a crash interrupted (never ingested)
             _drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
         self._meta = self._db.get_column_family(META_CF) if META_CF in column_families else None
+        self._positions = self._db.get_column_family(POSITIONS_CF) if POSITIONS_CF in column_families else None
         self._dims: dict[str, int] = {}
         self._cfs: dict[str, Rdict] = {}
         self._handles: dict[str, object] = {}
         for name in column_families:
-            if name in (META_CF, "default"):
+            if name in RESERVED_CFS:
                 continue
             dim = self._meta_int("dim", name)
             if dim is not None:
@@ -203,7 +228,7 @@ class RocksDBTier(Tier):
     def create_table(self, table: str, dim: int) -> None:
         """Create the column family of ``table`` (idempotent); an existing table must have the same dim."""
         self._check_open()
-        if not table or table in (META_CF, "default"):
+        if not table or table in RESERVED_CFS:
             raise InvalidArgumentError(f"invalid table name {table!r}")
         if not 1 <= int(dim) <= 16384:
             raise InvalidArgumentError(f"dim must be in [1, 16384], got {dim}")
@@ -244,17 +269,22 @@ class RocksDBTier(Tier):
 
     def _add_counts(self, batch: WriteBatch, table: str, rows: int, tombstones: int) -> None:
         """Adjust the row and tombstone counts of ``table`` inside ``batch`` (caller holds the lock)."""
-        meta = self._db.get_column_family_handle(META_CF)
-        if rows:
-            count = max(0, (self._meta_int("count", table) or 0) + rows)
-            batch.put(_meta_key("count", table), _int_value(count), meta)
-        if tombstones:
-            count = max(0, (self._meta_int("tombstones", table) or 0) + tombstones)
-            batch.put(_meta_key("tombstones", table), _int_value(count), meta)
+        self._stage_counts(batch, {("count", table): rows, ("tombstones", table): tombstones})
 
-    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
-        """Write rows whose version is >= the stored row's (> a tombstone's), in one synced batch; return the mask."""
-        self._check_writable(f"write to {table}")
+    def _stage_counts(self, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:
+        """Put the counts changed by ``deltas`` ((kind, table) -> change) into ``batch`` (caller holds the lock)."""
+        meta = self._db.get_column_family_handle(META_CF)
+        for (kind, table), delta in deltas.items():
+            if delta:
+                count = max(0, (self._meta_int(kind, table) or 0) + delta)
+                batch.put(_meta_key(kind, table), _int_value(count), meta)
+
+    def _stage_put(
+        self, batch: WriteBatch, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
+        deltas: dict[tuple[str, str], int],
+    ) -> np.ndarray:
+        """Stage the rows whose version is >= the stored row's (> a tombstone's) into ``batch``; the written mask.
+        Keys are unique; the caller holds the lock."""
         cf, dim = self._table(table)
         keys = as_keys(keys)
         n = keys.size
@@ -266,33 +296,24 @@ class RocksDBTier(Tier):
         if n == 0:
             return np.zeros(0, dtype=bool)
         encoded = encode_keys(keys)
-        with self._lock:
-            states, stored = self._stored_states(cf, encoded, dim)
-            written = self._accepts(states, stored, offered)
-            idx = np.flatnonzero(written)
-            if idx.size:
-                batch = WriteBatch(raw_mode=True)
-                handle = self._handles[table]
-                sel_keys = encoded if idx.size == n else encode_keys(keys[idx])
-                values = encode_rows(vectors[idx], offered[idx])
-                _drain(map(batch.put, sel_keys, values, repeat(handle)))
-                replaced = states[idx]
-                self._add_counts(
-                    batch,
-                    table,
-                    rows=int(np.count_nonzero(replaced != LIVE)),
-                    tombstones=-int(np.count_nonzero(replaced == TOMBSTONE)),
-                )
-                self._write(batch)
+        states, stored = self._stored_states(cf, encoded, dim)
+        written = self._accepts(states, stored, offered)
+        idx = np.flatnonzero(written)
+        if idx.size:
+            handle = self._handles[table]
+            sel_keys = encoded if idx.size == n else encode_keys(keys[idx])
+            _drain(map(batch.put, sel_keys, encode_rows(vectors[idx], offered[idx]), repeat(handle)))
+            replaced = states[idx]
+            deltas[("count", table)] = deltas.get(("count", table), 0) + int(np.count_nonzero(replaced != LIVE))
+            deltas[("tombstones", table)] = (deltas.get(("tombstones", table), 0)
+                                             - int(np.count_nonzero(replaced == TOMBSTONE)))
         return written
 
-    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
-        """Remove ``keys`` in one WriteBatch; returns how many live rows were removed.
-
-        With ``versions``: rows not newer than the delete become tombstones at its version (an absent key gets
-        one, an older tombstone is raised). Without: rows and tombstones alike are removed.
-        """
-        self._check_writable(f"delete from {table}")
+    def _stage_delete(
+        self, batch: WriteBatch, table: str, keys: np.ndarray, versions: np.ndarray | None,
+        deltas: dict[tuple[str, str], int],
+    ) -> int:
+        """Stage a delete of ``keys`` into ``batch`` (see :meth:`delete`); live rows removed. Caller holds the lock."""
         cf, dim = self._table(table)
         keys = as_keys(keys)
         tomb_versions = delete_versions(versions, keys.size)
@@ -303,32 +324,117 @@ class RocksDBTier(Tier):
         else:
             keys, tomb_versions = max_version_per_key(keys, tomb_versions)
         encoded = encode_keys(keys)
-        with self._lock:
-            states, stored = self._stored_states(cf, encoded, dim)
-            live = states == LIVE
-            batch = WriteBatch(raw_mode=True)
-            handle = self._handles[table]
-            if tomb_versions is None:
-                removed = int(np.count_nonzero(live))
-                _drain(map(batch.delete, encoded, repeat(handle)))
-                self._add_counts(
-                    batch, table, rows=-removed, tombstones=-int(np.count_nonzero(states == TOMBSTONE))
-                )
-            else:
-                removing = live & (stored <= tomb_versions)
-                raising = (states == TOMBSTONE) & (stored < tomb_versions)
-                new_tombstones = removing | (states == ABSENT)
-                removed = int(np.count_nonzero(removing))
-                idx = np.flatnonzero(new_tombstones | raising)
-                if idx.size == 0:
-                    return 0
-                sel_keys = encoded if idx.size == keys.size else encode_keys(keys[idx])
-                _drain(map(batch.put, sel_keys, encode_tombstones(tomb_versions[idx]), repeat(handle)))
-                self._add_counts(
-                    batch, table, rows=-removed, tombstones=int(np.count_nonzero(new_tombstones))
-                )
-            self._write(batch)
+        states, stored = self._stored_states(cf, encoded, dim)
+        live = states == LIVE
+        handle = self._handles[table]
+        if tomb_versions is None:
+            removed = int(np.count_nonzero(live))
+            _drain(map(batch.delete, encoded, repeat(handle)))
+            tombstones = -int(np.count_nonzero(states == TOMBSTONE))
+        else:
+            removing = live & (stored <= tomb_versions)
+            raising = (states == TOMBSTONE) & (stored < tomb_versions)
+            new_tombstones = removing | (states == ABSENT)
+            removed = int(np.count_nonzero(removing))
+            idx = np.flatnonzero(new_tombstones | raising)
+            if idx.size == 0:
+                return 0
+            sel_keys = encoded if idx.size == keys.size else encode_keys(keys[idx])
+            _drain(map(batch.put, sel_keys, encode_tombstones(tomb_versions[idx]), repeat(handle)))
+            tombstones = int(np.count_nonzero(new_tombstones))
+        deltas[("count", table)] = deltas.get(("count", table), 0) - removed
+        deltas[("tombstones", table)] = deltas.get(("tombstones", table), 0) + tombstones
         return removed
+
+    def _commit(self, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:
+        """Add the count changes to ``batch`` and write it (synced when sync_writes); caller holds the lock."""
+        self._stage_counts(batch, deltas)
+        if not batch.is_empty():
+            self._write(batch)
+
+    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Write rows whose version is >= the stored row's (> a tombstone's), in one synced batch; return the mask."""
+        self._check_writable(f"write to {table}")
+        self._table(table)
+        with self._lock:
+            batch, deltas = WriteBatch(raw_mode=True), {}
+            written = self._stage_put(batch, table, keys, vectors, versions, deltas)
+            self._commit(batch, deltas)
+        return written
+
+    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
+        """Remove ``keys`` in one WriteBatch; returns how many live rows were removed.
+
+        With ``versions``: rows not newer than the delete become tombstones at its version (an absent key gets
+        one, an older tombstone is raised). Without: rows and tombstones alike are removed.
+        """
+        self._check_writable(f"delete from {table}")
+        self._table(table)
+        with self._lock:
+            batch, deltas = WriteBatch(raw_mode=True), {}
+            removed = self._stage_delete(batch, table, keys, versions, deltas)
+            self._commit(batch, deltas)
+        return removed
+
+    # ---- grouped writes with positions, metadata ------------------------------------------------------
+
+    stores_positions = True
+
+    def write(self, writes: Sequence[TableWrite], positions: Positions | None = None) -> list[WriteResult]:
+        """Every table's puts and deletes and ``positions`` in one synced WriteBatch: after a crash the stored
+        positions never run ahead of the stored rows (nor behind them)."""
+        self._check_writable("write")
+        for w in writes:
+            self._table(w.table)
+        with self._lock:
+            batch, deltas = WriteBatch(raw_mode=True), {}
+            results = []
+            for w in writes:
+                written = (self._stage_put(batch, w.table, w.keys, w.vectors, w.versions, deltas)
+                           if w.keys.shape[0] else np.zeros(0, dtype=bool))
+                removed = (self._stage_delete(batch, w.table, w.delete_keys, w.delete_versions, deltas)
+                           if w.delete_keys.shape[0] else 0)
+                results.append(WriteResult(written=written, removed=removed))
+            if positions:
+                handle = self._db.get_column_family_handle(POSITIONS_CF)
+                for (source, partition), offset in positions.items():
+                    batch.put(_position_key(source, partition), _int_value(offset), handle)
+            self._commit(batch, deltas)
+        return results
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        """The positions stored with the rows: ``(source, partition) -> next offset``."""
+        self._check_open()
+        if self._positions is None:
+            return {}
+        return {_parse_position_key(k): int.from_bytes(v, "little", signed=True) for k, v in self._positions.items()}
+
+    def metadata(self, prefix: str = "") -> dict[str, bytes]:
+        """Entries stored with :meth:`set_metadata` whose key starts with ``prefix``."""
+        self._check_open()
+        if self._meta is None:
+            return {}
+        start = (_APP_PREFIX + prefix).encode()
+        out = {}
+        for key, value in self._meta.items(from_key=start):
+            if not key.startswith(start):
+                break
+            out[key[len(_APP_PREFIX):].decode()] = value
+        return out
+
+    def set_metadata(self, key: str, value: bytes | None) -> bool:
+        """Store ``value`` under ``key`` in the metadata column family (synced), or remove it with None."""
+        self._check_writable(f"store metadata {key}")
+        assert self._meta is not None
+        with self._lock:
+            batch = WriteBatch(raw_mode=True)
+            handle = self._db.get_column_family_handle(META_CF)
+            if value is None:
+                batch.delete((_APP_PREFIX + key).encode(), handle)
+            else:
+                batch.put((_APP_PREFIX + key).encode(), bytes(value), handle)
+            self._write(batch)
+        return True
 
     def purge_tombstones(self, table: str, below_version: int) -> int:
         """Remove the tombstones of ``table`` whose version is below ``below_version``; returns how many.
@@ -443,6 +549,97 @@ class RocksDBTier(Tier):
         dest.parent.mkdir(parents=True, exist_ok=True)
         Checkpoint(self._db).create_checkpoint(str(dest))
 
+    def export(
+        self, dest: Path, tables: Sequence[str], sources: Collection[str], metadata_keys: Collection[str] = ()
+    ) -> dict[str, Any]:
+        """A checkpoint at ``dest`` that holds only ``tables``, the positions of ``sources`` and the metadata entries
+        ``metadata_keys``: a consistent copy of those rows with the positions they were applied up to.
+
+        Returns ``{"tables": {table: {"dim", "rows", "tombstones"}}, "positions": {(source, partition): offset}}``.
+        """
+        self.checkpoint(dest)
+        keep = set(tables)
+        opts = self._options()
+        names = Rdict.list_cf(str(dest), opts)
+        db = Rdict(str(dest), opts, column_families={n: self._options() for n in names},
+                   access_type=AccessType.read_write())
+        try:
+            for name in names:
+                if name not in RESERVED_CFS and name not in keep:
+                    db.drop_column_family(name)
+            meta = db.get_column_family(META_CF)
+            wanted_app = {(_APP_PREFIX + k).encode() for k in metadata_keys}
+            stale = []
+            meta_keys = list(meta.keys())
+            for key in meta_keys:
+                kind, _, name = key.decode().partition(":")
+                if (kind == _APP_PREFIX[:-1] and key not in wanted_app) or (
+                        kind in ("dim", "count", "tombstones") and name not in keep):
+                    stale.append(key)
+            _drain(map(meta.delete, stale))
+            positions = db.get_column_family(POSITIONS_CF) if POSITIONS_CF in names else None
+            kept_positions: dict[tuple[str, int], int] = {}
+            if positions is not None:
+                for key, value in list(positions.items()):
+                    source, partition = _parse_position_key(key)
+                    if source in sources:
+                        kept_positions[(source, partition)] = int.from_bytes(value, "little", signed=True)
+                    else:
+                        positions.delete(key)
+            described = {}
+            for name in sorted(keep & set(names)):
+                def meta_int(kind: str, table: str = name) -> int:
+                    raw = meta.get(_meta_key(kind, table))
+                    return 0 if raw is None else int.from_bytes(raw, "little", signed=True)
+                described[name] = {"dim": meta_int("dim"), "rows": meta_int("count"), "tombstones": meta_int("tombstones")}
+            db.flush()
+        finally:
+            db.close()
+        return {"tables": described, "positions": kept_positions}
+
+    def adopt(self, src: Path) -> list[str]:
+        """Copy every table, metadata entry and position of the store at ``src`` into this one, rows as stored
+        (versions and tombstones included), as sorted SST files ingested per table. The tables must not exist
+        here yet (this merges a restored snapshot into a store that holds other models). Returns the tables."""
+        self._check_writable("adopt a store")
+        other = RocksDBTier(src, read_only=True, block_cache_mb=8)
+        try:
+            clash = sorted(set(other.tables()) & set(self._dims))
+            if clash:
+                raise InvalidArgumentError(f"cannot adopt {src}: tables {', '.join(clash)} exist here already")
+            for table, dim in other.tables().items():
+                self.create_table(table, dim)
+                tmp = self.path / f"import-{uuid.uuid4().hex}"
+                tmp.mkdir()
+                try:
+                    files = []
+                    items = other._cfs[table].items()
+                    while chunk := list(islice(items, IMPORT_CHUNK_ROWS)):
+                        sst = tmp / f"{len(files):06d}.sst"
+                        writer = SstFileWriter(self._options())
+                        writer.open(str(sst))
+                        _drain(map(writer.__setitem__, *zip(*chunk)))
+                        writer.finish()
+                        files.append(str(sst))
+                    if files:
+                        ingest = IngestExternalFileOptions()
+                        ingest.set_move_files(True)
+                        self._cfs[table].ingest_external_file(files, ingest)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                with self._lock:
+                    batch = WriteBatch(raw_mode=True)
+                    self._stage_counts(batch, {("count", table): other.count(table),
+                                               ("tombstones", table): other.tombstones(table)})
+                    self._commit(batch, {})
+            for key, value in other.metadata().items():
+                self.set_metadata(key, value)
+            if other.positions():
+                self.write([], other.positions())
+            return sorted(other.tables())
+        finally:
+            other.close()
+
     def close(self) -> None:
         """Flush nothing extra (writes are in the WAL) and release the files and the lock."""
         if self._closed:
@@ -451,7 +648,7 @@ class RocksDBTier(Tier):
             self._closed = True
             self._cfs.clear()
             self._handles.clear()
-            self._meta = None
+            self._meta = self._positions = None
             self._db.close()
 
     # ---- bulk import ----------------------------------------------------------------------------------

@@ -1,0 +1,261 @@
+"""Snapshots in object storage (S3 and compatibles, through boto3): upload with checksums, manifest last, list the
+complete ones, download and verify, keep the newest N.
+
+Layout under ``s3://BUCKET/PREFIX``: ``<model>/<snapshot id>/files/<file>`` for the files of a RocksDB checkpoint and
+``<model>/<snapshot id>/manifest.json``, written after every file is uploaded. A snapshot without its manifest is
+never listed or restored, so an upload that dies half-way leaves nothing usable behind. Snapshot ids start with a
+UTC timestamp, so their order is their age. The endpoint and credentials come from the standard AWS environment
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, IRSA's web identity, ...).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError
+
+from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, UnavailableError
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+#: Manifest format written by this version; newer formats are skipped by older readers.
+FORMAT = 1
+SNAPSHOT_ID = re.compile(r"^\d{8}T\d{6}(\d{3})?Z-[0-9a-f]{8}$")
+_S3_URL = re.compile(r"^s3://(?P<bucket>[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(?:/(?P<prefix>.*))?$")
+#: Bytes read per step when hashing a file.
+_HASH_CHUNK = 4 << 20
+#: (bytes done, bytes total) -> None; called as a transfer progresses.
+Progress = Callable[[int, int], None]
+
+
+class CorruptSnapshotError(HPSError):
+    """A snapshot's files do not match its manifest (missing, truncated, other bytes): it is never restored."""
+
+
+def parse_store_url(url: str) -> tuple[str, str]:
+    """``s3://BUCKET/PREFIX`` as (bucket, prefix without slashes at its ends)."""
+    m = _S3_URL.match(url)
+    if m is None:
+        raise InvalidArgumentError(f"snapshot store {url!r} is not s3://BUCKET[/PREFIX]")
+    return m["bucket"], (m["prefix"] or "").strip("/")
+
+
+def new_snapshot_id() -> str:
+    """A snapshot id that sorts by creation time: ``YYYYmmddTHHMMSSmmmZ-<8 hex>``."""
+    now = time.time()
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime(now)) + f"{int(now * 1000) % 1000:03d}Z-{uuid.uuid4().hex[:8]}"
+
+
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass
+class _Counter:
+    """Thread-safe byte counter for boto3 transfer callbacks (they run on the transfer threads)."""
+
+    total: int
+    done: int = 0
+    report: Progress | None = None
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            done = self.done
+        if self.report is not None:
+            self.report(done, self.total)
+
+
+class SnapshotBucket:
+    """The snapshots of every model under one ``s3://BUCKET/PREFIX``."""
+
+    def __init__(self, url: str, max_bandwidth: int = 0, client: Any = None) -> None:
+        self.url = url
+        self.bucket, self.prefix = parse_store_url(url)
+        if client is None:
+            # S3-compatible servers named by AWS_ENDPOINT_URL (MinIO, SeaweedFS, ...) want path-style addressing
+            custom = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            config = Config(s3={"addressing_style": "path" if custom else "auto"},
+                            retries={"max_attempts": 5, "mode": "standard"},
+                            request_checksum_calculation="when_required",
+                            response_checksum_validation="when_required")
+            client = boto3.client("s3", config=config)
+        self.client = client
+        self.transfer = TransferConfig(max_bandwidth=max_bandwidth or None, use_threads=True, max_concurrency=4)
+
+    # ---- keys -----------------------------------------------------------------------------------
+    def _key(self, *parts: str) -> str:
+        return "/".join(p for p in (self.prefix, *parts) if p)
+
+    def _call(self, what: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
+        try:
+            return fn(**kwargs)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code in ("NoSuchKey", "404", "NotFound"):
+                raise NotFoundError(f"{what}: not found in {self.url}") from None
+            raise UnavailableError(f"{what} failed at {self.url}: {exc}") from None
+        except BotoCoreError as exc:
+            raise UnavailableError(f"{what} failed at {self.url}: {exc}") from None
+
+    # ---- write ----------------------------------------------------------------------------------
+    def upload(self, model: str, source: Path, description: dict[str, Any], progress: Progress | None = None) -> dict:
+        """Upload every file under ``source`` with its SHA-256, then the manifest (``description`` plus the file
+        list); returns the manifest. Nothing is listed as a snapshot until the manifest is written."""
+        snapshot_id = new_snapshot_id()
+        files = sorted(p for p in Path(source).rglob("*") if p.is_file() and p.name != "LOCK")
+        entries = []
+        for path in files:
+            entries.append({"name": path.relative_to(source).as_posix(), "size": path.stat().st_size,
+                            "sha256": sha256_file(path)})
+        counter = _Counter(total=sum(e["size"] for e in entries), report=progress)
+        for path, entry in zip(files, entries):
+            key = self._key(model, snapshot_id, "files", entry["name"])
+            self._call(f"upload of {key}", self.client.upload_file, Filename=str(path), Bucket=self.bucket, Key=key,
+                       ExtraArgs={"Metadata": {"sha256": entry["sha256"]}}, Config=self.transfer,
+                       Callback=counter.add)
+        manifest = {**description, "format": FORMAT, "id": snapshot_id, "model": model, "created_at": time.time(),
+                    "files": entries, "bytes": counter.total}
+        self._call(f"manifest of {snapshot_id}", self.client.put_object, Bucket=self.bucket,
+                   Key=self._key(model, snapshot_id, MANIFEST), Body=json.dumps(manifest).encode(),
+                   ContentType="application/json")
+        return manifest
+
+    def delete(self, model: str, snapshot_id: str) -> int:
+        """Remove every object of a snapshot, its manifest first (so it stops being listed); returns how many."""
+        self._check_id(snapshot_id)
+        keys = self._object_keys(self._key(model, snapshot_id) + "/")
+        if not keys:
+            raise NotFoundError(f"no snapshot '{snapshot_id}' of model '{model}' in {self.url}")
+        manifest = self._key(model, snapshot_id, MANIFEST)
+        ordered = ([manifest] if manifest in keys else []) + [k for k in keys if k != manifest]
+        for start in range(0, len(ordered), 1000):
+            chunk = ordered[start : start + 1000]
+            self._call(f"delete of {snapshot_id}", self.client.delete_objects, Bucket=self.bucket,
+                       Delete={"Objects": [{"Key": k} for k in chunk], "Quiet": True})
+        return len(ordered)
+
+    def retain(self, model: str, keep: int) -> list[str]:
+        """Delete all but the newest ``keep`` complete snapshots, and unfinished uploads older than the oldest kept
+        one; returns the ids deleted."""
+        complete = [m["id"] for m in self.list(model)]
+        doomed = complete[keep:]
+        if complete[:keep]:
+            oldest_kept = complete[:keep][-1]
+            doomed += [i for i in self._snapshot_ids(model) if i not in complete and i < oldest_kept]
+        for snapshot_id in doomed:
+            self.delete(model, snapshot_id)
+        return doomed
+
+    # ---- read -----------------------------------------------------------------------------------
+    def list(self, model: str) -> list[dict[str, Any]]:
+        """Manifests of the complete snapshots of ``model``, newest first (unreadable manifests are skipped)."""
+        out = []
+        for snapshot_id in sorted(self._snapshot_ids(model), reverse=True):
+            try:
+                out.append(self.manifest(model, snapshot_id))
+            except NotFoundError:
+                continue  # an upload in progress or one that died: no manifest, not a snapshot
+            except CorruptSnapshotError as exc:
+                log.warning("snapshot %s of %s skipped: %s", snapshot_id, model, exc)
+        return out
+
+    def manifest(self, model: str, snapshot_id: str) -> dict[str, Any]:
+        """The manifest of one snapshot; NotFoundError without one, CorruptSnapshotError when unreadable."""
+        self._check_id(snapshot_id)
+        body = self._call(f"manifest of {snapshot_id}", self.client.get_object, Bucket=self.bucket,
+                          Key=self._key(model, snapshot_id, MANIFEST))["Body"].read()
+        try:
+            manifest = json.loads(body)
+            if manifest["id"] != snapshot_id or manifest["model"] != model or manifest["format"] > FORMAT:
+                raise ValueError("manifest names another snapshot, model or a newer format")
+            for entry in manifest["files"]:
+                if not isinstance(entry["size"], int) or len(entry["sha256"]) != 64 or ".." in entry["name"]:
+                    raise ValueError(f"bad file entry {entry!r}")
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CorruptSnapshotError(f"manifest of {snapshot_id} is unreadable: {exc}") from None
+        return manifest
+
+    def download(self, manifest: dict[str, Any], dest: Path, progress: Progress | None = None) -> None:
+        """Fetch every file of ``manifest`` into ``dest`` (which must not exist) and check sizes and SHA-256;
+        CorruptSnapshotError (with ``dest`` removed) when a file is missing or differs."""
+        dest = Path(dest)
+        if dest.exists():
+            raise InvalidArgumentError(f"download destination {dest} already exists")
+        counter = _Counter(total=int(manifest["bytes"]), report=progress)
+        model, snapshot_id = manifest["model"], manifest["id"]
+        try:
+            for entry in manifest["files"]:
+                target = dest / entry["name"]
+                target.parent.mkdir(parents=True, exist_ok=True)
+                key = self._key(model, snapshot_id, "files", entry["name"])
+                try:
+                    self._call(f"download of {key}", self.client.download_file, Bucket=self.bucket, Key=key,
+                               Filename=str(target), Config=self.transfer, Callback=counter.add)
+                except NotFoundError:
+                    raise CorruptSnapshotError(f"snapshot {snapshot_id} lacks its file {entry['name']}") from None
+                size = target.stat().st_size
+                if size != entry["size"]:
+                    raise CorruptSnapshotError(
+                        f"file {entry['name']} of snapshot {snapshot_id} has {size} bytes, the manifest says "
+                        f"{entry['size']}")
+                if sha256_file(target) != entry["sha256"]:
+                    raise CorruptSnapshotError(f"file {entry['name']} of snapshot {snapshot_id} fails its SHA-256")
+        except BaseException:
+            shutil.rmtree(dest, ignore_errors=True)
+            raise
+
+    def _snapshot_ids(self, model: str) -> list[str]:
+        """Ids of every snapshot prefix of ``model``, complete or not."""
+        prefix = self._key(model) + "/"
+        ids = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, Delimiter="/"):
+                for common in page.get("CommonPrefixes", []):
+                    name = common["Prefix"][len(prefix):].rstrip("/")
+                    if SNAPSHOT_ID.match(name):
+                        ids.append(name)
+        except (ClientError, BotoCoreError) as exc:
+            raise UnavailableError(f"listing snapshots of {model} in {self.url} failed: {exc}") from None
+        return ids
+
+    def _object_keys(self, prefix: str) -> list[str]:
+        keys = []
+        paginator = self.client.get_paginator("list_objects_v2")
+        try:
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+                keys += [obj["Key"] for obj in page.get("Contents", [])]
+        except (ClientError, BotoCoreError) as exc:
+            raise UnavailableError(f"listing {prefix} in {self.url} failed: {exc}") from None
+        return keys
+
+    @staticmethod
+    def _check_id(snapshot_id: str) -> None:
+        if not SNAPSHOT_ID.match(snapshot_id):
+            raise InvalidArgumentError(f"invalid snapshot id {snapshot_id!r}")
+
