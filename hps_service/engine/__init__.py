@@ -8,7 +8,7 @@ served table), ``read`` (lookups, fetches below L1), ``promote`` (L3 rows into L
 from hps_service.engine.engine import LookupEngine
 from hps_service.engine.levels import LEVELS, NO_ROW_VERSION, Fetched, LookupResult, Source
 from hps_service.engine.table import CacheFactory, ServedTable
-from hps_service.engine.write import as_rows, latest_per_key
+from hps_service.engine.write import TableChange, as_rows, latest_per_key, resolve_latest
 
 __all__ = [
     "LEVELS",
@@ -19,6 +19,8 @@ __all__ = [
     "LookupResult",
     "ServedTable",
     "Source",
+    "TableChange",
     "as_rows",
     "latest_per_key",
+    "resolve_latest",
 ]

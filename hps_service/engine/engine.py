@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -21,6 +22,8 @@ from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write import Writer
 from hps_service.errors import UnavailableError
 from hps_service.tiers.base import Tier
+from hps_service.engine.write import TableChange, Writer, table_write
+from hps_service.tiers.base import Positions, Tier, WriteResult
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,30 @@ class LookupEngine:
         (no promotion, preload or L1 admission of a row read before it lands after it). Returns rows written."""
         with self._writing(model, table) as t:
             return self.writer.import_rows(t, keys, vectors, version, progress)
+
+    def check_change(self, change: TableChange) -> None:
+        """Raise InvalidArgumentError or NotFoundError if ``change`` cannot be applied (unknown table, wrong dim,
+        rows not finite), before anything of it is written."""
+        table_write(self.table(change.model, change.table), change)
+
+    def apply_changes(self, changes: Sequence[TableChange], positions: Positions | None = None) -> list[WriteResult]:
+        """Apply the rows and versioned deletes of several tables, each key's newest change winning, and store
+        ``positions`` (opaque ``(source, partition) -> next offset``) in the same atomic persistent write, so the
+        positions a store holds never run ahead of its rows. Then the volatile tier and L1."""
+        with ExitStack() as held:  # every table's write lock, in one order, for the whole write
+            tables = {key: held.enter_context(self._writing(*key))
+                      for key in sorted({(c.model, c.table) for c in changes})}
+            prepared = [(tables[(c.model, c.table)], table_write(tables[(c.model, c.table)], c)) for c in changes]
+            return self.writer.apply_changes(prepared, positions)
+
+    def positions(self) -> dict[tuple[str, int], int]:
+        """The positions stored by :meth:`apply_changes` (empty without a persistent tier that keeps them)."""
+        return self.persistent.positions() if self.persistent is not None else {}
+
+    @property
+    def stores_positions(self) -> bool:
+        """Whether positions survive a restart (they live in the persistent tier)."""
+        return self.persistent is not None and self.persistent.stores_positions
 
     def purge_tombstones(self, model: str, table: str, below_version: int) -> dict[str, int]:
         """Remove the tombstones older than ``below_version`` from every tier; returns how many, per level."""

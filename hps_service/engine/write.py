@@ -8,14 +8,29 @@ delete leaves a tombstone that refuses older puts. Every method is called with t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
+from dataclasses import dataclass
 
 import numpy as np
 
 from hps_service.engine.table import ServedTable
 from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.keys import as_keys
-from hps_service.tiers.base import Tier, delete_versions, max_version_per_key
+from hps_service.tiers.base import Positions, TableWrite, Tier, WriteResult, delete_versions, max_version_per_key
+
+
+@dataclass(slots=True)
+class TableChange:
+    """Rows and versioned deletes of one table from one stretch of the update log."""
+
+    model: str
+    table: str
+    keys: np.ndarray
+    vectors: np.ndarray
+    versions: np.ndarray
+    delete_keys: np.ndarray
+    delete_versions: np.ndarray
 
 #: Keys per L2 delete and L1 invalidation after an import (bounds one call).
 INVALIDATE_CHUNK = 65_536
@@ -38,6 +53,40 @@ def latest_per_key(keys: np.ndarray, versions: np.ndarray) -> np.ndarray:
     last = np.ones(order.shape[0], dtype=bool)
     last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
     return order[last]
+
+
+def resolve_latest(
+    keys: np.ndarray, versions: np.ndarray, delete_keys: np.ndarray, delete_versions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """One winner per key among puts and deletes: the highest version; a delete beats a put at the same version,
+    and among equal puts the later one wins. Returns (put indices, delete indices) into the given arrays."""
+    n = keys.shape[0]
+    all_keys = np.concatenate((keys, delete_keys))
+    all_versions = np.concatenate((versions, delete_versions))
+    is_delete = np.zeros(all_keys.shape[0], dtype=np.int8)
+    is_delete[n:] = 1
+    order = np.lexsort((np.arange(all_keys.shape[0]), is_delete, all_versions, all_keys))
+    sorted_keys = all_keys[order]
+    last = np.ones(order.shape[0], dtype=bool)
+    last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
+    winners = order[last]
+    return winners[winners < n], winners[winners >= n] - n
+
+
+def table_write(t: ServedTable, change: TableChange) -> TableWrite:
+    """``change`` checked against the table (dims, finite rows, int64 keys and versions) and resolved to one winner
+    per key; raises InvalidArgumentError naming the problem."""
+    keys = as_keys(change.keys)
+    n = keys.shape[0]
+    vectors = as_rows(change.vectors, n, t.dim, f"update of {t.id}") if n else np.empty((0, t.dim), np.float32)
+    versions = np.broadcast_to(np.asarray(change.versions, dtype=np.int64), (n,))
+    del_keys = as_keys(change.delete_keys)
+    del_versions = delete_versions(change.delete_versions, del_keys.shape[0])
+    if del_versions is None:
+        raise InvalidArgumentError(f"deletes of {t.id} from the log need versions")
+    puts, deletes = resolve_latest(keys, versions, del_keys, del_versions)
+    return TableWrite(table=t.id, keys=keys[puts], vectors=vectors[puts], versions=versions[puts],
+                      delete_keys=del_keys[deletes], delete_versions=del_versions[deletes])
 
 
 class Writer:
@@ -122,6 +171,39 @@ class Writer:
                 if t.cache is not None:
                     t.cache.invalidate(chunk)
         return written
+    def apply_changes(
+        self, changes: Sequence[tuple[ServedTable, TableWrite]], positions: Positions | None = None
+    ) -> list[WriteResult]:
+        """Apply several tables' resolved changes (see :func:`table_write`): one atomic persistent write that also
+        stores ``positions`` (where the tier keeps them), then the volatile tier, then L1."""
+        writes = [w for _, w in changes]
+        with ExitStack() as stamped:  # the caller holds the tables' write locks
+            for t, w in changes:
+                stamped.enter_context(t.guard.writing(np.concatenate((w.keys, w.delete_keys))))
+            return self._apply_changes(changes, writes, positions)
+
+    def _apply_changes(
+        self, changes: Sequence[tuple[ServedTable, TableWrite]], writes: list[TableWrite], positions: Positions | None
+    ) -> list[WriteResult]:
+        if self.persistent is not None:
+            results = self.persistent.write(writes, positions)
+        elif self.volatile is not None:
+            results = self.volatile.write(writes)
+        else:
+            results = [WriteResult(written=np.ones(w.keys.shape[0], dtype=bool), removed=0) for w in writes]
+        for (t, w), result in zip(changes, results):
+            written = result.written
+            if self.volatile is not None and self.persistent is not None:
+                if written.any():  # only rows L3 accepted (see apply_updates)
+                    self.volatile.put(t.id, w.keys[written], w.vectors[written], w.versions[written])
+                if w.delete_keys.shape[0]:
+                    self.volatile.delete(t.id, w.delete_keys, w.delete_versions)
+            if t.cache is not None:
+                if written.any():
+                    t.cache.update(w.keys[written], w.vectors[written], w.versions[written])
+                if w.delete_keys.shape[0]:
+                    t.cache.invalidate(w.delete_keys, w.delete_versions)  # versioned: a newer cached row stays
+        return results
 
     def purge_tombstones(self, t: ServedTable, below_version: int) -> dict[str, int]:
         """Remove the tombstones older than ``below_version`` from every tier; returns how many, per level.

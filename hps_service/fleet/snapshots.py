@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, UnavailableError
 from hps_service.fleet.positions import positions_to_json
 from hps_service.fleet.registrations import registration_key
 from hps_service.fleet.store import Progress, SnapshotBucket
-from hps_service.lookup import LookupEngine
 from hps_service.tiers.base import table_id
 from hps_service.tiers.rocksdb import RocksDBTier
 

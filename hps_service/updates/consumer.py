@@ -1,10 +1,20 @@
-"""The durable update consumer: Kafka -> engine (persistent -> volatile -> L1), offsets committed after apply.
+"""The durable update consumer: Kafka -> engine (persistent -> volatile -> L1), positions stored with the rows.
 
-It assigns itself every partition of ``<prefix>.<model>`` at the group's committed offsets (or the earliest for
-a new group) instead of joining a group with ``subscribe()``: on tansu a group join waits about half of
-``session.timeout.ms``; assign() starts in milliseconds. Each pod uses its own group, so assign() loses nothing.
+Each batch is applied with one atomic persistent write that also stores, per (topic, partition), the offset it was
+applied up to; on start every partition resumes from those stored positions (a store restored from a snapshot
+resumes from the snapshot's), or from the earliest offset where the store holds none. Offsets are still committed
+to the consumer group, after the apply, for lag monitoring.
 
-An offset is committed only once every message before it in its partition was applied, or dead-lettered on its
+It assigns itself the partitions of ``<prefix>.<model>`` instead of joining a group with ``subscribe()``: on tansu
+a group join waits about half of ``session.timeout.ms``; assign() starts in milliseconds. Each pod uses its own
+group, so assign() loses nothing.
+
+Caught up: at assignment the consumer notes each partition's end offset; a model is caught up once every one of its
+partitions is applied up to there. Afterwards the age of the oldest unapplied update is tracked (from when the
+partition's end offset was first seen past it); beyond ``updates.max_lag_s`` the model must catch up again, to the
+end offsets seen at that moment.
+
+An offset is stored (and committed) only once every message before it in its partition was applied, or dead-lettered on its
 own (it is malformed, or does not fit the loaded model). A message of a model that is not loaded (unloaded, or
 being replaced) is neither: its partition is *parked* at that message (unassigned, nothing after it applied or
 committed) and resumes there once the model is loaded again.
@@ -15,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,7 +43,7 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient
 
 from hps_service.config import UpdatesConfig
-from hps_service.engine import LookupEngine
+from hps_service.engine import LookupEngine, TableChange
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.updates.kafka_log import KAFKA_LOG, with_logging
 from hps_service.updates.message import (
@@ -91,24 +102,6 @@ class _TableBatch:
         self.messages.append(msg)
 
 
-def resolve_latest(
-    keys: np.ndarray, versions: np.ndarray, delete_keys: np.ndarray, delete_versions: np.ndarray
-) -> tuple[np.ndarray, np.ndarray]:
-    """One winner per key among puts and deletes: the highest version; a delete beats a put at the same version,
-    and among equal puts the later one wins. Returns (put indices, delete indices) into the given arrays."""
-    n = keys.shape[0]
-    all_keys = np.concatenate((keys, delete_keys))
-    all_versions = np.concatenate((versions, delete_versions))
-    is_delete = np.zeros(all_keys.shape[0], dtype=np.int8)
-    is_delete[n:] = 1
-    order = np.lexsort((np.arange(all_keys.shape[0]), is_delete, all_versions, all_keys))
-    sorted_keys = all_keys[order]
-    last = np.ones(order.shape[0], dtype=bool)
-    last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
-    winners = order[last]
-    return winners[winners < n], winners[winners >= n] - n
-
-
 @dataclass
 class _Applied:
     """What applying a batch left undone: models unloaded meanwhile (their partitions are parked)."""
@@ -116,11 +109,16 @@ class _Applied:
     unloaded: set[str] = field(default_factory=set)
 
 
+def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
+
+
 class UpdateConsumer:
     """Applies the update topics of ``models`` to ``engine`` in a background thread; see the module docstring.
 
     ``ready`` turns True once every partition is assigned at a known offset, so nothing published afterwards
-    can be missed. ``stop()`` commits what was applied and closes. Malformed messages go to ``<topic>.dlq``.
+    can be missed; ``caught_up()`` once what was on the topics then is applied too. ``stop()`` commits what was
+    applied and closes. Malformed messages go to ``<topic>.dlq``.
     """
 
     def __init__(
@@ -188,6 +186,16 @@ class UpdateConsumer:
         self._applied: dict[tuple[str, int], int] = {}  # next offset to read, per partition, applied to the engine
         #: Partitions parked at the offset of the first message whose model was not loaded (see the module doc).
         self._parked: dict[tuple[str, int], int] = {}
+        self._applied_cond = threading.Condition()
+        #: Per partition: the end offset to apply up to before it counts as caught up (absent once it is).
+        self._targets: dict[tuple[str, int], int] = {}
+        #: Per partition: (end offset, when first seen) in increasing order, to date the oldest unapplied update.
+        self._seen_ends: dict[tuple[str, int], deque[tuple[int, float]]] = {}
+        #: Per partition: age in seconds of its oldest unapplied update, as of the last lag refresh.
+        self._unapplied_age: dict[tuple[str, int], float] = {}
+        self.max_lag_s = cfg.max_lag_s
+        self._lagged_s: float | None = None  # the age that sent the replica back to catching up, for /readyz
+        self._dead_letters_sent = 0
         self._committed: dict[tuple[str, int], int] = {}
         self._commit_in_flight_since: float | None = None
         self._last_commit = 0.0
@@ -213,6 +221,49 @@ class UpdateConsumer:
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Block until ``ready`` (or the timeout); returns ``ready``."""
         return self._ready.wait(timeout)
+
+    def catching_up(self, model: str | None = None) -> str | None:
+        """Why ``model`` (every model with None) is not caught up, or None when it is: not assigned yet, partitions
+        not yet applied up to their end offsets, or an unapplied update older than ``max_lag_s``."""
+        if not self.ready:
+            return "update consumer has no partitions yet"
+        topics = set(self.topics) if model is None else {t for t, m in self.topics.items() if m == model}
+        targets = {k: v for k, v in self._targets.items() if k[0] in topics}
+        if targets:
+            behind = sum(max(0, end - self._applied.get(k, 0)) for k, end in targets.items())
+            if self._lagged_s is not None:
+                return (f"fell behind: an unapplied update was {self._lagged_s:.0f} s old (updates.max_lag_s="
+                        f"{self.max_lag_s:g}); catching up, {len(targets)} partition(s), {behind} messages to go")
+            return (f"catching up: {len(targets)} partition(s) not yet applied up to the end offsets seen at "
+                    f"assignment ({behind} messages to go)")
+        return None
+
+    def caught_up(self, model: str | None = None) -> bool:
+        """Whether every partition of ``model`` (of every model with None) is applied up to its target."""
+        return self.catching_up(model) is None
+
+    def wait_caught_up(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`caught_up` (or the timeout); returns it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._applied_cond:
+            while not self.caught_up():
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._applied_cond.wait(0.1 if remaining is None else min(remaining, 0.1))
+        return True
+
+    def wait_applied(self, positions: dict[tuple[str, int], int], timeout: float) -> bool:
+        """Block until every ``(topic, partition) -> offset`` in ``positions`` is applied (the message at that
+        offset included), or the timeout; returns whether it was."""
+        deadline = time.monotonic() + timeout
+        with self._applied_cond:
+            while not all(self._applied.get(k, -1) > o for k, o in positions.items()):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._applied_cond.wait(min(remaining, 0.1))
+        return True
 
     def start(self) -> None:
         """Start the background thread (it connects, assigns, then applies batches until stop())."""
@@ -255,6 +306,10 @@ class UpdateConsumer:
             last_error=self.last_error,
             apply_error=self.apply_error,
             stall=self.stall.snapshot(),
+            caught_up=self.caught_up(),
+            catching_up_partitions=len(self._targets),
+            oldest_unapplied_s=max(self._unapplied_age.values(), default=0.0),
+            positions_stored=self.engine.stores_positions,
         )
         return out
 
@@ -300,8 +355,8 @@ class UpdateConsumer:
         )
 
     def _starting_positions(self, consumer: Consumer, topics: list[str]) -> list[TopicPartition]:
-        """Every partition of ``topics`` (created if missing, with their DLQs) where this consumer stopped applying
-        (a topic followed again), else at this group's committed offset, else the earliest."""
+        """The partitions of ``topics`` (created if missing, with their DLQs), each at the position stored with the
+        rows, or the earliest offset where the store holds none; notes each one's end offset to catch up to."""
         admin = AdminClient(self._client_config)
         partitions: dict[str, int] = {}
         for topic in topics:
@@ -313,19 +368,36 @@ class UpdateConsumer:
                     f"partition % {self.shards} == {self.shard}, so every update topic must have exactly P partitions"
                 )
             ensure_topic(admin, dlq_topic_name(topic), 1)
-        tps = [TopicPartition(t, p) for t, n in partitions.items() for p in range(n) if p % self.shards == self.shard]
-        committed = consumer.committed(tps, timeout=10.0) if tps else []
+        stored = self.engine.positions()
         assignment = []
-        for tp in committed:
-            if tp.error is not None:
-                raise UnavailableError(f"committed offset of {tp.topic}[{tp.partition}]: {tp.error}")
-            start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-            start = max(start, self._applied.get((tp.topic, tp.partition), OFFSET_BEGINNING))
-            assignment.append(TopicPartition(tp.topic, tp.partition, start))
-            self._start_offsets[(tp.topic, tp.partition)] = start
-            if tp.offset >= 0:
-                self._committed[(tp.topic, tp.partition)] = tp.offset
+        now = time.monotonic()
+        for topic, count in partitions.items():
+            for partition in self.assigned_partitions(topic, count):
+                key = (topic, partition)
+                # where this consumer stopped applying a topic it follows again, else the stored position
+                start = max(stored.get(key, OFFSET_BEGINNING), self._applied.get(key, OFFSET_BEGINNING))
+                tp = TopicPartition(topic, partition, start)
+                try:
+                    low, high = consumer.get_watermark_offsets(tp, timeout=10.0, cached=False)
+                except KafkaException as exc:
+                    raise UnavailableError(f"end offset of {topic}[{partition}]: {exc}") from None
+                begin = start if 0 <= start <= high else low
+                if high > begin:
+                    self._targets[key] = high
+                else:
+                    self._targets.pop(key, None)
+                self._seen_ends[key] = deque([(high, now)])
+                assignment.append(tp)
+                self._start_offsets[key] = start
+        if assignment:
+            log.info("update consumer %s: %d partition(s) of %s start at %s; %d to catch up", self.group,
+                     len(assignment), ", ".join(sorted(partitions)),
+                     "their stored positions" if stored else "the earliest offset", len(self._targets))
         return assignment
+
+    def assigned_partitions(self, topic: str, count: int) -> list[int]:
+        """The partitions of ``topic`` (``count`` of them) this consumer reads: its shard's, p % shards == shard."""
+        return [p for p in range(count) if p % self.shards == self.shard]
 
     def _follow_changes(self) -> None:
         """Assign the partitions of models follow() added and unassign those of models it dropped."""
@@ -344,6 +416,7 @@ class UpdateConsumer:
             self._assignment = [tp for tp in self._assignment if tp.topic not in dropped]
             self.topics = {t: m for t, m in self.topics.items() if t not in dropped}  # replaced: stats() reads it
             self.metrics.forget_partitions([(tp.topic, tp.partition) for tp in gone])
+            self._forget_targets([(tp.topic, tp.partition) for tp in gone])
         if added:
             try:
                 assignment = self._starting_positions(self._consumer, added)
@@ -401,11 +474,13 @@ class UpdateConsumer:
 
     def _process(self, msgs: list[Message]) -> None:
         groups: dict[tuple[str, str], _TableBatch] = {}
+        purges: dict[tuple[str, str], int] = {}
         produced_at: dict[str, list[int]] = {}  # per model
         offsets: dict[tuple[str, int], int] = {}  # per partition, the next offset once this batch is applied
         first: dict[tuple[str, int], int] = {}  # per partition, its first offset in this batch
         park: dict[tuple[str, int], int] = {}
         loaded = {m.name for m in self.engine.models()}
+        dead_letters = self._dead_letters_sent
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -429,12 +504,19 @@ class UpdateConsumer:
             except MalformedUpdateError as exc:
                 self._dead_letter(msg, model, str(exc))
             else:
-                groups.setdefault((model, upd.table), _TableBatch()).add(upd, msg)
+                if upd.purge_tombstones_below:
+                    purges[(model, upd.table)] = max(purges.get((model, upd.table), 0), upd.purge_tombstones_below)
+                else:
+                    groups.setdefault((model, upd.table), _TableBatch()).add(upd, msg)
                 produced_at.setdefault(model, []).append(upd.produced_at_ns)
             offsets[part] = msg.offset() + 1
-        applied = self._apply(groups)
+        done = _Applied()
+        changes = self._changes(groups, done)
+        if self._dead_letters_sent != dead_letters and not self._dead_letters_delivered():
+            return  # stopping: the batch is read again, its dead letters produced again
+        applied = self._apply(changes, {p: o for p, o in offsets.items() if p not in park}, purges, done)
         if applied is None:
-            return  # stopping with this batch unapplied: its offsets stay uncommitted and are read again
+            return  # stopping with this batch unapplied: its positions stay unstored and it is read again
         for model in applied.unloaded:  # unloaded while its batch was applied: read it all again once it is back
             produced_at.pop(model, None)
             for part, offset in first.items():
@@ -448,7 +530,14 @@ class UpdateConsumer:
             self.metrics.record_lags(np.maximum(lags, 0.0), model)
         self.metrics.messages_total += sum(len(stamps) for stamps in produced_at.values())
         self.metrics.batches_total += 1
-        self._applied.update(offsets)
+        with self._applied_cond:
+            self._applied.update(offsets)
+            for key, offset in offsets.items():
+                if key in self._targets and offset >= self._targets[key]:
+                    del self._targets[key]
+            if not self._targets:
+                self._lagged_s = None
+            self._applied_cond.notify_all()
         if park:
             self._park(park)
 
@@ -459,6 +548,7 @@ class UpdateConsumer:
         self._consumer.incremental_unassign(gone)
         self._assignment = [tp for tp in self._assignment if (tp.topic, tp.partition) not in parts]
         self._parked.update(parts)
+        self._forget_targets(list(parts))
         log.warning("update consumer %s: model %s is not loaded; %s parked until it is", self.group,
                     ", ".join(sorted({self.topics.get(t, t) for t, _ in parts})),
                     ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(parts.items())))
@@ -496,90 +586,122 @@ class UpdateConsumer:
                 raise ModelUnloadedError(model) from None
             raise MalformedUpdateError(str(exc)) from None
 
-    def _apply(self, groups: dict[tuple[str, str], _TableBatch]) -> _Applied | None:
-        """Apply every table's rows and tombstones; retry transient failures until done (None if stopping first).
+    def _forget_targets(self, parts: list[tuple[str, int]]) -> None:
+        """Partitions no longer read (dropped or parked) no longer count for catching up or lag."""
+        with self._applied_cond:
+            for key in parts:
+                self._targets.pop(key, None)
+                self._seen_ends.pop(key, None)
+                self._unapplied_age.pop(key, None)
 
-        A batch the engine rejects is applied message by message, and only the messages it rejects on their own
-        are dead-lettered; a batch whose model was unloaded meanwhile is left for when it is back.
-        """
-        backoff = 0.05
-        pending = dict(groups)
-        done = _Applied()
-        while pending:
-            for (model, table), batch in list(pending.items()):
-                if model in done.unloaded:
-                    del pending[(model, table)]
+    def _changes(self, groups: dict[tuple[str, str], _TableBatch], done: _Applied) -> list[TableChange]:
+        """One change per table. A change the engine refuses is checked message by message, and only the messages
+        it refuses on their own are dead-lettered; a table whose model is not loaded is left out (``done``)."""
+        changes = []
+        for (model, table), batch in groups.items():
+            try:
+                change = self._change(model, table, [batch])
+                self.engine.check_change(change)
+            except ModelUnloadedError:
+                done.unloaded.add(model)
+                continue
+            except (InvalidArgumentError, MalformedUpdateError, NotFoundError) as exc:
+                kept = []
+                for msg in batch.messages:
+                    single = _TableBatch()
+                    single.add(decode_update(msg.value()), msg)
+                    try:
+                        self.engine.check_change(self._change(model, table, [single]))
+                        kept.append(single)
+                    except ModelUnloadedError:
+                        done.unloaded.add(model)
+                        break
+                    except (InvalidArgumentError, MalformedUpdateError, NotFoundError) as one:
+                        self._dead_letter(msg, model, f"rejected by the engine: {one if len(batch.messages) > 1 else exc}")
+                if model in done.unloaded or not kept:
                     continue
-                try:
-                    self._apply_table(model, table, batch)
-                    del pending[(model, table)]
-                except ModelUnloadedError:
-                    done.unloaded.add(model)
-                    del pending[(model, table)]
-                except (InvalidArgumentError, MalformedUpdateError) as exc:
-                    if len(batch.messages) > 1:
-                        self._apply_one_by_one(model, table, batch, done)
-                    else:
-                        self._dead_letter(batch.messages[0], model, f"rejected by the engine: {exc}")
-                    del pending[(model, table)]
-                except Exception as exc:  # noqa: BLE001  (a tier is down: retry the same rows, commit nothing)
-                    self.metrics.apply_failures += 1
-                    self.last_error = self.apply_error = f"apply to {model}.{table} failed: {exc}"
-                    log.warning("update consumer %s: %s; retrying in %.2fs", self.group, self.last_error, backoff)
-            if pending:
+                change = self._change(model, table, kept)
+            changes.append(change)
+        return changes
+
+    def _change(self, model: str, table: str, batches: list[_TableBatch]) -> TableChange:
+        dim = self._table_dim(model, table)
+        vectors = [v for b in batches for v in b.vectors]
+        return TableChange(
+            model=model,
+            table=table,
+            keys=_concat([k for b in batches for k in b.keys], np.int64),
+            vectors=np.concatenate(vectors) if vectors else np.empty((0, dim), dtype=np.float32),
+            versions=_concat([v for b in batches for v in b.versions], np.int64),
+            delete_keys=_concat([k for b in batches for k in b.delete_keys], np.int64),
+            delete_versions=_concat([v for b in batches for v in b.delete_versions], np.int64),
+        )
+
+    def _dead_letters_delivered(self) -> bool:
+        """Wait until the broker acknowledged the dead letters produced so far (their source offsets are about to be
+        stored as applied); False when stopping first."""
+        assert self._dlq is not None
+        while True:
+            if not len(self._dlq) and not self._dlq_failed:
+                return True
+            self._dlq.flush(0.5)
+            if self._dlq_failed:
+                retry, self._dlq_failed = self._dlq_failed, []
+                for topic, value, headers in retry:
+                    self._produce_dead_letter(topic, value, headers)
+            if self._stopping.is_set():
+                return False
+
+    def _apply(self, changes: list[TableChange], positions: dict[tuple[str, int], int],
+               purges: dict[tuple[str, str], int], done: _Applied) -> _Applied | None:
+        """Write the changes and the positions they bring the partitions to in one atomic engine call (purges run
+        between the rows and the positions); retry transient failures until done (None if stopping first). The
+        changes, purges and positions of a model unloaded meanwhile are left for when it is back (``done``)."""
+        backoff = 0.05
+        while True:
+            changes = [c for c in changes if c.model not in done.unloaded]
+            purges = {k: v for k, v in purges.items() if k[0] not in done.unloaded}
+            positions = {p: o for p, o in positions.items() if self.topics.get(p[0]) not in done.unloaded}
+            try:
+                if purges:
+                    self.engine.apply_changes(changes)
+                    for (model, table), below in purges.items():
+                        self.engine.purge_tombstones(model, table, below)
+                    self.engine.apply_changes([], positions)
+                else:
+                    self.engine.apply_changes(changes, positions)
+                break
+            except NotFoundError:
+                loaded = {m.name for m in self.engine.models()}
+                gone = {c.model for c in changes} | {m for m, _ in purges}
+                if not gone - loaded:
+                    raise
+                done.unloaded |= gone - loaded
+            except Exception as exc:  # noqa: BLE001  (a tier is down: retry the same rows, store nothing)
+                self.metrics.apply_failures += 1
+                tables = ", ".join(f"{c.model}.{c.table}" for c in changes) or "positions"
+                self.last_error = self.apply_error = f"apply to {tables} failed: {exc}"
+                log.warning("update consumer %s: %s; retrying in %.2fs", self.group, self.last_error, backoff)
                 if self._stopping.wait(backoff):
                     return None
                 backoff = min(backoff * 2, 2.0)
         self.apply_error = None
+        for c in changes:
+            top = max(int(c.versions.max()) if c.versions.shape[0] else -1,
+                      int(c.delete_versions.max()) if c.delete_versions.shape[0] else -1)
+            self.metrics.record_applied(
+                c.model, c.table,
+                rows=int(np.unique(np.concatenate((c.keys, c.delete_keys))).shape[0]),
+                received=int(c.keys.shape[0] + c.delete_keys.shape[0]),
+                max_version=top if top >= 0 else None,
+            )
         return done
-
-    def _apply_one_by_one(self, model: str, table: str, batch: _TableBatch, done: _Applied) -> None:
-        """Apply a rejected batch message by message (in offset order), dead-lettering the ones rejected alone."""
-        for msg in batch.messages:
-            single = _TableBatch()
-            single.add(decode_update(msg.value()), msg)
-            try:
-                self._apply_table(model, table, single)
-            except ModelUnloadedError:
-                done.unloaded.add(model)
-                return
-            except (InvalidArgumentError, MalformedUpdateError) as exc:
-                self._dead_letter(msg, model, f"rejected by the engine: {exc}")
-
-    def _apply_table(self, model: str, table: str, batch: _TableBatch) -> None:
-        """Apply one table's batch; ModelUnloadedError / MalformedUpdateError when the model or table is gone."""
-        dim = self._table_dim(model, table)
-        keys = np.concatenate(batch.keys) if batch.keys else np.empty(0, dtype=np.int64)
-        vectors = np.concatenate(batch.vectors) if batch.vectors else np.empty((0, dim), dtype=np.float32)
-        versions = np.concatenate(batch.versions) if batch.versions else np.empty(0, dtype=np.int64)
-        del_keys = np.concatenate(batch.delete_keys) if batch.delete_keys else np.empty(0, dtype=np.int64)
-        del_versions = (
-            np.concatenate(batch.delete_versions) if batch.delete_versions else np.empty(0, dtype=np.int64)
-        )
-        puts, deletes = resolve_latest(keys, versions, del_keys, del_versions)
-        try:
-            if puts.shape[0]:
-                self.engine.apply_updates(model, table, keys[puts], vectors[puts], versions[puts])
-            if deletes.shape[0]:
-                self.engine.apply_deletes(model, table, del_keys[deletes], del_versions[deletes])
-        except NotFoundError:
-            self._table_dim(model, table)  # raises why: the model unloaded, or the table gone from it
-            raise  # the table is back (replaced meanwhile): a transient failure, retried
-        top = max(
-            int(versions.max()) if versions.shape[0] else -1, int(del_versions.max()) if del_versions.shape[0] else -1
-        )
-        self.metrics.record_applied(
-            model,
-            table,
-            rows=int(puts.shape[0] + deletes.shape[0]),
-            received=int(keys.shape[0] + del_keys.shape[0]),
-            max_version=top if top >= 0 else None,
-        )
 
     # ---- dead letters, commits, lag -----------------------------------------------------------
     def _dead_letter(self, msg: Message, model: str, reason: str) -> None:
         assert self._dlq is not None
         self.metrics.record_malformed(model)
+        self._dead_letters_sent += 1
         log.warning(
             "update consumer %s: malformed message %s[%d]@%d: %s",
             self.group, msg.topic(), msg.partition(), msg.offset(), reason,
@@ -643,7 +765,13 @@ class UpdateConsumer:
         log.debug("update consumer %s: client error %s", self.group, err.str())
 
     def _refresh_consumer_lag(self) -> None:
+        """Messages behind per partition, and how old the oldest unapplied update is: the first time this consumer saw
+        the partition's end offset pass it (a lower bound, to the refresh interval). A model whose oldest unapplied
+        update is older than ``max_lag_s`` has to catch up again, to the end offsets seen now."""
         assert self._consumer is not None
+        now = time.monotonic()
+        ages: dict[tuple[str, int], float] = {}
+        ends: dict[tuple[str, int], int] = {}
         for tp in self._assignment:
             try:
                 low, high = self._consumer.get_watermark_offsets(tp, cached=True)
@@ -655,6 +783,26 @@ class UpdateConsumer:
             start = self._start_offsets.get(key, OFFSET_BEGINNING)
             done = self._applied.get(key, start if start >= 0 else max(low, 0))
             self.metrics.record_consumer_lag(tp.topic, tp.partition, max(0, high - done))
+            seen = self._seen_ends.setdefault(key, deque())
+            if not seen or high > seen[-1][0]:
+                seen.append((high, now))
+            while seen and seen[0][0] <= done:
+                seen.popleft()
+            ages[key] = now - seen[0][1] if seen and high > done else 0.0
+            ends[key] = high
+        self._unapplied_age = ages
+        if self.max_lag_s <= 0:
+            return
+        late = {self.topics.get(k[0]) for k, age in ages.items() if age > self.max_lag_s and k not in self._targets}
+        for model in late - {None}:
+            behind = {k: ends[k] for k in ends if self.topics.get(k[0]) == model and ends[k] > self._applied.get(k, 0)}
+            oldest = max(ages[k] for k in behind) if behind else 0.0
+            log.warning("update consumer %s: the oldest unapplied update of %s is %.0f s old (updates.max_lag_s=%g); "
+                        "not ready until %d partition(s) catch up", self.group, model, oldest, self.max_lag_s,
+                        len(behind))
+            with self._applied_cond:
+                self._targets.update(behind)
+                self._lagged_s = oldest
 
     def _final_commit(self, timeout_s: float) -> None:
         """Commit everything applied, waiting at most ``timeout_s`` (a frozen broker must not block stop())."""

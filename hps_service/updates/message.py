@@ -60,6 +60,7 @@ def encode_update(
     versions: np.ndarray,
     delete_keys: np.ndarray | None = None,
     delete_versions: np.ndarray | None = None,
+    purge_tombstones_below: int = 0,
 ) -> bytes:
     """Serialize one message; arrays are written as packed little-endian bytes (already validated by the caller)."""
     msg = EmbeddingUpdate(
@@ -70,6 +71,7 @@ def encode_update(
         vectors=np.ascontiguousarray(vectors, dtype="<f4").tobytes(),
         versions=np.ascontiguousarray(versions, dtype="<i8").tobytes(),
         produced_at_ns=time.time_ns(),
+        purge_tombstones_below=purge_tombstones_below,
     )
     if delete_keys is not None and len(delete_keys):
         msg.delete_keys = np.ascontiguousarray(delete_keys, dtype="<i8").tobytes()
@@ -90,6 +92,7 @@ class DecodedUpdate:
     delete_keys: np.ndarray  # (m,) int64
     delete_versions: np.ndarray  # (m,) int64
     produced_at_ns: int
+    purge_tombstones_below: int = 0  # > 0: an admin purge of the table's tombstones older than this version
 
 
 def _int64s(data: bytes, what: str) -> np.ndarray:
@@ -131,7 +134,12 @@ def decode_update(payload: bytes | None) -> DecodedUpdate:
     delete_versions = _int64s(msg.delete_versions, "delete_versions")
     if len(delete_keys) != len(delete_versions):
         raise MalformedUpdateError(f"{len(delete_keys)} delete keys but {len(delete_versions)} delete versions")
-    if n == 0 and len(delete_keys) == 0:
+    purge = int(msg.purge_tombstones_below)
+    if purge < 0:
+        raise MalformedUpdateError(f"purge_tombstones_below must be >= 0, got {purge}")
+    if purge and (n or len(delete_keys)):
+        raise MalformedUpdateError("a tombstone purge carries no rows or deletes")
+    if n == 0 and len(delete_keys) == 0 and not purge:
         raise MalformedUpdateError("message carries neither rows nor deletes")
     return DecodedUpdate(
         model=msg.model,
@@ -143,4 +151,5 @@ def decode_update(payload: bytes | None) -> DecodedUpdate:
         delete_keys=delete_keys,
         delete_versions=delete_versions,
         produced_at_ns=int(msg.produced_at_ns),
+        purge_tombstones_below=purge,
     )

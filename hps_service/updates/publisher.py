@@ -33,6 +33,32 @@ def connection_settings(config: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k == "security.protocol" or k.startswith(("sasl.", "ssl."))}
 
 
+class Deliveries:
+    """The broker's acknowledgements of the messages of one call: pass it to ``publish``/``delete``/
+    ``purge_tombstones`` and then to :meth:`Publisher.wait` (its errors are raised there, not by later calls)."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        #: Highest acknowledged offset per partition.
+        self.offsets: dict[int, int] = {}
+        self.errors: list[str] = []
+        self.fatal = False
+        self._lock = threading.Lock()
+
+    def sent(self) -> None:
+        with self._lock:
+            self.pending += 1
+
+    def __call__(self, err: KafkaError | None, msg: Message) -> None:
+        with self._lock:
+            self.pending -= 1
+            if err is not None:
+                self.errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
+                self.fatal = self.fatal or err.fatal()
+            else:
+                self.offsets[msg.partition()] = max(self.offsets.get(msg.partition(), -1), msg.offset())
+
+
 class Publisher:
     """Publishes versioned rows and deletes of one model; each key always goes to the same partition.
 
@@ -67,7 +93,10 @@ class Publisher:
         self.messages_sent = 0
         self.rows_sent = 0
 
-    def publish(self, table: str, keys: np.ndarray, rows: np.ndarray, version: int | np.ndarray) -> int:
+    def publish(
+        self, table: str, keys: np.ndarray, rows: np.ndarray, version: int | np.ndarray,
+        deliveries: Deliveries | None = None,
+    ) -> int:
         """Queue ``rows`` (n, dim) for ``keys`` (n,) at ``version`` (one int or one per row); returns messages queued."""
         self._check_table(table)
         keys = self._keys(keys, "keys")
@@ -81,14 +110,51 @@ class Publisher:
         if not np.isfinite(rows).all():
             raise InvalidArgumentError("rows contain NaN or infinity (after conversion to float32)")
         versions = self._versions(version, len(keys))
-        return self._send(table, keys, rows, versions, deletes=False)
+        return self._send(table, keys, rows, versions, deletes=False, deliveries=deliveries)
 
-    def delete(self, table: str, keys: np.ndarray, version: int | np.ndarray) -> int:
+    def delete(
+        self, table: str, keys: np.ndarray, version: int | np.ndarray, deliveries: Deliveries | None = None
+    ) -> int:
         """Queue tombstones for ``keys`` at ``version``: rows stored with an older version are removed everywhere."""
         self._check_table(table)
         keys = self._keys(keys, "keys")
         versions = self._versions(version, len(keys))
-        return self._send(table, keys, None, versions, deletes=True)
+        return self._send(table, keys, None, versions, deletes=True, deliveries=deliveries)
+
+    def purge_tombstones(self, table: str, below_version: int, deliveries: Deliveries | None = None) -> int:
+        """Queue a purge of ``table``'s tombstones older than ``below_version`` to every partition (every replica and
+        shard reads one); returns messages queued."""
+        self._check_table(table)
+        below = self._versions(below_version, 1)[0]
+        if below == 0:
+            return 0
+        self._producer.poll(0)
+        if deliveries is None:
+            self._raise_delivery_errors()
+        none = np.empty(0, dtype=np.int64)
+        payload = encode_update(self.model, table, none, np.empty((0, 0), dtype=np.float32), none,
+                                purge_tombstones_below=int(below))
+        for p in range(self.partitions):
+            self._produce(p, payload, deliveries)
+        self.messages_sent += self.partitions
+        return self.partitions
+
+    def wait(self, deliveries: Deliveries, timeout: float = 30.0) -> dict[int, int]:
+        """Wait until the broker acknowledged every message of ``deliveries``; returns the highest offset per
+        partition. UnavailableError on a delivery error or when ``timeout`` passes first."""
+        deadline = time.monotonic() + timeout
+        while deliveries.pending > 0 and time.monotonic() < deadline:
+            self._producer.poll(0.01)
+        if deliveries.fatal:
+            self._producer.purge()
+            self._producer = Producer(self._conf)
+        if deliveries.errors:
+            raise UnavailableError(f"{len(deliveries.errors)} update message(s) failed delivery; first: "
+                                   f"{deliveries.errors[0]}")
+        if deliveries.pending > 0:
+            raise UnavailableError(f"{deliveries.pending} update message(s) not acknowledged by the broker within "
+                                   f"{timeout}s")
+        return dict(deliveries.offsets)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Wait until every queued message is acknowledged; raise UnavailableError on a delivery error or timeout."""
@@ -109,10 +175,12 @@ class Publisher:
             self.close()
 
     def _send(
-        self, table: str, keys: np.ndarray, rows: np.ndarray | None, versions: np.ndarray, deletes: bool
+        self, table: str, keys: np.ndarray, rows: np.ndarray | None, versions: np.ndarray, deletes: bool,
+        deliveries: Deliveries | None = None,
     ) -> int:
         self._producer.poll(0)
-        self._raise_delivery_errors()
+        if deliveries is None:
+            self._raise_delivery_errors()
         if len(keys) == 0:
             return 0
         part = partition_of(keys, self.partitions)
@@ -128,17 +196,20 @@ class Publisher:
                     payload = encode_update(self.model, table, no_keys, empty_rows, no_keys, keys[idx], versions[idx])
                 else:
                     payload = encode_update(self.model, table, keys[idx], rows[idx], versions[idx])
-                self._produce(int(p), payload)
+                self._produce(int(p), payload, deliveries)
                 sent += 1
         self.messages_sent += sent
         self.rows_sent += len(keys)
         return sent
 
-    def _produce(self, partition: int, payload: bytes) -> None:
+    def _produce(self, partition: int, payload: bytes, deliveries: Deliveries | None = None) -> None:
         deadline = time.monotonic() + 60.0
         while True:
             try:
-                self._producer.produce(self.topic, value=payload, partition=partition, on_delivery=self._on_delivery)
+                self._producer.produce(self.topic, value=payload, partition=partition,
+                                       on_delivery=deliveries if deliveries is not None else self._on_delivery)
+                if deliveries is not None:
+                    deliveries.sent()
                 return
             except BufferError:
                 if time.monotonic() > deadline:

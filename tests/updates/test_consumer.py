@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from hps_service.engine import Source
+from hps_service.engine import Source, resolve_latest
 from hps_service.proto.hps.v1.update_pb2 import EmbeddingUpdate
 from hps_service.updates import Publisher, UpdateConsumer, make_version
-from hps_service.updates.consumer import resolve_latest
 from hps_service.updates.message import encode_update
 from tests.helpers import REPO
 from tests.updates.conftest import DIM, TABLE, make_engine, rows_for, served, stored_versions, wait_until
@@ -103,12 +102,14 @@ def test_stop_without_commit_then_restart_loses_nothing(
     total = expected.shape[0] * 11 // 10
     first = start_consumer(batch_messages=8)  # small batches: it is stopped part-way through the log
     assert wait_until(lambda: first.metrics.rows_received >= total // 3, timeout=60)
-    first.stop(commit=False)  # as after a crash: whatever was applied but not committed is read again
+    first.stop(commit=False)  # as after a crash: nothing more is committed to the group
     received = first.metrics.rows_received
     committed = dict(first._committed)
+    stored = engine.positions()  # written with the rows: never behind what the group has committed
+    assert all(stored[k] >= o for k, o in committed.items()), (stored, committed)
     assert total // 3 <= received < total, "stopped too late to exercise a restart"
-    second = start_consumer()  # same group: resumes from the committed offsets
-    assert {k: v for k, v in second._start_offsets.items() if v >= 0} == committed
+    second = start_consumer()  # resumes from the positions stored with the rows, not the group's offsets
+    assert {k: v for k, v in second._start_offsets.items() if v >= 0} == stored
     assert wait_until(lambda: all_served(engine, model_name, keys, expected), timeout=120), second.stats()
     found, versions = stored_versions(engine, model_name, keys)["persistent"]
     assert found.all() and (versions == expected).all()
@@ -128,7 +129,8 @@ def test_replayed_and_out_of_order_versions_never_regress(
     expected = np.where(keys % 2 == 0, 7, 6)
     start_consumer(group="pod-a")
     assert wait_until(lambda: all_served(engine, model_name, keys, expected), timeout=60)
-    # The same log replayed from the start by a new group into the same engine changes nothing, at any point.
+    # The same log replayed from the start into the same engine changes nothing, at any point.
+    engine.apply_changes([], dict.fromkeys(engine.positions(), 0))  # stored positions rewound to the start
     replay = start_consumer(group="pod-b", batch_messages=1)
     deadline = time.monotonic() + 60
     while replay.metrics.rows_received < 4 * keys.shape[0] and time.monotonic() < deadline:

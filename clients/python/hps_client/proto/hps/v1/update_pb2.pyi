@@ -5,7 +5,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EmbeddingUpdate(_message.Message):
-    __slots__ = ("model", "table", "dim", "keys", "vectors", "versions", "produced_at_ns", "delete_keys", "delete_versions")
+    __slots__ = ("model", "table", "dim", "keys", "vectors", "versions", "produced_at_ns", "delete_keys", "delete_versions", "purge_tombstones_below")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -15,6 +15,7 @@ class EmbeddingUpdate(_message.Message):
     PRODUCED_AT_NS_FIELD_NUMBER: _ClassVar[int]
     DELETE_KEYS_FIELD_NUMBER: _ClassVar[int]
     DELETE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PURGE_TOMBSTONES_BELOW_FIELD_NUMBER: _ClassVar[int]
     model: str
     table: str
     dim: int
@@ -24,4 +25,5 @@ class EmbeddingUpdate(_message.Message):
     produced_at_ns: int
     delete_keys: bytes
     delete_versions: bytes
-    def __init__(self, model: _Optional[str] = ..., table: _Optional[str] = ..., dim: _Optional[int] = ..., keys: _Optional[bytes] = ..., vectors: _Optional[bytes] = ..., versions: _Optional[bytes] = ..., produced_at_ns: _Optional[int] = ..., delete_keys: _Optional[bytes] = ..., delete_versions: _Optional[bytes] = ...) -> None: ...
+    purge_tombstones_below: int
+    def __init__(self, model: _Optional[str] = ..., table: _Optional[str] = ..., dim: _Optional[int] = ..., keys: _Optional[bytes] = ..., vectors: _Optional[bytes] = ..., versions: _Optional[bytes] = ..., produced_at_ns: _Optional[int] = ..., delete_keys: _Optional[bytes] = ..., delete_versions: _Optional[bytes] = ..., purge_tombstones_below: _Optional[int] = ...) -> None: ...
