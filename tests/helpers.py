@@ -30,8 +30,11 @@ def run_hps(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
     )
 
 
-def wait_serving(target: str, timeout: float = 60.0, proc: subprocess.Popen | None = None) -> None:
-    """Block until the gRPC health service at ``target`` reports SERVING."""
+def wait_serving(
+    target: str, timeout: float = 60.0, proc: subprocess.Popen | None = None, serving: bool = True
+) -> None:
+    """Block until the gRPC health service at ``target`` reports SERVING (with ``serving=False``: answers at all,
+    for a server that is up but not ready)."""
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
@@ -39,7 +42,7 @@ def wait_serving(target: str, timeout: float = 60.0, proc: subprocess.Popen | No
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read() if proc.stderr else ''}")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == 1:
+                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == 1 or not serving:
                     return
             except grpc.RpcError:
                 pass
@@ -56,7 +59,7 @@ class ServerProcess:
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout: float = 60.0) -> ServerProcess:
+    def start(self, timeout: float = 60.0, serving: bool = True) -> ServerProcess:
         self.proc = subprocess.Popen(
             [*HPS, "serve", "--config", str(self.config)],
             stdout=subprocess.PIPE,
@@ -65,7 +68,7 @@ class ServerProcess:
             env={**os.environ, **self.env},
             cwd=REPO,
         )
-        wait_serving(self.target, timeout, self.proc)
+        wait_serving(self.target, timeout, self.proc, serving)
         return self
 
     def stop(self, timeout: float = 30.0) -> int:

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -19,10 +18,8 @@ from hps_service.engine.registry import ModelRegistry, close_tables, make_table
 from hps_service.engine.repair import VolatileRepair
 from hps_service.engine.stats import table_stats
 from hps_service.engine.table import CacheFactory, ServedTable
-from hps_service.engine.write import Writer
-from hps_service.errors import UnavailableError
-from hps_service.tiers.base import Tier
 from hps_service.engine.write import TableChange, Writer, table_write
+from hps_service.errors import UnavailableError
 from hps_service.tiers.base import Positions, Tier, WriteResult
 
 log = logging.getLogger(__name__)

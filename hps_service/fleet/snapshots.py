@@ -3,6 +3,7 @@ uploaded to the snapshot store (on request, or every ``persistent.snapshot_inter
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import threading
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hps_service.engine import LookupEngine
-from hps_service.errors import HPSError, UnavailableError
+from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
 from hps_service.fleet.positions import positions_to_json
 from hps_service.fleet.registrations import registration_key
 from hps_service.fleet.store import Progress, SnapshotBucket
@@ -106,3 +107,57 @@ class Snapshotter:
                 except Exception:  # the next round tries again; serving never depends on this thread
                     self.last_error = f"snapshot of {mc.name} failed; see the log"
                     log.exception("snapshot of %s failed", mc.name)
+
+
+def summary(manifest: dict[str, Any], url: str) -> dict[str, Any]:
+    """What the REST API shows of a snapshot in the store (the manifest without its file list)."""
+    return {"id": manifest["id"], "model": manifest["model"], "created_at": manifest["created_at"],
+            "bytes": manifest["bytes"], "tables": manifest["tables"], "positions": manifest.get("positions", []),
+            "store": url}
+
+
+class RemoteSnapshots:
+    """The snapshot endpoints over the store in object storage (same methods as the local
+    ``server.snapshots.SnapshotStore``): create uploads, restore downloads into the local checkpoint directory and
+    rewrites the tables from it through the engine."""
+
+    def __init__(self, snapshotter: Snapshotter, local: Any) -> None:
+        self.snapshotter = snapshotter
+        self.bucket = snapshotter.bucket
+        self.local = local
+
+    def create(self, model: str) -> dict[str, Any]:
+        return summary(self.snapshotter.take(model), self.bucket.url)
+
+    def list(self, model: str) -> list[dict[str, Any]]:
+        """Complete snapshots of ``model``, oldest first."""
+        return [summary(m, self.bucket.url) for m in reversed(self.bucket.list(model))]
+
+    def get(self, model: str, snapshot_id: str) -> dict[str, Any]:
+        return summary(self.bucket.manifest(model, snapshot_id), self.bucket.url)
+
+    def delete(self, model: str, snapshot_id: str) -> None:
+        self.bucket.delete(model, snapshot_id)
+
+    def check_restorable(self, model: str, snapshot_id: str) -> dict[str, Any]:
+        """The manifest if its tables match the loaded model's, else InvalidArgumentError."""
+        manifest = self.bucket.manifest(model, snapshot_id)
+        loaded = {t.name: t.dim for t in self.snapshotter.engine.model(model).tables}
+        for name, info in manifest["tables"].items():
+            if loaded.get(name) != info["dim"]:
+                raise InvalidArgumentError(
+                    f"snapshot table '{name}' (dim {info['dim']}) does not match the loaded model "
+                    f"({'dim ' + str(loaded[name]) if name in loaded else 'no such table'})")
+        return manifest
+
+    def restore(self, model: str, snapshot_id: str, job: Any) -> dict[str, Any]:
+        """Download the snapshot (checksums verified) beside the local checkpoints, then restore from it."""
+        manifest = self.check_restorable(model, snapshot_id)
+        path = self.local.root / snapshot_id
+        if not path.is_dir():
+            self.local.root.mkdir(parents=True, exist_ok=True)
+            self.bucket.download(manifest, path)
+            meta = {"id": snapshot_id, "model": model, "created_at": manifest["created_at"], "path": str(path),
+                    "tables": {n: {"dim": t["dim"], "rows": t["rows"]} for n, t in manifest["tables"].items()}}
+            (self.local.root / f"{snapshot_id}.json").write_text(json.dumps(meta))
+        return self.local.restore(model, snapshot_id, job)

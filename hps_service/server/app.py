@@ -23,17 +23,24 @@ from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig, ServerConfig
 from hps_service.engine import CacheFactory, LookupEngine, ServedTable
 from hps_service.errors import UnavailableError
+from hps_service.fleet.admin_writes import LogWriter
+from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
+from hps_service.fleet.registrations import forget_registration, load_registrations, save_registration
+from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
+from hps_service.fleet.store import SnapshotBucket
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate, add_embedding_service
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import QueueTimedExecutor, ServerMetrics
-from hps_service.server.rest import AdminContext, ReadinessCheck, create_app, readiness_reasons
+from hps_service.server.probes import ProbeServer
+from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_app, create_starting_app
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.sharding import ShardMap
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
 from hps_service.tls import grpc_server_credentials, uvicorn_ssl_options
 from hps_service.updates import UpdateConsumer
+from hps_service.updates.message import topic_name
 from hps_service.warmup import warm_all
 
 log = logging.getLogger(__name__)
@@ -57,6 +64,13 @@ def build_engine(config: HPSConfig) -> LookupEngine:
         max_batch_keys=config.server.max_batch_keys,
     )
     for model in config.models:
+        engine.register_model(model)
+    configured = {m.name for m in config.models}
+    for model in load_registrations(persistent):
+        if model.name in configured:
+            log.warning("model %s is defined by the config; its stored runtime registration is ignored", model.name)
+            continue
+        log.info("model %s: registered at runtime before the restart", model.name)
         engine.register_model(model)
     return engine
 
@@ -113,16 +127,20 @@ def snapshots_root(config: HPSConfig) -> Path:
     return Path(config.persistent.path).parent / "snapshots"
 
 
-def update_consumer_not_ready(consumer: UpdateConsumer) -> str | None:
-    """The readiness reason of the update consumer: no partitions yet, updates failing to apply (nothing is
-    committed meanwhile, so they are retried and replayed, but the served rows are going stale), or a stalled
-    stream (messages waiting, none applied for ``updates.stall_after_s``)."""
+def update_consumer_not_ready(consumer: UpdateConsumer, model: str | None = None) -> str | None:
+    """The readiness reason of the update consumer (for one model, or all): no partitions yet, updates failing to
+    apply (nothing is stored meanwhile, so they are retried and replayed, but the served rows are going stale), a
+    stalled stream (messages waiting, none applied for ``updates.stall_after_s``), or not caught up with the update
+    log (at start, or after falling more than updates.max_lag_s behind)."""
     if not consumer.ready:
         reason = f"update consumer (group {consumer.group}) has no partitions yet"
         return f"{reason}: {consumer.last_error}" if consumer.last_error else reason
     if consumer.apply_error is not None:
         return f"update consumer (group {consumer.group}) cannot apply updates: {consumer.apply_error}"
-    return consumer.stall.reason
+    if consumer.stall.reason:
+        return consumer.stall.reason
+    behind = consumer.catching_up(model)
+    return f"update consumer (group {consumer.group}) {behind}" if behind else None
 
 
 class HPSServer:
@@ -151,17 +169,55 @@ class HPSServer:
         self.consumer: UpdateConsumer | None = None
         self._consumer_lock = threading.Lock()
         self._ssl_options: dict = {}
+        self.bootstrap = BootstrapProgress()
+        self.snapshotter: Snapshotter | None = None
+        self.log_writer: LogWriter | None = None
+        self._app = SwitchableApp(create_starting_app(self.readiness_report))
+        self._probes: ProbeServer | None = None
+        self._health_stop = threading.Event()
+        self._health_thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Open tiers, load models, bind the gRPC port, compile the kernels; lookups are accepted (and gRPC health
-        and /readyz say so) once this returns."""
+        """Bootstrap an empty store from the snapshot store, open tiers, load models, bind the gRPC port, compile the
+        kernels; lookups are accepted once this returns, and health says SERVING once the updates are caught up."""
         cfg = self.config.server
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         # TLS material is read before any tier opens, so a bad path fails fast and leaves nothing open.
         credentials = grpc_server_credentials(cfg.tls) if cfg.tls is not None else None
         self._ssl_options = uvicorn_ssl_options(cfg.tls) if cfg.tls is not None else {}
-        if self.engine is None:
-            self.engine = build_engine(self.config)
+        self._start_http()  # liveness and readiness (with bootstrap progress) answer from here on
+        try:
+            if cfg.probe_port is not None:
+                self._probes = ProbeServer(cfg.host, cfg.probe_port, self.readiness_report)
+            if self.engine is None:
+                self._bootstrap()
+                self.engine = build_engine(self.config)
+            self._start_grpc(credentials)
+            self._make_snapshotter()
+            self._app.target = create_app(self._admin_context())
+            self._start_updates()
+            if self.snapshotter is not None:
+                self.snapshotter.start(self.config.persistent.snapshot_interval_s)
+        except Exception:
+            self._stop_listeners()
+            if self._grpc is not None:
+                self._grpc.stop(0)
+            raise
+        # Ready means warm: nothing compiles on a request once health says SERVING (see hps_service.warmup).
+        self.gate.close("compiling the lookup and update kernels")
+        warm_all()
+        self.gate.open()
+        self.update_health()
+        self._health_thread = threading.Thread(target=self._health_loop, name="hps-health", daemon=True)
+        self._health_thread.start()
+        scheme = "TLS" if cfg.tls is not None else "plaintext"
+        log.info("gRPC listening on %s:%d, REST admin on %s:%d (%s)", cfg.host, self.grpc_port, cfg.host,
+                 self.http_port, scheme)
+        self._log_degraded()
+
+    def _start_grpc(self, credentials: grpc.ServerCredentials | None) -> None:
+        assert self.engine is not None
+        cfg = self.config.server
         receive, send = message_limits(self.config)
         self.metrics = ServerMetrics(self.engine)
         server = grpc.server(
@@ -191,30 +247,120 @@ class HPSServer:
         server.start()
         self._grpc = server
         self.grpc_port = port
-        try:
-            self._start_http()
-        except Exception:
-            server.stop(0)
-            raise
-        self._start_updates()
-        # Ready means warm: nothing compiles on a request once health says SERVING (see hps_service.warmup).
-        self.gate.close("compiling the lookup and update kernels")
-        warm_all()
-        self.gate.open()
-        self.health.set("", health_pb2.HealthCheckResponse.SERVING)
-        health_name = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
-        self.health.set(health_name, health_pb2.HealthCheckResponse.SERVING)
-        self.sync_model_health()
-        scheme = "TLS" if cfg.tls is not None else "plaintext"
-        log.info("gRPC listening on %s:%d, REST admin on %s:%d (%s)", cfg.host, port, cfg.host, self.http_port, scheme)
-        self._log_degraded()
+
+    def _bootstrap(self) -> None:
+        """An empty RocksDB with a snapshot store configured restores each model's newest complete snapshot."""
+        pcfg = self.config.persistent
+        if pcfg.type != "rocksdb" or pcfg.snapshot_store is None or pcfg.read_only:
+            return
+        bucket = SnapshotBucket(pcfg.snapshot_store, pcfg.snapshot_upload_bytes_per_s)
+        bootstrap(Path(pcfg.path), bucket, [m.name for m in self.config.models], self.bootstrap)
+
+    def _make_snapshotter(self) -> None:
+        """With persistent.snapshot_store: the snapshot endpoints use it, and snapshots are taken periodically."""
+        assert self.engine is not None
+        pcfg = self.config.persistent
+        if pcfg.type != "rocksdb" or pcfg.snapshot_store is None:
+            return
+        prefix = self.config.updates.topic_prefix
+        self.snapshotter = Snapshotter(
+            self.engine, SnapshotBucket(pcfg.snapshot_store, pcfg.snapshot_upload_bytes_per_s),
+            snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
+        )
+
+    def _admin_context(self) -> AdminContext:
+        assert self.engine is not None and self.metrics is not None
+        local = SnapshotStore(self.engine, snapshots_root(self.config))
+        snapshots = local if self.snapshotter is None else RemoteSnapshots(self.snapshotter, local)
+        return AdminContext(
+            engine=self.engine,
+            config=self.config,
+            metrics=self.metrics,
+            gate=self.gate,
+            jobs=self.jobs,
+            snapshots=snapshots,
+            readiness=self.readiness_report,
+            stats_sections=self.stats_sections,
+            on_models_changed=self.models_changed,
+            log_writer=lambda: self.log_writer,
+            shard_map=self.shard_map,
+            cluster_info=self.cluster_info,
+        )
+
+    # ---- readiness ----------------------------------------------------------------------------
+    def not_ready(self, model: str | None = None) -> list[str]:
+        """Why the server (or one model) must not receive traffic: starting, bootstrapping, draining, a tier down,
+        no model, updates not caught up or failing, or a check in ``readiness``. Empty when ready."""
+        reasons = []
+        if (restoring := self.bootstrap.describe()) is not None:
+            reasons.append(restoring)
+        if not self.gate.is_open:
+            reasons.append(self.gate.reason)
+        engine = self.engine
+        if engine is None:
+            return reasons
+        if not engine.healthy().get("persistent", True):
+            reasons.append("persistent tier is unreachable")
+        loaded = [m.name for m in engine.models()]
+        if not loaded:
+            reasons.append("no model is loaded")
+        elif model is not None and model not in loaded:
+            reasons.append(f"model '{model}' is not loaded")
+        for check in self.readiness:
+            if reason := check():
+                reasons.append(reason)
+        consumer = self.consumer
+        if consumer is not None and (reason := update_consumer_not_ready(consumer, model)):
+            reasons.append(reason)
+        return reasons
+
+    def degraded(self) -> list[str]:
+        """What is down but does not take the replica out of the Service: the shared volatile tier (every replica
+        loses it at once, and RocksDB answers meanwhile)."""
+        engine = self.engine
+        if engine is None or engine.healthy().get("volatile", True):
+            return []
+        return ["volatile tier is unreachable (lookups are answered from the persistent tier)"]
+
+    def readiness_report(self) -> tuple[list[str], dict]:
+        """What /readyz and the probe port answer: the reasons, what is degraded, and the bootstrap's progress."""
+        details: dict = {}
+        if degraded := self.degraded():
+            details["degraded"] = degraded
+        if self.bootstrap.state != "idle":
+            details["bootstrap"] = self.bootstrap.view()
+        return self.not_ready(), details
+
+    def update_health(self) -> None:
+        """gRPC health: service "" and EmbeddingService SERVING only when the server is ready, each loaded model when
+        it is (its updates caught up), NOT_SERVING for a model unloaded since."""
+        if self.engine is None:
+            return
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        with self._health_lock:
+            overall = serving if not self.not_ready() else not_serving
+            self.health.set("", overall)
+            self.health.set(pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, overall)
+            loaded = {m.name for m in self.engine.models()}
+            for name in loaded:
+                self.health.set(name, serving if not self.not_ready(name) else not_serving)
+            for name in self._served_models - loaded:
+                self.health.set(name, not_serving)
+            self._served_models = loaded
+
+    def _health_loop(self) -> None:
+        while not self._health_stop.wait(0.2):
+            try:
+                self.update_health()
+            except Exception:  # a readiness check that broke must not stop health updates for good
+                log.warning("health update failed", exc_info=True)
 
     def cluster_info(self) -> dict[str, Any]:
         """The shard map and readiness (GetClusterInfo, GET /v1/cluster): the fields of hps.v1.ClusterInfo."""
         assert self.engine is not None
         m = self.shard_map
         consumer = self.consumer
-        not_ready = readiness_reasons(self.engine, self.gate, self.readiness)
+        not_ready = self.not_ready()
         return {"shards": m.shards, "shard": m.shard, "partitions": m.partitions, "partitioner": "murmur2",
                 "owned_partitions": m.owned_partitions(),
                 "topic_partitions": dict(consumer.topic_partitions) if consumer is not None else {},
@@ -240,16 +386,27 @@ class HPSServer:
                                   partitions=cluster.partitions, shards=cluster.shards, shard=cluster.shard)
         consumer.start()
         self.consumer = consumer
-        self.readiness.append(lambda: update_consumer_not_ready(consumer))
+        self.log_writer = LogWriter(ucfg, self.engine, consumer)
         self.stats_sections["updates"] = consumer.stats
         log.info("consuming updates from %s as group %s (shard %d of %d: partitions %s of %d)", ucfg.brokers, group,
                  cluster.shard, cluster.shards, self.shard_map.owned_partitions() if cluster.shards > 1 else "all",
                  cluster.partitions)
 
     def models_changed(self) -> None:
-        """After a model is registered or unloaded at runtime: health per model, and the update topics consumed."""
+        """After a model is registered or unloaded at runtime: stored registrations (models the config does not
+        define survive a restart), health per model, and the update topics consumed."""
         assert self.engine is not None
-        self.sync_model_health()
+        persistent = self.engine.persistent
+        if persistent is not None and not self.config.persistent.read_only:
+            configured = {m.name for m in self.config.models}
+            loaded = {m.name: m for m in self.engine.models()}
+            for name, model in loaded.items():
+                if name not in configured:
+                    save_registration(persistent, model)
+            for model in load_registrations(persistent):
+                if model.name not in loaded:
+                    forget_registration(persistent, model.name)
+        self.update_health()
         with self._consumer_lock:
             names = [m.name for m in self.engine.models()]
             if self.consumer is not None:
@@ -257,37 +414,10 @@ class HPSServer:
             elif names:
                 self._start_updates()
 
-    def sync_model_health(self) -> None:
-        """gRPC health per model: SERVING for every loaded model once the server serves (start() calls this after
-        the warm-up), NOT_SERVING for one unloaded since."""
-        assert self.engine is not None
-        with self._health_lock:
-            loaded = {m.name for m in self.engine.models()}
-            status = health_pb2.HealthCheckResponse.SERVING if self.gate.is_open else \
-                health_pb2.HealthCheckResponse.NOT_SERVING
-            for name in loaded:
-                self.health.set(name, status)
-            for name in self._served_models - loaded:
-                self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-            self._served_models = loaded
-
     def _start_http(self) -> None:
-        """Serve the REST admin API with uvicorn on its own thread and event loop (bound before this returns)."""
-        assert self.engine is not None and self.metrics is not None
+        """Serve the REST port with uvicorn on its own thread and event loop (bound before this returns): the
+        starting app until :meth:`start` switches to the admin API."""
         cfg = self.config.server
-        ctx = AdminContext(
-            engine=self.engine,
-            config=self.config,
-            metrics=self.metrics,
-            gate=self.gate,
-            jobs=self.jobs,
-            snapshots=SnapshotStore(self.engine, snapshots_root(self.config)),
-            readiness=self.readiness,
-            stats_sections=self.stats_sections,
-            on_models_changed=self.models_changed,
-            shard_map=self.shard_map,
-            cluster_info=self.cluster_info,
-        )
         sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -297,7 +427,7 @@ class HPSServer:
             raise UnavailableError(f"cannot bind the REST port {cfg.host}:{cfg.http_port}: {exc}") from None
         self.http_port = sock.getsockname()[1]
         http = uvicorn.Server(
-            uvicorn.Config(create_app(ctx), log_level="warning", access_log=False, lifespan="off", log_config=None,
+            uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off", log_config=None,
                            timeout_graceful_shutdown=5, **self._ssl_options)
         )
         thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="hps-http", daemon=True)
@@ -325,20 +455,32 @@ class HPSServer:
             return max(0.0, (deadline - time.monotonic()) * share)
 
         self.gate.close("the server is draining")
+        self._health_stop.set()
         self.health.enter_graceful_shutdown()
         if self._grpc is not None:
             self._grpc.stop(remaining(0.6)).wait(remaining(0.6) + 0.5)
         if self.consumer is not None:
             self.consumer.close_timeout_s = min(self.consumer.close_timeout_s, max(remaining(0.5), 0.5))
             self.consumer.stop(timeout=max(remaining(0.8), 1.0), commit=True)
+        if self.log_writer is not None:
+            self.log_writer.close()
+        if self.snapshotter is not None:
+            self.snapshotter.stop(max(remaining(0.5), 0.5))
         self.jobs.close(wait=True)
-        if self._http is not None and self._http_thread is not None:
-            self._http.should_exit = True
-            self._http_thread.join(max(remaining(0.5), 0.5))
+        self._stop_listeners(remaining(0.5))
         if self.engine is not None and not self.engine.close(timeout_s=remaining()):
             log.error("a write outlived server.grace_period_s; the tiers were left open (RocksDB recovers its WAL)")
         self._stopped.set()
         log.info("stopped")
+
+    def _stop_listeners(self, timeout: float = 0.5) -> None:
+        """Close the REST and probe listeners."""
+        if self._http is not None and self._http_thread is not None:
+            self._http.should_exit = True
+            self._http_thread.join(max(timeout, 0.5))
+        if self._probes is not None:
+            self._probes.close()
+            self._probes = None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until stopped; True if it stopped."""

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fastapi import Depends, FastAPI, Query, Request, Response, status
@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from hps_service.config import HPSConfig, ModelConfig
-from hps_service.engine import LEVELS, LookupEngine
+from hps_service.engine import LEVELS, LookupEngine, as_rows
 from hps_service.errors import (
     FailedPreconditionError,
     HPSError,
@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 #: A readiness check: None when ready, else a short reason naming what is not.
 ReadinessCheck = Callable[[], "str | None"]
+#: What is not ready (empty when ready), and extra details for the /readyz body (e.g. bootstrap progress).
+Readiness = Callable[[], "tuple[list[str], dict[str, Any]]"]
 
 _HTTP_STATUS: dict[type[HPSError], int] = {
     # first match wins: a key of another shard is a request for another server (Misdirected Request)
@@ -83,32 +85,22 @@ class AdminContext:
     metrics: ServerMetrics
     gate: ServingGate
     jobs: JobRunner
-    snapshots: SnapshotStore
-    #: Extra readiness checks (the update consumer adds one: ready once it holds its partitions).
-    readiness: list[ReadinessCheck] = field(default_factory=list)
+    #: Local checkpoints, or the snapshot store in object storage when one is configured (same methods).
+    snapshots: SnapshotStore | Any
+    #: What /readyz reports: the reasons the server is not ready and details (HPSServer.readiness).
+    readiness: Readiness
     #: Extra sections of /v1/stats, e.g. ``{"updates": consumer.stats}``.
     stats_sections: dict[str, Callable[[], dict]] = field(default_factory=dict)
-    #: Called after a model is registered or unloaded (keeps gRPC health in sync).
+    #: Called after a model is registered or unloaded (keeps gRPC health, the consumer and stored registrations
+    #: in sync).
     on_models_changed: Callable[[], None] = lambda: None
     #: The keys this server answers; others are refused with 421 naming their shard.
     shard_map: ShardMap = field(default_factory=ShardMap)
     #: GET /v1/cluster (the fields of hps.v1.ClusterInfo); None: built from shard_map and readiness.
     cluster_info: Callable[[], dict[str, Any]] | None = None
 
-
-def readiness_reasons(engine: LookupEngine, gate: ServingGate, checks: list[ReadinessCheck]) -> list[str]:
-    """Why the server is not ready (empty when it is): closed gate, unreachable tiers, no model, failing hooks."""
-    not_ready = []
-    if not gate.is_open:
-        not_ready.append(gate.reason)
-    not_ready += [f"{tier} tier is unreachable" for tier, ok in engine.healthy().items() if not ok]
-    if not engine.models():
-        not_ready.append("no model is loaded")
-    for check in checks:
-        reason = check()
-        if reason:
-            not_ready.append(reason)
-    return not_ready
+    #: With Kafka updates on: admin row writes go to the update topic (fleet.admin_writes.LogWriter).
+    log_writer: Callable[[], Any] = lambda: None
 
 
 # ---- request bodies ------------------------------------------------------------------------------------
@@ -122,6 +114,15 @@ class RowsPut(BaseModel):
 
 class KeysBody(BaseModel):
     keys: list[Int64]
+    version: Int64 | None = Field(
+        None, ge=0, description="with Kafka updates on: the tombstone version (default: the version this replica "
+        "holds for each key); without, deletes forget the keys whatever their version")
+
+
+#: ``?wait=applied`` also waits until this replica applied a write published to the update topic.
+Wait = Annotated[Literal["acknowledged", "applied"], Query(
+    description="with Kafka updates on, answer once the broker acknowledged the write (default) or once this "
+    "replica also applied it")]
 
 
 class LookupBody(BaseModel):
@@ -243,6 +244,45 @@ def _replay(messages: list[dict], then: Callable | None = None) -> Callable:
     return receive
 
 
+def readiness_response(readiness: Readiness, models: list[str]) -> JSONResponse:
+    """The /readyz answer: 200 with the models, or 503 naming what is not ready (and details such as bootstrap
+    progress)."""
+    not_ready, details = readiness()
+    if not_ready:
+        return _error(503, "not ready: " + "; ".join(not_ready), ready=False, not_ready=not_ready, **details)
+    return JSONResponse({"ready": True, "models": models, **details})
+
+
+def create_starting_app(readiness: Readiness) -> FastAPI:
+    """What the REST port answers while the server starts (a bootstrap may take minutes): liveness, and readiness
+    with its progress; every other path 503."""
+    app = FastAPI(title="hps-service admin API (starting)", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/healthz")
+    def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz() -> JSONResponse:
+        return readiness_response(readiness, [])
+
+    @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
+    def starting(path: str) -> JSONResponse:
+        return _error(503, "the server is starting")
+
+    return app
+
+
+class SwitchableApp:
+    """An ASGI app that serves ``target``, which can be replaced while the server runs (starting -> full API)."""
+
+    def __init__(self, target: Any) -> None:
+        self.target = target
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        await self.target(scope, receive, send)
+
+
 def create_app(ctx: AdminContext) -> FastAPI:
     """The admin FastAPI application over ``ctx``."""
     engine = ctx.engine
@@ -291,20 +331,17 @@ def create_app(ctx: AdminContext) -> FastAPI:
     def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/readyz", tags=["health"], summary="Readiness: tiers reachable, models loaded, hooks ready",
-             responses={503: {"description": "not ready; `not_ready` names what"}})
+    @app.get("/readyz", tags=["health"], summary="Readiness: caught up with the update log, tiers reachable, models "
+             "loaded", responses={503: {"description": "not ready; `not_ready` names what"}})
     def readyz() -> JSONResponse:
-        not_ready = readiness_reasons(engine, ctx.gate, ctx.readiness)
-        if not_ready:
-            return _error(503, "not ready: " + "; ".join(not_ready), ready=False, not_ready=not_ready)
-        return JSONResponse({"ready": True, "models": [m.name for m in engine.models()]})
+        return readiness_response(ctx.readiness, [m.name for m in engine.models()])
 
     @app.get("/v1/cluster", tags=["health"], summary="Shard map: shards, this shard, partitions per topic, readiness")
     def cluster() -> dict[str, Any]:
         if ctx.cluster_info is not None:
             return ctx.cluster_info()
         m = ctx.shard_map
-        not_ready = readiness_reasons(engine, ctx.gate, ctx.readiness)
+        not_ready, _ = ctx.readiness()
         return {"shards": m.shards, "shard": m.shard, "partitions": m.partitions, "partitioner": "murmur2",
                 "owned_partitions": m.owned_partitions(), "topic_partitions": {}, "ready": not not_ready,
                 "not_ready": not_ready}
@@ -377,7 +414,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return rows_of("RestLookupEmbeddings", model, table, lambda: np.array(body.keys, dtype=np.int64))
 
     @app.put(rows_path, tags=["rows"], dependencies=admin, summary="Upsert rows (dim checked, NaN/inf rejected)")
-    def put_rows(model: str, table: str, body: RowsPut) -> dict[str, int]:
+    def put_rows(model: str, table: str, body: RowsPut, wait: Wait = "acknowledged") -> dict[str, Any]:
         n = len(body.keys)
         if n > ctx.config.server.max_batch_keys:
             raise ResourceExhaustedError(f"{n} rows exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
@@ -389,17 +426,22 @@ def create_app(ctx: AdminContext) -> FastAPI:
         if vectors.ndim != 2 or vectors.shape[1] != t.dim:
             width = vectors.shape[1] if vectors.ndim == 2 else "?"
             raise InvalidArgumentError(f"table '{table}' has dim {t.dim}; rows have {width} values")
-        written = engine.apply_updates(model, table, np.array(body.keys, dtype=np.int64), vectors, body.version)
-        return {"written": written}
+        keys = np.array(body.keys, dtype=np.int64)
+        if (writer := ctx.log_writer()) is not None:
+            as_rows(vectors, n, t.dim, f"rows for {model}.{table}")
+            return writer.put(model, table, keys, vectors, body.version, wait_applied=wait == "applied")
+        return {"written": engine.apply_updates(model, table, keys, vectors, body.version)}
 
     @app.delete(rows_path, tags=["rows"], dependencies=admin, summary="Delete rows from every tier")
-    def delete_rows(model: str, table: str, body: KeysBody) -> dict[str, int]:
+    def delete_rows(model: str, table: str, body: KeysBody, wait: Wait = "acknowledged") -> dict[str, Any]:
         if len(body.keys) > ctx.config.server.max_batch_keys:
             raise ResourceExhaustedError(
                 f"{len(body.keys)} keys exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
-        keys_arr = np.array(body.keys, dtype=np.int64)
-        ctx.shard_map.check(keys_arr)
-        return {"deleted": engine.apply_deletes(model, table, keys_arr)}
+        keys = np.array(body.keys, dtype=np.int64)
+        ctx.shard_map.check(keys)
+        if (writer := ctx.log_writer()) is not None:
+            return writer.delete(model, table, keys, body.version, wait_applied=wait == "applied")
+        return {"deleted": engine.apply_deletes(model, table, keys)}
 
     # ---- import jobs ------------------------------------------------------------------------------
     @app.post("/v1/models/{model}/tables/{table}/import", tags=["jobs"], status_code=202, dependencies=admin,
@@ -416,12 +458,16 @@ def create_app(ctx: AdminContext) -> FastAPI:
 
     @app.post("/v1/models/{model}/tables/{table}/tombstones/purge", tags=["jobs"], status_code=202,
               dependencies=admin, summary="Remove tombstones older than a version from every tier, as a job")
-    def purge_tombstones(model: str, table: str, body: PurgeTombstonesRequest) -> dict[str, Any]:
+    def purge_tombstones(model: str, table: str, body: PurgeTombstonesRequest,
+                         wait: Wait = "acknowledged") -> dict[str, Any]:
         engine.table(model, table)
-        job = ctx.jobs.submit(
-            "purge_tombstones", {"model": model, "table": table, "below_version": body.below_version},
-            lambda job: {"purged": engine.purge_tombstones(model, table, body.below_version)},
-        )
+        target = {"model": model, "table": table, "below_version": body.below_version}
+        if (writer := ctx.log_writer()) is not None:
+            job = ctx.jobs.submit("purge_tombstones", target, lambda job: writer.purge_tombstones(
+                model, table, body.below_version, wait_applied=wait == "applied"))
+        else:
+            job = ctx.jobs.submit("purge_tombstones", target,
+                                  lambda job: {"purged": engine.purge_tombstones(model, table, body.below_version)})
         return job.view()
 
     @app.get("/v1/jobs", tags=["jobs"], summary="Known jobs, oldest first")

@@ -6,11 +6,14 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hps_service.client import HPSClient
 from hps_service.engine import Source
+from hps_service.tiers.rocksdb import RocksDBTier
 from tests.faults.support import readyz, rows_for, wait_for
 from tests.helpers import ServerProcess, free_port, write_config
 
@@ -41,9 +44,9 @@ def test_redis_cluster_down_at_start(redis_cluster_clean, tmp_path: Path) -> Non
         cluster.kill(i)
     srv = ServerProcess(cfg, grpc_port)
     try:
-        srv.start(timeout=60)
+        srv.start(timeout=60)  # SERVING: a shared Redis down must not take every replica out of the Service
         status, body = readyz(http_port)
-        assert status == 503 and "volatile tier is unreachable" in body["not_ready"], body
+        assert status == 200 and any("volatile tier is unreachable" in r for r in body["degraded"]), body
         stats = httpx.get(f"http://127.0.0.1:{http_port}/v1/stats", timeout=10)
         assert stats.status_code == 200 and stats.json()["models"]["m"]["tables"]["item"]["volatile"]["connected"] == 0
         _put(http_port, keys)  # durable in RocksDB; the absent volatile tier writes nothing
@@ -54,7 +57,7 @@ def test_redis_cluster_down_at_start(redis_cluster_clean, tmp_path: Path) -> Non
             time.sleep(1.0)
             assert srv.proc is not None and srv.proc.poll() is None, "the server must not exit"
             cluster.restart_all()
-            wait_for(lambda: readyz(http_port)[0] == 200, 30, "/readyz 200 once Redis is back")
+            wait_for(lambda: "degraded" not in readyz(http_port)[1], 30, "/readyz not degraded once Redis is back")
             client.lookup("m", "item", keys)  # read from RocksDB and promoted into the now-connected tier
             again = client.lookup_with_sources("m", "item", keys)
             assert set(again.sources.tolist()) == {Source.VOLATILE}
@@ -79,13 +82,19 @@ def test_broker_unreachable_at_start(tmp_path: Path) -> None:
         "models": [{"name": "m", "tables": [{"name": "item", "dim": DIM}]}],
     })
     keys = np.arange(1, 101, dtype=np.int64)
+    tier = RocksDBTier(tmp_path / "db")  # rows stored before: the server serves them while the broker is away
+    tier.create_table("m.item", DIM)
+    tier.put("m.item", keys, rows_for(keys, 1, DIM), np.ones(keys.shape[0], dtype=np.int64))
+    tier.close()
     srv = ServerProcess(cfg, grpc_port)
     try:
-        srv.start(timeout=60)
-        _put(http_port, keys)
+        srv.start(timeout=60, serving=False)  # up, but not ready: it cannot know whether it has caught up
         time.sleep(2.0)
         status, body = readyz(http_port)
         assert status == 503 and any("update consumer" in r for r in body["not_ready"]), body
+        with grpc.insecure_channel(srv.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         with HPSClient(srv.target) as client:
             assert np.array_equal(client.lookup("m", "item", keys), rows_for(keys, 1, DIM))
         assert srv.proc is not None and srv.proc.poll() is None, "the server must not exit"

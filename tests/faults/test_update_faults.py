@@ -42,7 +42,8 @@ def _config(tmp_path: Path, brokers: str, model: str, group: str) -> tuple[Path,
 
 
 def _put(http_port: int, model: str, keys: np.ndarray, version: int) -> None:
-    r = httpx.put(f"http://127.0.0.1:{http_port}/v1/models/{model}/tables/item/embeddings",
+    """A REST put through the update topic, answered once this replica applied it."""
+    r = httpx.put(f"http://127.0.0.1:{http_port}/v1/models/{model}/tables/item/embeddings?wait=applied",
                   json={"keys": keys.tolist(), "vectors": rows_for(keys, version, DIM).tolist(), "version": version},
                   headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30)
     assert r.status_code == 200, r.text
