@@ -5,6 +5,7 @@ import pytest
 
 from tests.fixtures.kafka_broker import kafka_broker  # noqa: F401
 from tests.fixtures.redis_cluster import redis_cluster, redis_cluster_clean  # noqa: F401
+from tests.fixtures.seaweedfs import s3_server  # noqa: F401
 
 #: Tests marked ``long`` (minutes each) run only when this is set: ``HPS_RUN_LONG=1 make test``.
 RUN_LONG = os.environ.get("HPS_RUN_LONG", "") not in ("", "0")

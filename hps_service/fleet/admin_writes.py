@@ -51,11 +51,19 @@ class LogWriter:
 
     def delete(self, model: str, table: str, keys: np.ndarray, version: int | None,
                wait_applied: bool) -> dict[str, Any]:
-        """Publish tombstones; without ``version`` each key's is the version this replica holds for it (0 when it
-        holds none), so the delete removes the row as this replica serves it, and a newer write still wins."""
+        """Publish tombstones; without ``version`` each key's is the version this replica holds for it once it applied
+        every write acknowledged before (0 when it holds none): the delete removes the row as it is now, and a newer
+        write still wins."""
         t = self.engine.table(model, table)
         keys = np.unique(np.asarray(keys, dtype=np.int64))
         if version is None:
+            # read-your-writes: every write acknowledged before this delete is applied here before versions are read
+            if self.consumer is None:
+                raise UnavailableError("this replica consumes no update topic; give the delete a version")
+            ends = {k: end - 1 for k, end in self.consumer.end_offsets(model).items() if end > 0}
+            if not self.consumer.wait_applied(ends, self.ack_timeout_s):
+                raise UnavailableError(f"this replica did not catch up with the update topic within "
+                                       f"{self.ack_timeout_s:g} s; give the delete a version")
             versions = np.zeros(keys.shape[0], dtype=np.int64)
             for tier in (self.engine.volatile, self.engine.persistent):
                 if tier is not None and keys.shape[0]:

@@ -69,7 +69,7 @@ def store_is_empty(path: Path) -> bool:
     """True when ``path`` holds no RocksDB, or one without rows, tombstones or log positions."""
     if not (Path(path) / "CURRENT").exists():
         return True
-    tier = RocksDBTier(Path(path), block_cache_mb=0)
+    tier = RocksDBTier(Path(path), block_cache_mb=8)
     try:
         if tier.positions():
             return False
@@ -142,6 +142,6 @@ class _Unopenable(Exception):
 def _check_opens(path: Path) -> None:
     """A downloaded snapshot opens as a RocksDB store (checksums cannot catch a snapshot written wrong)."""
     try:
-        RocksDBTier(path, read_only=True, block_cache_mb=0).close()
+        RocksDBTier(path, read_only=True, block_cache_mb=8).close()
     except HPSError as exc:
         raise _Unopenable(f"it does not open as a RocksDB store: {exc}") from None

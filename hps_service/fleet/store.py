@@ -127,7 +127,9 @@ class SnapshotBucket:
         """Upload every file under ``source`` with its SHA-256, then the manifest (``description`` plus the file
         list); returns the manifest. Nothing is listed as a snapshot until the manifest is written."""
         snapshot_id = new_snapshot_id()
-        files = sorted(p for p in Path(source).rglob("*") if p.is_file() and p.name != "LOCK")
+        # smallest first: the bulk of a snapshot (its largest SST files) goes last, the manifest after it
+        files = sorted((p for p in Path(source).rglob("*") if p.is_file() and p.name != "LOCK"),
+                       key=lambda p: (p.stat().st_size, p.as_posix()))
         entries = []
         for path in files:
             entries.append({"name": path.relative_to(source).as_posix(), "size": path.stat().st_size,

@@ -253,6 +253,21 @@ class UpdateConsumer:
                 self._applied_cond.wait(0.1 if remaining is None else min(remaining, 0.1))
         return True
 
+    def end_offsets(self, model: str, timeout: float = 5.0) -> dict[tuple[str, int], int]:
+        """The end offset of each assigned partition of ``model``, asked of the broker now."""
+        consumer = self._consumer
+        if consumer is None or not self.ready:
+            raise UnavailableError("the update consumer has no partitions yet")
+        out = {}
+        for tp in list(self._assignment):
+            if self.topics.get(tp.topic) == model:
+                try:
+                    out[(tp.topic, tp.partition)] = consumer.get_watermark_offsets(
+                        TopicPartition(tp.topic, tp.partition), timeout=timeout, cached=False)[1]
+                except KafkaException as exc:
+                    raise UnavailableError(f"end offset of {tp.topic}[{tp.partition}]: {exc}") from None
+        return out
+
     def wait_applied(self, positions: dict[tuple[str, int], int], timeout: float) -> bool:
         """Block until every ``(topic, partition) -> offset`` in ``positions`` is applied (the message at that
         offset included), or the timeout; returns whether it was."""

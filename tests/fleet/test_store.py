@@ -9,11 +9,10 @@ import pytest
 
 from hps_service.errors import NotFoundError
 from hps_service.fleet.store import CorruptSnapshotError, SnapshotBucket
-from tests.fixtures.seaweedfs import s3_server  # noqa: F401
 
 
 @pytest.fixture
-def bucket(s3_server, monkeypatch):  # noqa: F811
+def bucket(s3_server, monkeypatch):
     for k, v in s3_server.env.items():
         monkeypatch.setenv(k, v)
     return SnapshotBucket(f"s3://{s3_server.new_bucket()}/fleet/a")
@@ -32,7 +31,7 @@ def test_upload_list_download_round_trip(bucket, tmp_path):
     src = _files(tmp_path / "src")
     seen = []
     manifest = bucket.upload("m", src, {"tables": {"t": {"dim": 4, "rows": 1}}}, lambda d, t: seen.append((d, t)))
-    assert [e["name"] for e in manifest["files"]] == ["000001.sst", "CURRENT", "sub/x"]  # no LOCK
+    assert [e["name"] for e in manifest["files"]] == ["sub/x", "CURRENT", "000001.sst"]  # smallest first, no LOCK
     assert seen[-1] == (manifest["bytes"], manifest["bytes"])
     assert [m["id"] for m in bucket.list("m")] == [manifest["id"]]
     assert bucket.list("other") == []
