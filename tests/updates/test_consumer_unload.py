@@ -86,15 +86,15 @@ def test_a_model_unloaded_while_its_batch_is_applied_loses_nothing(
     NotFoundError dead-lettered every message of the table in the batch, valid ones included, and their offsets
     were committed."""
     unloaded = threading.Event()
-    real = engine.apply_updates
+    real = engine.apply_changes
 
-    def unload_then_apply(model, table, *args):  # a seam at the engine call
-        if threading.current_thread() is consumer._thread and not unloaded.is_set():
-            engine.unregister_model(model)
+    def unload_then_apply(changes, *args):  # a seam at the engine call
+        if threading.current_thread() is consumer._thread and changes and not unloaded.is_set():
+            engine.unregister_model(changes[0].model)
             unloaded.set()
-        return real(model, table, *args)
+        return real(changes, *args)
 
-    engine.apply_updates = unload_then_apply
+    engine.apply_changes = unload_then_apply
     pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
     keys = np.arange(1000, dtype=np.int64)
     for lo in range(0, 1000, 100):  # several messages per partition
