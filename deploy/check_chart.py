@@ -283,16 +283,20 @@ def _check_statefulset(rendered: Rendered, sts: dict[str, Any], report: Report) 
 
     readiness = container.get("readinessProbe", {})
     ready_http = readiness.get("httpGet", {})
-    grpc_ready = readiness.get("grpc", {}).get("port") == server.grpc_port
+    # under (m)TLS kubelet cannot reach the TLS ports: every probe must use the plaintext probe port
+    probe_port = server.probe_port if server.tls is not None else server.http_port
+    if server.tls is not None and server.probe_port is None:
+        report.add("server.tls is set but server.probe_port is not: no probe can pass")
+    grpc_ready = server.tls is None and readiness.get("grpc", {}).get("port") == server.grpc_port
     http_ready = ready_http.get("path") == "/readyz" and _resolve_port(container, ready_http.get("port", "")) == \
-        server.http_port
+        probe_port
     if not (grpc_ready or http_ready):
-        report.add(f"readiness probe is neither gRPC health on port {server.grpc_port} nor GET /readyz on "
-                   f"port {server.http_port}: {readiness}")
+        report.add(f"readiness probe is neither gRPC health on port {server.grpc_port} (plaintext) nor GET /readyz on "
+                   f"port {probe_port}: {readiness}")
     for probe_name in ("livenessProbe", "startupProbe"):
         http = container.get(probe_name, {}).get("httpGet", {})
-        if http.get("path") != "/healthz" or _resolve_port(container, http.get("port", "")) != server.http_port:
-            report.add(f"{probe_name} is not GET /healthz on port {server.http_port}: {http}")
+        if http.get("path") != "/healthz" or _resolve_port(container, http.get("port", "")) != probe_port:
+            report.add(f"{probe_name} is not GET /healthz on port {probe_port}: {http}")
 
     for svc in rendered.find("Service"):
         for port in svc["spec"]["ports"]:

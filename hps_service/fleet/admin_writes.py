@@ -40,6 +40,18 @@ class LogWriter:
                 self._publishers[model] = pub
             return pub
 
+    def prepare(self, models: list[str]) -> None:
+        """Create the producers of ``models`` ahead of the first write (topic metadata and the idempotent producer's
+        id take about a second to get), in the background; a failure here only defers it to the first write."""
+        def connect() -> None:
+            for model in models:
+                try:
+                    self._publisher(model)
+                except UnavailableError:
+                    return
+
+        threading.Thread(target=connect, name="hps-log-writer", daemon=True).start()
+
     def put(self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, version: int,
             wait_applied: bool) -> dict[str, Any]:
         """Publish rows at ``version``; returns what was published (and whether this replica applied it)."""

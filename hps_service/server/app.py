@@ -387,6 +387,7 @@ class HPSServer:
         consumer.start()
         self.consumer = consumer
         self.log_writer = LogWriter(ucfg, self.engine, consumer)
+        self.log_writer.prepare([m.name for m in self.engine.models()])
         self.stats_sections["updates"] = consumer.stats
         log.info("consuming updates from %s as group %s (shard %d of %d: partitions %s of %d)", ucfg.brokers, group,
                  cluster.shard, cluster.shards, self.shard_map.owned_partitions() if cluster.shards > 1 else "all",

@@ -238,6 +238,33 @@ def test_readiness_through_readyz_when_asked() -> None:
     assert _container(r)["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
 
 
+def test_tls_probes_use_the_plaintext_probe_port_and_snapshots_reach_the_config() -> None:
+    """Under (mutual) TLS kubelet's probes cannot pass on the TLS ports (before, every probe failed): the server opens
+    a plaintext probe port and startup, liveness and readiness all use it."""
+    tls = {"cert_file": "/etc/hps-tls/tls.crt", "key_file": "/etc/hps-tls/tls.key",
+           "client_ca_file": "/etc/hps-tls/ca.crt"}
+    r = check_chart.render({"config": {"server": {"tls": tls}},
+                            "snapshots": {"store": "s3://hps-snapshots/prod", "intervalSeconds": 600, "retain": 2,
+                                          "awsSecret": "hps-s3"}})
+    report = check_chart.Report("tls")
+    check_chart.check_consistency(r, report)
+    assert report.problems == []
+    container = _container(r)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["probe"] == 8001
+    for probe, path in (("startupProbe", "/healthz"), ("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
+        assert container[probe]["httpGet"] == {"path": path, "port": "probe"}, probe
+    assert container["envFrom"] == [{"secretRef": {"name": "hps-s3"}}]
+    cfg = check_chart.server_config(r, "hps-0")
+    assert cfg.server.probe_port == 8001
+    assert (cfg.persistent.snapshot_store, cfg.persistent.snapshot_interval_s, cfg.persistent.snapshot_retain) == (
+        "s3://hps-snapshots/prod", 600, 2)
+    broken = _mutated(r, lambda x: _container(x)["readinessProbe"]["httpGet"].update(port="http"))
+    report = check_chart.Report("tls-broken")
+    check_chart.check_consistency(broken, report)
+    assert any("readiness probe" in problem for problem in report.problems)
+
+
 def _mutated(r: object, mutate) -> object:
     clone = copy.deepcopy(r)
     mutate(clone)

@@ -102,6 +102,14 @@ The consumer group and the secrets come from the environment (see the StatefulSe
 {{- $volatile := mergeOverwrite (deepCopy ($cfg.volatile | default dict)) (dict "type" "redis_cluster" "nodes" .Values.redisCluster.nodes) }}
 {{- $_ := set $cfg "volatile" $volatile }}
 {{- end }}
+{{- if .Values.config.server.tls }}
+{{- $serverCfg := mergeOverwrite (deepCopy $cfg.server) (dict "probe_port" (include "hps.probePort" . | int)) }}
+{{- $_ := set $cfg "server" $serverCfg }}
+{{- end }}
+{{- with .Values.snapshots.store }}
+{{- $persistent := mergeOverwrite (deepCopy ($cfg.persistent | default dict)) (dict "snapshot_store" . "snapshot_interval_s" $.Values.snapshots.intervalSeconds "snapshot_retain" $.Values.snapshots.retain) }}
+{{- $_ := set $cfg "persistent" $persistent }}
+{{- end }}
 {{- if .Values.kafka.enabled }}
 {{- $updates := mergeOverwrite (deepCopy ($cfg.updates | default dict)) (dict "type" "kafka" "brokers" (join "," .Values.kafka.brokers) "topic_prefix" .Values.kafka.topicPrefix) }}
 {{- with .Values.kafka.sasl }}
@@ -291,4 +299,9 @@ filesystem is read-only.
 {{- end }}
 {{- end }}
 {{- $mount }}
+{{- end }}
+
+{{/* The plaintext probe port the server opens under TLS (config.server.probe_port, else probes.plaintextPort). */}}
+{{- define "hps.probePort" -}}
+{{- .Values.config.server.probe_port | default .Values.probes.plaintextPort | int }}
 {{- end }}
