@@ -12,6 +12,8 @@
    updates applied meanwhile, interleaved rounds; target >= 0.8x. With --profile also who holds the GIL meanwhile.
 8. Sharding (loadtest.bench_shards): fan-out keys/s and p99 through the client against 1, 2 and 4 shards beside an
    unsharded server (batch 1024 and 4096), and the import of a 1M-row table into 2 shards vs 1.
+9. Replicas: bootstrap of a table from a snapshot in S3 vs ``hps import`` of the same rows (target <= 1.5x), and the
+   catch-up of a replica behind rows on the topic (loadtest.bench_bootstrap).
 
     python -m loadtest.bench            # ~10 min on 2 cores
     python -m loadtest.bench --quick    # ~2-3 min
@@ -490,6 +492,29 @@ def bench_ingest(p: Plan, workdir: Path, console: Console, profile: bool) -> dic
     return result
 
 
+# ---------------------------------------------------------------------------------------------- 9. replicas
+def bench_replicas(p: Plan) -> dict[str, Any]:
+    """loadtest.bench_bootstrap as a subprocess (its own S3 server and broker); its printed lines parsed."""
+    rows, catch_up = (200_000, 50_000) if p.quick else (1_000_000, 200_000)
+    cmd = [sys.executable, "-m", "loadtest.bench_bootstrap", "--rows", str(rows), "--catch-up-rows", str(catch_up)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
+                              cwd=Path(__file__).resolve().parents[1])
+    except subprocess.TimeoutExpired:
+        return {"run": False, "reason": "bench_bootstrap did not finish within 900 s"}
+    if proc.returncode != 0:
+        return {"run": False, "reason": f"bench_bootstrap exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+    text = proc.stdout
+    boot = re.search(r"snapshot \(([\d.]+) MiB .*?: ([\d.]+) s; hps import of the same rows: ([\d.]+) s", text)
+    up = re.search(r"rows on the topic: ([\d.]+) s \(([\d,]+) rows/s\)", text)
+    return {"run": True, "rows": rows, "catch_up_rows": catch_up,
+            "bootstrap_s": float(boot.group(2)) if boot else None, "import_s": float(boot.group(3)) if boot else None,
+            "snapshot_mib": float(boot.group(1)) if boot else None,
+            "catch_up_s": float(up.group(1)) if up else None,
+            "catch_up_rows_per_s": float(up.group(2).replace(",", "")) if up else None,
+            "output": text.strip().splitlines()}
+
+
 # ---------------------------------------------------------------------------------------------- report
 def ratio_table(res: dict[str, Any]) -> Table:
     t = Table(title="hps-service benchmarks: ratios measured side by side in this run", header_style="bold")
@@ -548,6 +573,17 @@ def ratio_table(res: dict[str, Any]) -> Table:
         row("7. lookups under 10k rows/s of ingest vs without",
             f"{ing['keys_per_s_ingest'] / 1e6:.2f} M keys/s ({ing['applied_rows_per_s']:,.0f} rows/s applied)",
             f"{ing['keys_per_s_idle'] / 1e6:.2f} M keys/s", ing["ratio"], ">= 0.8", ing["ratio"] >= 0.8)
+    r = res.get("replicas")
+    if r:
+        if r.get("run") and r.get("bootstrap_s") and r.get("import_s"):
+            ratio = r["bootstrap_s"] / r["import_s"]
+            row(f"9. bootstrap of {r['rows']:,} x 64 from a snapshot", f"{r['bootstrap_s']:.1f} s",
+                f"hps import {r['import_s']:.1f} s", ratio, "<= 1.5", ratio <= 1.5)
+        else:
+            row("9. bootstrap from a snapshot", "not run", r.get("reason", "")[:60], None, "<= 1.5", None)
+        if r.get("catch_up_s"):
+            row(f"9. catch-up behind {r['catch_up_rows']:,} rows", f"{r['catch_up_s']:.1f} s",
+                f"{r['catch_up_rows_per_s']:,.0f} rows/s", None, "-", None)
     return t
 
 
@@ -573,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-fraction", type=float, default=0.2,
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards")
+                    help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -628,6 +664,9 @@ def main(argv: list[str] | None = None) -> int:
             from loadtest import bench_shards
 
             res["shards"] = bench_shards.run(args.quick, console)
+        if "replicas" not in skip:
+            console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up (loadtest.bench_bootstrap)")
+            res["replicas"] = bench_replicas(p)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
