@@ -16,6 +16,7 @@ import numpy as np
 
 from hps_service import __version__
 from hps_service.local_processes import stop_process
+from hps_service.tiers.rocksdb import RocksDBTier
 from tests.helpers import HPS, REPO, free_port, run_hps, write_config
 
 TOKEN = "cli-token"
@@ -30,6 +31,12 @@ def test_json_logs_kafka_through_logging_and_cli_verbs(tmp_path: Path) -> None:
         "updates": {"type": "kafka", "brokers": f"127.0.0.1:{dead_broker}", "topic_prefix": "logs"},
         "models": [{"name": "demo", "tables": [{"name": "item", "dim": 4}]}],
     })
+    # rows stored before the start: with Kafka on, a REST put would go through the (unreachable) update topic
+    rows = np.arange(12, dtype=np.float32).reshape(3, 4)
+    tier = RocksDBTier(tmp_path / "db")
+    tier.create_table("demo.item", 4)
+    tier.put("demo.item", np.array([5, 6, 7]), rows, np.ones(3, dtype=np.int64))
+    tier.close()
     stderr_path = tmp_path / "stderr.log"
     with open(stderr_path, "w") as stderr:
         proc = subprocess.Popen([*HPS, "serve", "--config", str(cfg)], stdout=subprocess.DEVNULL, stderr=stderr,
@@ -40,17 +47,12 @@ def test_json_logs_kafka_through_logging_and_cli_verbs(tmp_path: Path) -> None:
         while True:
             assert proc.poll() is None, stderr_path.read_text()[-2000:]
             try:
-                if httpx.get(f"{http}/healthz", timeout=2).status_code == 200:
+                if httpx.get(f"{http}/v1/models", timeout=2).status_code == 200:  # started (/healthz answers sooner)
                     break
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "hps serve did not answer /healthz"
             time.sleep(0.2)
-        rows = np.arange(12, dtype=np.float32).reshape(3, 4)
-        put = httpx.put(f"{http}/v1/models/demo/tables/item/embeddings", timeout=30,
-                        json={"keys": [5, 6, 7], "vectors": rows.tolist(), "version": 1},
-                        headers={"Authorization": f"Bearer {TOKEN}"})
-        assert put.status_code == 200, put.text
 
         looked = run_hps("lookup", "--target", f"127.0.0.1:{grpc_port}", "--model", "demo", "--table", "item",
                          "--json", "--", "5", "7", "-1")
