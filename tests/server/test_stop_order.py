@@ -31,7 +31,7 @@ def test_stop_waits_for_the_consumers_write_before_closing_the_tiers(kafka_broke
     srv.start()
     assert srv.consumer is not None and srv.consumer.wait_ready(30)
     assert srv.consumer._thread is not None and srv.engine is not None
-    l3_write = Pause(srv.engine.persistent, "put", thread=srv.consumer._thread.name, after=False)
+    l3_write = Pause(srv.engine.persistent, "write", thread=srv.consumer._thread.name, after=False)
     keys = np.arange(100, dtype=np.int64)
     publisher = Publisher(kafka_broker.bootstrap, model)
     publisher.publish("t", keys, np.ones((100, 4), np.float32), 1)
@@ -48,7 +48,7 @@ def test_stop_waits_for_the_consumers_write_before_closing_the_tiers(kafka_broke
     assert not srv.consumer._thread.is_alive()
     store = RocksDBTier(db, read_only=True)
     try:  # the write completed on an open store (before: RocksDB was closed under it and the rows were lost)
-        written = l3_write.args[1]
+        written = l3_write.args[0][0].keys  # the consumer writes its batch (rows and positions) in one call
         assert written.shape[0] and store.get(f"{model}.t", written).found.all()
     finally:
         store.close()
