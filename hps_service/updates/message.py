@@ -71,8 +71,9 @@ def encode_update(
         vectors=np.ascontiguousarray(vectors, dtype="<f4").tobytes(),
         versions=np.ascontiguousarray(versions, dtype="<i8").tobytes(),
         produced_at_ns=time.time_ns(),
-        purge_tombstones_below=purge_tombstones_below,
     )
+    if purge_tombstones_below:
+        msg.purge_tombstones_below = purge_tombstones_below
     if delete_keys is not None and len(delete_keys):
         msg.delete_keys = np.ascontiguousarray(delete_keys, dtype="<i8").tobytes()
         msg.delete_versions = np.ascontiguousarray(delete_versions, dtype="<i8").tobytes()
