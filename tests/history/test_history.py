@@ -30,7 +30,8 @@ def run_history(broker: str, workdir: Path, seconds: float, **overrides: dict) -
         assert server.stop() == 0, (workdir / "server.log").read_text()[-4000:]
     violations = check(workload.history) + check_tiers_agree(keys, passes, workload.stored_versions())
     text = report(workload.history, violations, workload.t0)
-    print(text)
+    print(text + (f"\n{len(workload.kafka_hiccups)} Kafka calls timed out (those writes count as unacknowledged)"
+                  if workload.kafka_hiccups else ""))
     if violations:  # for a look afterwards: pickle.load(open(path, "rb")) -> (history, violations, t0)
         with open(workdir / "history.pkl", "wb") as f:
             pickle.dump((workload.history.writes, workload.history.reads, violations, workload.t0), f)

@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import numpy as np
 import yaml
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from hps_service.client import HPSClient
 from hps_service.updates import Publisher
@@ -126,6 +126,8 @@ class Workload:
         self._pending: list[tuple[Write, dict[tuple[str, int], int]]] = []
         self._pending_lock = threading.Lock()
         self.errors: list[str] = []
+        #: Kafka calls that failed transiently (their writes stay unacknowledged, which the checker allows).
+        self.kafka_hiccups: list[str] = []
         # a skew: a quarter of the picks go to the first 5% of the keys (hot, cached), the rest spread out
         self._hot = max(8, keys.shape[0] // 20)
 
@@ -162,16 +164,29 @@ class Workload:
                 publisher.publish(self.s.table, keys, encode_rows(keys, version), version)
             else:
                 publisher.delete(self.s.table, keys, version)
-            publisher.flush(30)
-            ends = {}
-            for p in np.unique(partition_of(keys, publisher.partitions)).tolist():
-                _, high = probe.get_watermark_offsets(TopicPartition(topic, p), timeout=10)
-                ends[(topic, p)] = high
+            try:
+                publisher.flush(30)
+                ends = {}
+                for p in np.unique(partition_of(keys, publisher.partitions)).tolist():
+                    ends[(topic, p)] = self._end_offset(probe, TopicPartition(topic, p))
+            except KafkaException as exc:  # a busy broker: the write stays unacknowledged (it may still apply)
+                self.kafka_hiccups.append(f"{type(exc).__name__}: {exc}")
+                return
             with self._pending_lock:
                 self._pending.append((w, ends))
             time.sleep(rng.random() * 0.02)
 
         return step
+
+    def _end_offset(self, probe: Consumer, tp: TopicPartition, attempts: int = 6) -> int:
+        """The partition's end offset now, asked again while the broker times out."""
+        for attempt in range(attempts):
+            try:
+                return int(probe.get_watermark_offsets(tp, timeout=10)[1])
+            except KafkaException:
+                if attempt == attempts - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _rest_writer(self, http: httpx.Client) -> Callable[[random.Random], None]:
         path = f"/v1/models/{self.s.model}/tables/{self.s.table}/embeddings"
