@@ -13,11 +13,17 @@ import numpy as np
 
 
 class ChangeLog:
-    """Generations of update/invalidate batches; callers serialise access (the cache's write lock)."""
+    """Generations of update/invalidate batches; callers serialise access (the cache's write lock).
 
-    def __init__(self, max_batches: int = 4096) -> None:
+    Bounded by batches and by keys held (an import invalidates in chunks of 65,536 keys): what is forgotten only
+    makes :meth:`changed_since` answer None for older generations, and such reads are then not written at all.
+    """
+
+    def __init__(self, max_batches: int = 4096, max_keys: int = 1 << 20) -> None:
         self._entries: deque[tuple[int, np.ndarray]] = deque()
         self._max_batches = max_batches
+        self._max_keys = max_keys
+        self._held = 0
         self._generation = 0
         self._forgotten_through = 0
 
@@ -29,14 +35,19 @@ class ChangeLog:
     def record(self, keys: np.ndarray) -> None:
         """Note that ``keys`` changed now."""
         self._generation += 1
-        self._entries.append((self._generation, np.array(keys, dtype=np.int64, copy=True)))
-        while len(self._entries) > self._max_batches:
-            self._forgotten_through = self._entries.popleft()[0]
+        entry = np.array(keys, dtype=np.int64, copy=True)
+        self._entries.append((self._generation, entry))
+        self._held += entry.shape[0]
+        while len(self._entries) > self._max_batches or (self._held > self._max_keys and len(self._entries) > 1):
+            generation, forgotten = self._entries.popleft()
+            self._forgotten_through = generation
+            self._held -= forgotten.shape[0]
 
     def record_all(self) -> None:
         """Note that every key changed now (a clear): anything read before is stale."""
         self._generation += 1
         self._entries.clear()
+        self._held = 0
         self._forgotten_through = self._generation
 
     def changed_since(self, generation: int, keys: np.ndarray) -> np.ndarray | None:
