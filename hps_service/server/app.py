@@ -467,7 +467,7 @@ class HPSServer:
             self.log_writer.close()
         if self.snapshotter is not None:
             self.snapshotter.stop(max(remaining(0.5), 0.5))
-        self.jobs.close(wait=True)
+        self.jobs.close(timeout_s=remaining(0.5))
         self._stop_listeners(remaining(0.5))
         if self.engine is not None and not self.engine.close(timeout_s=remaining()):
             log.error("a write outlived server.grace_period_s; the tiers were left open (RocksDB recovers its WAL)")

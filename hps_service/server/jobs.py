@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -74,6 +74,7 @@ class JobRunner:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hps-job")
         self._jobs: dict[str, Job] = {}
+        self._futures: set[Future] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -85,7 +86,9 @@ class JobRunner:
                 raise UnavailableError("the server is shutting down; no new jobs")
             self._jobs[job.id] = job
             self._forget_old()
-            self._pool.submit(self._run, job, work)
+            future = self._pool.submit(self._run, job, work)
+            self._futures.add(future)
+        future.add_done_callback(self._futures.discard)
         return job
 
     def _run(self, job: Job, work: Callable[[Job], dict[str, Any]]) -> None:
@@ -120,11 +123,17 @@ class JobRunner:
         with self._lock:
             return sorted(self._jobs.values(), key=lambda j: j.created_at)
 
-    def close(self, wait: bool = True) -> None:
-        """Refuse new jobs, drop queued ones, and (with ``wait``) let the running one finish."""
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Refuse new jobs, drop queued ones, and let the running one finish within ``timeout_s`` (None: however
+        long it takes); False when it is still running (the server's grace period bounds a shutdown)."""
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=wait, cancel_futures=True)
+            running = list(self._futures)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        _, not_done = wait(running, timeout=timeout_s)
+        if not_done:
+            log.warning("a job was still running when the server stopped waiting for it")
+        return not not_done
 
 
 def persistent_rocksdb(engine: LookupEngine, what: str) -> RocksDBTier:
