@@ -189,7 +189,8 @@ class Workload:
         raise AssertionError("unreachable")
 
     def _rest_writer(self, http: httpx.Client) -> Callable[[random.Random], None]:
-        path = f"/v1/models/{self.s.model}/tables/{self.s.table}/embeddings"
+        # with Kafka on, REST writes go through the update topic; ?wait=applied answers once this server applied them
+        path = f"/v1/models/{self.s.model}/tables/{self.s.table}/embeddings?wait=applied"
 
         def step(rng: random.Random) -> None:
             keys = self._pick(rng, rng.randint(1, 16))
