@@ -54,7 +54,7 @@ from hps_service.updates.message import (
     topic_name,
 )
 from hps_service.updates.metrics import FreshnessStats
-from hps_service.updates.stall import StallDetector
+from hps_service.updates.stall import BrokerOffsets, StallDetector
 from hps_service.updates.topics import DEFAULT_PARTITIONS, ensure_topic
 
 log = logging.getLogger(__name__)
@@ -205,6 +205,7 @@ class UpdateConsumer:
         self.last_error: str | None = None
         #: Why the current batch cannot be applied (a tier write fails); None once it is applied.
         self.apply_error: str | None = None
+        self._broker_offsets = BrokerOffsets(self._client_config, 10.0)
         #: Flags a stalled stream: messages waiting and none applied for ``cfg.stall_after_s``.
         self.stall = StallDetector(
             cfg.stall_after_s, client_config=self._client_config, name=group,
@@ -253,19 +254,14 @@ class UpdateConsumer:
                 self._applied_cond.wait(0.1 if remaining is None else min(remaining, 0.1))
         return True
 
-    def end_offsets(self, model: str, timeout: float = 5.0) -> dict[tuple[str, int], int]:
+    def end_offsets(self, model: str) -> dict[tuple[str, int], int]:
         """The end offset of each assigned partition of ``model``, asked of the broker now."""
-        consumer = self._consumer
-        if consumer is None or not self.ready:
+        if not self.ready:
             raise UnavailableError("the update consumer has no partitions yet")
-        out = {}
-        for tp in list(self._assignment):
-            if self.topics.get(tp.topic) == model:
-                try:
-                    out[(tp.topic, tp.partition)] = consumer.get_watermark_offsets(
-                        TopicPartition(tp.topic, tp.partition), timeout=timeout, cached=False)[1]
-                except KafkaException as exc:
-                    raise UnavailableError(f"end offset of {tp.topic}[{tp.partition}]: {exc}") from None
+        keys = [(tp.topic, tp.partition) for tp in list(self._assignment) if self.topics.get(tp.topic) == model]
+        out = self._broker_offsets.query(keys, latest=True)
+        if len(out) != len(keys):
+            raise UnavailableError(f"the broker did not answer the end offsets of {model}'s partitions")
         return out
 
     def wait_applied(self, positions: dict[tuple[str, int], int], timeout: float) -> bool:
@@ -273,7 +269,8 @@ class UpdateConsumer:
         offset included), or the timeout; returns whether it was."""
         deadline = time.monotonic() + timeout
         with self._applied_cond:
-            while not all(self._applied.get(k, -1) > o for k, o in positions.items()):
+            while not all(max(self._applied.get(k, -1), self._start_offsets.get(k, -1)) > o
+                          for k, o in positions.items()):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -384,26 +381,27 @@ class UpdateConsumer:
                 )
             ensure_topic(admin, dlq_topic_name(topic), 1)
         stored = self.engine.positions()
+        keys = [(t, p) for t, count in partitions.items() for p in self.assigned_partitions(t, count)]
+        highs = self._broker_offsets.query(keys, latest=True)  # one ListOffsets request, not one per partition
+        lows = self._broker_offsets.query(keys, latest=False)
+        missing = [k for k in keys if k not in highs or k not in lows]
+        if missing:
+            raise UnavailableError(f"the broker did not answer the offsets of {len(missing)} partition(s), e.g. "
+                                   f"{missing[0][0]}[{missing[0][1]}]")
         assignment = []
         now = time.monotonic()
-        for topic, count in partitions.items():
-            for partition in self.assigned_partitions(topic, count):
-                key = (topic, partition)
-                # where this consumer stopped applying a topic it follows again, else the stored position
-                start = max(stored.get(key, OFFSET_BEGINNING), self._applied.get(key, OFFSET_BEGINNING))
-                tp = TopicPartition(topic, partition, start)
-                try:
-                    low, high = consumer.get_watermark_offsets(tp, timeout=10.0, cached=False)
-                except KafkaException as exc:
-                    raise UnavailableError(f"end offset of {topic}[{partition}]: {exc}") from None
-                begin = start if 0 <= start <= high else low
-                if high > begin:
-                    self._targets[key] = high
-                else:
-                    self._targets.pop(key, None)
-                self._seen_ends[key] = deque([(high, now)])
-                assignment.append(tp)
-                self._start_offsets[key] = start
+        for key in keys:
+            # where this consumer stopped applying a topic it follows again, else the stored position
+            start = max(stored.get(key, OFFSET_BEGINNING), self._applied.get(key, OFFSET_BEGINNING))
+            high = highs[key]
+            begin = start if 0 <= start <= high else lows[key]
+            if high > begin:
+                self._targets[key] = high
+            else:
+                self._targets.pop(key, None)
+            self._seen_ends[key] = deque([(high, now)])
+            assignment.append(TopicPartition(key[0], key[1], start))
+            self._start_offsets[key] = start
         if assignment:
             log.info("update consumer %s: %d partition(s) of %s start at %s; %d to catch up", self.group,
                      len(assignment), ", ".join(sorted(partitions)),
