@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from hps_service.config import UpdatesConfig
+from hps_service.config import DEFAULT_PARTITIONS, UpdatesConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import UnavailableError
 from hps_service.updates import Publisher
@@ -22,9 +22,12 @@ class LogWriter:
     """Publishes admin writes to the update topics; one idempotent producer per model, created on first use."""
 
     def __init__(
-        self, cfg: UpdatesConfig, engine: LookupEngine, consumer: UpdateConsumer | None, ack_timeout_s: float = 30.0
+        self, cfg: UpdatesConfig, engine: LookupEngine, consumer: UpdateConsumer | None, ack_timeout_s: float = 30.0,
+        partitions: int = DEFAULT_PARTITIONS,
     ) -> None:
+        """``partitions``: what a missing topic is created with (``cluster.partitions``, which shards rely on)."""
         self.cfg = cfg
+        self.partitions = partitions
         self.engine = engine
         self.consumer = consumer
         self.ack_timeout_s = ack_timeout_s
@@ -35,7 +38,7 @@ class LogWriter:
         with self._lock:
             pub = self._publishers.get(model)
             if pub is None:
-                pub = Publisher(self.cfg.brokers, model, topic_prefix=self.cfg.topic_prefix,
+                pub = Publisher(self.cfg.brokers, model, topic_prefix=self.cfg.topic_prefix, partitions=self.partitions,
                                 **{**connection_settings(self.cfg.kafka_config), "linger.ms": 0})
                 self._publishers[model] = pub
             return pub

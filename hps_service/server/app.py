@@ -386,7 +386,7 @@ class HPSServer:
                                   partitions=cluster.partitions, shards=cluster.shards, shard=cluster.shard)
         consumer.start()
         self.consumer = consumer
-        self.log_writer = LogWriter(ucfg, self.engine, consumer)
+        self.log_writer = LogWriter(ucfg, self.engine, consumer, partitions=cluster.partitions)
         self.log_writer.prepare([m.name for m in self.engine.models()])
         self.stats_sections["updates"] = consumer.stats
         log.info("consuming updates from %s as group %s (shard %d of %d: partitions %s of %d)", ucfg.brokers, group,
