@@ -36,7 +36,7 @@ TABLE = "m.t"
 
 #: Settings compared: name -> (Options method, arguments) applied on top of the tier's own options.
 SETTINGS: dict[str, list[tuple[str, tuple]]] = {
-    "default (2 background jobs, L0 trigger 4, no rate limit)": [],
+    "default (2 background jobs, L0 trigger 4, no rate limit, memtable bloom)": [],
     "1 background job": [("set_max_background_jobs", (1,))],
     "4 background jobs": [("set_max_background_jobs", (4,))],
     "rate limiter 8 MB/s": [("set_ratelimiter", (8 << 20, 100_000, 10))],
@@ -44,6 +44,7 @@ SETTINGS: dict[str, list[tuple[str, tuple]]] = {
     "L0 compaction trigger 8": [("set_level_zero_file_num_compaction_trigger", (8,))],
     "write buffer 16 MiB": [("set_write_buffer_size", (16 << 20,))],
     "no compression (float rows do not compress)": [("set_compression_type", (DBCompressionType.none(),))],
+    "no memtable bloom filter (the tier's default has one)": [("set_memtable_prefix_bloom_ratio", (0.0,))],
     "keys sorted in each batch": [("sorted", ())],
     "data blocks of 1 KiB (4 KiB default)": [("block_size", (1024,))],
     "block cache 512 MiB (256 MiB default)": [("block_cache_mb", (512,))],

@@ -177,6 +177,11 @@ class RocksDBTier(Tier):
         if self._row_cache is not None:
             opts.set_row_cache(self._row_cache)
         opts.set_level_compaction_dynamic_level_bytes(True)
+        # A bloom filter over the memtable's keys (2% of its size): the update path reads the stored version of
+        # every key it writes, and most are not in the memtable, so they skip its skiplist search (measured with
+        # loadtest.bench_rocksdb_ingest: multi-get 22% and the versioned put 12% less CPU at 1M rows).
+        opts.set_memtable_whole_key_filtering(True)
+        opts.set_memtable_prefix_bloom_ratio(0.02)
         return opts
 
     def _write(self, batch: WriteBatch) -> None:
