@@ -81,7 +81,10 @@ class FreshnessStats:
         with self._lock:
             self.rows_total += rows
             self.rows_received += received
-            self._applied.append((time.monotonic(), rows))
+            now = time.monotonic()
+            self._applied.append((now, rows))
+            while self._applied[0][0] < now - self._rate_window_s:  # bounded without /v1/stats being read
+                self._applied.popleft()
             if max_version is not None and max_version > self.last_version.get(key, -1):
                 self.last_version[key] = max_version
                 LAST_VERSION.labels(model, table).set(max_version)
