@@ -485,7 +485,7 @@ def bench_ingest(p: Plan, workdir: Path, console: Console, profile: bool) -> dic
     """loadtest.bench_ingest on a table of the plan's rows: lookups with and without 10k rows/s of updates."""
     from loadtest import bench_ingest as ingest
 
-    result = ingest.run(rows=p.rows, rate=10_000, rounds=p.rounds, measure_s=p.measure_s, workers=p.workers,
+    result = ingest.run(rows=p.rows, rate=10_000, rounds=p.rounds + 1, measure_s=p.measure_s, workers=p.workers,
                         concurrency=p.concurrency, profile=profile, persistent={}, workdir=workdir / "ingest",
                         quiet=False)
     console.print(f"  lookups with 10,000 rows/s of ingest: {result['ratio']:.2f}x of those without")

@@ -210,7 +210,7 @@ def judge(result: SoakResult, limits: Limits) -> list[Check]:
     early, late = windows(result.samples, limits.warmup_fraction)
     result.lookup_ratio = late_over_early([s.lookups for s in early], [s.lookups for s in late])
     result.p99_ratio = late_over_early([s.p99_ms for s in early], [s.p99_ms for s in late])
-    half = last_half(result.samples)
+    half = [s for s in last_half(result.samples) if not math.isnan(s.net_mib)]
     result.mem_growth = fitted_growth(np.array([s.t_s for s in half]), np.array([s.net_mib for s in half]))
     errors = len(result.lookup_errors) + len(result.publish_errors)
     return [
@@ -254,7 +254,7 @@ def plot(result: SoakResult, path: Path, limits: Limits) -> None:
                       f"- {verdict}", fontsize=10)
     axes[0].plot(t, [x.rss_mib for x in s], marker=".", label="RSS")
     axes[0].plot(t, [x.net_mib for x in s], marker=".", label="RSS - memtables - block cache")
-    half = last_half(s)
+    half = [x for x in last_half(s) if not math.isnan(x.net_mib)]
     if len(half) >= 2:
         th = np.array([x.t_s for x in half])
         med = float(np.median([x.net_mib for x in half]))
@@ -347,8 +347,12 @@ class _Watch:
                 self._observe(stats, time.monotonic())
 
     def memory(self) -> tuple[float, float]:
-        """(memtables, block-cache usage) in MiB, asked now (so they match an RSS read at the same moment)."""
-        stats = httpx.get(self.url, timeout=10).json()
+        """(memtables, block-cache usage) in MiB, asked now (so they match an RSS read at the same moment); NaN
+        when the server does not answer in time."""
+        try:
+            stats = httpx.get(self.url, timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            return float("nan"), float("nan")
         persistent = stats["models"][self.model]["tables"][TABLE]["persistent"]
         return (float(persistent.get("memtable_bytes", 0.0)) / _MiB,
                 float(persistent.get("block_cache_bytes", 0.0)) / _MiB)
