@@ -34,7 +34,7 @@ import numpy as np
 
 from hps_service.updates import Publisher
 from loadtest.embedded import EmbeddedServer
-from loadtest.loadgen import RESULTS, LoadSpec, run_load
+from loadtest.loadgen import RESULTS, LoadSpec, process_cpu_s, run_load
 from loadtest.workload import load_keys
 
 MODEL, TABLE, DIM = "demo", "item", 64
@@ -113,6 +113,10 @@ def _applied_rows(http_target: str) -> int:
     return int(httpx.get(f"http://{http_target}/v1/stats", timeout=10).json()["updates"]["rows_received"])
 
 
+def _applied_batches(http_target: str) -> int:
+    return int(httpx.get(f"http://{http_target}/v1/stats", timeout=10).json()["updates"]["batches_applied"])
+
+
 def _rocksdb_lines() -> dict[int, str]:
     """Line numbers of RocksDBTier.put's steps, to name the innermost frames py-spy reports inside it."""
     source = (Path(__file__).resolve().parents[1] / "hps_service" / "tiers" / "rocksdb.py").read_text().splitlines()
@@ -178,7 +182,7 @@ def consumer_breakdown(collapsed: Path) -> dict[str, Any]:
 
 
 def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concurrency: int, profile: bool,
-        persistent: dict[str, Any], workdir: Path, quiet: bool = False) -> dict[str, Any]:
+        persistent: dict[str, Any], workdir: Path, quiet: bool = False, publish_every_s: float = 0.1) -> dict[str, Any]:
     """Start broker and server, alternate phases without and with ingest; return the measurements."""
     from hps_service.updates.local_broker import running_tansu
 
@@ -186,7 +190,8 @@ def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concu
         if not quiet:
             print(text, flush=True)
 
-    out: dict[str, Any] = {"rows": rows, "rate_rows_per_s": rate, "persistent": persistent, "phases": []}
+    out: dict[str, Any] = {"rows": rows, "rate_rows_per_s": rate, "publish_every_s": publish_every_s,
+                           "persistent": persistent, "phases": []}
     with running_tansu() as broker:
         publisher = Publisher(broker.bootstrap, MODEL, topic_prefix=PREFIX, partitions=4, **{"linger.ms": 5})
         server = EmbeddedServer(workdir, rows=rows, table_dim=DIM, overrides={
@@ -207,7 +212,7 @@ def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concu
                             concurrency=concurrency, duration_s=measure_s, warmup_s=1.0,
                             keys_file=str(server.keys_file), http_target=server.http_target, dim=DIM)
             keys = load_keys(server.keys_file)
-            ingest = Ingest(publisher, keys, DIM, rate)
+            ingest = Ingest(publisher, keys, DIM, rate, publish_every_s)
             say("warm-up: 5 s of lookups with ingest (kernels compiled, L1 filled, RocksDB flushing)")
             ingest.start()
             run_load(replace(spec, duration_s=5.0, warmup_s=0.0))
@@ -218,10 +223,14 @@ def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concu
                     if phase == "ingest":
                         ingest.start()
                         time.sleep(2.0)  # the consumer at its steady pace before the window opens
+                    batches0 = _applied_batches(server.http_target)
+                    broker0, own0 = process_cpu_s([broker.process.pid]), time.process_time()
                     applied0, cpu0, t0 = _applied_rows(server.http_target), thread_cpu(pid), time.monotonic()
                     report = run_load(spec, [pid])
                     elapsed = time.monotonic() - t0
                     applied1, cpu1 = _applied_rows(server.http_target), thread_cpu(pid)
+                    broker_s, own_s = process_cpu_s([broker.process.pid]) - broker0, time.process_time() - own0
+                    batches = _applied_batches(server.http_target) - batches0
                     if phase == "ingest":
                         ingest.stop()
                         _drained(server.http_target, ingest.rows_sent)
@@ -231,12 +240,17 @@ def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concu
                         "errors": sum(report["errors"].values()),
                         "server_cpu_ms_per_call": report["server_cpu_ms_per_call"],
                         "applied_rows_per_s": (applied1 - applied0) / elapsed,
+                        "applied_batches_per_s": batches / elapsed,
                         "server_cores": {k: (cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) / elapsed for k in cpu1},
+                        "broker_cores": broker_s / elapsed,
+                        "publisher_process_cores": own_s / elapsed,
                     }
                     out["phases"].append(entry)
                     say(f"  round {r + 1} {phase:6s}: {entry['keys_per_s'] / 1e6:.3f} M keys/s, p99 "
-                        f"{entry['p99_ms']:.1f} ms, applied {entry['applied_rows_per_s']:,.0f} rows/s, server cores "
-                        + ", ".join(f"{k.split(' (')[0]} {v:.2f}" for k, v in entry["server_cores"].items()))
+                        f"{entry['p99_ms']:.1f} ms, applied {entry['applied_rows_per_s']:,.0f} rows/s in "
+                        f"{entry['applied_batches_per_s']:.0f} batches/s, server cores "
+                        + ", ".join(f"{k.split(' (')[0]} {v:.2f}" for k, v in entry["server_cores"].items())
+                        + f"; broker {entry['broker_cores']:.2f}, publisher process {entry['publisher_process_cores']:.2f}")
             if profile:
                 out["profile"] = _profile(spec, ingest, pid, workdir, say)
         finally:
@@ -290,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=200_000, help="rows of the served table")
     ap.add_argument("--rate", type=int, default=10_000, help="ingested rows per second in the ingest phases")
+    ap.add_argument("--publish-every", type=float, default=0.1, help="seconds between publishes of rate x this")
     ap.add_argument("--rounds", type=int, default=2, help="pairs of phases (without, with ingest), interleaved")
     ap.add_argument("--measure", type=float, default=6.0, help="seconds of lookups per phase")
     ap.add_argument("--workers", type=int, default=2, help="load generator processes")
@@ -300,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hps-bench-ingest-") as tmp:
         res = run(args.rows, args.rate, args.rounds, args.measure, args.workers, args.concurrency, args.profile,
-                  json.loads(args.persistent), Path(tmp))
+                  json.loads(args.persistent), Path(tmp), publish_every_s=args.publish_every)
     print(f"lookups with {args.rate:,} rows/s of ingest ({res['applied_rows_per_s']:,.0f} applied/s): "
           f"{res['keys_per_s_ingest'] / 1e6:.3f} M keys/s vs {res['keys_per_s_idle'] / 1e6:.3f} M keys/s without: "
           f"ratio {res['ratio']:.2f}x (target >= {res['target']})")
