@@ -188,6 +188,10 @@ class UpdatesConfig(_Section):
     max_lag_s: float = Field(
         60.0, ge=0.0, description="a ready replica whose oldest unapplied update is older than this leaves the "
         "Service (NOT_SERVING, /readyz 503) until it catches up; 0 = never")
+    offset_gap_recheck_s: float = Field(
+        0.5, ge=0.0, description="a partition whose next message is past the offset expected is read again until "
+        "the gap closes or stays this long (a broker may acknowledge a record before a fetch can see it; tansu does); "
+        "0 = no check")
     kafka_config: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="extra librdkafka settings for every client, e.g. security.protocol, sasl.*, ssl.*",

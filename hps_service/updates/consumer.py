@@ -45,6 +45,7 @@ from confluent_kafka.admin import AdminClient
 from hps_service.config import UpdatesConfig
 from hps_service.engine import LookupEngine, TableChange
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.updates.gaps import OffsetGaps
 from hps_service.updates.kafka_log import KAFKA_LOG, with_logging
 from hps_service.updates.message import (
     DecodedUpdate,
@@ -206,6 +207,8 @@ class UpdateConsumer:
         #: Why the current batch cannot be applied (a tier write fails); None once it is applied.
         self.apply_error: str | None = None
         self._broker_offsets = BrokerOffsets(self._client_config, 10.0)
+        #: Where each partition's next message must be; a gap is read again before it is skipped.
+        self.gaps = OffsetGaps(cfg.offset_gap_recheck_s)
         #: Flags a stalled stream: messages waiting and none applied for ``cfg.stall_after_s``.
         self.stall = StallDetector(
             cfg.stall_after_s, client_config=self._client_config, name=group,
@@ -322,6 +325,7 @@ class UpdateConsumer:
             catching_up_partitions=len(self._targets),
             oldest_unapplied_s=max(self._unapplied_age.values(), default=0.0),
             positions_stored=self.engine.stores_positions,
+            **self.gaps.stats(),
         )
         return out
 
@@ -402,6 +406,7 @@ class UpdateConsumer:
             self._seen_ends[key] = deque([(high, now)])
             assignment.append(TopicPartition(key[0], key[1], start))
             self._start_offsets[key] = start
+            self.gaps.expect(key, begin)
         if assignment:
             log.info("update consumer %s: %d partition(s) of %s start at %s; %d to catch up", self.group,
                      len(assignment), ", ".join(sorted(partitions)),
@@ -430,6 +435,7 @@ class UpdateConsumer:
             self.topics = {t: m for t, m in self.topics.items() if t not in dropped}  # replaced: stats() reads it
             self.metrics.forget_partitions([(tp.topic, tp.partition) for tp in gone])
             self._forget_targets([(tp.topic, tp.partition) for tp in gone])
+            self.gaps.forget((tp.topic, tp.partition) for tp in gone)
         if added:
             try:
                 assignment = self._starting_positions(self._consumer, added)
@@ -492,6 +498,7 @@ class UpdateConsumer:
         offsets: dict[tuple[str, int], int] = {}  # per partition, the next offset once this batch is applied
         first: dict[tuple[str, int], int] = {}  # per partition, its first offset in this batch
         park: dict[tuple[str, int], int] = {}
+        reread: dict[tuple[str, int], int] = {}  # per partition, where a gap begins: read again from there
         loaded = {m.name for m in self.engine.models()}
         dead_letters = self._dead_letters_sent
         for msg in msgs:
@@ -504,8 +511,13 @@ class UpdateConsumer:
             topic = msg.topic()
             part = (topic, msg.partition())
             model = self.topics.get(topic)
-            if model is None or part in self._parked or part in park:
-                continue  # fetched before its partition was dropped or parked: read again from there
+            if model is None or part in self._parked or part in park or part in reread:
+                continue  # fetched before its partition was dropped, parked or sought back: read again from there
+            gap = self.gaps.check(part, msg.offset())
+            if gap is not None:
+                reread[part] = gap
+                continue
+            self.gaps.taken(part, msg.offset())
             first.setdefault(part, msg.offset())
             try:
                 if model not in loaded:
@@ -553,6 +565,9 @@ class UpdateConsumer:
             self._applied_cond.notify_all()
         if park:
             self._park(park)
+        for (topic, partition), offset in reread.items():
+            if (topic, partition) not in park:
+                self._consumer.seek(TopicPartition(topic, partition, offset))
 
     def _park(self, parts: dict[tuple[str, int], int]) -> None:
         """Stop reading ``parts`` at the given offsets (their model is not loaded) until it is loaded again."""
@@ -562,6 +577,7 @@ class UpdateConsumer:
         self._assignment = [tp for tp in self._assignment if (tp.topic, tp.partition) not in parts]
         self._parked.update(parts)
         self._forget_targets(list(parts))
+        self.gaps.forget(parts)
         log.warning("update consumer %s: model %s is not loaded; %s parked until it is", self.group,
                     ", ".join(sorted({self.topics.get(t, t) for t, _ in parts})),
                     ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(parts.items())))
@@ -576,6 +592,8 @@ class UpdateConsumer:
         assignment = [TopicPartition(t, p, o) for (t, p), o in back.items()]
         self._consumer.incremental_assign(assignment)
         self._assignment.extend(TopicPartition(t, p) for t, p in back)
+        for part, offset in back.items():
+            self.gaps.expect(part, offset)
         self._parked = {part: o for part, o in self._parked.items() if part not in back}
         log.info("update consumer %s: resumed %s", self.group,
                  ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(back.items())))
