@@ -307,6 +307,42 @@ class Workload:
             passes["L2 (after clearing L1)"] = self.read(client, self.keys, via="final")
         return passes
 
+    def topic_log(self, keys: np.ndarray, timeout: float = 30.0) -> str:
+        """Every message of the update topic that touches ``keys``, in partition and offset order, for a violation
+        report: what the broker holds is the other half of the story (was the acknowledged write ever there?)."""
+        from hps_service.updates.message import decode_update, topic_name
+
+        topic = topic_name(self.s.model)
+        consumer = Consumer({"bootstrap.servers": self.s.broker, "group.id": f"{self.s.model}-dump",
+                             "enable.auto.commit": False})
+        lines: list[tuple[int, int, str]] = []
+        try:
+            meta = consumer.list_topics(topic, timeout=timeout).topics[topic]
+            parts = sorted(meta.partitions)
+            ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=timeout)[1] for p in parts}
+            consumer.assign([TopicPartition(topic, p, 0) for p in parts if ends[p] > 0])
+            left = {p for p in parts if ends[p] > 0}
+            deadline = time.monotonic() + timeout
+            while left and time.monotonic() < deadline:
+                for msg in consumer.consume(1000, 1.0):
+                    if msg.error() is not None:
+                        continue
+                    if msg.offset() >= ends[msg.partition()] - 1:
+                        left.discard(msg.partition())
+                    upd = decode_update(msg.value())
+                    for kind, ks, vs in (("put", upd.keys, upd.versions), ("delete", upd.delete_keys,
+                                                                           upd.delete_versions)):
+                        for i in np.flatnonzero(np.isin(ks, keys)):
+                            lines.append((msg.partition(), msg.offset(),
+                                          f"  [{msg.partition()}]@{msg.offset()} key {int(ks[i])} {kind} "
+                                          f"v{int(vs[i])}"))
+                    if upd.purge_tombstones_below:
+                        lines.append((msg.partition(), msg.offset(), f"  [{msg.partition()}]@{msg.offset()} purge "
+                                                                     f"below v{upd.purge_tombstones_below}"))
+        finally:
+            consumer.close()
+        return "\n".join(text for _, _, text in sorted(lines))
+
     def stored_versions(self) -> np.ndarray:
         """What RocksDB holds for every key (the server stopped): the row's version, or DEFAULT."""
         from hps_service.tiers.rocksdb import RocksDBTier
