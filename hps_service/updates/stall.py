@@ -127,11 +127,12 @@ class StallDetector:
         self._thread = threading.Thread(target=self._run, name=f"hps-stall-{self.name}", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
-        """Stop the thread and remove this consumer's series."""
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Stop the thread and remove this consumer's series; waits at most ``timeout_s`` (a broker that does not
+        answer must not eat the shutdown's grace period: the thread is a daemon and ends after its request)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(self.interval_s + 15.0)
+            self._thread.join(timeout_s)
         self._set_gauges({}, set())
 
     def received(self) -> None:
