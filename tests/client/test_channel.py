@@ -16,7 +16,7 @@ def test_service_config_balances_and_retries_unavailable_only() -> None:
     (method,) = config["methodConfig"]
     assert {"service": "hps.v1.EmbeddingService"} in method["name"]
     policy = method["retryPolicy"]
-    assert policy["retryableStatusCodes"] == ["UNAVAILABLE"] and policy["maxAttempts"] == 4
+    assert policy["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED"] and policy["maxAttempts"] == 4
     assert policy["initialBackoff"] == "0.050s"
     assert json.loads(service_config(retries=9))["methodConfig"][0]["retryPolicy"]["maxAttempts"] == 5  # gRPC's cap
     assert "retryPolicy" not in json.loads(service_config(retries=0))["methodConfig"][0]

@@ -1,7 +1,11 @@
 """How a client channel is built, the gRPC-native way: the service config carries the load-balancing policy
-(``round_robin`` over every address a target resolves to) and the retry policy (UNAVAILABLE is retried, on another
-replica when there is one, within the call's one overall deadline); keepalive finds dead connections; callers can
-add or override any channel option.
+(``round_robin`` over every address a target resolves to) and the retry policy (UNAVAILABLE and CANCELLED are
+retried, on another replica when there is one, within the call's one overall deadline); keepalive finds dead
+connections; callers can add or override any channel option.
+
+Every method the policy covers is a read, so a retry is always safe. CANCELLED is retried because a Python gRPC
+server cancels the calls still waiting for a handler thread when it stops (grpc/grpc#41785): under load, a replica
+that drains answers some calls CANCELLED instead of UNAVAILABLE. A call the caller cancelled is never retried.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ BARE_OPTIONS: list[tuple[str, Any]] = [
 def service_config(retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 1.0,
                    load_balancing: str = "round_robin") -> str:
     """The channel's service config (JSON): ``load_balancing`` over the resolved addresses and, with ``retries``
-    > 0, a retry policy for UNAVAILABLE of ``retries + 1`` attempts (at most 5) with exponential backoff."""
+    > 0, a retry policy for UNAVAILABLE and CANCELLED of ``retries + 1`` attempts (at most 5) with exponential
+    backoff."""
     if retries < 0 or backoff_s < 0:
         raise InvalidArgumentError("retries and backoff_s must be >= 0")
     method: dict[str, Any] = {"name": [{"service": s} for s in SERVICES]}
@@ -39,7 +44,7 @@ def service_config(retries: int = 3, backoff_s: float = 0.05, max_backoff_s: flo
             "initialBackoff": f"{max(backoff_s, 0.001):.3f}s",
             "maxBackoff": f"{max(max_backoff_s, backoff_s, 0.001):.3f}s",
             "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE"],
+            "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
         }
     return json.dumps({"loadBalancingConfig": [{load_balancing: {}}], "methodConfig": [method]})
 
