@@ -8,7 +8,7 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test test-images image-deps lock run demo proto bench loadtest soak history lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test test-images image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
@@ -70,6 +70,10 @@ test-images: install-dev test-deps image-deps
 # Re-pin the image's dependencies (docker/requirements.lock) after changing them in pyproject.toml.
 lock: install-dev
 	$(PY) docker/lock_requirements.py
+
+# One copy of the rows per node: PSS of a server with 2 gRPC workers vs 1 over a 1M x 64 table (minutes).
+test-node-memory: install-dev
+	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/node/test_memory.py
 
 proto: install-dev
 	PYTHON=$(PY) ./scripts/gen_proto.sh

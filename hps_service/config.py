@@ -23,6 +23,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from hps_service.cpus import usable_cpus
+
 NAME_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"
 _NAME_RE = re.compile(NAME_PATTERN)
 
@@ -39,6 +41,13 @@ class TLSConfig(_Section):
     client_ca_file: Path | None = Field(None, description="PEM CA bundle; when set, mutual TLS is required")
 
 
+class LocalStoreConfig(_Section):
+    """Colocated reads: the node's shared store at a fixed path that LocalClient processes of the pod map."""
+
+    enabled: bool = Field(False, description="keep the store at ``path`` (mode 0640) for LocalClient readers")
+    path: Path = Field(Path("/dev/shm/hps"), description="directory of the shared store (memory-backed)")
+
+
 class ServerConfig(_Section):
     """Network endpoints and request limits."""
 
@@ -48,10 +57,19 @@ class ServerConfig(_Section):
     admin_token: SecretStr | None = None
     max_batch_keys: int = Field(65536, ge=1)
     max_tables_per_request: int = Field(64, ge=1)
+    workers: int | None = Field(
+        None, ge=0, le=1024, description="gRPC worker processes sharing the gRPC port (SO_REUSEPORT) and one copy of "
+        "L1 and the hash map in shared memory; default: the CPUs this process may use (cgroup limit, else affinity); "
+        "0 serves gRPC from the owner process itself (one GIL)")
     grpc_workers: int | None = Field(
-        None, ge=1, description="gRPC handler threads; default: the CPU cores, at least 2 (more threads only "
-        "contend for the GIL: measured 12% fewer keys/s with 8 than with 2 on 2 cores)"
+        None, ge=1, description="gRPC handler threads per serving process; default: 2 with worker processes, else "
+        "the CPU cores, at least 2 (more threads only contend for the GIL: measured 12% fewer keys/s with 8 than "
+        "with 2 on 2 cores)"
     )
+    uds_path: Path | None = Field(
+        None, description="also serve gRPC on this Unix domain socket (from the owner process; LocalClient sends "
+        "its misses there); default with server.local enabled: <local.path>/grpc.sock")
+    local: LocalStoreConfig = Field(default_factory=lambda: LocalStoreConfig())
     grace_period_s: float = Field(30.0, ge=0)
     max_concurrent_requests: int = Field(256, ge=1, description="gRPC calls in flight; more get RESOURCE_EXHAUSTED")
     max_connection_age_s: float = Field(
@@ -83,12 +101,34 @@ class ServerConfig(_Section):
             self.admin_token = SecretStr(alias)
         return self
 
+    @model_validator(mode="after")
+    def _local_needs_workers(self) -> ServerConfig:
+        """Colocated reads map the node's shared store, which only a server with worker processes keeps."""
+        if self.local.enabled and self.workers == 0:
+            raise ValueError("server.local needs the shared store of a node: server.workers >= 1 (or unset)")
+        return self
 
-    def workers(self) -> int:
-        """gRPC handler threads: ``grpc_workers``, or the CPU cores available to this process (at least 2)."""
+    def worker_processes(self) -> int:
+        """gRPC worker processes: ``workers``, or the CPUs this process may use."""
+        if self.workers is not None:
+            return self.workers
+        return usable_cpus()
+
+    def grpc_threads(self) -> int:
+        """gRPC handler threads per serving process: ``grpc_workers``, or 2 per worker process (each has its own
+        GIL), or the CPUs when the owner serves gRPC itself (at least 2)."""
         if self.grpc_workers is not None:
             return self.grpc_workers
-        return max(2, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2))
+        if self.worker_processes() > 0:
+            return 2
+        return max(2, usable_cpus())
+
+    def local_socket(self) -> Path | None:
+        """The Unix domain socket the owner serves gRPC on: ``uds_path``, else ``<local.path>/grpc.sock`` when
+        colocated reads are enabled, else none."""
+        if self.uds_path is not None:
+            return self.uds_path
+        return self.local.path / "grpc.sock" if self.local.enabled else None
 
 
 class CacheConfig(_Section):

@@ -64,7 +64,7 @@ async def _serve_aio(config: HPSConfig, inline: bool) -> None:
     gate = ServingGate()
     gate.open()
     core = EmbeddingServicer(engine, config.server, gate)
-    pool = ThreadPoolExecutor(max_workers=config.server.workers())
+    pool = ThreadPoolExecutor(max_workers=config.server.grpc_threads())
 
     class AioServicer(pb_grpc.EmbeddingServiceServicer):
         async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> bytes:

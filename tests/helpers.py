@@ -51,25 +51,36 @@ def wait_serving(
 
 
 class ServerProcess:
-    """`hps serve --config FILE` as a subprocess; stopped with SIGTERM (then SIGKILL) on exit."""
+    """`hps serve --config FILE` as a subprocess; stopped with SIGTERM (then SIGKILL) on exit.
+
+    Its output goes to a file beside the config (``log()`` reads it): a pipe nobody reads would fill up and block
+    the server, its workers and every library that logs there."""
 
     def __init__(self, config: Path, grpc_port: int, env: dict | None = None, host: str = "127.0.0.1") -> None:
         self.config = config
         self.target = f"{host}:{grpc_port}"
         self.env = env or {}
         self.proc: subprocess.Popen | None = None
+        self.log_path = Path(config).with_suffix(".log")
 
     def start(self, timeout: float = 60.0, serving: bool = True) -> ServerProcess:
-        self.proc = subprocess.Popen(
-            [*HPS, "serve", "--config", str(self.config)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, **self.env},
-            cwd=REPO,
-        )
-        wait_serving(self.target, timeout, self.proc, serving)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [*HPS, "serve", "--config", str(self.config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
+                cwd=REPO,
+            )
+        try:
+            wait_serving(self.target, timeout, self.proc, serving)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}{self.log()[-4000:]}") from None
         return self
+
+    def log(self) -> str:
+        """Everything the server wrote to stdout and stderr so far."""
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
     def stop(self, timeout: float = 30.0) -> int:
         assert self.proc is not None

@@ -98,3 +98,19 @@ def test_kafka_updates_without_a_persistent_tier_are_refused_in_one_line(tmp_pat
     assert "updates.type kafka needs persistent.type rocksdb" in str(err.value) and "\n" not in str(err.value)
     assert load_config(write(tmp_path, {**data, "updates": {"type": "disabled"}})).persistent.type == "disabled"
     assert load_config(write(tmp_path, {"updates": data["updates"]})).updates.type == "kafka"
+
+
+def test_worker_processes_default_to_the_usable_cpus_and_local_reads_need_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hps_service.cpus import usable_cpus
+
+    cfg = load_config(None)
+    assert cfg.server.workers is None and cfg.server.worker_processes() == usable_cpus()
+    assert cfg.server.grpc_threads() == 2 and cfg.server.local_socket() is None
+    monkeypatch.setenv("HPS_SERVER__WORKERS", "0")
+    single = load_config(None)
+    assert single.server.worker_processes() == 0 and single.server.grpc_threads() >= 2
+    with pytest.raises(ConfigError, match="server.local needs the shared store of a node"):
+        load_config(None, server={"local": {"enabled": True}})
+    monkeypatch.delenv("HPS_SERVER__WORKERS")
+    local = load_config(None, server={"local": {"enabled": True, "path": "/dev/shm/x"}})
+    assert str(local.server.local_socket()) == "/dev/shm/x/grpc.sock"

@@ -26,6 +26,17 @@ class ChangeLog:
         self._held = 0
         self._generation = 0
         self._forgotten_through = 0
+        self._mirror: tuple[np.ndarray, int] | None = None
+
+    def mirror_to(self, array: np.ndarray, index: int) -> None:
+        """Also write the generation to ``array[index]`` after every change (and now): how readers in other
+        processes learn it. A reader may see it late, never ahead, which only makes its checks stricter."""
+        self._mirror = (array, index)
+        array[index] = self._generation
+
+    def _published(self) -> None:
+        if self._mirror is not None:
+            self._mirror[0][self._mirror[1]] = self._generation
 
     @property
     def generation(self) -> int:
@@ -42,6 +53,7 @@ class ChangeLog:
             generation, forgotten = self._entries.popleft()
             self._forgotten_through = generation
             self._held -= forgotten.shape[0]
+        self._published()
 
     def record_all(self) -> None:
         """Note that every key changed now (a clear): anything read before is stale."""
@@ -49,6 +61,7 @@ class ChangeLog:
         self._entries.clear()
         self._held = 0
         self._forgotten_through = self._generation
+        self._published()
 
     def changed_since(self, generation: int, keys: np.ndarray) -> np.ndarray | None:
         """Mask of ``keys`` changed after ``generation``; None when the log no longer reaches back."""

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.cache.backend import resolve_backend
+from hps_service.cache.layout import Allocator, numpy_zeros
 from hps_service.cache.protocol import FetchBelow, TableCache
 from hps_service.cache.set_assoc import SetAssociativeCache, warm_up_kernels
 from hps_service.cache.table_cache import SetAssocTableCache, WarmKeys
@@ -33,8 +34,10 @@ def build_table_cache(
     fetch_below: FetchBelow,
     warm_keys: WarmKeys | None,
     snapshot_path: Path | None,
+    alloc: Allocator = numpy_zeros,
 ) -> TableCache | None:
-    """The L1 cache of one table, or None when the cache is disabled or its capacity comes to 0 rows."""
+    """The L1 cache of one table, or None when the cache is disabled or its capacity comes to 0 rows. ``alloc``
+    places the host cache's arrays (the node's shared store, for its worker processes to read)."""
     if not cfg.enabled:
         return None
     rows = capacity_rows(cfg, table_rows)
@@ -48,7 +51,7 @@ def build_table_cache(
         cache.warm_up()  # compiles the device kernels while the table loads, before the server says ready
     else:
         warm_up_kernels()
-        cache = SetAssociativeCache(rows, dim, ways=cfg.ways, policy=cfg.policy)
+        cache = SetAssociativeCache(rows, dim, ways=cfg.ways, policy=cfg.policy, alloc=alloc)
     return SetAssocTableCache(
         cache,
         fetch_below,

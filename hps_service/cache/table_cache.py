@@ -158,6 +158,15 @@ class SetAssocTableCache:
         """Change generation to pass as ``fetched_at`` to :meth:`admit` when read before fetching below."""
         return self._changes.generation
 
+    @property
+    def arrays(self) -> Any:
+        """The cache's arrays (``layout.CacheArrays``), as its allocator placed them; None for a device cache."""
+        return getattr(self._cache, "arrays", None)
+
+    def publish_generation_to(self, array: np.ndarray, index: int) -> None:
+        """Keep ``array[index]`` at the change generation, for readers in other processes (never ahead of it)."""
+        self._changes.mirror_to(array, index)
+
     def admit(
         self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, batch_hit_rate: float, *,
         fetched_at: int | None = None,

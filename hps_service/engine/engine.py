@@ -112,9 +112,11 @@ class LookupEngine:
                     return
 
     # ---- reads and writes ---------------------------------------------------------------------
-    def lookup(self, model: str, table: str, keys: np.ndarray) -> LookupResult:
-        """Rows of ``keys`` in request order (duplicates included) and the level that answered each."""
-        return self.reader.lookup(self.table(model, table), keys)
+    def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
+               sources: np.ndarray | None = None) -> LookupResult:
+        """Rows of ``keys`` in request order (duplicates included) and the level that answered each (into ``out``
+        and ``sources`` when given: see :meth:`Reader.lookup`)."""
+        return self.reader.lookup(self.table(model, table), keys, out, sources)
 
     def apply_updates(
         self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int

@@ -8,6 +8,7 @@ since the read (see :mod:`hps_service.engine.write_guard`); those are left out.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -15,6 +16,9 @@ from hps_service.engine.table import ServedTable
 from hps_service.tiers.base import Tier
 
 log = logging.getLogger(__name__)
+
+#: ``promote(volatile, table, keys, vectors, versions, read_at)``: how a reader writes L3 hits into L2.
+Promote = Callable[[Tier, ServedTable, np.ndarray, np.ndarray, np.ndarray, int], None]
 
 
 def put_read_rows(

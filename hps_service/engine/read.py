@@ -18,7 +18,7 @@ from hps_service.engine.levels import (
     Fetched,
     LookupResult,
 )
-from hps_service.engine.promote import promote
+from hps_service.engine.promote import Promote, promote
 from hps_service.engine.table import ServedTable
 from hps_service.keys import as_keys, unique_with_inverse
 from hps_service.tiers.base import Tier
@@ -27,17 +27,26 @@ from hps_service.tiers.base import Tier
 class Reader:
     """Answers lookups of served tables through L1, the volatile tier, the persistent tier and the default."""
 
-    def __init__(self, volatile: Tier | None, persistent: Tier | None, max_batch_keys: int) -> None:
+    def __init__(
+        self, volatile: Tier | None, persistent: Tier | None, max_batch_keys: int, promote: Promote = promote
+    ) -> None:
+        """``promote`` writes rows found in L3 into L2 (a node's worker processes hand them to the owner instead)."""
         self.volatile = volatile
         self.persistent = persistent
         self.max_batch_keys = max_batch_keys
+        self.promote = promote
 
-    def lookup(self, t: ServedTable, keys: np.ndarray) -> LookupResult:
-        """Rows of ``keys`` in request order (duplicates included) and the level that answered each."""
+    def lookup(self, t: ServedTable, keys: np.ndarray, out: np.ndarray | None = None,
+               sources: np.ndarray | None = None) -> LookupResult:
+        """Rows of ``keys`` in request order (duplicates included) and the level that answered each; written into
+        ``out`` (C-contiguous float32 ``(n, dim)``) and ``sources`` (uint8 ``(n,)``) when given, e.g. views of a
+        response being encoded, so an all-hit batch is copied once, from L1 into the response."""
         keys = as_keys(keys, self.max_batch_keys)
         n = keys.shape[0]
-        out = np.empty((n, t.dim), dtype=np.float32)
-        sources = np.empty(n, dtype=np.uint8)
+        if out is None:
+            out = np.empty((n, t.dim), dtype=np.float32)
+        if sources is None:
+            sources = np.empty(n, dtype=np.uint8)
         if t.cache is not None and n:
             fetched_at = t.cache.generation()
             hit = t.cache.lookup(keys, out)
@@ -103,7 +112,8 @@ class Reader:
                 versions[hit_idx] = got.versions[got.found]
                 src[hit_idx] = code
             if code == PERSISTENT and self.volatile is not None:
-                promote(self.volatile, t, asked[got.found], got.vectors[got.found], got.versions[got.found], read_at)
+                self.promote(self.volatile, t, asked[got.found], got.vectors[got.found], got.versions[got.found],
+                             read_at)
             pending = np.flatnonzero(~got.found) if pending is None else pending[~got.found]
             if pending.shape[0] == 0:
                 break

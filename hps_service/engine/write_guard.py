@@ -34,6 +34,14 @@ class WriteGuard:
         self._shift = np.uint64(64 - slot_bits)
         self._generation = 0
         self._stamp_lock = threading.Lock()
+        self._mirror: tuple[np.ndarray, int] | None = None
+
+    def mirror_to(self, array: np.ndarray, index: int) -> None:
+        """Also keep ``array[index]`` at the generation (and set it now): where readers in other processes (a
+        node's workers) read it before they read rows. It is written after the stamps, so it is never ahead."""
+        with self._stamp_lock:
+            self._mirror = (array, index)
+            array[index] = self._generation
 
     @property
     def generation(self) -> int:
@@ -57,6 +65,8 @@ class WriteGuard:
             with self._stamp_lock:
                 self._generation += 1
                 self._stamps[slots] = self._generation
+                if self._mirror is not None:
+                    self._mirror[0][self._mirror[1]] = self._generation
 
     def changed_since(self, generation: int, keys: np.ndarray) -> np.ndarray:
         """Mask of ``keys`` a write touched (or is touching) after ``generation``; may include a few others."""

@@ -10,17 +10,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
 import uvicorn
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health, health_pb2
 
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
 from hps_service.cache.table_cache import WarmKeys
-from hps_service.config import HPSConfig, ServerConfig
+from hps_service.config import HPSConfig
 from hps_service.engine import CacheFactory, LookupEngine, ServedTable
 from hps_service.errors import UnavailableError
 from hps_service.fleet.admin_writes import LogWriter
@@ -29,9 +28,10 @@ from hps_service.fleet.registrations import forget_registration, load_registrati
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.fleet.store import SnapshotBucket
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
-from hps_service.server.grpc_service import EmbeddingServicer, ServingGate, add_embedding_service
+from hps_service.server.grpc_server import build_grpc_server, message_limits  # noqa: F401  (re-exported)
+from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
 from hps_service.server.jobs import JobRunner
-from hps_service.server.metrics import QueueTimedExecutor, ServerMetrics
+from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
 from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_app, create_starting_app
 from hps_service.server.snapshots import SnapshotStore
@@ -43,9 +43,11 @@ from hps_service.updates import UpdateConsumer
 from hps_service.updates.message import topic_name
 from hps_service.warmup import warm_all
 
+if TYPE_CHECKING:
+    from hps_service.node.owner import NodeOwner
+
 log = logging.getLogger(__name__)
 
-_MiB = 1 << 20
 
 
 def build_engine(config: HPSConfig) -> LookupEngine:
@@ -89,35 +91,6 @@ def l1_cache_factory(config: HPSConfig, volatile: Tier | None, persistent: Tier 
         return build_table_cache(config.cache, t.dim, rows, fetch_below, warm_keys, snapshot)
 
     return factory
-
-
-def message_limits(config: HPSConfig) -> tuple[int, int]:
-    """Max receive and send message sizes: server.max_message_bytes, else what fits the configured batch limit
-    (plus protobuf overhead)."""
-    max_dim = max((t.dim for m in config.models for t in m.tables), default=1024)
-    n = config.server.max_batch_keys
-    receive = config.server.max_message_bytes or n * 8 + config.server.max_tables_per_request * 1024 + _MiB
-    send = n * (4 * max(max_dim, 1024) + 1) + config.server.max_tables_per_request * 1024 + _MiB
-    return receive, send
-
-
-def grpc_connection_options(cfg: ServerConfig) -> list[tuple[str, int]]:
-    """Keepalive and connection age of the gRPC server: idle connections are pinged, clients may ping every
-    ``min_client_ping_interval_s``, and a connection older than ``max_connection_age_s`` is closed with GOAWAY (its
-    calls get ``max_connection_age_grace_s``), so clients reconnect and re-balance over the replicas there are now."""
-    options = [
-        ("grpc.keepalive_time_ms", int(cfg.keepalive_time_s * 1000)),
-        ("grpc.keepalive_timeout_ms", int(cfg.keepalive_timeout_s * 1000)),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_ping_interval_without_data_ms", int(cfg.min_client_ping_interval_s * 1000)),
-        ("grpc.http2.max_ping_strikes", 2),
-    ]
-    if cfg.max_connection_age_s > 0:
-        options += [
-            ("grpc.max_connection_age_ms", int(cfg.max_connection_age_s * 1000)),
-            ("grpc.max_connection_age_grace_ms", int(cfg.max_connection_age_grace_s * 1000)),
-        ]
-    return options
 
 
 def snapshots_root(config: HPSConfig) -> Path:
@@ -176,10 +149,16 @@ class HPSServer:
         self._probes: ProbeServer | None = None
         self._health_stop = threading.Event()
         self._health_thread: threading.Thread | None = None
+        self.node: NodeOwner | None = None
 
     def start(self) -> None:
         """Bootstrap an empty store from the snapshot store, open tiers, load models, bind the gRPC port, compile the
-        kernels; lookups are accepted once this returns, and health says SERVING once the updates are caught up."""
+        kernels; lookups are accepted once this returns, and health says SERVING once the updates are caught up.
+
+        With ``server.workers`` > 0 (the default: one per usable CPU) this process is the node's owner: the gRPC
+        port is served by that many worker processes over the shared store (:mod:`hps_service.node`), and this
+        one serves only the Unix domain socket (``server.uds_path``), REST and the update consumer. A server
+        given an engine (tests, embedding) serves gRPC itself."""
         cfg = self.config.server
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         # TLS material is read before any tier opens, so a bad path fails fast and leaves nothing open.
@@ -191,7 +170,10 @@ class HPSServer:
                 self._probes = ProbeServer(cfg.host, cfg.probe_port, self.readiness_report)
             if self.engine is None:
                 self._bootstrap()
-                self.engine = build_engine(self.config)
+                if cfg.worker_processes() > 0:
+                    self._start_node()
+                else:
+                    self.engine = build_engine(self.config)
             self._start_grpc(credentials)
             self._make_snapshotter()
             self._app.target = create_app(self._admin_context())
@@ -202,6 +184,11 @@ class HPSServer:
             self._stop_listeners()
             if self._grpc is not None:
                 self._grpc.stop(0)
+            if self.node is not None:
+                self.node.stop_workers(0)
+                if self.engine is not None:
+                    self.engine.close()
+                self.node.close()
             raise
         # Ready means warm: nothing compiles on a request once health says SERVING (see hps_service.warmup).
         self.gate.close("compiling the lookup and update kernels")
@@ -210,43 +197,69 @@ class HPSServer:
         self.update_health()
         self._health_thread = threading.Thread(target=self._health_loop, name="hps-health", daemon=True)
         self._health_thread.start()
+        if self.node is not None:
+            self.node.publish_cluster_info(self.cluster_info)
         scheme = "TLS" if cfg.tls is not None else "plaintext"
-        log.info("gRPC listening on %s:%d, REST admin on %s:%d (%s)", cfg.host, self.grpc_port, cfg.host,
+        where = f"{len(self.node.supervisor.pids())} worker processes" if self.node is not None else "this process"
+        log.info("gRPC listening on %s:%d (%s), REST admin on %s:%d (%s)", cfg.host, self.grpc_port, where, cfg.host,
                  self.http_port, scheme)
         self._log_degraded()
 
     def _start_grpc(self, credentials: grpc.ServerCredentials | None) -> None:
+        """The gRPC server of this process: on the gRPC port (a node's workers serve it instead) and on the Unix
+        domain socket when one is configured."""
         assert self.engine is not None
         cfg = self.config.server
-        receive, send = message_limits(self.config)
-        self.metrics = ServerMetrics(self.engine)
-        server = grpc.server(
-            QueueTimedExecutor(self.metrics.queue_wait.observe, max_workers=cfg.workers(), thread_name_prefix="grpc"),
-            maximum_concurrent_rpcs=cfg.max_concurrent_requests,
-            options=[
-                ("grpc.max_receive_message_length", receive),
-                ("grpc.max_send_message_length", send),
-                ("grpc.so_reuseport", 0),
-                *grpc_connection_options(cfg),
-            ],
-        )
+        if self.metrics is None:
+            self.metrics = ServerMetrics(self.engine)
         servicer = EmbeddingServicer(self.engine, cfg, self.gate, self.metrics, self.shard_map, self.cluster_info)
-        add_embedding_service(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            server,
-        )
-        address = f"{cfg.host}:{cfg.grpc_port}"
-        if credentials is not None:
-            port = server.add_secure_port(address, credentials)
-        else:
-            port = server.add_insecure_port(address)
-        if port == 0:
-            raise UnavailableError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
+        server = build_grpc_server(self.config, servicer, self.health)
+        port = self.grpc_port
+        if self.node is None:
+            address = f"{cfg.host}:{cfg.grpc_port}"
+            port = server.add_secure_port(address, credentials) if credentials is not None else \
+                server.add_insecure_port(address)
+            if port == 0:
+                raise UnavailableError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
+        uds = cfg.local_socket()
+        if uds is not None:
+            self._bind_uds(server, uds)
         server.start()
+        if uds is not None:
+            uds.chmod(0o660)  # the group (the pod's inference containers) may connect, as it may map the store
         self._grpc = server
         self.grpc_port = port
+
+    def _start_node(self) -> None:
+        """Create the shared store, load the tables into it and start the gRPC worker processes on the port."""
+        from hps_service.node.owner import NodeCollector, NodeOwner
+        from hps_service.store.counters import RequestCounters
+
+        node = NodeOwner(self.config, logging.getLogger().getEffectiveLevel())
+        self.node = node
+        self.gate = node.gate
+        try:
+            self.engine = node.build_engine()
+            self.metrics = ServerMetrics(self.engine, RequestCounters(node.store.requests, 0))
+            self.metrics.registry.register(NodeCollector(node))
+            self.stats_sections["node"] = node.stats
+            self.grpc_port = node.reserve_port()
+            node.start_workers(self.grpc_port)
+        except BaseException:
+            node.stop_workers(0)
+            if self.engine is not None:
+                self.engine.close()
+            node.close()
+            raise
+
+    @staticmethod
+    def _bind_uds(server: grpc.Server, path: Path) -> None:
+        """Serve gRPC on a Unix domain socket too (colocated clients' misses), readable by the server's group."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_socket():
+            path.unlink()
+        if server.add_insecure_port(f"unix:{path}") == 0:
+            raise UnavailableError(f"cannot bind gRPC to the Unix domain socket {path}")
 
     def _bootstrap(self) -> None:
         """An empty RocksDB with a snapshot store configured restores each model's newest complete snapshot."""
@@ -339,14 +352,17 @@ class HPSServer:
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         with self._health_lock:
             overall = serving if not self.not_ready() else not_serving
-            self.health.set("", overall)
-            self.health.set(pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, overall)
+            statuses = {"": overall, pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name: overall}
             loaded = {m.name for m in self.engine.models()}
             for name in loaded:
-                self.health.set(name, serving if not self.not_ready(name) else not_serving)
+                statuses[name] = serving if not self.not_ready(name) else not_serving
             for name in self._served_models - loaded:
-                self.health.set(name, not_serving)
+                statuses[name] = not_serving
+            for name, status in statuses.items():
+                self.health.set(name, status)
             self._served_models = loaded
+            if self.node is not None:  # the workers answer gRPC health as this process would
+                self.node.publish_health(statuses)
 
     def _health_loop(self) -> None:
         while not self._health_stop.wait(0.2):
@@ -458,6 +474,8 @@ class HPSServer:
         self.gate.close("the server is draining")
         self._health_stop.set()
         self.health.enter_graceful_shutdown()
+        if self.node is not None:
+            self.node.stop_workers(remaining(0.6))
         if self._grpc is not None:
             self._grpc.stop(remaining(0.6)).wait(remaining(0.6) + 0.5)
         if self.consumer is not None:
@@ -471,6 +489,8 @@ class HPSServer:
         self._stop_listeners(remaining(0.5))
         if self.engine is not None and not self.engine.close(timeout_s=remaining()):
             log.error("a write outlived server.grace_period_s; the tiers were left open (RocksDB recovers its WAL)")
+        if self.node is not None:
+            self.node.close()
         self._stopped.set()
         log.info("stopped")
 

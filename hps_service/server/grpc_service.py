@@ -24,7 +24,7 @@ from hps_service.errors import (
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.metrics import ServerMetrics
-from hps_service.server.wire import encode_lookup_response
+from hps_service.server.wire import ResponseBuffer, encode_lookup_response
 from hps_service.sharding import ShardMap
 
 log = logging.getLogger(__name__)
@@ -154,6 +154,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         self.metrics = metrics if metrics is not None else ServerMetrics(engine)
         self.shard_map = shard_map if shard_map is not None else ShardMap()
         self.cluster_info = cluster_info
+        self._local = threading.local()
 
     def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> bytes:
         """Answer one LookupRequest as serialized LookupResponse bytes (raises domain errors); with ``context``,
@@ -184,7 +185,9 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         if self.shard_map.sharded:  # every table before any lookup: a misrouted request does no work
             for tk in request.tables:
                 self.shard_map.check(np.frombuffer(tk.keys, dtype="<i8"), f"keys of table '{tk.table}'")
-        self.metrics.keys.observe(total)
+        self.metrics.observe_keys(total)
+        if len(request.tables) == 1 and total:
+            return self._lookup_one(request, context)
         answers = []
         for tk in request.tables:
             if context is not None:
@@ -193,6 +196,22 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             res = self.engine.lookup(request.model, tk.table, keys)
             answers.append((tk.table, res.vectors, res.sources))
         return encode_lookup_response(request.model, request.request_id, answers)
+
+    def _lookup_one(self, request: pb.LookupRequest, context: grpc.ServicerContext | None) -> bytes:
+        """One table (the usual request): the lookup writes its rows and sources straight into this thread's
+        reused response buffer, so an all-hit batch goes from the request's key bytes to the response's row bytes
+        in one compiled pass and one copy out."""
+        if context is not None:
+            check_deadline(context)
+        tk = request.tables[0]
+        t = self.engine.table(request.model, tk.table)
+        try:
+            buf = self._local.buffer
+        except AttributeError:
+            buf = self._local.buffer = ResponseBuffer()
+        rows, sources = buf.layout(request.model, tk.table, len(tk.keys) // 8, t.dim, request.request_id)
+        self.engine.lookup(request.model, tk.table, np.frombuffer(tk.keys, dtype="<i8"), rows, sources)
+        return buf.finish()
 
     def _abort(self, context: grpc.ServicerContext, err: Exception) -> None:
         if isinstance(err, HPSError):

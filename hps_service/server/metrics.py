@@ -15,23 +15,26 @@ from concurrent import futures
 from contextlib import contextmanager
 
 import grpc
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hps_service import __version__
 from hps_service.engine import LEVELS, LookupEngine
+from hps_service.store.counters import (
+    KEYS_BUCKETS,
+    LATENCY_BUCKETS,
+    METHOD_INDEX,
+    REQ_FIELDS,
+    STATUS_INDEX,
+    RequestCounters,
+    new_counters,
+    request_totals,
+)
 
 log = logging.getLogger(__name__)
 
-#: Latency buckets (seconds): 100 us to 5 s, dense around the sub-millisecond to tens-of-milliseconds range.
-LATENCY_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.0025, 0.005, 0.0075, 0.01,
-    0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-)
-#: Keys per request: powers of two up to the largest sensible batch.
-KEYS_BUCKETS = tuple(float(2**i) for i in range(18))
-
+_UNKNOWN = STATUS_INDEX["UNKNOWN"]
 
 class EngineCollector(Collector):
     """Per table and tier hits, misses, rows, capacity and evictions, read from the engine at scrape time."""
@@ -104,38 +107,66 @@ class EngineCollector(Collector):
                     queue, cache_memory)
 
 
-class ServerMetrics:
-    """The request metrics of one server and the registry that exposes them with the engine's figures."""
+class RequestCollector(Collector):
+    """``hps_lookup_requests_total``, ``hps_lookup_latency_seconds``, ``hps_lookup_keys`` and
+    ``hps_lookup_in_flight``, summed at scrape time over every process and thread that counted (see
+    :mod:`hps_service.store.counters`)."""
 
-    def __init__(self, engine: LookupEngine) -> None:
+    def __init__(self, counters: RequestCounters) -> None:
+        self.counters = counters
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        data = request_totals(self.counters.totals())
+        requests = CounterMetricFamily("hps_lookup_requests", "Lookup requests by method and final status",
+                                       labels=["method", "status"])
+        for (method, status), value in sorted(data["requests"].items()):
+            requests.add_metric([method, status], value)
+        latency = HistogramMetricFamily("hps_lookup_latency_seconds", "Server-side lookup latency by method",
+                                        labels=["method"])
+        bounds = [*(str(b) for b in LATENCY_BUCKETS), "+Inf"]
+        for method, (cumulative, total) in sorted(data["latency"].items()):
+            latency.add_metric([method], list(zip(bounds, (float(c) for c in cumulative))), total)
+        keys_cumulative, keys_sum = data["keys"]
+        keys = HistogramMetricFamily("hps_lookup_keys", "Keys per lookup request (all tables)")
+        keys.add_metric([], list(zip([*(str(b) for b in KEYS_BUCKETS), "+Inf"], (float(c) for c in keys_cumulative))),
+                        keys_sum)
+        in_flight = GaugeMetricFamily("hps_lookup_in_flight", "Lookup requests being served")
+        in_flight.add_metric([], data["in_flight"])
+        queue_cumulative, queue_sum = data["queue_wait"]
+        queue = HistogramMetricFamily("hps_grpc_queue_wait_seconds",
+                                      "Time a gRPC call waited for a handler thread after it arrived")
+        queue.add_metric([], list(zip(bounds, (float(c) for c in queue_cumulative))), queue_sum)
+        yield from (requests, latency, keys, in_flight, queue)
+
+
+class ServerMetrics:
+    """The request metrics of one process (or of a node: its counters are shared by the owner and its workers)
+    and the registry that exposes them with the engine's figures. Counting costs a few array updates in the
+    calling thread's own row: no lock, no Prometheus client object on the request path."""
+
+    def __init__(self, engine: LookupEngine | None, counters: RequestCounters | None = None) -> None:
+        self.counters = counters if counters is not None else RequestCounters(new_counters(1, REQ_FIELDS), 0)
         self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "hps_lookup_requests", "Lookup requests by method and final status", ["method", "status"],
-            registry=self.registry,
-        )
-        self.latency = Histogram(
-            "hps_lookup_latency_seconds", "Server-side lookup latency by method", ["method"],
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )
-        self.keys = Histogram(
-            "hps_lookup_keys", "Keys per lookup request (all tables)", buckets=KEYS_BUCKETS, registry=self.registry
-        )
-        self.in_flight = Gauge("hps_lookup_in_flight", "Lookup requests being served", registry=self.registry)
-        self.queue_wait = Histogram(
-            "hps_grpc_queue_wait_seconds", "Time a gRPC call waited for a handler thread after it arrived",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )
+        self.registry.register(RequestCollector(self.counters))
         build = Gauge("hps_build_info", "The hps-service version this process runs (always 1)", ["version"],
                       registry=self.registry)
         build.labels(__version__).set(1)
-        self.registry.register(EngineCollector(engine))
+        if engine is not None:
+            self.registry.register(EngineCollector(engine))
+
+    def queue_wait(self, seconds: float) -> None:
+        """Count how long a gRPC call waited for a handler thread (see :class:`QueueTimedExecutor`)."""
+        self.counters.observe_queue_wait(seconds)
 
     @contextmanager
     def observe(self, method: str) -> Iterator[list[str]]:
         """Time one request; the body sets ``status[0]`` to the gRPC status name (OK unless it says otherwise)."""
         status = ["OK"]
         start = time.perf_counter()
-        self.in_flight.inc()
+        row = self.counters.begin()
         try:
             yield status
         except BaseException:
@@ -143,9 +174,16 @@ class ServerMetrics:
                 status[0] = grpc.StatusCode.UNKNOWN.name
             raise
         finally:
-            self.in_flight.dec()
-            self.latency.labels(method).observe(time.perf_counter() - start)
-            self.requests.labels(method, status[0]).inc()
+            self.counters.finish(row, METHOD_INDEX[method], STATUS_INDEX.get(status[0], _UNKNOWN),
+                                 time.perf_counter() - start)
+
+    def observe_keys(self, n: int) -> None:
+        """Count the keys of one request."""
+        self.counters.observe_keys(n)
+
+    def requests_served(self, method: str, status: str = "OK") -> float:
+        """Requests of ``method`` that ended with ``status`` so far, summed over every process."""
+        return request_totals(self.counters.totals())["requests"].get((method, status), 0.0)
 
     def render(self) -> bytes:
         """The Prometheus text exposition: this server's registry, then the process-wide default registry."""

@@ -392,7 +392,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
             except HPSError as err:
                 outcome[0] = status_for(err).name
                 raise
-            ctx.metrics.keys.observe(arr.shape[0])
+            ctx.metrics.observe_keys(arr.shape[0])
         body = {"model": model, "table": table, "dim": int(result.vectors.shape[1]), "keys": arr.tolist(),
                 "vectors": result.vectors.tolist(), "sources": _SOURCE_NAMES[result.sources].tolist()}
         return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")

@@ -12,15 +12,18 @@ from hps_service.tiers.base import Tier
 log = logging.getLogger(__name__)
 
 
-def build_volatile(cfg: VolatileConfig) -> Tier | None:
-    """The L2 tier named by ``volatile.type``, or None when disabled."""
+def build_volatile(cfg: VolatileConfig, placement: tuple[Any, Any] | None = None) -> Tier | None:
+    """The L2 tier named by ``volatile.type``, or None when disabled. ``placement``: (allocator, release) for the
+    hash map's arrays (the node's shared store), else private memory."""
     if cfg.type == "hashmap":
         from hps_service.tiers.hashmap import HashMapTier
 
+        extra = {"allocator": placement[0], "release": placement[1]} if placement is not None else {}
         return HashMapTier(
             capacity_rows=cfg.capacity_rows,
             overflow_policy=cfg.overflow_policy,
             evict_fraction=cfg.overflow_evict_fraction,
+            **extra,
         )
     if cfg.type == "redis_cluster":
         return _redis_cluster(cfg)
@@ -64,12 +67,13 @@ def redis_security_options(cfg: VolatileConfig) -> dict[str, Any]:
     return options
 
 
-def build_persistent(cfg: PersistentConfig) -> Tier | None:
-    """The L3 tier (RocksDB), or None when disabled."""
+def build_persistent(cfg: PersistentConfig, on_write: Any | None = None) -> Tier | None:
+    """The L3 tier (RocksDB), or None when disabled; ``on_write(table, keys)`` after each write batch."""
     if cfg.type == "rocksdb":
         from hps_service.tiers.rocksdb import RocksDBTier
 
         return RocksDBTier(
-            path=cfg.path, read_only=cfg.read_only, block_cache_mb=cfg.block_cache_mb, sync_writes=cfg.sync_writes
+            path=cfg.path, read_only=cfg.read_only, block_cache_mb=cfg.block_cache_mb, sync_writes=cfg.sync_writes,
+            on_write=on_write,
         )
     return None

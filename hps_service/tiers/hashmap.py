@@ -15,17 +15,27 @@ tombstones never grow beyond the capacity. ``count`` and ``stats().rows`` are li
 from __future__ import annotations
 
 import math
-import mmap
-import sys
 import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.keys import as_keys
+from hps_service.store.region import NamedAllocator, anonymous
 from hps_service.tiers import _hashmap_kernels as kernels
 from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
+
+#: ``release(name)``: give back an array the allocator made (unlinks a shared file; nothing for private memory).
+Release = Callable[[str], None]
+
+
+def _no_release(_name: str) -> None:
+    return None
 
 #: Rows a new table's index is sized for before it first doubles.
 _INITIAL_ROWS = 1024
@@ -38,46 +48,53 @@ def _index_size(row_capacity: int) -> int:
     return 1 << max(4, math.ceil(math.log2(row_capacity * _INDEX_SLOTS_PER_ROW)))
 
 
-#: Linux's mmap flag that keeps a mapping out of the commit limit: its pages are backed only once written.
-_MAP_NORESERVE = 0x4000 if sys.platform.startswith("linux") else 0
-
-
-def _reserve(shape: tuple[int, int], dtype: type, what: str) -> np.ndarray:
-    """Zeroed storage that takes memory only as its pages are first written (an anonymous private mapping)."""
-    count = math.prod(shape)
-    nbytes = max(1, count * np.dtype(dtype).itemsize)
-    try:
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE)
-    except OSError as exc:
-        raise ResourceExhaustedError(
-            f"cannot reserve {nbytes / 2**30:.1f} GiB of address space for {what} ({exc.strerror}); lower "
-            f"volatile.capacity_rows (memory is only used as rows arrive, but this host refuses the reservation)"
-        ) from None
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)  # fewer page faults as rows arrive, where transparent huge pages exist
-    return np.frombuffer(region, dtype=dtype, count=count).reshape(shape)
-
-
 class _Table:
-    """Storage, index and counters of one table; every access holds ``lock``."""
+    """Storage, index and counters of one table; every access by this process holds ``lock``, every change is
+    bracketed by the control array's sequence lock for readers in other processes (:func:`read_table`)."""
 
-    def __init__(self, dim: int, max_rows: int) -> None:
+    def __init__(self, name: str, dim: int, max_rows: int, alloc: NamedAllocator, release: Release) -> None:
+        self.name = name
         self.dim = dim
         self.lock = threading.RLock()
         self.n_rows = 0  # rows held, tombstones included
         self.rows_touched = 0  # the most rows ever held: storage pages in use
         self.n_tombstones = 0
-        self.clock = 0
         self.evictions = 0
+        self._alloc = alloc
+        self._release = release
+        self.ctrl = alloc(f"{name}/ctrl", (kernels.CTRL_LEN,), np.int64)
         # Key, version and stamp of a row share one cache line: a lookup misses once for all three.
-        self.meta = _reserve((max_rows, 3), np.int64, f"{max_rows} rows of keys")
+        self.meta = alloc(f"{name}/meta", (max_rows, 3), np.int64)
         self.keys = self.meta[:, 0]
         self.versions = self.meta[:, 1]
         self.stamps = self.meta[:, 2]
-        self.rows = _reserve((max_rows, dim), np.float32, f"{max_rows} rows of dim {dim}")
-        self.index = np.full(_index_size(min(_INITIAL_ROWS, max_rows)), kernels.EMPTY, dtype=np.int32)
+        self.rows = alloc(f"{name}/rows", (max_rows, dim), np.float32)
+        #: Accesses by readers in other processes (never written by this one except to move or reset them).
+        self.reader_stamps = alloc(f"{name}/reader_stamps", (max_rows,), np.int64)
+        self.index_gen = 0
+        self.index = self._new_index(_index_size(min(_INITIAL_ROWS, max_rows)))
+        self.index.fill(kernels.EMPTY)
+        self._publish_index()
         #: Rows the index takes at a load of at most 0.7 (never more than the storage).
         self.row_capacity = self._index_room(0)
+
+    def _new_index(self, size: int) -> np.ndarray:
+        self.index_gen += 1
+        return self._alloc(index_name(self.name, self.index_gen), (size,), np.int32)
+
+    def _publish_index(self) -> None:
+        """Point readers at the current index (callers hold the sequence lock or nobody reads yet)."""
+        self.ctrl[kernels.CTRL_INDEX_LEN] = self.index.shape[0]
+        self.ctrl[kernels.CTRL_INDEX_GEN] = self.index_gen
+
+    @contextmanager
+    def changing(self) -> Iterator[None]:
+        """The sequence-lock write section around a change (callers hold ``lock``)."""
+        kernels.seq_begin(self.ctrl)
+        try:
+            yield
+        finally:
+            kernels.seq_end(self.ctrl)
 
     def set_rows(self, n: int) -> None:
         """Record the rows held after a kernel added or removed some."""
@@ -86,14 +103,22 @@ class _Table:
 
     def memory_bytes(self) -> int:
         """Bytes in use: the storage pages rows have been written to, and the index."""
-        return int(self.rows_touched * (self.meta.strides[0] + self.rows.strides[0]) + self.index.nbytes)
+        per_row = self.meta.strides[0] + self.rows.strides[0] + self.reader_stamps.strides[0]
+        return int(self.rows_touched * per_row + self.index.nbytes)
 
     def reserve(self, needed_rows: int) -> None:
-        """Make room for ``needed_rows`` rows (callers cap it at the capacity): double the index as needed."""
+        """Make room for ``needed_rows`` rows (callers cap it at the capacity): double the index as needed. The new
+        index is built aside (readers go on using the old one) and swapped in under the sequence lock; readers then
+        map it by its generation."""
         if needed_rows <= self.row_capacity:
             return
-        self.index = np.empty(_index_size(needed_rows), dtype=np.int32)
-        kernels.rebuild_index(self.index, self.keys, np.int64(self.n_rows))
+        old_gen = self.index_gen
+        index = self._new_index(_index_size(needed_rows))
+        kernels.rebuild_index(index, self.keys, np.int64(self.n_rows))
+        with self.changing():
+            self.index = index
+            self._publish_index()
+        self._release(index_name(self.name, old_gen))
         self.row_capacity = self._index_room(needed_rows)
 
     def _index_room(self, needed_rows: int) -> int:
@@ -101,9 +126,105 @@ class _Table:
         return min(self.keys.shape[0], max(needed_rows, int(self.index.shape[0] / _INDEX_SLOTS_PER_ROW)))
 
     def tick(self) -> np.int64:
-        """Advance the table clock (one tick per batch) and return it."""
-        self.clock += 1
-        return np.int64(self.clock)
+        """Advance the table clock (one tick per batch, shared with the readers' ticks) and return it."""
+        return kernels.tick(self.ctrl)
+
+    def effective_stamps(self, n: int) -> np.ndarray:
+        """Eviction order of rows ``[0, n)``: this process's stamps combined with the readers' (LRU: the later;
+        LFU: the sum); tombstones keep their own (negative) stamps."""
+        stamps = self.stamps[:n].copy()
+        reader = self.reader_stamps[:n]
+        live = stamps >= 0
+        if live.all():
+            np.maximum(stamps, reader, out=stamps)
+        else:
+            stamps[live] = np.maximum(stamps[live], reader[live])
+        return stamps
+
+    def drop(self) -> None:
+        """Give the arrays back (files of a shared store are unlinked)."""
+        for part in ("ctrl", "meta", "rows", "reader_stamps"):
+            self._release(f"{self.name}/{part}")
+        self._release(index_name(self.name, self.index_gen))
+
+
+def index_name(table: str, generation: int) -> str:
+    """The allocation name of generation ``generation`` of a table's index."""
+    return f"{table}/index.{generation}"
+
+
+@dataclass
+class TableArrays:
+    """The arrays of one table as another process maps them (the index is replaced as it grows)."""
+
+    ctrl: np.ndarray
+    meta: np.ndarray
+    rows: np.ndarray
+    reader_stamps: np.ndarray | None  # None: a read-only reader, whose reads are not recorded for eviction
+    index: np.ndarray
+    index_gen: int
+
+
+#: ``open_index(generation) -> index``: map an index generation a reader has not seen yet (its whole file).
+OpenIndex = Callable[[int], np.ndarray]
+#: Back-off of a reader that keeps overlapping writes: it sleeps this long (then twice as long, up to the cap)
+#: instead of spinning, so a long write (an index rebuild, an eviction) does not burn its CPU.
+_READ_SPINS = 8
+_READ_SLEEP_S, _READ_SLEEP_CAP_S = 20e-6, 2e-3
+
+
+class TableReader:
+    """Lock-free reads of one hash-map table that another process writes (the node's workers and colocated
+    clients); never blocks the writer and never returns a row that a write was changing."""
+
+    def __init__(self, arrays: TableArrays, open_index: OpenIndex, lfu: bool) -> None:
+        self.arrays = arrays
+        self.dim = arrays.rows.shape[1]
+        self._open_index = open_index
+        self._lfu = lfu
+        self._keys = arrays.meta[:, 0]
+        self._versions = arrays.meta[:, 1]
+        self._stamps = arrays.meta[:, 2]
+        self.retries = 0
+
+    def get(self, keys: np.ndarray) -> Rows:
+        """Rows of ``keys`` as of one state of the table (see ``_hashmap_kernels.read_rows``)."""
+        a = self.arrays
+        n = keys.shape[0]
+        out = Rows(vectors=np.empty((n, self.dim), dtype=np.float32), versions=np.empty(n, dtype=np.int64),
+                   found=np.empty(n, dtype=bool))
+        row_ids = np.empty(n, dtype=np.int64)
+        attempt = 0
+        sleep = _READ_SLEEP_S
+        while True:
+            index = a.index
+            got = kernels.read_rows(a.ctrl, index, np.int64(a.index_gen), self._keys, a.rows, self._versions,
+                                    self._stamps, keys, out.vectors, out.versions, out.found, row_ids)
+            if got >= 0:
+                break
+            if got == kernels.READ_REMAP:
+                self._remap()
+                continue
+            self.retries += 1
+            attempt += 1
+            if attempt > _READ_SPINS:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, _READ_SLEEP_CAP_S)
+        if a.reader_stamps is not None and got:
+            kernels.stamp_reads(a.reader_stamps, row_ids, kernels.tick(a.ctrl) if not self._lfu else np.int64(0),
+                                self._lfu)
+        return out
+
+    def _remap(self) -> None:
+        """Map the index generation the writer published (its length is its file's)."""
+        a = self.arrays
+        gen = int(a.ctrl[kernels.CTRL_INDEX_GEN])
+        try:
+            index = self._open_index(gen)
+        except Exception:  # noqa: BLE001 - replaced again meanwhile (the file is gone): read the newer one
+            time.sleep(_READ_SLEEP_S)
+            return
+        a.index, a.index_gen = index, gen
 
 
 class HashMapTier(Tier):
@@ -117,7 +238,11 @@ class HashMapTier(Tier):
         capacity_rows: int,
         overflow_policy: Literal["lru", "lfu"] = "lru",
         evict_fraction: float = 0.1,
+        allocator: NamedAllocator = anonymous,
+        release: Release = _no_release,
     ) -> None:
+        """``allocator`` places each table's arrays (private memory by default; files of a shared store for the
+        node's worker processes, which read them with :func:`read_table`), ``release`` gives them back."""
         if (
             not isinstance(capacity_rows, (int, np.integer))
             or isinstance(capacity_rows, bool)
@@ -136,6 +261,8 @@ class HashMapTier(Tier):
         self.overflow_policy = overflow_policy
         self.evict_fraction = float(evict_fraction)
         self._lfu = overflow_policy == "lfu"
+        self._alloc = allocator
+        self._release = release
         self._tables: dict[str, _Table] = {}
         self._tables_lock = threading.Lock()
 
@@ -177,7 +304,12 @@ class HashMapTier(Tier):
                         f"table {table!r} exists with dim {existing.dim}, asked for dim {dim}"
                     )
                 return
-            self._tables[table] = _Table(int(dim), self.capacity_rows)
+            try:
+                self._tables[table] = _Table(table, int(dim), self.capacity_rows, self._alloc, self._release)
+            except ResourceExhaustedError as exc:
+                raise ResourceExhaustedError(
+                    f"{exc}; lower volatile.capacity_rows (memory is only used as rows arrive, but this host refuses "
+                    f"the reservation)") from None
 
     def get(self, table: str, keys: np.ndarray) -> Rows:
         """Look up ``keys``; hits get their access stamp refreshed (LRU clock or LFU count)."""
@@ -207,11 +339,13 @@ class HashMapTier(Tier):
         written = np.zeros(query.size, dtype=bool)
         with t.lock:
             self._make_room(t, query)
-            n, revived = kernels.put_rows(
-                t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(t.n_rows),
-                np.int64(min(self.capacity_rows, t.row_capacity)),
-                query, vecs, vers, written, t.tick(), self._lfu,
-            )  # fmt: skip
+            clock = t.tick()
+            with t.changing():
+                n, revived = kernels.put_rows(
+                    t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows),
+                    np.int64(min(self.capacity_rows, t.row_capacity)),
+                    query, vecs, vers, written, clock, self._lfu,
+                )  # fmt: skip
             t.set_rows(int(n))
             t.n_tombstones -= int(revived)
         return written
@@ -232,7 +366,7 @@ class HashMapTier(Tier):
         count = min(evictable, max(overflow, math.ceil(self.evict_fraction * self.capacity_rows)))
         if count <= 0:
             return
-        stamps = t.stamps[:n].copy()
+        stamps = t.effective_stamps(n)
         stamps[spared] = np.iinfo(np.int64).max
         if count < n:
             victims = np.argpartition(stamps, count - 1)[:count]
@@ -240,7 +374,9 @@ class HashMapTier(Tier):
             victims = np.arange(n)
         victims = np.sort(victims)[::-1].copy()
         t.n_tombstones -= int(np.count_nonzero(t.stamps[victims] < 0))
-        t.set_rows(int(kernels.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(n), victims)))
+        with t.changing():
+            n = kernels.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(n), victims)
+        t.set_rows(int(n))
         t.evictions += count
 
     def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
@@ -250,17 +386,20 @@ class HashMapTier(Tier):
         tomb_versions = delete_versions(versions, query.size)
         with t.lock:
             if tomb_versions is None:
-                n, removed, tombstones = kernels.delete_keys(
-                    t.index, t.keys, t.rows, t.versions, t.stamps, np.int64(t.n_rows), query
-                )
+                with t.changing():
+                    n, removed, tombstones = kernels.delete_keys(
+                        t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows), query
+                    )
                 t.n_tombstones -= int(tombstones)
             else:
                 query, tomb_versions = max_version_per_key(query, tomb_versions)
                 self._make_room(t, query)
-                n, removed, added = kernels.tombstone_keys(
-                    t.index, t.keys, t.versions, t.stamps, np.int64(t.n_rows),
-                    np.int64(min(self.capacity_rows, t.row_capacity)), query, tomb_versions, t.tick(),
-                )  # fmt: skip
+                clock = t.tick()
+                with t.changing():
+                    n, removed, added = kernels.tombstone_keys(
+                        t.index, t.keys, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows),
+                        np.int64(min(self.capacity_rows, t.row_capacity)), query, tomb_versions, clock,
+                    )  # fmt: skip
                 t.n_tombstones += int(added)
             t.set_rows(int(n))
         return int(removed)
@@ -313,13 +452,23 @@ class HashMapTier(Tier):
     def drop_table(self, table: str) -> None:
         """Forget ``table`` and free its memory."""
         with self._tables_lock:
-            if self._tables.pop(table, None) is None:
+            t = self._tables.pop(table, None)
+            if t is None:
                 raise NotFoundError(f"volatile hashmap tier has no table {table!r}")
+        t.drop()
+
+    def table_arrays(self, table: str) -> TableArrays:
+        """The arrays of ``table`` as a reader in another process maps them (see :func:`read_table`)."""
+        t = self._table(table)
+        return TableArrays(ctrl=t.ctrl, meta=t.meta, rows=t.rows, reader_stamps=t.reader_stamps, index=t.index,
+                           index_gen=t.index_gen)
 
     def close(self) -> None:
         """Free every table."""
         with self._tables_lock:
-            self._tables.clear()
+            tables, self._tables = list(self._tables.values()), {}
+        for t in tables:
+            t.drop()
 
 
 def warm_up_kernels() -> None:

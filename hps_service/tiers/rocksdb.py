@@ -61,6 +61,9 @@ from hps_service.tiers.codec import (
     encode_tombstones,
 )
 
+#: ``on_write(table, keys)``: keys of a write batch that reached the store (None when too many to list).
+WriteHook = Callable[[str, "np.ndarray | None"], None]
+
 #: Column family holding ``dim:<table>``, ``count:<table>`` and ``tombstones:<table>`` entries (int64 LE values),
 #: and the ``app:`` entries of :meth:`RocksDBTier.set_metadata`.
 META_CF = "__hps_meta__"
@@ -109,12 +112,24 @@ class RocksDBTier(Tier):
         block_cache_mb: int = 256,
         sync_writes: bool = True,
         row_cache_mb: int = 0,
+        secondary_path: Path | None = None,
+        on_write: WriteHook | None = None,
     ) -> None:
-        """Open (or create) the store at ``path``; every existing table reopens with the tuned options."""
+        """Open (or create) the store at ``path``; every existing table reopens with the tuned options.
+
+        ``secondary_path``: open as a RocksDB secondary instance (read-only, another process's view of a primary
+        the owner writes; its own files go there) that sees the primary's writes after :meth:`catch_up`.
+        ``on_write(table, keys)`` is called after every write batch reached the store, with the keys it wrote
+        (None: too many to list, e.g. an import): how a secondary's reader knows which keys it may hold stale.
+        """
         if block_cache_mb < 0 or row_cache_mb < 0:
             raise InvalidArgumentError("block_cache_mb and row_cache_mb must be >= 0")
         self.path = Path(path)
+        self.secondary = secondary_path is not None
+        read_only = read_only or self.secondary
         self.read_only = read_only
+        self._on_write = on_write
+        self._staged: list[tuple[str, np.ndarray]] = []
         self.sync_writes = sync_writes
         self._lock = threading.Lock()
         self._block_cache = Cache(block_cache_mb * _MiB) if block_cache_mb else None
@@ -130,7 +145,11 @@ class RocksDBTier(Tier):
             set(Rdict.list_cf(str(self.path), self._options())) if (self.path / "CURRENT").exists() else set()
         )
         column_families = {name: self._options() for name in existing | {META_CF, POSITIONS_CF}}
-        if read_only:
+        if self.secondary:
+            column_families = {name: opts for name, opts in column_families.items() if name in existing}
+            Path(secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+            access = AccessType.secondary(str(secondary_path))
+        elif read_only:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
             access = AccessType.read_only(False)
         else:
@@ -305,6 +324,7 @@ class RocksDBTier(Tier):
         written = self._accepts(states, stored, offered)
         idx = np.flatnonzero(written)
         if idx.size:
+            self._staged.append((table, keys if idx.size == n else keys[idx]))
             handle = self._handles[table]
             sel_keys = encoded if idx.size == n else encode_keys(keys[idx])
             _drain(map(batch.put, sel_keys, encode_rows(vectors[idx], offered[idx]), repeat(handle)))
@@ -332,6 +352,7 @@ class RocksDBTier(Tier):
         states, stored = self._stored_states(cf, encoded, dim)
         live = states == LIVE
         handle = self._handles[table]
+        self._staged.append((table, keys))
         if tomb_versions is None:
             removed = int(np.count_nonzero(live))
             _drain(map(batch.delete, encoded, repeat(handle)))
@@ -352,10 +373,27 @@ class RocksDBTier(Tier):
         return removed
 
     def _commit(self, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:
-        """Add the count changes to ``batch`` and write it (synced when sync_writes); caller holds the lock."""
+        """Add the count changes to ``batch`` and write it (synced when sync_writes); caller holds the lock. Then
+        name the keys written to ``on_write``."""
+        staged, self._staged = self._staged, []
         self._stage_counts(batch, deltas)
         if not batch.is_empty():
             self._write(batch)
+            for table, keys in staged:
+                self._wrote(table, keys)
+
+    def _wrote(self, table: str, keys: np.ndarray | None) -> None:
+        if self._on_write is not None:
+            self._on_write(table, keys)
+
+    def catch_up(self) -> None:
+        """A secondary instance: apply what the primary wrote since the last catch-up (about 1-2 ms even when
+        nothing changed, so readers call it when they know of writes they need, not per read)."""
+        self._check_open()
+        if not self.secondary:
+            raise InvalidArgumentError(f"RocksDB at {self.path} is not opened as a secondary instance")
+        with self._lock:
+            self._db.try_catch_up_with_primary()
 
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
         """Write rows whose version is >= the stored row's (> a tombstone's), in one synced batch; return the mask."""
@@ -469,6 +507,7 @@ class RocksDBTier(Tier):
                 _drain(map(batch.delete, compress(candidates, purge.tolist()), repeat(handle)))
                 self._add_counts(batch, table, rows=0, tombstones=-n_purge)
                 self._write(batch)
+                self._wrote(table, None)
             purged += n_purge
         return purged
 
@@ -630,6 +669,7 @@ class RocksDBTier(Tier):
                         ingest = IngestExternalFileOptions()
                         ingest.set_move_files(True)
                         self._cfs[table].ingest_external_file(files, ingest)
+                        self._wrote(table, None)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                 with self._lock:
@@ -726,6 +766,7 @@ class RocksDBTier(Tier):
                     ingest = IngestExternalFileOptions()
                     ingest.set_move_files(True)
                     cf.ingest_external_file(files, ingest)
+                    self._wrote(table, None)
                 if new_rows or replaced_tombstones:
                     batch = WriteBatch(raw_mode=True)
                     self._add_counts(batch, table, rows=new_rows, tombstones=-replaced_tombstones)

@@ -51,7 +51,8 @@ LONG_SECONDS = float(os.environ.get("HPS_HISTORY_LONG_SECONDS", "600"))
 
 @pytest.mark.timeout(SECONDS + 300)
 def test_history_has_no_violation(kafka_broker, tmp_path: Path) -> None:
-    run_history(kafka_broker.bootstrap, tmp_path, SECONDS)
+    """With two gRPC worker processes over the owner's shared store, whatever the machine's CPUs (the default)."""
+    run_history(kafka_broker.bootstrap, tmp_path, SECONDS, server={"workers": 2})
 
 
 @pytest.mark.long

@@ -26,7 +26,7 @@ ROWS = np.arange(20 * ITEM_DIM, dtype=np.float32).reshape(20, ITEM_DIM)
 
 def _lookups_served(srv: HPSServer) -> float:
     assert srv.metrics is not None
-    return srv.metrics.requests.labels("Lookup", "OK")._value.get()
+    return srv.metrics.requests_served("Lookup")
 
 
 @pytest.fixture
@@ -101,9 +101,10 @@ def test_errors_timeouts_and_no_live_target(replicas: list[HPSServer]) -> None:
 
 
 def test_per_call_timeout(tmp_path: Path) -> None:
-    """The only worker is held by an open stream: a lookup with a short per-call timeout fails with
-    DEADLINE_EXCEEDED (not retried), and the next one, with the default timeout, is answered."""
-    with running(server_config(tmp_path, grpc_workers=1)) as srv, grpc.insecure_channel(target(srv)) as channel:
+    """The only handler thread (one worker process of one thread) is held by an open stream: a lookup with a short
+    per-call timeout fails with DEADLINE_EXCEEDED (not retried), and the next one, with the default timeout, is
+    answered."""
+    with running(server_config(tmp_path, grpc_workers=1, workers=1)) as srv, grpc.insecure_channel(target(srv)) as channel:
         stream = OpenStream(pb_grpc.EmbeddingServiceStub(channel))
         stream.ask(build_request("demo", {"item": [1]}))
 

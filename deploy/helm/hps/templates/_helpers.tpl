@@ -277,6 +277,8 @@ hps/shard: {{ .Shard | quote }}
   mountPath: {{ include "hps.dataPath" . }}
 - name: tmp
   mountPath: /tmp
+- name: shm
+  mountPath: /dev/shm
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}

@@ -1,0 +1,189 @@
+"""The tiers as a process that is not the owner reads them: the shared hash map (lock-free, never written here)
+and RocksDB through a secondary instance that catches up when the owner's change rings say it must."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from hps_service.config import PersistentConfig
+from hps_service.errors import UnavailableError
+from hps_service.keys import as_keys
+from hps_service.store.changes import ChangeRing
+from hps_service.store.view import StoreView
+from hps_service.tiers.base import Rows, Tier, TierStats
+from hps_service.tiers.rocksdb import RocksDBTier
+
+log = logging.getLogger(__name__)
+
+#: How often the background thread catches the secondary up when the owner wrote something since.
+CATCH_UP_INTERVAL_S = 0.02
+
+
+def _read_only(what: str) -> UnavailableError:
+    return UnavailableError(f"{what}: only the node's owner process writes the tiers")
+
+
+class SharedVolatile(Tier):
+    """The owner's hash-map tier, read lock-free from the shared store."""
+
+    kind = "volatile"
+    in_process = True
+
+    def __init__(self, view: Callable[[], StoreView]) -> None:
+        self._view = view
+
+    def create_table(self, table: str, dim: int) -> None:
+        return None
+
+    def get(self, table: str, keys: np.ndarray) -> Rows:
+        keys = as_keys(keys)
+        reader = self._view().volatile(table)
+        if reader is None:
+            return Rows(vectors=np.empty((keys.shape[0], 0), np.float32), versions=np.zeros(keys.shape[0], np.int64),
+                        found=np.zeros(keys.shape[0], bool))
+        return reader.get(keys)
+
+    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        raise _read_only(f"put into {table}")
+
+    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
+        raise _read_only(f"delete from {table}")
+
+    def count(self, table: str) -> int:
+        raise _read_only("count")
+
+    def stats(self, table: str) -> TierStats:
+        raise _read_only("stats")
+
+    def close(self) -> None:
+        return None
+
+
+class CaughtUpSecondary(Tier):
+    """RocksDB read through a secondary instance of the owner's primary. Before a read, the keys the owner wrote
+    since this instance's last catch-up (its change ring) are checked against the keys asked: if any is among them
+    the instance catches up first, so a read never misses a write acknowledged before it began. A background thread
+    catches up every ``CATCH_UP_INTERVAL_S`` while the owner writes, which keeps that check short."""
+
+    kind = "persistent"
+
+    def __init__(self, cfg: PersistentConfig, rings: Callable[[], dict[str, ChangeRing]],
+                 block_cache_mb: int) -> None:
+        self._cfg = cfg
+        self._rings = rings
+        self._block_cache_mb = block_cache_mb
+        self._dir = Path(tempfile.mkdtemp(prefix="hps-secondary-"))
+        self._lock = threading.Lock()
+        self._caught: dict[int, int] = {}  # id(ring) -> position caught up to
+        self._readers = threading.Condition()
+        self._reading: dict[int, int] = {}  # id(instance) -> reads in progress on it
+        self._db = self._open()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="hps-l3-catch-up", daemon=True)
+        self._thread.start()
+
+    def _open(self) -> RocksDBTier:
+        rings = self._rings()
+        positions = {id(r): r.position() for r in rings.values()}
+        db = RocksDBTier(self._cfg.path, block_cache_mb=self._block_cache_mb, secondary_path=self._dir)
+        self._caught = positions
+        return db
+
+    def reopen(self) -> None:
+        """Open a fresh instance (the owner created tables this one cannot see, or ingested files); the old one is
+        closed once the reads still using it are done."""
+        with self._lock:
+            old, self._db = self._db, self._open()
+        with self._readers:
+            self._readers.wait_for(lambda: not self._reading.get(id(old)), timeout=30)
+        old.close()
+
+    def tables(self) -> dict[str, int]:
+        return self._db.tables()
+
+    def catch_up(self) -> None:
+        with self._lock:
+            rings = self._rings()
+            positions = {id(r): r.position() for r in rings.values()}
+            self._db.catch_up()
+            self._caught.update(positions)
+
+    def _lapped(self) -> bool:
+        """Whether a ring no longer reaches back to where this instance caught up: the owner wrote keys it could
+        not list (an import, a purge) or more than a ring holds. A catch-up is not enough then: a secondary keeps
+        the memtable it replayed from the WAL, and rows of an ingested file (which the primary flushed its
+        memtable for) would stay shadowed by the older memtable rows, so the instance is opened afresh."""
+        return any((since := self._caught.get(id(r))) is not None and r.position() - since > r.size
+                   for r in self._rings().values())
+
+    def refresh(self) -> None:
+        """Catch up with the primary, or open afresh when a catch-up would not do (see :meth:`_lapped`)."""
+        if self._lapped():
+            self.reopen()
+        else:
+            self.catch_up()
+
+    def _stale(self, table: str, keys: np.ndarray) -> bool:
+        ring = self._rings().get(table)
+        if ring is None:
+            return False
+        since = self._caught.get(id(ring))
+        return since is None or ring.stale(since, keys)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(CATCH_UP_INTERVAL_S):
+            try:
+                rings = self._rings()
+                if any(self._caught.get(id(r)) != r.position() for r in rings.values()):
+                    self.refresh()
+            except Exception:  # the read path catches up itself when it must
+                log.debug("background catch-up failed", exc_info=True)
+
+    def create_table(self, table: str, dim: int) -> None:
+        return None
+
+    def get(self, table: str, keys: np.ndarray) -> Rows:
+        keys = as_keys(keys)
+        if self._stale(table, keys):
+            self.refresh()
+        with self._readers:
+            db = self._db
+            self._reading[id(db)] = self._reading.get(id(db), 0) + 1
+        try:
+            return db.get(table, keys)
+        finally:
+            with self._readers:
+                left = self._reading[id(db)] - 1
+                if left:
+                    self._reading[id(db)] = left
+                else:
+                    del self._reading[id(db)]
+                    self._readers.notify_all()
+
+    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        raise _read_only(f"put into {table}")
+
+    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
+        raise _read_only(f"delete from {table}")
+
+    def count(self, table: str) -> int:
+        return self._db.count(table)
+
+    def stats(self, table: str) -> TierStats:
+        return self._db.stats(table)
+
+    def healthy(self) -> bool:
+        return self._db.healthy()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(1)
+        self._db.close()
+        shutil.rmtree(self._dir, ignore_errors=True)

@@ -1,0 +1,106 @@
+"""L1 read from the shared store by a process that is not its writer (a worker, or a colocated LocalClient).
+
+The cache's own compiled query (``cache.cpu_kernels.query_kernel``) is a sequence-lock read: it reports a read a
+writer overlapped instead of returning it. In the owner a reader that keeps overlapping waits on the writers'
+mutex; across processes there is no such mutex, so a reader backs off with short sleeps until the writer is done.
+A worker touches the clocks of its hits (its mapping of ``clock`` and ``meta`` is writable); a read-only reader
+does not (its hits do not count for LRU/LFU). Rows a worker fetched below L1 are offered to the owner, which
+decides what enters.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from hps_service.cache.layout import CacheArrays
+from hps_service.cache.set_assoc import READ_ATTEMPTS, SetAssociativeCache
+from hps_service.errors import InvalidArgumentError
+
+#: Back-off of a reader that keeps overlapping writes (doubling up to the cap).
+_SLEEP_S, _SLEEP_CAP_S = 20e-6, 2e-3
+_INT64 = np.dtype(np.int64)
+_FLOAT32 = np.dtype(np.float32)
+
+#: ``offer(keys, versions, vectors, batch_hit_rate, fetched_at)``: hand fetched rows to the owner.
+Offer = Callable[[np.ndarray, np.ndarray, np.ndarray, float, int], None]
+#: The fields of CacheArrays a worker maps writable (clock touches, the tick); all others stay read-only.
+WORKER_WRITABLE = ("clock", "meta")
+
+
+def cache_entry(arrays_spec: dict[str, Any], arrays: CacheArrays, policy: str) -> dict[str, Any]:
+    """The manifest entry of a table's L1 (its arrays and geometry)."""
+    return {"arrays": arrays_spec, "writable": list(WORKER_WRITABLE), "capacity": arrays.capacity,
+            "ways": arrays.ways, "dim": arrays.dim, "policy": policy}
+
+
+class SharedL1Reader:
+    """The TableCache a reader process sees: lookups from the shared arrays, admissions handed to the owner."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], entry: dict[str, Any], generation: Callable[[], int],
+                 offer: Offer | None, touch: bool) -> None:
+        fields = {name: arrays[name] for name in ("tags", "keys", "versions", "clock", "values", "meta")}
+        if not touch:
+            # The compiled query touches clocks only when asked to, but compiles that store whatever it is given:
+            # a read-only reader hands it a writable stand-in (one element, zero strides) it never writes.
+            fields["clock"] = np.lib.stride_tricks.as_strided(np.zeros(1, np.int64), shape=arrays["clock"].shape,
+                                                              strides=(0, 0), writeable=True)
+        cache_arrays = CacheArrays(**fields)
+        self._cache = SetAssociativeCache(int(entry["capacity"]), int(entry["dim"]), ways=int(entry["ways"]),
+                                          policy=entry["policy"], arrays=cache_arrays)
+        self.dim = self._cache.dim
+        self.capacity = self._cache.capacity
+        self._generation = generation
+        self._offer = offer
+        self._touch = touch
+        self.retries = 0
+
+    def lookup(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the hit mask (misses' rows unspecified)."""
+        n = keys.shape[0]
+        if not (type(keys) is np.ndarray and keys.dtype is _INT64 and keys.ndim == 1 and keys.flags.c_contiguous):
+            raise InvalidArgumentError("keys must be a C-contiguous 1-D int64 array")
+        if out.dtype is not _FLOAT32 or out.shape != (n, self.dim) or not out.flags.c_contiguous:
+            raise InvalidArgumentError(f"out must be C-contiguous float32 of shape ({n}, {self.dim})")
+        hit = np.empty(n, dtype=np.bool_)
+        cache = self._cache
+        attempt = 0
+        sleep = _SLEEP_S
+        while True:
+            if cache.query_once(keys, out, hit, self._touch) >= 0:
+                return hit
+            self.retries += 1
+            attempt += 1
+            if attempt >= READ_ATTEMPTS:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, _SLEEP_CAP_S)
+
+    def generation(self) -> int:
+        """The owner's published change generation (never ahead of the owner's own)."""
+        return self._generation()
+
+    def admit(self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, batch_hit_rate: float, *,
+              fetched_at: int | None = None) -> None:
+        """Hand rows fetched below L1 to the owner, which admits them as it admits its own."""
+        if self._offer is not None and keys.shape[0]:
+            self._offer(np.ascontiguousarray(keys, dtype=np.int64), np.ascontiguousarray(versions, dtype=np.int64),
+                        np.ascontiguousarray(vectors, dtype=np.float32), float(batch_hit_rate),
+                        0 if fetched_at is None else int(fetched_at))
+
+    def update(self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> None:
+        raise InvalidArgumentError("only the node's owner process writes L1")
+
+    def invalidate(self, keys: np.ndarray, versions: np.ndarray | None = None) -> None:
+        raise InvalidArgumentError("only the node's owner process writes L1")
+
+    def clear(self) -> None:
+        raise InvalidArgumentError("only the node's owner process writes L1")
+
+    def stats(self) -> dict[str, float | str]:
+        return self._cache.stats()
+
+    def close(self) -> None:
+        return None

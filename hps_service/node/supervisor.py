@@ -1,0 +1,160 @@
+"""Starting, watching and stopping a node's gRPC worker processes (the owner's side).
+
+Workers are forked from a fork server (``multiprocessing``'s ``forkserver``): a fresh interpreter started at the
+beginning of ``hps serve``, which imports the worker's modules, loads the compiled kernels and freezes its heap
+(:mod:`hps_service.node.preload`), then forks one worker per request. So every worker starts from a process with no
+gRPC state and no threads (gRPC does not survive a fork of a process that used it), in milliseconds, and shares
+the fork server's pages of code and compiled kernels instead of holding its own copy; restarting one later does
+not fork the owner, whose threads (the consumer, RocksDB, the REST server) could hold locks at that moment.
+
+A worker that dies is started again (after a short back-off when it dies right after starting); its in-flight
+calls fail with UNAVAILABLE and clients retry them on another connection. Stopping sends SIGTERM (each worker
+drains its calls) and SIGKILL to what is left after the grace period.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import threading
+import time
+from multiprocessing import forkserver
+from typing import Any
+
+from hps_service.config import HPSConfig
+from hps_service.errors import UnavailableError
+from hps_service.store import node_store as ns
+
+log = logging.getLogger(__name__)
+
+#: A worker that exits within this long of its start is restarted only after RESTART_BACKOFF_S (so a worker that
+#: cannot start does not spin).
+QUICK_EXIT_S, RESTART_BACKOFF_S = 2.0, 1.0
+
+
+def reserve_port(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` with SO_REUSEPORT that holds the port for the node (0 picks a free one):
+    the workers bind the same port beside it. It never listens, so it takes no connections."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UnavailableError(f"cannot bind gRPC to {host}:{port}: {exc.strerror}") from None
+    return sock
+
+
+class WorkerSupervisor:
+    """The owner's handle on its worker processes."""
+
+    def __init__(self, config: HPSConfig, store: ns.NodeStore, wake: Any, log_level: int) -> None:
+        self.config = config
+        self.store = store
+        self.wake = wake
+        self.log_level = log_level
+        self.count = config.server.worker_processes()
+        self.port = 0
+        self.restarts = 0
+        self._ctx = multiprocessing.get_context("forkserver")
+        self._procs: dict[int, multiprocessing.process.BaseProcess] = {}
+        self._started_at: dict[int, float] = {}
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._monitor: threading.Thread | None = None
+        self._nudge_r, self._nudge_w = os.pipe()
+
+    @staticmethod
+    def prepare() -> None:
+        """Start the fork server now, so that it imports and warms up while the owner loads its tables."""
+        forkserver.set_forkserver_preload(["hps_service.node.preload"])
+        forkserver.ensure_running()
+
+    def start(self, port: int, timeout: float = 120.0) -> None:
+        """Start every worker on ``port`` and wait until each has bound it; then watch them."""
+        self.port = port
+        for i in range(self.count):
+            self._spawn(i)
+        self.wait_ready(timeout)
+        self._monitor = threading.Thread(target=self._watch, name="hps-workers", daemon=True)
+        self._monitor.start()
+
+    def _spawn(self, i: int) -> None:
+        from hps_service.node.worker import worker_main
+
+        self.store.workers[i, ns.W_STATE] = ns.W_STARTING
+        self.store.workers[i, ns.W_STARTS] += 1
+        proc = self._ctx.Process(
+            target=worker_main, name=f"hps-worker-{i}", daemon=True,
+            args=(self.config, str(self.store.path), i, self.port, self.wake, self.log_level),
+        )
+        proc.start()
+        self.store.workers[i, ns.W_PID] = proc.pid
+        with self._lock:
+            self._procs[i] = proc
+            self._started_at[i] = time.monotonic()
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every worker has bound the port (UnavailableError naming the first that failed)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            states = self.store.workers[: self.count, ns.W_STATE]
+            if (states == ns.W_READY).all():
+                return
+            for i in range(self.count):
+                proc = self._procs[i]
+                if states[i] == ns.W_FAILED or not proc.is_alive():
+                    raise UnavailableError(f"gRPC worker {i} failed to start (exit code {proc.exitcode}); see the "
+                                           f"log above")
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"gRPC workers not ready within {timeout:.0f} s")
+            time.sleep(0.01)
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [p.pid for p in self._procs.values() if p.pid is not None and p.is_alive()]
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            with self._lock:
+                procs = dict(self._procs)
+            ready = multiprocessing.connection.wait([p.sentinel for p in procs.values()] + [self._nudge_r], 1.0)
+            if self._stopping.is_set():
+                return
+            for i, proc in procs.items():
+                if proc.sentinel not in ready:
+                    continue
+                proc.join(0)
+                lived = time.monotonic() - self._started_at.get(i, 0.0)
+                log.error("gRPC worker %d (pid %s) exited with %s after %.1f s; starting it again", i, proc.pid,
+                          proc.exitcode, lived)
+                self.store.workers[i, ns.W_STATE] = ns.W_STOPPED
+                if lived < QUICK_EXIT_S and self._stopping.wait(RESTART_BACKOFF_S):
+                    return
+                self.restarts += 1
+                self._spawn(i)
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM every worker (each drains its calls), SIGKILL those still running after ``grace`` seconds."""
+        self._stopping.set()
+        os.write(self._nudge_w, b"x")
+        if self._monitor is not None:
+            self._monitor.join(5)
+        with self._lock:
+            procs = list(self._procs.values())
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + grace
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                log.warning("gRPC worker pid %s did not drain within %.1f s; killing it", p.pid, grace)
+                p.kill()
+                p.join(5)
+        os.close(self._nudge_r)
+        os.close(self._nudge_w)

@@ -1,0 +1,212 @@
+"""The lookup engine of a gRPC worker process: the engine's read path over the node's shared store.
+
+A worker answers lookups itself, with the same :class:`hps_service.engine.read.Reader` as the owner, from L1 and the
+hash map in shared memory (lock-free) and RocksDB through a secondary instance (or Redis with its own client). It
+never writes a tier: rows it found in L3 (promotions) and rows it offers to L1 (admissions) go to the owner through
+its shared-memory queue. It counts into its own rows of the shared counters, which the owner sums for /v1/stats
+and /metrics. The served models follow the owner's manifest, checked at every lookup (one shared integer).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hps_service.config import HPSConfig, ModelConfig
+from hps_service.engine.levels import LEVELS, LookupResult
+from hps_service.engine.read import Reader
+from hps_service.engine.table import ServedTable
+from hps_service.errors import NotFoundError
+from hps_service.node.reader_tiers import CaughtUpSecondary, SharedVolatile
+from hps_service.node.shared_l1 import SharedL1Reader
+from hps_service.store.changes import ChangeRing
+from hps_service.store.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES, ThreadRows
+from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN
+from hps_service.store.view import StoreView, TableView
+from hps_service.tiers.base import Tier
+from hps_service.tiers.factory import build_volatile
+
+log = logging.getLogger(__name__)
+
+KIND_ADMIT, KIND_PROMOTE = 1, 2
+_LEVEL = {name: i for i, name in enumerate(LEVELS)}
+
+
+class PublishedGeneration:
+    """A generation the owner publishes (read where the engine reads ``WriteGuard.generation`` or the L1's)."""
+
+    def __init__(self, control: np.ndarray, index: int) -> None:
+        self._control = control
+        self._index = index
+
+    @property
+    def generation(self) -> int:
+        return int(self._control[self._index])
+
+    def read(self) -> int:
+        return int(self._control[self._index])
+
+
+@dataclass(eq=False)
+class WorkerTable(ServedTable):
+    """A served table in a worker: counts into the shared counters, knows the owner's published generations."""
+
+    serial: int = 0
+    view: TableView | None = None
+    rows: ThreadRows | None = field(default=None, repr=False)
+
+    def count(self, level: str, hits: int, misses: int) -> None:
+        row = self.rows.row()  # type: ignore[union-attr]
+        i = _LEVEL[level]
+        row[TABLE_HITS + i] += hits
+        row[TABLE_MISSES + i] += misses
+
+    def count_defaults(self, n: int) -> None:
+        self.rows.row()[TABLE_DEFAULTS] += n  # type: ignore[union-attr]
+
+
+class WorkerEngine:
+    """Lookups of one worker process over the shared store (see the module docstring)."""
+
+    def __init__(self, config: HPSConfig, view: StoreView, worker: int, wake: Any | None = None) -> None:
+        """``worker``: this worker's index (its counter rows are ``worker + 1``; the owner's are 0); ``wake``: a
+        semaphore released when this worker's queue goes from empty to not empty."""
+        self.config = config
+        self.view = view
+        self.worker = worker
+        self.process = worker + 1
+        self.max_batch_keys = config.server.max_batch_keys
+        self._wake = wake
+        self._ring = view.queue(worker)
+        self._ring_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self.dropped = 0
+        self._ring_by_table: dict[str, ChangeRing] = {}
+        self.volatile: Tier | None = None
+        if config.volatile.type == "hashmap":
+            self.volatile = SharedVolatile(lambda: self.view)
+        elif config.volatile.type == "redis_cluster":
+            self.volatile = build_volatile(config.volatile)
+        self.persistent: CaughtUpSecondary | None = None
+        if config.persistent.type == "rocksdb":
+            share = max(8, config.persistent.block_cache_mb // max(1, config.server.worker_processes()))
+            self.persistent = CaughtUpSecondary(config.persistent, self._rings, share)
+        self.reader = Reader(self.volatile, self.persistent, self.max_batch_keys, promote=self._promote)
+        self._models: dict[str, ModelConfig] = {}
+        self._tables: dict[str, dict[str, WorkerTable]] = {}
+        self._load()
+
+    # ---- the manifest -------------------------------------------------------------------------
+    def _rings(self) -> dict[str, ChangeRing]:
+        return self._ring_by_table
+
+    def sync(self) -> None:
+        """Follow the owner's manifest if it changed (models registered or unloaded)."""
+        if self.view.changed():
+            with self._sync_lock:
+                if self.view.changed():
+                    self._load()
+
+    def _load(self) -> None:
+        view = self.view
+        view.reload()
+        manifest = view.manifest
+        models = {m["name"]: ModelConfig.model_validate(m) for m in manifest["models"]}
+        tables: dict[str, dict[str, WorkerTable]] = {}
+        rings: dict[str, ChangeRing] = {}
+        for name, mc in models.items():
+            tables[name] = {}
+            for tc in mc.tables:
+                serial = view.served(name, tc.name)
+                if serial is None:
+                    continue
+                old = self._tables.get(name, {}).get(tc.name)
+                if old is not None and old.serial == serial:
+                    t = old
+                else:
+                    tv = view.table(serial)
+                    t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial, view=tv,
+                                    rows=ThreadRows(tv.counters, self.process) if tv.counters is not None else None)
+                    if self.volatile is not None and not isinstance(self.volatile, SharedVolatile):
+                        self.volatile.create_table(t.id, t.dim)  # this worker's own Redis client
+                    t.guard = PublishedGeneration(tv.control, T_WRITE_GEN)  # type: ignore[assignment]
+                    if tv.l1 is not None:
+                        entry = view.manifest["tables"][str(serial)]["l1"]
+                        t.cache = SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read,
+                                                 self._offer(t), touch=True)
+                tables[name][tc.name] = t
+                rings[t.id] = t.view.changes  # type: ignore[union-attr]
+        self._ring_by_table = rings
+        if self.persistent is not None and any(tid not in self.persistent.tables() for tid in rings):
+            self.persistent.reopen()
+        self._models, self._tables = models, tables
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def table(self, model: str, table: str) -> WorkerTable:
+        """The served table, as the owner's manifest has it now (NotFoundError naming what is missing)."""
+        self.sync()
+        tables = self._tables.get(model)
+        if tables is None:
+            raise NotFoundError(f"model '{model}' is not loaded")
+        t = tables.get(table)
+        if t is None:
+            raise NotFoundError(f"model '{model}' has no table '{table}'")
+        return t
+
+    def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
+               sources: np.ndarray | None = None) -> LookupResult:
+        """Rows of ``keys`` in request order and the level that answered each (as ``LookupEngine.lookup``)."""
+        return self.reader.lookup(self.table(model, table), keys, out, sources)
+
+    def model(self, name: str) -> ModelConfig:
+        self.sync()
+        try:
+            return self._models[name]
+        except KeyError:
+            raise NotFoundError(f"model '{name}' is not loaded") from None
+
+    def models(self) -> list[ModelConfig]:
+        self.sync()
+        return list(self._models.values())
+
+    def healthy(self) -> dict[str, bool]:
+        out = {}
+        if self.volatile is not None:
+            out["volatile"] = self.volatile.healthy()
+        if self.persistent is not None:
+            out["persistent"] = self.persistent.healthy()
+        return out
+
+    # ---- hand-offs to the owner ---------------------------------------------------------------
+    def _push(self, kind: int, serial: int, generation: int, hit_rate: float, keys: np.ndarray,
+              versions: np.ndarray, rows: np.ndarray) -> None:
+        with self._ring_lock:
+            was_empty = self._ring.empty()
+            ok = self._ring.push(kind, serial, generation, hit_rate, keys, versions, rows)
+            if not ok:
+                self.dropped += 1
+        if ok and was_empty and self._wake is not None:
+            self._wake.release()
+
+    def _promote(self, volatile: Tier, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
+                 read_at: int) -> None:
+        """Rows this worker found in L3 go to the owner, which writes them into L2 as the engine does."""
+        assert isinstance(t, WorkerTable)
+        if keys.shape[0]:
+            self._push(KIND_PROMOTE, t.serial, read_at, 0.0, keys, versions, vectors)
+
+    def _offer(self, t: WorkerTable) -> Any:
+        def offer(keys: np.ndarray, versions: np.ndarray, vectors: np.ndarray, hit_rate: float,
+                  fetched_at: int) -> None:
+            self._push(KIND_ADMIT, t.serial, fetched_at, hit_rate, keys, versions, vectors)
+
+        return offer
+
+    def close(self) -> None:
+        for tier in (self.volatile, self.persistent):
+            if tier is not None:
+                tier.close()
