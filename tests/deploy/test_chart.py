@@ -142,6 +142,31 @@ def test_gpu_redis_kafka_example(rendered: dict) -> None:
     assert pod["terminationGracePeriodSeconds"] > 10 + cfg.server.grace_period_s
 
 
+LOCAL_READS = REPO / "deploy" / "examples" / "values-local-reads.yaml"
+
+
+def test_the_shared_store_lives_on_a_memory_backed_volume_that_sidecars_share(rendered: dict) -> None:
+    """Every pod mounts a memory-backed /dev/shm for the node's store (a container's own is 64 MiB); the
+    colocated-reads example runs its inference container beside the server on the same volume, in the same fsGroup,
+    as another user."""
+    for name in ("defaults", LOCAL_READS.name):
+        pod = rendered[name].one("StatefulSet")["spec"]["template"]["spec"]
+        shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert {"name": "shm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    r = rendered[LOCAL_READS.name]
+    cfg = check_chart.server_config(r, "hps-local-0")
+    assert cfg.server.local.enabled and cfg.server.local_socket() == cfg.server.local.path / "grpc.sock"
+    assert str(cfg.server.local.path).startswith("/dev/shm/")
+    pod = r.one("StatefulSet")["spec"]["template"]["spec"]
+    server, inference = pod["containers"]
+    assert inference["name"] == "inference"
+    assert {"name": "shm", "mountPath": "/dev/shm"} in inference["volumeMounts"]
+    assert inference["securityContext"]["runAsUser"] != pod["securityContext"]["runAsUser"]
+    assert pod["securityContext"]["fsGroup"] == 10001
+    assert next(v for v in pod["volumes"] if v["name"] == "shm")["emptyDir"]["sizeLimit"] == "12Gi"
+
+
 def test_all_features_example(rendered: dict) -> None:
     r = rendered[ALL_FEATURES.name]
     sts = r.one("StatefulSet")

@@ -4,6 +4,10 @@
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -18,13 +22,14 @@ from rich.console import Console
 from hps_service.client import HPSClient
 from hps_service.config import load_config
 from hps_service.demo import DemoSettings, run_demo
+from hps_service.local import LocalClient
 from hps_service.trainer.factory import RunSpec, build_run
 from hps_service.trainer.metrics import auc, log_loss
 from hps_service.trainer.predictor import Predictor
 from hps_service.trainer.train import TrainConfig, Trainer
 from hps_service.updates import Publisher
 from tests.e2e.test_updates_serve import wait_ready
-from tests.helpers import ServerProcess, free_port, run_hps
+from tests.helpers import REPO, ServerProcess, free_port, run_hps
 from tests.trainer.criteo_data import criteo_config, make_rows, write_tsv
 
 FIELDS = 6
@@ -34,8 +39,9 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
     model = f"g{uuid.uuid4().hex[:8]}"
     grpc_port, http_port = free_port(), free_port()
     tsv = write_tsv(tmp_path / "day_0.tsv", make_rows(4000, seed=5, fields=FIELDS))
+    store = Path(tempfile.mkdtemp(prefix="hps-trainer-store-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     cfg_path = criteo_config(tmp_path / "c.yaml", fields=FIELDS, brokers=kafka_broker.bootstrap, model=model, extra={
-        "server": {"grpc_port": grpc_port, "http_port": http_port},
+        "server": {"grpc_port": grpc_port, "http_port": http_port, "local": {"enabled": True, "path": str(store)}},
         "cache": {"backend": "numpy", "capacity": 64, "ways": 8},
         "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
     })
@@ -80,7 +86,20 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
         assert printed, result.stdout
         assert float(printed.group(1)) == pytest.approx(auc(expected, batch.labels), abs=1e-4)
         assert float(printed.group(2)) == pytest.approx(log_loss(expected, batch.labels), abs=1e-4)
+        # the same scores from rows read in this process out of the server's shared store (issue 18)
+        with LocalClient(store) as local, Predictor(export, local) as colocated:
+            assert local.mapped
+            np.testing.assert_allclose(colocated.predict(batch), got, atol=1e-6)
+        example = subprocess.run([sys.executable, str(REPO / "examples" / "local_inference.py"), "--store",
+                                  str(store), "--export-dir", str(export), "--data", str(tsv), "--limit", "1000",
+                                  "--batch-size", "4096"],
+                                 capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert example.returncode == 0, example.stderr
+        assert "rows from the shared store" in example.stdout, example.stdout
+        printed_local = re.search(r"rows 1000\s+AUC (\S+)\s+log-loss (\S+)", example.stdout)
+        assert printed_local and printed_local.groups() == printed.groups(), example.stdout
     publisher.close()
+    shutil.rmtree(store, ignore_errors=True)
 
 
 def test_hps_demo_runs_the_whole_loop(tmp_path: Path) -> None:

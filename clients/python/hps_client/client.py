@@ -19,7 +19,7 @@ import grpc
 import numpy as np
 
 from hps_client.channel import channel_options
-from hps_client.errors import FailedPreconditionError, UnavailableError
+from hps_client.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_client.routing import (
@@ -40,6 +40,10 @@ from hps_client.tls import channel_credentials
 from hps_client.wire import TableAnswer, as_error, build_request, decode_answer
 
 
+#: Targets ``local:///PATH`` map a colocated server's shared store at PATH (see :class:`HPSClient`).
+LOCAL_SCHEME = "local://"
+
+
 class HPSClient:
     """A client over one or several targets: replicas of one unsharded service, or the shards of a sharded fleet
     (learned from GetClusterInfo on first use).
@@ -49,7 +53,21 @@ class HPSClient:
     each batch is split by shard (``partition(key) % shards``), the parts go to their shards concurrently (one
     channel per shard over its replicas, balanced and retried the same way) and the answer comes back in the order
     asked. A shard none of whose replicas answers raises UnavailableError naming it.
+
+    ``HPSClient("local:///dev/shm/hps")`` gives a ``hps_service.local.LocalClient`` instead: an inference process in
+    the server's pod reading its shared store (needs the ``hps-service`` package, not only this client).
     """
+
+    def __new__(cls, targets: str | Iterable[str] = "", *args: Any, **kwargs: Any) -> Any:
+        if isinstance(targets, str) and targets.startswith(LOCAL_SCHEME):
+            try:
+                from hps_service.local import LocalClient
+            except ImportError:
+                raise InvalidArgumentError(f"{targets}: colocated reads need the hps-service package "
+                                           f"(pip install hps-service), not only hps-client") from None
+            timeout = kwargs.get("timeout", args[0] if args else 5.0)
+            return LocalClient(targets[len(LOCAL_SCHEME):] or "/dev/shm/hps", timeout)
+        return super().__new__(cls)
 
     def __init__(
         self,

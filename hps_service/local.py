@@ -1,0 +1,265 @@
+"""Colocated reads: an inference process in the server's pod reads the node's shared store directly.
+
+    client = LocalClient("/dev/shm/hps")            # or HPSClient("local:///dev/shm/hps")
+    rows = client.lookup("demo", "item", keys)      # L1 and hash-map hits at memory speed, the rest over the socket
+
+The server (``server.local.enabled``) keeps its store at ``server.local.path``, readable by its user and group
+(mode 0640). A LocalClient maps it read-only and answers the keys L1 and the in-process hash map hold in the
+calling thread, under the same sequence locks as the server's workers (a read that overlapped a write is read
+again, so a row is never torn); the keys neither holds go to the server over gRPC on its Unix domain socket (the
+server reads RocksDB, answers defaults and admits the rows as for any lookup). Updates the server applied are in
+the store when it acknowledges them: the next read sees them. When the server restarts (a new store generation) or
+dies, the client drops its mapping and sends whole lookups over the socket (waiting for the server to answer,
+within ``timeout``) until the new store is there, then maps it. Reads by a LocalClient are not counted in the
+server's statistics or in L1's LRU/LFU order (its mapping is read-only).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from hps_client.channel import channel_options
+from hps_client.errors import InvalidArgumentError, UnavailableError
+from hps_client.wire import TableAnswer, as_error, as_keys, build_request, decode_answer
+from hps_service.engine.levels import CACHE, VOLATILE
+from hps_service.errors import HPSError
+from hps_service.keys import unique_with_inverse
+from hps_service.node.shared_l1 import SharedL1Reader
+from hps_service.node.worker_engine import PublishedGeneration
+from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_service.store import layout
+from hps_service.store.node_store import T_L1_GEN
+from hps_service.store.view import StoreView
+
+#: How often the store's owner is checked to be alive (its lock), and a missing store looked for again.
+LIVENESS_PERIOD_S = 0.01
+ATTACH_PERIOD_S = 0.05
+#: The socket a server with ``server.local`` enabled listens on, inside the store's directory.
+SOCKET_NAME = "grpc.sock"
+
+
+class _Table:
+    """One table as this client reads it from the mapped store."""
+
+    def __init__(self, view: StoreView, serial: int) -> None:
+        tv = view.table(serial)
+        self.dim = tv.dim
+        self.id = f"{tv.model}.{tv.table}"
+        entry = view.manifest["tables"][str(serial)].get("l1")
+        self.l1 = (SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read, None, touch=False)
+                   if tv.l1 is not None and entry is not None else None)
+        self.volatile = view.volatile(self.id)
+
+
+class LocalClient:
+    """The methods of :class:`hps_client.HPSClient` (``lookup``, ``lookup_with_sources``, ``lookup_many``,
+    ``list_models``, ``close``), answered from the server's shared store where it can (see the module docstring)."""
+
+    def __init__(self, path: str | Path = "/dev/shm/hps", timeout: float | None = 5.0, *,
+                 socket_path: str | Path | None = None, retries: int = 3, backoff_s: float = 0.05) -> None:
+        """``path``: the server's ``server.local.path``; ``socket_path``: its ``server.uds_path`` when that is not
+        ``<path>/grpc.sock``; ``timeout`` bounds each call that needs the server (misses, or all of it while no
+        store is mapped)."""
+        self.path = Path(path)
+        self.timeout = timeout
+        self.socket_path = Path(socket_path) if socket_path is not None else self.path / SOCKET_NAME
+        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=channel_options(retries, backoff_s))
+        self._stub = pb_grpc.EmbeddingServiceStub(self._channel)
+        self._lock = threading.Lock()
+        self._view: StoreView | None = None
+        self._tables: dict[tuple[str, str], _Table] = {}
+        self._manifest_gen = -1
+        self._checked_at = 0.0
+        self._attach_at = 0.0
+        self.remaps = 0  # times a new generation of the store was mapped (the server restarted)
+        self._generation: int | None = None
+        self._attach(first=True)
+
+    # ---- the store ----------------------------------------------------------------------------
+    def _attach(self, first: bool = False) -> None:
+        """Map the live generation of the store, if there is one (else read over the socket for now). A store this
+        process may not map is an error the first time (the pod's user or group is wrong), not a reason to wait."""
+        self._attach_at = time.monotonic()
+        try:
+            view = StoreView.attach(self.path, writable=False)
+        except PermissionError:
+            if first:
+                raise
+            return
+        except (UnavailableError, HPSError, FileNotFoundError, KeyError, ValueError):
+            return
+        if view.state() != layout.SERVING:
+            return
+        with self._lock:
+            if self._view is None or self._view.generation != view.generation:
+                self.remaps += self._generation is not None and self._generation != view.generation
+                self._generation = view.generation
+                self._view, self._tables, self._manifest_gen = view, {}, view.manifest_gen
+
+    def _drop(self) -> None:
+        with self._lock:
+            self._view, self._tables = None, {}
+
+    def _current(self) -> StoreView | None:
+        """The mapped store if it is still the live one: not closed, its owner alive (checked every
+        ``LIVENESS_PERIOD_S``), its manifest followed. Else None, after looking for a new one now and then."""
+        view = self._view
+        now = time.monotonic()
+        if view is not None:
+            if int(view.header[layout.H_STATE]) != layout.SERVING:
+                self._drop()
+                view = None
+            elif now - self._checked_at > LIVENESS_PERIOD_S:
+                self._checked_at = now
+                if not layout.owner_alive(view.path / layout.LOCK):
+                    self._drop()
+                    view = None
+        if view is None:
+            if now - self._attach_at > ATTACH_PERIOD_S:
+                self._attach()
+            return self._view
+        if view.changed():
+            with self._lock:
+                try:
+                    view.reload()
+                except UnavailableError:
+                    self._view, self._tables = None, {}
+                    return None
+                self._tables = {}
+        return view
+
+    def _table(self, view: StoreView, model: str, table: str) -> _Table | None:
+        t = self._tables.get((model, table))
+        if t is None:
+            serial = view.served(model, table)
+            if serial is None:
+                return None  # the server answers NOT_FOUND (or knows it by now)
+            t = _Table(view, serial)
+            self._tables[(model, table)] = t
+        return t
+
+    # ---- lookups ------------------------------------------------------------------------------
+    def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None
+               ) -> np.ndarray:
+        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
+        return self.lookup_with_sources(model, table, keys, timeout).vectors
+
+    def lookup_with_sources(self, model: str, table: str, keys: np.ndarray | Sequence[int],
+                            timeout: float | None = None) -> TableAnswer:
+        """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
+        view = self._current()
+        t = self._tables.get((model, table)) if view is not None else None
+        if t is None or not model:  # not mapped yet (or a bad request): the general path says why
+            return self.lookup_many(model, {table: keys}, timeout)[table]
+        keys = as_keys(keys)  # the usual call: one table already mapped
+        if keys.shape[0] == 0:
+            return self.lookup_many(model, {table: keys}, timeout)[table]
+        answer, miss = self._read_local(t, keys)
+        if miss is not None:
+            uniq, inverse = unique_with_inverse(keys[miss])
+            got = self._call(build_request(model, {table: uniq}), timeout)[table]
+            answer.vectors[miss] = got.vectors[inverse]
+            answer.sources[miss] = got.sources[inverse]
+        return answer
+
+    def lookup_many(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
+                    timeout: float | None = None) -> dict[str, TableAnswer]:
+        """Several tables of one model: each table's hits read here, all their misses in one call to the server."""
+        if not model:
+            raise InvalidArgumentError("model name is empty")
+        if not tables:
+            raise InvalidArgumentError("the request names no table")
+        view = self._current()
+        answers: dict[str, TableAnswer] = {}
+        missing: dict[str, np.ndarray] = {}
+        positions: dict[str, np.ndarray] = {}
+        for name, raw in tables.items():
+            keys = as_keys(raw)
+            t = self._table(view, model, name) if view is not None else None
+            if t is None or keys.shape[0] == 0:
+                missing[name], positions[name] = keys, None  # type: ignore[assignment]
+                continue
+            answer, miss = self._read_local(t, keys)
+            answers[name] = answer
+            if miss is not None:
+                uniq, inverse = unique_with_inverse(keys[miss])
+                missing[name], positions[name] = uniq, (miss, inverse)  # type: ignore[assignment]
+        if missing:
+            fetched = self._call(build_request(model, missing), timeout)
+            for name, where in positions.items():
+                got = fetched[name]
+                if where is None:
+                    answers[name] = got
+                else:
+                    miss, inverse = where
+                    answers[name].vectors[miss] = got.vectors[inverse]
+                    answers[name].sources[miss] = got.sources[inverse]
+        return {name: answers[name] for name in tables}
+
+    def _read_local(self, t: _Table, keys: np.ndarray) -> tuple[TableAnswer, np.ndarray | None]:
+        """L1, then the hash map for what L1 missed; returns the answer and the indices still missing (or None)."""
+        n = keys.shape[0]
+        out = np.empty((n, t.dim), dtype=np.float32)
+        sources = np.empty(n, dtype=np.uint8)
+        miss: np.ndarray | None = None
+        if t.l1 is not None:
+            hit = t.l1.lookup(keys, out)
+            sources.fill(CACHE)
+            if hit.all():
+                return TableAnswer(out, sources), None
+            miss = np.flatnonzero(~hit)
+        if t.volatile is not None:
+            asked = keys if miss is None else keys[miss]
+            got = t.volatile.get(asked)
+            found = got.found
+            at = np.flatnonzero(found) if miss is None else miss[found]
+            out[at] = got.vectors[found]
+            sources[at] = VOLATILE
+            miss = np.flatnonzero(~found) if miss is None else miss[~found]
+        elif miss is None:
+            miss = np.arange(n)
+        return TableAnswer(out, sources), (miss if miss.shape[0] else None)
+
+    def _call(self, request: pb.LookupRequest, timeout: float | None) -> dict[str, TableAnswer]:
+        """The server's answer over the Unix domain socket, waiting (within the timeout) while it is not there."""
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            response = self._stub.Lookup(request, timeout=timeout, wait_for_ready=True)
+        except grpc.RpcError as err:
+            raise as_error(err) from None
+        return {tv.table: decode_answer(tv) for tv in response.tables}
+
+    def list_models(self, timeout: float | None = None) -> dict[str, dict[str, int]]:
+        """``{model: {table: dim}}`` of the models the server serves."""
+        view = self._current()
+        if view is not None:
+            return {m["name"]: {t["name"]: int(t["dim"]) for t in m["tables"]} for m in view.manifest["models"]}
+        try:
+            response = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout if timeout is None
+                                             else timeout, wait_for_ready=True)
+        except grpc.RpcError as err:
+            raise as_error(err) from None
+        return {m.name: {t.name: t.dim for t in m.tables} for m in response.models}
+
+    @property
+    def mapped(self) -> bool:
+        """Whether a live store is mapped now (else every lookup goes over the socket)."""
+        return self._current() is not None
+
+    def close(self) -> None:
+        self._drop()
+        self._channel.close()
+
+    def __enter__(self) -> LocalClient:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

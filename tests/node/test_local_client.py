@@ -1,0 +1,197 @@
+"""Colocated reads: a LocalClient maps the server's store (``server.local``) and answers as gRPC does.
+
+The server is ``hps serve`` with two workers and its store in a memory-backed directory; the client runs in this
+process, as an inference process in the server's pod would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from hps_service.client import HPSClient
+from hps_service.importer import synthesize_model
+from hps_service.local import LocalClient
+from hps_service.tiers.rocksdb import RocksDBTier
+from tests.helpers import ServerProcess, free_port, write_config
+
+TOKEN = "local-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DIM, ROWS, EXTRA = 16, 20_000, 2_000
+
+
+@pytest.fixture(scope="module")
+def shm() -> Iterator[Path]:
+    """A directory on the memory-backed filesystem, as the chart's emptyDir (medium: Memory) is."""
+    path = Path(tempfile.mkdtemp(prefix="hps-local-test-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class LocalServer:
+    def __init__(self, workdir: Path, store: Path) -> None:
+        self.workdir, self.store = workdir, store
+        self.grpc_port, self.http_port = free_port(), free_port()
+        config = {
+            "server": {"grpc_port": self.grpc_port, "http_port": self.http_port, "admin_token": TOKEN, "workers": 2,
+                       "grace_period_s": 5, "local": {"enabled": True, "path": str(store)}},
+            # L1 smaller than the table (the warm start drops rows once sets fill, so admission then asks for 15
+            # recent misses: nothing the test does moves rows into L1), the hash map holds every row
+            "cache": {"backend": "numpy", "capacity": 16384, "admit_after_misses": 15},
+            "volatile": {"type": "hashmap", "capacity_rows": 100_000},
+            "persistent": {"type": "rocksdb", "path": str(workdir / "db"), "block_cache_mb": 8},
+            "models": [{"name": "m", "tables": [{"name": "item", "dim": DIM}]}],
+        }
+        self.srv = ServerProcess(write_config(workdir / "local.yaml", config), self.grpc_port)
+        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=30)
+
+    def start(self, rows: int) -> LocalServer:
+        self.srv.start(timeout=120)
+        deadline = time.monotonic() + 120
+        while True:  # the hash map preloaded and L1 warmed from RocksDB
+            stats = self.http.get("/v1/stats").json()["models"]["m"]["tables"]["item"]
+            if stats["volatile"]["rows"] >= rows and stats["cache"]["warm_rows"] > 0:
+                break
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.2)
+        return self
+
+    def put(self, keys: np.ndarray, rows: np.ndarray, version: int) -> None:
+        r = self.http.put("/v1/models/m/tables/item/embeddings", headers=AUTH,
+                          json={"keys": keys.tolist(), "vectors": rows.tolist(), "version": version})
+        assert r.status_code == 200, r.text
+
+    def stop(self) -> int:
+        return self.srv.stop()
+
+
+def _import(db: Path, keys: np.ndarray, vectors: np.ndarray) -> None:
+    tier = RocksDBTier(db, block_cache_mb=8)
+    tier.create_table("m.item", DIM)
+    tier.bulk_import("m.item", keys, vectors, version=1)
+    tier.close()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, shm: Path) -> Iterator[tuple[LocalServer, np.ndarray,
+                                                                               np.ndarray]]:
+    workdir = tmp_path_factory.mktemp("local")
+    keys, vectors = synthesize_model(ROWS + EXTRA, DIM, seed=9)
+    _import(workdir / "db", keys[:ROWS], vectors[:ROWS])
+    srv = LocalServer(workdir, shm / "store").start(ROWS)
+    srv.put(keys[ROWS:], vectors[ROWS:], 1)  # in L2 (and RocksDB), not in L1
+    try:
+        yield srv, keys, vectors
+    finally:
+        srv.stop()
+        srv.http.close()
+
+
+def test_local_reads_answer_exactly_as_grpc_sources_included(server: tuple[LocalServer, np.ndarray, np.ndarray]
+                                                             ) -> None:
+    srv, keys, vectors = server
+    rng = np.random.default_rng(3)
+    absent = rng.integers(2**40, 2**41, 3000)
+    pool = np.concatenate((keys, absent))
+    asked = pool[rng.integers(0, pool.shape[0], 100_000)]  # hits in L1 and L2, defaults, duplicates
+    seen = np.zeros(5, np.int64)
+    with LocalClient(srv.store) as local, HPSClient(srv.srv.target) as remote:
+        assert local.mapped
+        for batch in np.array_split(asked, 12):
+            mine = local.lookup_with_sources("m", "item", batch)
+            theirs = remote.lookup_with_sources("m", "item", batch)
+            np.testing.assert_array_equal(mine.vectors, theirs.vectors)
+            np.testing.assert_array_equal(mine.sources, theirs.sources)
+            seen += np.bincount(mine.sources, minlength=5)
+        assert local.list_models() == remote.list_models() == {"m": {"item": DIM}}
+    assert seen[1] and seen[2] and seen[4] and not seen[3], seen.tolist()
+    index = {int(k): i for i, k in enumerate(keys)}
+    stored = np.array([int(k) in index for k in asked])
+    np.testing.assert_array_equal(asked[stored].shape[0], seen[1] + seen[2])
+
+
+def test_no_torn_row_and_every_acknowledged_update_is_read_at_once(server: tuple[LocalServer, np.ndarray, np.ndarray]
+                                                                  ) -> None:
+    """A writer rewrites cached rows over REST (each row ``key * 1000 + version``); a reader thread checks every row
+    it reads is whole, and after each write is acknowledged the next local read has it."""
+    srv, keys, _ = server
+    def rows_of(part: np.ndarray, version: int) -> np.ndarray:
+        return np.repeat(((part % 1000) * 1000 + version).astype(np.float32)[:, None], DIM, axis=1)
+
+    with LocalClient(srv.store) as local:
+        hot = keys[:256]
+        srv.put(hot, rows_of(hot, 2), 2)
+        assert (local.lookup_with_sources("m", "item", hot).sources <= 2).all()
+        problems: list[str] = []
+        stop = threading.Event()
+
+        def read() -> None:
+            while not stop.is_set():
+                got = local.lookup("m", "item", hot)
+                whole = (got == got[:, :1]).all(axis=1)
+                if not whole.all():
+                    problems.append(f"torn rows: {np.flatnonzero(~whole)[:5].tolist()}")
+                    return
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        rng = np.random.default_rng(5)
+        for version in range(3, 43):
+            part = hot[rng.permutation(256)[:128]]
+            rows = rows_of(part, version)
+            srv.put(part, rows, version)
+            np.testing.assert_array_equal(local.lookup("m", "item", part), rows)  # visible when acknowledged
+        stop.set()
+        reader.join(30)
+        assert not problems, problems
+
+
+def test_a_restart_under_a_reading_loop_raises_nothing_and_rows_stay_right(tmp_path: Path, shm: Path) -> None:
+    keys, vectors = synthesize_model(3000, DIM, seed=4)
+    _import(tmp_path / "db", keys, vectors)
+    srv = LocalServer(tmp_path, shm / "restart").start(3000)
+    errors: list[BaseException] = []
+    reads = [0, 0]  # while mapped, while not
+    stop = threading.Event()
+    local = LocalClient(srv.store, timeout=120)
+
+    def loop() -> None:
+        rng = np.random.default_rng(1)
+        while not stop.is_set():
+            idx = rng.integers(0, keys.shape[0], 128)
+            try:
+                np.testing.assert_array_equal(local.lookup("m", "item", keys[idx]), vectors[idx])
+            except BaseException as exc:  # noqa: BLE001 - none may happen
+                errors.append(exc)
+                return
+            reads[0 if local.mapped else 1] += 1
+
+    reader = threading.Thread(target=loop)
+    reader.start()
+    try:
+        time.sleep(0.5)
+        old = local._view.generation if local._view is not None else None
+        assert srv.stop() == 0
+        srv = LocalServer(tmp_path, shm / "restart")
+        srv.srv.start(timeout=120)
+        deadline = time.monotonic() + 120
+        while local._view is None or local._view.generation == old:
+            assert time.monotonic() < deadline and reader.is_alive(), errors
+            time.sleep(0.05)
+        time.sleep(0.5)
+    finally:
+        stop.set()
+        reader.join(150)
+        srv.stop()
+        local.close()
+    assert not errors, errors[:3]
+    assert local.remaps >= 1 and reads[0] > 0
