@@ -14,6 +14,11 @@
    unsharded server (batch 1024 and 4096), and the import of a 1M-row table into 2 shards vs 1.
 9. Replicas: bootstrap of a table from a snapshot in S3 vs ``hps import`` of the same rows (target <= 1.5x), and the
    catch-up of a replica behind rows on the topic (loadtest.bench_bootstrap).
+10-11. A node (loadtest.bench_node): server CPU per all-hit call and keys/s vs the floor with as many processes
+   (<= 1.25x, >= 0.8x), workers 1 vs the CPUs and vs a Redis Cluster of as many masters (>= 1.0x), PSS per worker
+   count; colocated reads: LocalClient vs gRPC (>= 10x) vs the raw gather (>= 0.3x).
+
+2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
     python -m loadtest.bench            # ~10 min on 2 cores
     python -m loadtest.bench --quick    # ~2-3 min
@@ -41,10 +46,11 @@ from rich.console import Console
 from rich.table import Table
 
 from hps_service.config import load_config
+from hps_service.cpus import usable_cpus
 from hps_service.server.app import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.embedded import EmbeddedServer
-from loadtest.loadgen import RESULTS, LoadSpec, run_load
+from loadtest.loadgen import RESULTS, LoadSpec, process_tree, run_load
 from loadtest.report import write_json
 from loadtest.workload import KeySampler, load_keys
 
@@ -115,15 +121,16 @@ def bench_l1(p: Plan, console: Console) -> dict[str, Any]:
 class FloorServer:
     """loadtest.floor_server as a subprocess."""
 
-    def __init__(self, mode: str, batch: int, workdir: Path) -> None:
+    def __init__(self, mode: str, batch: int, workdir: Path, processes: int = 1, threads: int | None = None) -> None:
         from tests.helpers import free_port
 
         self.port = free_port()
         self.log_path = workdir / f"floor-{mode}.log"
+        extra = ["--processes", str(processes)] + (["--workers", str(threads)] if threads else [])
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "loadtest.floor_server", "--port", str(self.port), "--mode", mode,
-                 "--batch", str(batch), "--dim", str(DIM), "--table", TABLE, "--model", MODEL],
+                 "--batch", str(batch), "--dim", str(DIM), "--table", TABLE, "--model", MODEL, *extra],
                 stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
             )
 
@@ -181,9 +188,10 @@ def bench_grpc(p: Plan, server: EmbeddedServer, workdir: Path, console: Console,
     """Ours vs the floors (aio and thread-pool) vs Redis Cluster, interleaved round by round."""
     base = LoadSpec(target=server.target, model=MODEL, tables=(TABLE,), batch=1024, workers=p.workers,
                     concurrency=p.concurrency, duration_s=p.measure_s, warmup_s=1.0, keys_file=str(server.keys_file),
-                    http_target=server.http_target, dim=DIM)
+                    http_target=server.http_target, dim=DIM, channels=4)
     assert server.proc is not None
-    ours_pid = [server.proc.pid]
+    processes = usable_cpus()  # the server's worker processes (its default), and the floors' processes
+    ours_pid = process_tree(server.proc.pid)
     console.print(f"  warming the L1 with {p.warmup_s:.0f} s of zipf(1.05) load")
     run_load(replace(base, duration_s=p.warmup_s, warmup_s=0.0))
     sampler = KeySampler(load_keys(server.keys_file), "zipf", 1.05)
@@ -199,12 +207,13 @@ def bench_grpc(p: Plan, server: EmbeddedServer, workdir: Path, console: Console,
             console.print(f"  round {r + 1}/{p.rounds}: ours, floor (aio), floor (thread pool), redis")
             runs["ours"].append(run_load(base, ours_pid))
             for mode in ("aio", "sync"):
-                with FloorServer(mode, 1024, workdir) as floor:
+                with FloorServer(mode, 1024, workdir, processes=processes,
+                                 threads=2 if mode == "sync" else None) as floor:
                     runs[f"floor_{mode}"].append(
-                        run_load(replace(base, target=floor.target, http_target=None), [floor.proc.pid]))
+                        run_load(replace(base, target=floor.target, http_target=None), process_tree(floor.proc.pid)))
             if redis_seed is not None:
-                runs["redis"].append(
-                    run_load(replace(base, backend="redis", target=redis_seed, http_target=None), redis_pids))
+                runs["redis"].append(run_load(replace(base, backend="redis", target=redis_seed, http_target=None,
+                                                      channels=1), redis_pids))
         if profile:
             out["profile"] = _profile_server(server, base, workdir, console)
     finally:
@@ -235,10 +244,11 @@ class _NoRedis:
 
 
 class _RedisCluster:
-    """A real 3-master cluster (tests.fixtures.redis_cluster) holding every row of the table."""
+    """A real cluster of ``masters`` masters (tests.fixtures.redis_cluster) holding every row of the table."""
 
-    def __init__(self, server: EmbeddedServer, workdir: Path, console: Console) -> None:
+    def __init__(self, server: EmbeddedServer, workdir: Path, console: Console, masters: int = 3) -> None:
         self.server, self.workdir, self.console = server, workdir / "redis", console
+        self.masters = masters
         self.cluster = None
 
     def __enter__(self) -> str:
@@ -246,7 +256,7 @@ class _RedisCluster:
         from tests.fixtures.redis_cluster import start_redis_cluster
 
         self.workdir.mkdir(exist_ok=True)
-        self.cluster = start_redis_cluster(self.workdir)
+        self.cluster = start_redis_cluster(self.workdir, self.masters)
         t0 = time.perf_counter()
         with np.load(self.server.keys_file) as archive:
             keys, vectors = archive["keys"], archive["vectors"]
@@ -265,12 +275,12 @@ class _RedisCluster:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def _redis_cluster(server: EmbeddedServer, workdir: Path, console: Console) -> Any:
+def _redis_cluster(server: EmbeddedServer, workdir: Path, console: Console, masters: int = 3) -> Any:
     if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
         reason = "redis-server/redis-cli not on PATH (make test-deps installs them): Redis baseline skipped"
         console.print(f"  [yellow]{reason}[/]")
         return _NoRedis(reason)
-    return _RedisCluster(server, workdir, console)
+    return _RedisCluster(server, workdir, console, masters)
 
 
 def _profile_server(server: EmbeddedServer, base: LoadSpec, workdir: Path, console: Console) -> dict[str, Any]:
@@ -609,7 +619,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache-fraction", type=float, default=0.2,
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="",
-                    help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas")
+                    help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
+                         "node")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -667,6 +678,12 @@ def main(argv: list[str] | None = None) -> int:
         if "replicas" not in skip:
             console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up (loadtest.bench_bootstrap)")
             res["replicas"] = bench_replicas(p)
+        if "node" not in skip:
+            from loadtest import bench_node
+
+            console.rule("10-11. a node's worker processes, colocated reads (loadtest.bench_node)")
+            node_plan = bench_node.plan(args.quick, None, None, None)
+            res["node"] = {"plan": asdict(node_plan), **bench_node.bench_nodes(node_plan, workdir, console)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
@@ -679,6 +696,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest import bench_shards
 
         console.print(bench_shards.table(res["shards"]))
+    if res.get("node"):
+        from loadtest import bench_node
+
+        console.print(bench_node.table(res["node"]))
     prof = (res.get("grpc") or {}).get("profile")
     if prof and "by_category" in prof:
         console.print(f"server under gRPC load (py-spy --gil): GIL held {prof['gil_busy']:.0%} of the time; by part: " + ", ".join(

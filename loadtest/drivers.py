@@ -59,9 +59,13 @@ class GrpcLookupDriver:
     tables: list[str]
     pool: np.ndarray  # (batches, tables * batch) int64
     timeout_s: float = 10.0
+    #: Connections to open (calls go round them): a node's worker processes share the port with SO_REUSEPORT,
+    #: which spreads connections, not calls, so one connection would load one worker.
+    channels: int = 1
     _requests: list[bytes] = field(default_factory=list, init=False)
     _channel: grpc.aio.Channel | None = field(default=None, init=False)
     _lookup: grpc.aio.UnaryUnaryMultiCallable | None = field(default=None, init=False)
+    _more: list[tuple[grpc.aio.Channel, grpc.aio.UnaryUnaryMultiCallable]] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if not self.tables:
@@ -73,17 +77,22 @@ class GrpcLookupDriver:
         ]
 
     async def open(self) -> None:
-        self._channel = grpc.aio.insecure_channel(self.target, options=_CHANNEL_OPTIONS)
-        # Raw bytes out (pre-serialised), a parsed LookupResponse back: the decode is part of the client's cost.
-        self._lookup = self._channel.unary_unary(
-            LOOKUP_METHOD, request_serializer=None, response_deserializer=pb.LookupResponse.FromString
-        )
-        await self._channel.channel_ready()
+        options = [*_CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)] if self.channels > 1 else _CHANNEL_OPTIONS
+        for _ in range(self.channels):
+            channel = grpc.aio.insecure_channel(self.target, options=options)
+            # Raw bytes out (pre-serialised), a parsed LookupResponse back: the decode is part of the client's cost.
+            lookup = channel.unary_unary(
+                LOOKUP_METHOD, request_serializer=None, response_deserializer=pb.LookupResponse.FromString
+            )
+            await channel.channel_ready()
+            self._more.append((channel, lookup))
+        self._channel, self._lookup = self._more[0]
 
     async def call(self, i: int) -> CallResult:
         assert self._lookup is not None, "open() first"
+        lookup = self._lookup if len(self._more) < 2 else self._more[i % len(self._more)][1]
         try:
-            response = await self._lookup(self._requests[i % len(self._requests)], timeout=self.timeout_s)
+            response = await lookup(self._requests[i % len(self._requests)], timeout=self.timeout_s)
         except grpc.aio.AioRpcError as err:
             return CallResult(err.code().value[0], 0)
         keys = hits = 0
@@ -97,6 +106,6 @@ class GrpcLookupDriver:
         return CallResult(0, keys, hits)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = None
+        for channel, _ in self._more:
+            await channel.close()
+        self._more, self._channel, self._lookup = [], None, None

@@ -3,13 +3,19 @@ pre-serialised LookupResponse of the size ours sends (same proto, same rows and 
 between it and hps-service is the cost of our server beyond moving the bytes.
 
     python -m loadtest.floor_server --port 9500 --batch 1024 --dim 64 --table item --mode aio
+    python -m loadtest.floor_server --port 9500 --mode sync --processes 2    # as many processes as a node's workers
+
+With ``--processes N`` it forks N servers (before any gRPC state exists) that share the port with SO_REUSEPORT, as
+``hps serve``'s worker processes do, so a node is compared with a floor of as many processes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
+import socket
 import sys
 import threading
 from concurrent import futures
@@ -22,6 +28,7 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from loadtest.drivers import LOOKUP_METHOD
 
 _OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)]
+_SHARED_PORT = [*_OPTIONS[:2], ("grpc.so_reuseport", 1)]
 
 
 def fixed_response(model: str, tables: list[str], batch: int, dim: int) -> bytes:
@@ -49,9 +56,9 @@ def _handler(payload: bytes, is_async: bool) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.lstrip("/"), {name: method})
 
 
-async def serve_aio(port: int, payload: bytes) -> None:
+async def serve_aio(port: int, payload: bytes, shared: bool = False) -> None:
     """grpc.aio server until SIGTERM/SIGINT."""
-    server = grpc.aio.server(options=_OPTIONS)
+    server = grpc.aio.server(options=_SHARED_PORT if shared else _OPTIONS)
     server.add_generic_rpc_handlers((_handler(payload, True),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -64,9 +71,9 @@ async def serve_aio(port: int, payload: bytes) -> None:
     await server.stop(1)
 
 
-def serve_sync(port: int, payload: bytes, workers: int) -> None:
+def serve_sync(port: int, payload: bytes, workers: int, shared: bool = False) -> None:
     """Thread-pool grpc server (the kind hps-service runs) until SIGTERM/SIGINT."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_SHARED_PORT if shared else _OPTIONS)
     server.add_generic_rpc_handlers((_handler(payload, False),))
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
@@ -86,13 +93,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--mode", choices=("aio", "sync"), default="aio")
-    p.add_argument("--workers", type=int, default=8, help="sync mode: server threads")
+    p.add_argument("--workers", type=int, default=8, help="sync mode: server threads (per process)")
+    p.add_argument("--processes", type=int, default=1, help="server processes sharing the port (SO_REUSEPORT)")
     args = p.parse_args(argv)
     payload = fixed_response(args.model, args.tables or ["item"], args.batch, args.dim)
-    if args.mode == "aio":
-        asyncio.run(serve_aio(args.port, payload))
-    else:
-        serve_sync(args.port, payload, args.workers)
+
+    def serve(shared: bool) -> None:
+        if args.mode == "aio":
+            asyncio.run(serve_aio(args.port, payload, shared))
+        else:
+            serve_sync(args.port, payload, args.workers, shared)
+
+    if args.processes <= 1:
+        serve(False)
+        return 0
+    holder = socket.socket()  # holds the port for the children (never listens)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(("127.0.0.1", args.port))
+    children = []
+    for _ in range(args.processes):
+        pid = os.fork()
+        if pid == 0:
+            serve(True)
+            os._exit(0)
+        children.append(pid)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    for pid in children:
+        os.kill(pid, signal.SIGTERM)
+    for pid in children:
+        os.waitpid(pid, 0)
     return 0
 
 

@@ -67,6 +67,7 @@ class LoadSpec:
     dim: int = 64
     timeout_s: float = 10.0
     seed: int = 1
+    channels: int = 1  # grpc connections per load process (spread over a node's worker processes)
 
     def validate(self) -> None:
         if self.workers < 1:
@@ -89,6 +90,7 @@ class LoadSpec:
                 qps=self.qps / self.workers, duration_s=self.warmup_s + self.duration_s,
                 seed=self.seed * 1000 + w, keys_file=self.keys_file, key_range=self.key_range,
                 distribution=self.distribution, alpha=self.alpha, dim=self.dim, timeout_s=self.timeout_s,
+                channels=self.channels,
             ))
         return specs
 
@@ -102,13 +104,34 @@ def _stop_all(processes: list[mp.process.BaseProcess]) -> None:
 
 
 def process_cpu_s(pids: list[int]) -> float:
-    """User + system CPU seconds used so far by the processes ``pids`` (Linux /proc)."""
+    """User + system CPU seconds used so far by the processes ``pids`` (Linux /proc); a process that is gone counts
+    nothing (take the pids just before the run)."""
     ticks = os.sysconf("SC_CLK_TCK")
     total = 0
     for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        except FileNotFoundError:
+            continue
         total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of stat
     return total / ticks
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and every process under it (a node's owner, its fork server and workers) from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
 
 
 def run_load(spec: LoadSpec, server_pids: list[int] | None = None) -> dict[str, Any]:

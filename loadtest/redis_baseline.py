@@ -50,7 +50,7 @@ def cluster_layout(seed_node: str) -> ClusterLayout:
     ranges: dict[str, list[tuple[int, int]]] = {}
     for entry in slots:
         start, end, master = int(entry[0]), int(entry[1]), entry[2]
-        h = master[0].decode() if isinstance(master[0], bytes) else str(master[0])
+        h = (master[0].decode() if isinstance(master[0], bytes) else str(master[0])) or host  # "" alone: its seed
         ranges.setdefault(f"{h}:{int(master[1])}", []).append((start, end))
     nodes = sorted(ranges)
     tags = []

@@ -45,6 +45,7 @@ class WorkerSpec:
     alpha: float = 1.05
     dim: int = 64  # redis: row width
     timeout_s: float = 10.0
+    channels: int = 1  # grpc: connections to the target (a node's workers each take some of them)
     max_outstanding: int = 2048  # open loop: sends beyond this many unanswered calls are dropped and counted
 
     def validate(self) -> None:
@@ -98,7 +99,7 @@ def make_driver(spec: WorkerSpec) -> Driver:
     n_tables = len(spec.tables)
     pool = sampler.pool(pool_size(spec.batch, n_tables), spec.batch * n_tables, spec.seed)
     if spec.backend == "grpc":
-        return GrpcLookupDriver(spec.target, spec.model, list(spec.tables), pool, spec.timeout_s)
+        return GrpcLookupDriver(spec.target, spec.model, list(spec.tables), pool, spec.timeout_s, spec.channels)
     if spec.backend == "redis":
         from loadtest.redis_baseline import RedisMgetDriver, cluster_layout, validate_single_table
 
