@@ -26,6 +26,7 @@ from hps_service.node.shared_l1 import SharedL1Reader
 from hps_service.store.changes import ChangeRing
 from hps_service.store.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES, ThreadRows
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN
+from hps_service.store.queue import record_bytes
 from hps_service.store.view import StoreView, TableView
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_volatile
@@ -184,13 +185,18 @@ class WorkerEngine:
     # ---- hand-offs to the owner ---------------------------------------------------------------
     def _push(self, kind: int, serial: int, generation: int, hit_rate: float, keys: np.ndarray,
               versions: np.ndarray, rows: np.ndarray) -> None:
+        """Hand rows to the owner in records of at most a quarter of the queue each (the queue refuses a record
+        of more than half its size, which would drop every row of a large batch); a full queue drops the rest."""
+        per_record = max(1, (self._ring.size // 4 - record_bytes(0, 0)) // (16 + 4 * rows.shape[1]))
         with self._ring_lock:
-            was_empty = self._ring.empty()
-            ok = self._ring.push(kind, serial, generation, hit_rate, keys, versions, rows)
-            if not ok:
-                self.dropped += 1
-        if ok and was_empty and self._wake is not None:
-            self._wake.release()
+            for lo in range(0, keys.shape[0], per_record):
+                hi = lo + per_record
+                was_empty = self._ring.empty()
+                if not self._ring.push(kind, serial, generation, hit_rate, keys[lo:hi], versions[lo:hi], rows[lo:hi]):
+                    self.dropped += 1
+                    return
+                if was_empty and self._wake is not None:
+                    self._wake.release()  # the owner drains the first records while the next are written
 
     def _promote(self, volatile: Tier, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
                  read_at: int) -> None:

@@ -67,12 +67,12 @@ class Node:
         return [found[i] for i in sorted(found)]
 
 
-def start_node(tmp_path: Path, workers: int = 2, rows: int = ROWS, **sections: dict) -> tuple[Node, np.ndarray,
-                                                                                             np.ndarray]:
-    keys, vectors = synthesize_model(rows, DIM, seed=3)
+def start_node(tmp_path: Path, workers: int = 2, rows: int = ROWS, dim: int = DIM, **sections: dict
+               ) -> tuple[Node, np.ndarray, np.ndarray]:
+    keys, vectors = synthesize_model(rows, dim, seed=3)
     db = tmp_path / "db"
     tier = RocksDBTier(db, block_cache_mb=8)
-    tier.create_table("m.item", DIM)
+    tier.create_table("m.item", dim)
     tier.bulk_import("m.item", keys, vectors, version=1)
     tier.close()
     grpc_port, http_port = free_port(), free_port()
@@ -82,7 +82,7 @@ def start_node(tmp_path: Path, workers: int = 2, rows: int = ROWS, **sections: d
         "cache": {"backend": "numpy", "capacity": 4096, "admit_after_misses": 1},
         "volatile": {"type": "hashmap", "capacity_rows": 100_000},
         "persistent": {"type": "rocksdb", "path": str(db), "block_cache_mb": 8},
-        "models": [{"name": "m", "tables": [{"name": "item", "dim": DIM}]}],
+        "models": [{"name": "m", "tables": [{"name": "item", "dim": dim}]}],
     }
     for section, values in sections.items():
         config[section] = {**config.get(section, {}), **values}
@@ -234,6 +234,29 @@ def test_rows_only_in_rocksdb_are_read_fresh_by_the_workers(tmp_path: Path) -> N
             np.testing.assert_array_equal(got.vectors[2:], vectors[lo + 2:lo + 4])
         for client in per_worker:
             client.close()
+    finally:
+        n.srv.stop()
+        n.http.close()
+
+
+def test_a_large_batch_read_from_rocksdb_is_promoted_whole(tmp_path: Path) -> None:
+    """8000 rows of dim 256 (8 MB) found in RocksDB by one call: the worker hands them to the owner in records its
+    queue takes (one record of them all is more than half the queue, which refuses it: no row would ever be
+    promoted), and the owner writes every one into the hash map."""
+    # more rows stored than the hash map holds: it is not preloaded at start, rows enter it only when promoted
+    n, keys, vectors = start_node(tmp_path, rows=16_000, dim=256, cache={"enabled": False},
+                                  volatile={"capacity_rows": 12_000})
+    keys, vectors = keys[:8000], vectors[:8000]
+    try:
+        with HPSClient(n.target) as client:
+            first = client.lookup_with_sources("m", "item", keys)
+            assert (first.sources == 3).all()
+            np.testing.assert_array_equal(first.vectors, vectors)
+            deadline = time.monotonic() + 30
+            while not ((again := client.lookup_with_sources("m", "item", keys)).sources == 2).all():
+                assert time.monotonic() < deadline, f"not promoted: {np.bincount(again.sources).tolist()}"
+                time.sleep(0.2)
+            np.testing.assert_array_equal(again.vectors, vectors)
     finally:
         n.srv.stop()
         n.http.close()
