@@ -113,6 +113,9 @@ def test_local_reads_answer_exactly_as_grpc_sources_included(server: tuple[Local
             np.testing.assert_array_equal(mine.sources, theirs.sources)
             seen += np.bincount(mine.sources, minlength=5)
         assert local.list_models() == remote.list_models() == {"m": {"item": DIM}}
+    with HPSClient(f"local://{srv.store}") as by_target, HPSClient(srv.srv.target) as remote:
+        assert isinstance(by_target, LocalClient) and by_target.mapped  # the client package's way to a LocalClient
+        np.testing.assert_array_equal(by_target.lookup("m", "item", asked[:4096]), remote.lookup("m", "item", asked[:4096]))
     assert seen[1] and seen[2] and seen[4] and not seen[3], seen.tolist()
     index = {int(k): i for i, k in enumerate(keys)}
     stored = np.array([int(k) in index for k in asked])

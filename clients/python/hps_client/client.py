@@ -39,7 +39,6 @@ from hps_client.routing import (
 from hps_client.tls import channel_credentials
 from hps_client.wire import TableAnswer, as_error, build_request, decode_answer
 
-
 #: Targets ``local:///PATH`` map a colocated server's shared store at PATH (see :class:`HPSClient`).
 LOCAL_SCHEME = "local://"
 
