@@ -37,7 +37,6 @@ from confluent_kafka import (
     KafkaError,
     KafkaException,
     Message,
-    Producer,
     TopicPartition,
 )
 from confluent_kafka.admin import AdminClient
@@ -45,6 +44,8 @@ from confluent_kafka.admin import AdminClient
 from hps_service.config import UpdatesConfig
 from hps_service.engine import LookupEngine, TableChange
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.updates.batch import TableBatch, table_change
+from hps_service.updates.dead_letters import DeadLetters
 from hps_service.updates.gaps import OffsetGaps
 from hps_service.updates.kafka_log import KAFKA_LOG, with_logging
 from hps_service.updates.message import (
@@ -82,36 +83,10 @@ class ModelUnloadedError(Exception):
 
 
 @dataclass
-class _TableBatch:
-    """Rows and tombstones of one table gathered from the messages of one polled batch."""
-
-    keys: list[np.ndarray] = field(default_factory=list)
-    vectors: list[np.ndarray] = field(default_factory=list)
-    versions: list[np.ndarray] = field(default_factory=list)
-    delete_keys: list[np.ndarray] = field(default_factory=list)
-    delete_versions: list[np.ndarray] = field(default_factory=list)
-    messages: list[Message] = field(default_factory=list)
-
-    def add(self, upd: DecodedUpdate, msg: Message) -> None:
-        if upd.keys.shape[0]:
-            self.keys.append(upd.keys)
-            self.vectors.append(upd.vectors)
-            self.versions.append(upd.versions)
-        if upd.delete_keys.shape[0]:
-            self.delete_keys.append(upd.delete_keys)
-            self.delete_versions.append(upd.delete_versions)
-        self.messages.append(msg)
-
-
-@dataclass
 class _Applied:
     """What applying a batch left undone: models unloaded meanwhile (their partitions are parked)."""
 
     unloaded: set[str] = field(default_factory=set)
-
-
-def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
-    return np.concatenate(parts) if parts else np.empty(0, dtype=dtype)
 
 
 class UpdateConsumer:
@@ -174,7 +149,7 @@ class UpdateConsumer:
         }
         self.metrics = FreshnessStats()
         self._consumer: Consumer | None = None
-        self._dlq: Producer | None = None
+        self._dlq: DeadLetters | None = None
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._ready = threading.Event()
@@ -196,13 +171,10 @@ class UpdateConsumer:
         self._unapplied_age: dict[tuple[str, int], float] = {}
         self.max_lag_s = cfg.max_lag_s
         self._lagged_s: float | None = None  # the age that sent the replica back to catching up, for /readyz
-        self._dead_letters_sent = 0
         self._committed: dict[tuple[str, int], int] = {}
         self._commit_in_flight_since: float | None = None
         self._last_commit = 0.0
         self._last_lag_refresh = 0.0
-        #: Dead letters the broker refused (topic, value, headers): produced again; no commit until they land.
-        self._dlq_failed: list[tuple[str, bytes | None, list]] = []
         self.last_error: str | None = None
         #: Why the current batch cannot be applied (a tier write fails); None once it is applied.
         self.apply_error: str | None = None
@@ -363,7 +335,7 @@ class UpdateConsumer:
             raise
         self._consumer = consumer
         self._assignment = assignment
-        self._dlq = Producer({**self._client_config, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
+        self._dlq = DeadLetters(self._client_config, on_error=self._on_dead_letter_error)
         self._ready.set()
         log.info(
             "update consumer %s assigned %d partitions of %s",
@@ -462,11 +434,7 @@ class UpdateConsumer:
         if msgs:
             self.stall.received()
             self._process(msgs)
-        self._dlq.poll(0)
-        if self._dlq_failed:
-            retry, self._dlq_failed = self._dlq_failed, []
-            for topic, value, headers in retry:
-                self._produce_dead_letter(topic, value, headers)
+        self._dlq.poll()
         now = time.monotonic()
         if now - self._last_commit >= self.commit_interval_s:
             self._commit()
@@ -492,7 +460,7 @@ class UpdateConsumer:
         return [first, *self._consumer.consume(num_messages=self.batch_messages - 1, timeout=0)]
 
     def _process(self, msgs: list[Message]) -> None:
-        groups: dict[tuple[str, str], _TableBatch] = {}
+        groups: dict[tuple[str, str], TableBatch] = {}
         purges: dict[tuple[str, str], int] = {}
         produced_at: dict[str, list[int]] = {}  # per model
         offsets: dict[tuple[str, int], int] = {}  # per partition, the next offset once this batch is applied
@@ -500,7 +468,8 @@ class UpdateConsumer:
         park: dict[tuple[str, int], int] = {}
         reread: dict[tuple[str, int], int] = {}  # per partition, where a gap begins: read again from there
         loaded = {m.name for m in self.engine.models()}
-        dead_letters = self._dead_letters_sent
+        assert self._dlq is not None
+        dead_letters = self._dlq.sent
         for msg in msgs:
             err = msg.error()
             if err is not None:
@@ -532,12 +501,12 @@ class UpdateConsumer:
                 if upd.purge_tombstones_below:
                     purges[(model, upd.table)] = max(purges.get((model, upd.table), 0), upd.purge_tombstones_below)
                 else:
-                    groups.setdefault((model, upd.table), _TableBatch()).add(upd, msg)
+                    groups.setdefault((model, upd.table), TableBatch()).add(upd, msg)
                 produced_at.setdefault(model, []).append(upd.produced_at_ns)
             offsets[part] = msg.offset() + 1
         done = _Applied()
         changes = self._changes(groups, done)
-        if self._dead_letters_sent != dead_letters and not self._dead_letters_delivered():
+        if self._dlq.sent != dead_letters and not self._dlq.delivered(self._stopping):
             return  # stopping: the batch is read again, its dead letters produced again
         applied = self._apply(changes, {p: o for p, o in offsets.items() if p not in park}, purges, done)
         if applied is None:
@@ -625,7 +594,7 @@ class UpdateConsumer:
                 self._seen_ends.pop(key, None)
                 self._unapplied_age.pop(key, None)
 
-    def _changes(self, groups: dict[tuple[str, str], _TableBatch], done: _Applied) -> list[TableChange]:
+    def _changes(self, groups: dict[tuple[str, str], TableBatch], done: _Applied) -> list[TableChange]:
         """One change per table. A change the engine refuses is checked message by message, and only the messages
         it refuses on their own are dead-lettered; a table whose model is not loaded is left out (``done``)."""
         changes = []
@@ -639,7 +608,7 @@ class UpdateConsumer:
             except (InvalidArgumentError, MalformedUpdateError, NotFoundError) as exc:
                 kept = []
                 for msg in batch.messages:
-                    single = _TableBatch()
+                    single = TableBatch()
                     single.add(decode_update(msg.value()), msg)
                     try:
                         self.engine.check_change(self._change(model, table, [single]))
@@ -655,33 +624,8 @@ class UpdateConsumer:
             changes.append(change)
         return changes
 
-    def _change(self, model: str, table: str, batches: list[_TableBatch]) -> TableChange:
-        dim = self._table_dim(model, table)
-        vectors = [v for b in batches for v in b.vectors]
-        return TableChange(
-            model=model,
-            table=table,
-            keys=_concat([k for b in batches for k in b.keys], np.int64),
-            vectors=np.concatenate(vectors) if vectors else np.empty((0, dim), dtype=np.float32),
-            versions=_concat([v for b in batches for v in b.versions], np.int64),
-            delete_keys=_concat([k for b in batches for k in b.delete_keys], np.int64),
-            delete_versions=_concat([v for b in batches for v in b.delete_versions], np.int64),
-        )
-
-    def _dead_letters_delivered(self) -> bool:
-        """Wait until the broker acknowledged the dead letters produced so far (their source offsets are about to be
-        stored as applied); False when stopping first."""
-        assert self._dlq is not None
-        while True:
-            if not len(self._dlq) and not self._dlq_failed:
-                return True
-            self._dlq.flush(0.5)
-            if self._dlq_failed:
-                retry, self._dlq_failed = self._dlq_failed, []
-                for topic, value, headers in retry:
-                    self._produce_dead_letter(topic, value, headers)
-            if self._stopping.is_set():
-                return False
+    def _change(self, model: str, table: str, batches: list[TableBatch]) -> TableChange:
+        return table_change(model, table, batches, self._table_dim(model, table))
 
     def _apply(self, changes: list[TableChange], positions: dict[tuple[str, int], int],
                purges: dict[tuple[str, str], int], done: _Applied) -> _Applied | None:
@@ -732,30 +676,14 @@ class UpdateConsumer:
     def _dead_letter(self, msg: Message, model: str, reason: str) -> None:
         assert self._dlq is not None
         self.metrics.record_malformed(model)
-        self._dead_letters_sent += 1
         log.warning(
             "update consumer %s: malformed message %s[%d]@%d: %s",
             self.group, msg.topic(), msg.partition(), msg.offset(), reason,
         )
-        headers = [
-            ("hps-error", reason.encode()),
-            ("hps-source", f"{msg.topic()}[{msg.partition()}]@{msg.offset()}".encode()),
-        ]
-        self._produce_dead_letter(dlq_topic_name(msg.topic()), msg.value(), headers)
+        self._dlq.send(msg, reason)
 
-    def _produce_dead_letter(self, topic: str, value: bytes | None, headers: list) -> None:
-        assert self._dlq is not None
-        while True:
-            try:
-                self._dlq.produce(topic, value=value, headers=headers, on_delivery=self._on_dead_letter_delivery)
-                return
-            except BufferError:
-                self._dlq.poll(0.05)
-
-    def _on_dead_letter_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        if err is not None:
-            self.last_error = f"dead letter to {msg.topic()} failed: {err.str()}"
-            self._dlq_failed.append((msg.topic(), msg.value(), list(msg.headers() or [])))
+    def _on_dead_letter_error(self, text: str) -> None:
+        self.last_error = text
 
     def _commit(self) -> None:
         """Start an async commit of the applied offsets ahead of the committed ones (once dead letters landed)."""
@@ -767,10 +695,8 @@ class UpdateConsumer:
         todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
         if not todo:
             return
-        if len(self._dlq) and self._dlq.flush(0):
+        if not self._dlq.flush(0):
             return  # dead letters not yet acknowledged: committing past them could lose them
-        if self._dlq_failed:
-            return
         try:
             self._commit_in_flight_since = self._last_commit
             self._consumer.commit(offsets=todo, asynchronous=True)
@@ -840,9 +766,7 @@ class UpdateConsumer:
         assert self._consumer is not None and self._dlq is not None
         deadline = time.monotonic() + timeout_s
         self._consumer.pause(self._assignment)  # nothing more is fetched while we wait for the commit
-        if len(self._dlq):
-            self._dlq.flush(timeout_s / 2)
-        if len(self._dlq) or self._dlq_failed:
+        if not self._dlq.flush(timeout_s / 2):
             log.warning("update consumer %s: dead letters undelivered; offsets left uncommitted", self.group)
             return
         todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
