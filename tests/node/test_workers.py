@@ -50,7 +50,7 @@ class Node:
         found: dict[int, HPSClient] = {}
         spare = []
         for _ in range(40):
-            client = HPSClient(self.target, options=[("grpc.use_local_subchannel_pool", 1)])
+            client = own_connection(self.target)
             before = self.requests_by_worker()
             client.lookup("m", "item", [1])
             after = self.requests_by_worker()
@@ -65,6 +65,14 @@ class Node:
             client.close()
         assert len(found) == len(self.requests_by_worker()), "the kernel never sent a connection to some worker"
         return [found[i] for i in sorted(found)]
+
+
+def own_connection(target: str) -> HPSClient:
+    """A client with a connection of its own (not shared with the other channels of this process) and the most
+    retries the client allows: when a worker is SIGKILLed, its calls in flight fail and so may reconnections the
+    kernel hands its listener in the tens of milliseconds before that closes; retries spread over a few hundred
+    milliseconds reach a live worker."""
+    return HPSClient(target, retries=4, options=[("grpc.use_local_subchannel_pool", 1)])
 
 
 def start_node(tmp_path: Path, workers: int = 2, rows: int = ROWS, dim: int = DIM, **sections: dict
@@ -116,8 +124,7 @@ def test_a_worker_killed_under_load_fails_no_lookup(node: tuple[Node, np.ndarray
     stop = threading.Event()
 
     def load(i: int) -> None:
-        client = clients[i % len(clients)] if i < len(clients) else HPSClient(
-            n.target, options=[("grpc.use_local_subchannel_pool", 1)])
+        client = clients[i % len(clients)] if i < len(clients) else own_connection(n.target)
         rng = np.random.default_rng(i)
         while not stop.is_set():
             idx = rng.integers(0, keys.shape[0], 256)
