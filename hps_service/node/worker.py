@@ -60,13 +60,21 @@ class StoreGate(ServingGate):
         state = int(self._header[layout.H_STATE])
         if state != layout.SERVING or not self.is_open:
             raise UnavailableError(self.reason if not self.is_open else f"the server is {layout.STATE_NAMES[state]}")
-        now = time.monotonic()
-        if now - self._checked > OWNER_CHECK_S:
-            self._checked = now
+        if not self.owner_running():
+            raise UnavailableError(self.reason)
+
+    def owner_running(self, *, now: bool = False) -> bool:
+        """Whether the owner still holds the store (looked at most every ``OWNER_CHECK_S``, or ``now``); once it is
+        gone, this gate stays closed."""
+        if self.owner_gone:
+            return False
+        t = time.monotonic()
+        if now or t - self._checked > OWNER_CHECK_S:
+            self._checked = t
             if not layout.owner_alive(self._lock_path):
                 self.owner_gone = True
                 self.close("the server's owner process is gone")
-                raise UnavailableError(self.reason)
+        return not self.owner_gone
 
 
 class _ClusterInfo:
@@ -115,7 +123,7 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
         gate = StoreGate(view)
         gate.open()
         metrics = ServerMetrics(None, RequestCounters(view.requests(), worker + 1))
-        health_servicer = FollowingHealth(view, engine)
+        health_servicer = FollowingHealth(view, engine, gate)
         shard_map = ShardMap.from_config(config.cluster)
         servicer = EmbeddingServicer(engine, config.server, gate, metrics, shard_map, _ClusterInfo(view, shard_map))
         server = build_grpc_server(config, servicer, health_servicer, reuseport=True)
@@ -150,10 +158,11 @@ class FollowingHealth(health.HealthServicer):
     as it last published it, and NOT_SERVING while the store is not SERVING (starting, draining). Brought up to date
     by every Check (so it agrees with the REST call that just returned) and by the worker's poll."""
 
-    def __init__(self, view: StoreView, engine: WorkerEngine) -> None:
+    def __init__(self, view: StoreView, engine: WorkerEngine, gate: StoreGate) -> None:
         super().__init__()
         self._view = view
         self._engine = engine
+        self._gate = gate
         self._shown: dict[str, int] = {}
         self._follow_lock = threading.Lock()  # HealthServicer has its own _lock
         self._service = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
@@ -162,7 +171,9 @@ class FollowingHealth(health.HealthServicer):
         with self._follow_lock:
             self._engine.sync()
             statuses = dict(self._view.read_json(layout.HEALTH, {}))
-            if int(self._view.header[layout.H_STATE]) != layout.SERVING:
+            # An owner killed without a word leaves the store saying SERVING: its lock tells (a worker outlives it
+            # by up to OWNER_POLL_S, and a probe in that time must not see a server that is gone as serving).
+            if int(self._view.header[layout.H_STATE]) != layout.SERVING or not self._gate.owner_running(now=True):
                 statuses = {name: health_pb2.HealthCheckResponse.NOT_SERVING for name in statuses or ("", self._service)}
             for name, status in statuses.items():
                 if self._shown.get(name) != status:

@@ -14,15 +14,18 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hps_service.client import HPSClient
 from hps_service.importer import synthesize_model
 from hps_service.tiers.rocksdb import RocksDBTier
 from tests.helpers import ServerProcess, free_port, write_config
 
+SERVING = health_pb2.HealthCheckResponse.SERVING
 TOKEN = "node-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DIM, ROWS = 16, 20_000
@@ -210,11 +213,20 @@ def test_sigterm_drains_every_worker_and_the_owner_s_death_ends_them(tmp_path: P
     n, keys, vectors = start_node(tmp_path / "b", rows=1000)
     pids = n.worker_pids()
     assert n.srv.proc is not None
-    n.srv.proc.send_signal(signal.SIGKILL)
-    deadline = time.monotonic() + 15
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < deadline, "workers outlived their owner"
-        time.sleep(0.05)
+    with grpc.insecure_channel(n.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == SERVING
+        n.srv.proc.send_signal(signal.SIGKILL)
+        n.srv.proc.wait(10)
+        answers = []  # what a probe hears while the workers outlive their owner: never SERVING
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids):
+            assert time.monotonic() < deadline, "workers outlived their owner"
+            try:
+                answers.append(health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status)
+            except grpc.RpcError:
+                time.sleep(0.005)
+    assert SERVING not in answers, answers
     n.srv.stop()
     n.http.close()
 
