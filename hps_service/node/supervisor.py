@@ -37,8 +37,22 @@ QUICK_EXIT_S, RESTART_BACKOFF_S = 2.0, 1.0
 
 def reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to ``host:port`` with SO_REUSEPORT that holds the port for the node (0 picks a free one):
-    the workers bind the same port beside it. It never listens, so it takes no connections."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    the workers bind the same port beside it. It never listens, so it takes no connections.
+
+    SO_REUSEPORT would also let this node join a port another server (another ``hps serve`` of this user) already
+    serves, and the kernel would split the connections between the two; so the port is first bound without it,
+    which fails while anything else holds it (SO_REUSEADDR only lets it past connections in TIME_WAIT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    if port:
+        probe = socket.socket(family, socket.SOCK_STREAM)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UnavailableError(f"cannot bind gRPC to {host}:{port}: {exc.strerror}") from None
+        finally:
+            probe.close()
+    sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))

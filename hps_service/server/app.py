@@ -250,6 +250,7 @@ class HPSServer:
             if self.engine is not None:
                 self.engine.close()
             node.close()
+            self.node = self.engine = None  # cleaned up: start()'s handler must not close them again
             raise
 
     @staticmethod

@@ -23,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hps_service.client import HPSClient
 from hps_service.importer import synthesize_model
 from hps_service.tiers.rocksdb import RocksDBTier
-from tests.helpers import ServerProcess, free_port, write_config
+from tests.helpers import ServerProcess, free_port, run_hps, write_config
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 TOKEN = "node-token"
@@ -207,6 +207,13 @@ def test_sigterm_drains_every_worker_and_the_owner_s_death_ends_them(tmp_path: P
     pids = n.worker_pids()
     store = Path(n.node_stats()["store"])
     assert store.exists() and all(_alive(p) for p in pids)
+    # another server started on the same gRPC port by mistake is refused (SO_REUSEPORT would have let it share)
+    port = int(n.target.rsplit(":", 1)[1])
+    second = write_config(tmp_path / "second.yaml", {
+        "server": {"grpc_port": port, "http_port": free_port(), "workers": 2},
+        "persistent": {"type": "disabled"}, "models": [{"name": "m", "tables": [{"name": "item", "dim": DIM}]}]})
+    refused = run_hps("serve", "--config", str(second), timeout=60)
+    assert refused.returncode != 0 and "cannot bind gRPC" in refused.stdout + refused.stderr, refused.stderr[-2000:]
     assert n.srv.stop() == 0
     assert not any(_alive(p) for p in pids) and not store.exists()
     n.http.close()
