@@ -204,38 +204,43 @@ def test_an_update_applied_by_the_owner_is_served_by_every_worker_at_once(
 
 def test_sigterm_drains_every_worker_and_the_owner_s_death_ends_them(tmp_path: Path) -> None:
     n, keys, vectors = start_node(tmp_path / "a", rows=1000)
-    pids = n.worker_pids()
-    store = Path(n.node_stats()["store"])
-    assert store.exists() and all(_alive(p) for p in pids)
-    # another server started on the same gRPC port by mistake is refused (SO_REUSEPORT would have let it share)
-    port = int(n.target.rsplit(":", 1)[1])
-    second = write_config(tmp_path / "second.yaml", {
-        "server": {"grpc_port": port, "http_port": free_port(), "workers": 2},
-        "persistent": {"type": "disabled"}, "models": [{"name": "m", "tables": [{"name": "item", "dim": DIM}]}]})
-    refused = run_hps("serve", "--config", str(second), timeout=60)
-    assert refused.returncode != 0 and "cannot bind gRPC" in refused.stdout + refused.stderr, refused.stderr[-2000:]
-    assert n.srv.stop() == 0
-    assert not any(_alive(p) for p in pids) and not store.exists()
-    n.http.close()
+    try:
+        pids = n.worker_pids()
+        store = Path(n.node_stats()["store"])
+        assert store.exists() and all(_alive(p) for p in pids)
+        # another server started on the same gRPC port by mistake is refused (SO_REUSEPORT would have let it share)
+        port = int(n.target.rsplit(":", 1)[1])
+        second = write_config(tmp_path / "second.yaml", {
+            "server": {"grpc_port": port, "http_port": free_port(), "workers": 2},
+            "persistent": {"type": "disabled"}, "models": [{"name": "m", "tables": [{"name": "item", "dim": DIM}]}]})
+        refused = run_hps("serve", "--config", str(second), timeout=60)
+        assert refused.returncode != 0 and "cannot bind gRPC" in refused.stdout + refused.stderr, refused.stderr[-2000:]
+        assert n.srv.stop() == 0
+        assert not any(_alive(p) for p in pids) and not store.exists()
+    finally:
+        n.srv.stop()
+        n.http.close()
     n, keys, vectors = start_node(tmp_path / "b", rows=1000)
-    pids = n.worker_pids()
-    assert n.srv.proc is not None
-    with grpc.insecure_channel(n.target) as channel:
-        health = health_pb2_grpc.HealthStub(channel)
-        assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == SERVING
-        n.srv.proc.send_signal(signal.SIGKILL)
-        n.srv.proc.wait(10)
-        answers = []  # what a probe hears while the workers outlive their owner: never SERVING
-        deadline = time.monotonic() + 15
-        while any(_alive(p) for p in pids):
-            assert time.monotonic() < deadline, "workers outlived their owner"
-            try:
-                answers.append(health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status)
-            except grpc.RpcError:
-                time.sleep(0.005)
-    assert SERVING not in answers, answers
-    n.srv.stop()
-    n.http.close()
+    try:
+        pids = n.worker_pids()
+        assert n.srv.proc is not None
+        with grpc.insecure_channel(n.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == SERVING
+            n.srv.proc.send_signal(signal.SIGKILL)
+            n.srv.proc.wait(10)
+            answers = []  # what a probe hears while the workers outlive their owner: never SERVING
+            deadline = time.monotonic() + 15
+            while any(_alive(p) for p in pids):
+                assert time.monotonic() < deadline, "workers outlived their owner"
+                try:
+                    answers.append(health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status)
+                except grpc.RpcError:
+                    time.sleep(0.005)
+        assert SERVING not in answers, answers
+    finally:
+        n.srv.stop()
+        n.http.close()
 
 
 def test_rows_only_in_rocksdb_are_read_fresh_by_the_workers(tmp_path: Path) -> None:
