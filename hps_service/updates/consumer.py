@@ -370,14 +370,20 @@ class UpdateConsumer:
             # where this consumer stopped applying a topic it follows again, else the stored position
             start = max(stored.get(key, OFFSET_BEGINNING), self._applied.get(key, OFFSET_BEGINNING))
             high = highs[key]
+            # A position past the end the broker reports means the topic is not the one the rows were applied from
+            # (recreated, or a broker that lost records; tansu also reports the base offset of its last record batch
+            # + 1 as the end): read it again from its first offset, which versioned writes make harmless.
             begin = start if 0 <= start <= high else lows[key]
+            if 0 <= high < start:
+                log.warning("update consumer %s: %s[%d] is stored at offset %d but the broker's end offset is %d; "
+                            "reading it again from offset %d", self.group, key[0], key[1], start, high, begin)
             if high > begin:
                 self._targets[key] = high
             else:
                 self._targets.pop(key, None)
             self._seen_ends[key] = deque([(high, now)])
-            assignment.append(TopicPartition(key[0], key[1], start))
-            self._start_offsets[key] = start
+            assignment.append(TopicPartition(key[0], key[1], begin))
+            self._start_offsets[key] = begin
             self.gaps.expect(key, begin)
         if assignment:
             log.info("update consumer %s: %d partition(s) of %s start at %s; %d to catch up", self.group,

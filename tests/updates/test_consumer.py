@@ -77,14 +77,17 @@ def test_100k_rows_all_served_at_latest_version(kafka_broker, engine, model_name
     assert len(consumer.stats()["consumer_lag"]) == 4
 
 
-def publish_distinct_then_newer(pub: Publisher, n: int, chunk: int) -> np.ndarray:
+def publish_distinct_then_newer(pub: Publisher, n: int, chunk: int, flush_each: bool = False) -> np.ndarray:
     """Every key once at version 1 (so a lost message means missing keys), then the first tenth again at 2.
+    ``flush_each``: one record per record batch (see the test that uses it).
 
     Returns the version each key must end at."""
     keys = np.arange(n, dtype=np.int64)
     for lo in range(0, n, chunk):
         k = keys[lo : lo + chunk]
         pub.publish(TABLE, k, rows_for(k, 1), 1)
+        if flush_each:
+            pub.flush()
     newer = keys[: n // 10]
     pub.publish(TABLE, newer, rows_for(newer, 2), 2)
     pub.flush()
@@ -97,7 +100,9 @@ def test_stop_without_commit_then_restart_loses_nothing(
     kafka_broker, engine, model_name, start_consumer
 ) -> None:
     pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
-    expected = publish_distinct_then_newer(pub, 60_000, 250)
+    # one record per record batch: tansu reports the base offset of a partition's last record batch + 1 as its end,
+    # and a stored position past that end is read again from the start (the test below), not resumed
+    expected = publish_distinct_then_newer(pub, 60_000, 250, flush_each=True)
     keys = np.arange(expected.shape[0], dtype=np.int64)
     total = expected.shape[0] * 11 // 10
     first = start_consumer(batch_messages=8)  # small batches: it is stopped part-way through the log
@@ -109,7 +114,7 @@ def test_stop_without_commit_then_restart_loses_nothing(
     assert all(stored[k] >= o for k, o in committed.items()), (stored, committed)
     assert total // 3 <= received < total, "stopped too late to exercise a restart"
     second = start_consumer()  # resumes from the positions stored with the rows, not the group's offsets
-    assert {k: v for k, v in second._start_offsets.items() if v >= 0} == stored
+    assert {k: second._start_offsets[k] for k in stored} == stored
     assert wait_until(lambda: all_served(engine, model_name, keys, expected), timeout=120), second.stats()
     found, versions = stored_versions(engine, model_name, keys)["persistent"]
     assert found.all() and (versions == expected).all()
@@ -137,6 +142,25 @@ def test_replayed_and_out_of_order_versions_never_regress(
         assert all_served(engine, model_name, keys, expected)
     assert replay.metrics.rows_received == 4 * keys.shape[0]
     assert all_served(engine, model_name, keys, expected)
+
+
+def test_a_position_past_the_brokers_end_is_read_again_from_the_start(
+    kafka_broker, engine, model_name, start_consumer
+) -> None:
+    """Rows stored at positions the topic no longer reaches (recreated, or tansu's end offset, which is the base
+    offset of its last record batch + 1): the partition is read again from its first offset, so the consumer
+    catches up and serves every row. Before: it was assigned at the stored position, past the end, and never
+    became caught up (a restarted server stayed NOT_SERVING)."""
+    pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
+    keys = np.arange(2_000, dtype=np.int64)
+    pub.publish(TABLE, keys, rows_for(keys, 2), 2)
+    pub.flush()
+    topic = f"hps.{model_name}"
+    engine.apply_changes([], {(topic, p): 1_000_000 for p in range(4)})
+    consumer = start_consumer()
+    assert consumer.wait_caught_up(60), consumer.stats()
+    assert wait_until(lambda: all_served(engine, model_name, keys, 2), timeout=60), consumer.stats()
+    assert all(o < 1_000_000 for o in consumer.stats()["applied_offsets"].values())
 
 
 def test_tombstones_delete_from_every_tier(kafka_broker, engine, model_name, start_consumer) -> None:
