@@ -229,13 +229,23 @@ class LocalClient:
         return TableAnswer(out, sources), (miss if miss.shape[0] else None)
 
     def _call(self, request: pb.LookupRequest, timeout: float | None) -> dict[str, TableAnswer]:
-        """The server's answer over the Unix domain socket, waiting (within the timeout) while it is not there."""
+        """The server's answer over the Unix domain socket, waiting (within the timeout) while it is not there or
+        not serving yet: the one server of a pod restarting (compiling, loading) is a wait, not an error."""
         timeout = self.timeout if timeout is None else timeout
-        try:
-            response = self._stub.Lookup(request, timeout=timeout, wait_for_ready=True)
-        except grpc.RpcError as err:
-            raise as_error(err) from None
-        return {tv.table: decode_answer(tv) for tv in response.tables}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        backoff = 0.05
+        while True:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
+            try:
+                response = self._stub.Lookup(request, timeout=left, wait_for_ready=True)
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNAVAILABLE and (
+                        deadline is None or time.monotonic() + backoff < deadline):
+                    time.sleep(backoff)
+                    backoff = min(backoff * 2, 0.5)
+                    continue
+                raise as_error(err) from None
+            return {tv.table: decode_answer(tv) for tv in response.tables}
 
     def list_models(self, timeout: float | None = None) -> dict[str, dict[str, int]]:
         """``{model: {table: dim}}`` of the models the server serves."""
