@@ -346,6 +346,14 @@ class _Watch:
                     continue
                 self._observe(stats, time.monotonic())
 
+    def observe_now(self) -> None:
+        """One more /v1/stats read, now, once stopped (the thread reads once a second: its last read may miss the last
+        batch)."""
+        try:
+            self._observe(httpx.get(self.url, timeout=10).json(), time.monotonic())
+        except (httpx.HTTPError, ValueError):
+            pass
+
     def memory(self) -> tuple[float, float]:
         """(memtables, block-cache usage) in MiB, asked now (so they match an RSS read at the same moment); NaN
         when the server does not answer in time."""
@@ -524,6 +532,8 @@ def run_soak(duration_s: float, interval_s: float, out_dir: Path, brokers: str |
                           "version")
                 except TimeoutError:
                     pass
+            watch.stop()
+            watch.observe_now()
             result.rows_applied = watch.rows_applied
         finally:
             stop.set()
