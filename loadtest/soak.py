@@ -11,7 +11,7 @@ published); a publisher sends ``--rows-per-s`` distinct rows every ``--publish-e
 - fresh: FAIL as soon as published rows wait and no update was applied for ``--max-no-apply`` seconds (30);
 - lookups per interval, late vs early (median of the last third vs the first third after a warm-up): >= 0.8;
 - lookup p99, late vs early: <= 1.5;
-- memory: the server's RSS net of RocksDB's memtables and block-cache usage (both from /v1/stats) has no upward
+- memory: the server's PSS (its workers included) net of RocksDB's memtables and block-cache usage (both from /v1/stats) has no upward
   trend over the last half (robust fitted growth <= ``--max-mem-growth`` of its median).
 
 The test broker's log is bounded: tansu's in-memory log serves a fetch more slowly the more record batches it
@@ -47,6 +47,7 @@ from hps_service.client import HPSClient
 from hps_service.errors import HPSError
 from hps_service.local_processes import free_port, stop_process
 from hps_service.updates import Publisher
+from loadtest.loadgen import process_tree
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = "item"
@@ -55,12 +56,12 @@ _MiB = 2**20
 
 @dataclass
 class Sample:
-    """One sampling interval: seconds since start; server RSS and the RocksDB memory inside it that is bounded by
+    """One sampling interval: seconds since start; server PSS (workers included) and the RocksDB memory inside it that is bounded by
     configuration (memtables, block cache); lookups answered and their p99; rows published and applied so far;
     the oldest unapplied publish's age (max in the interval); server and broker CPU (cores) and broker RSS."""
 
     t_s: float
-    rss_mib: float
+    mem_mib: float
     memtable_mib: float
     block_cache_mib: float
     lookups: int
@@ -75,8 +76,8 @@ class Sample:
 
     @property
     def net_mib(self) -> float:
-        """RSS net of memtables and block-cache usage: what must not trend upwards."""
-        return self.rss_mib - self.memtable_mib - self.block_cache_mib
+        """PSS net of memtables and block-cache usage: what must not trend upwards."""
+        return self.mem_mib - self.memtable_mib - self.block_cache_mib
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,26 @@ def rss_mib(pid: int | None) -> float:
     return float("nan")
 
 
+def server_memory_mib(pid: int) -> float:
+    """PSS in MiB of ``pid`` and every process under it (a node's owner and its workers): the shared store is
+    counted once, not once per process that maps it (NaN when gone)."""
+    total, seen = 0, False
+    for p in process_tree(pid):
+        try:
+            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    total, seen = total + int(line.split()[1]), True
+                    break
+        except OSError:
+            continue
+    return total / 1024 if seen else float("nan")
+
+
+def server_cpu_seconds(pid: int) -> float:
+    """CPU seconds used so far by ``pid`` and the processes under it (its workers)."""
+    return float(np.nansum([cpu_seconds(p) for p in process_tree(pid)]))
+
+
 def cpu_seconds(pid: int | None) -> float:
     """User + system CPU seconds used by ``pid`` so far (NaN when unknown or gone)."""
     if pid is None:
@@ -228,7 +249,7 @@ def judge(result: SoakResult, limits: Limits) -> list[Check]:
         Check("p99 late/early", not result.p99_ratio > limits.max_p99_ratio,
               f"{result.p99_ratio:.2f} (<= {limits.max_p99_ratio})"),
         Check("memory trend, last half", not result.mem_growth > limits.max_mem_growth,
-              f"RSS net of memtables and block cache {result.mem_growth:+.1%} (<= {limits.max_mem_growth:+.0%}); "
+              f"PSS net of memtables and block cache {result.mem_growth:+.1%} (<= {limits.max_mem_growth:+.0%}); "
               + (f"{min(s.net_mib for s in half):.0f}-{max(s.net_mib for s in half):.0f} MiB" if half else "no samples")),
     ]
 
@@ -252,8 +273,8 @@ def plot(result: SoakResult, path: Path, limits: Limits) -> None:
     verdict = "PASS" if result.passed else "FAIL: " + ", ".join(c.name for c in result.checks if not c.passed)
     axes[0].set_title(f"soak {result.ran_s:.0f} s: {result.lookups} lookups, {result.rows_published} rows published "
                       f"- {verdict}", fontsize=10)
-    axes[0].plot(t, [x.rss_mib for x in s], marker=".", label="RSS")
-    axes[0].plot(t, [x.net_mib for x in s], marker=".", label="RSS - memtables - block cache")
+    axes[0].plot(t, [x.mem_mib for x in s], marker=".", label="PSS (server and workers)")
+    axes[0].plot(t, [x.net_mib for x in s], marker=".", label="PSS - memtables - block cache")
     half = [x for x in last_half(s) if not math.isnan(x.net_mib)]
     if len(half) >= 2:
         th = np.array([x.t_s for x in half])
@@ -355,7 +376,7 @@ class _Watch:
             pass
 
     def memory(self) -> tuple[float, float]:
-        """(memtables, block-cache usage) in MiB, asked now (so they match an RSS read at the same moment); NaN
+        """(memtables, block-cache usage) in MiB, asked now (so they match a PSS read at the same moment); NaN
         when the server does not answer in time."""
         try:
             stats = httpx.get(self.url, timeout=10).json()
@@ -495,20 +516,20 @@ def run_soak(duration_s: float, interval_s: float, out_dir: Path, brokers: str |
                 th.start()
             start = time.monotonic()
             next_sample = start + interval_s
-            cpu = (cpu_seconds(server.pid), cpu_seconds(broker_pid), start)
+            cpu = (server_cpu_seconds(server.pid), cpu_seconds(broker_pid), start)
             while time.monotonic() - start < duration_s and not stop.is_set():
                 stop.wait(max(0.0, next_sample - time.monotonic()))
                 next_sample += interval_s
                 with lock:
                     window, latencies[:] = list(latencies), []
                 now = time.monotonic()
-                server_cpu, broker_cpu = cpu_seconds(server.pid), cpu_seconds(broker_pid)
+                server_cpu, broker_cpu = server_cpu_seconds(server.pid), cpu_seconds(broker_pid)
                 span = max(now - cpu[2], 1e-6)
                 staleness, stalled = watch.take()
                 p99 = float(np.percentile(np.asarray(window) * 1e3, 99)) if window else float("nan")
                 memtables, block_cache = watch.memory()
                 result.samples.append(Sample(
-                    round(now - start, 2), rss_mib(server.pid), memtables, block_cache,
+                    round(now - start, 2), server_memory_mib(server.pid), memtables, block_cache,
                     len(window), p99, result.rows_published, watch.rows_applied, round(staleness, 3),
                     round((server_cpu - cpu[0]) / span, 3), round((broker_cpu - cpu[1]) / span, 3),
                     rss_mib(broker_pid), stalled))
@@ -576,7 +597,7 @@ def main() -> None:
     parser.add_argument("--min-lookup-ratio", type=float, default=0.8, help="lookups per interval, late / early")
     parser.add_argument("--max-p99-ratio", type=float, default=1.5, help="p99, late / early")
     parser.add_argument("--max-mem-growth", type=float, default=0.05,
-                        help="fitted growth of RSS net of memtables and block cache over the last half")
+                        help="fitted growth of PSS net of memtables and block cache over the last half")
     args = parser.parse_args()
     interval = args.interval or min(30.0, max(2.0, args.duration / 60))
     limits = Limits(max_no_apply_s=args.max_no_apply, min_lookup_ratio=args.min_lookup_ratio,

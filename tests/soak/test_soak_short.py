@@ -1,6 +1,6 @@
 """A 20-second version of `make soak`: mixed lookups and Kafka updates against a real server and broker, judged
 with the soak's own verdict: zero errors and wrong rows, every key at its latest version, updates applied
-throughout, RSS (net of RocksDB memtables and block cache) without an upward trend over the last half, and the
+throughout, PSS (net of RocksDB memtables and block cache) without an upward trend over the last half, and the
 samples (broker CPU and RSS included) plotted to a PNG. The lookup and p99 ratios are printed, not asserted (the
 test machine is shared and noisy)."""
 
