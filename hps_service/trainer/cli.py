@@ -189,6 +189,10 @@ def train_command(
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
         metrics = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,
                           partitions=cfg.cluster.partitions).run(metrics_out)
+        if dist.is_initialized():
+            # every rank done before any tears its process group down: a rank that destroys it while another is
+            # still in its last collective makes gloo abort that one ("terminate called without an active exception")
+            dist.barrier()
     except (ConfigError, HPSError) as exc:
         console.print("[red]error:[/red] " + escape(str(exc)))
         raise typer.Exit(2) from None
