@@ -20,7 +20,7 @@ from hps_service.engine.stats import table_stats
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write import TableChange, Writer, table_write
 from hps_service.errors import UnavailableError
-from hps_service.tiers.base import Positions, Tier, WriteResult
+from hps_service.tiers.base import Positions, Tier, WriteResult, tier_health
 
 log = logging.getLogger(__name__)
 
@@ -193,12 +193,7 @@ class LookupEngine:
 
     def healthy(self) -> dict[str, bool]:
         """Reachability of each enabled tier."""
-        out = {}
-        if self.volatile is not None:
-            out["volatile"] = self.volatile.healthy()
-        if self.persistent is not None:
-            out["persistent"] = self.persistent.healthy()
-        return out
+        return tier_health(self.volatile, self.persistent)
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Stop the repair and preload threads and the caches (saving warm-start snapshots), then close the tiers.

@@ -7,7 +7,8 @@ guard of a ``(model, table)`` name outlives the served table: a replaced or relo
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import TypeVar
 
 import numpy as np
 
@@ -16,6 +17,19 @@ from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write_guard import WriteGuard
 from hps_service.errors import NotFoundError
 from hps_service.tiers.base import Tier
+
+T = TypeVar("T")
+
+
+def find_table(models: Mapping[str, Mapping[str, T]], model: str, table: str) -> T:
+    """``models[model][table]``, or NotFoundError naming what is missing (the owner's and the workers' registries)."""
+    tables = models.get(model)
+    if tables is None:
+        raise NotFoundError(f"model '{model}' is not loaded")
+    t = tables.get(table)
+    if t is None:
+        raise NotFoundError(f"model '{model}' has no table '{table}'")
+    return t
 
 
 class ModelRegistry:
@@ -72,13 +86,7 @@ class ModelRegistry:
 
     def table(self, model: str, table: str) -> ServedTable:
         """The served table, or NotFoundError naming what is missing."""
-        tables = self._models.get(model)
-        if tables is None:
-            raise NotFoundError(f"model '{model}' is not loaded")
-        t = tables.get(table)
-        if t is None:
-            raise NotFoundError(f"model '{model}' has no table '{table}'")
-        return t
+        return find_table(self._models, model, table)
 
     def is_served(self, t: ServedTable) -> bool:
         """Whether ``t`` is still the table served under its name (not unloaded or replaced)."""

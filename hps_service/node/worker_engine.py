@@ -19,6 +19,7 @@ import numpy as np
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine.levels import LEVELS, LookupResult
 from hps_service.engine.read import Reader
+from hps_service.engine.registry import find_table
 from hps_service.engine.table import ServedTable
 from hps_service.errors import NotFoundError
 from hps_service.node.reader_tiers import CaughtUpSecondary, SharedVolatile
@@ -28,7 +29,7 @@ from hps_service.store.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES,
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN
 from hps_service.store.queue import record_bytes
 from hps_service.store.view import StoreView, TableView
-from hps_service.tiers.base import Tier
+from hps_service.tiers.base import Tier, tier_health
 from hps_service.tiers.factory import build_volatile
 
 log = logging.getLogger(__name__)
@@ -150,13 +151,7 @@ class WorkerEngine:
     def table(self, model: str, table: str) -> WorkerTable:
         """The served table, as the owner's manifest has it now (NotFoundError naming what is missing)."""
         self.sync()
-        tables = self._tables.get(model)
-        if tables is None:
-            raise NotFoundError(f"model '{model}' is not loaded")
-        t = tables.get(table)
-        if t is None:
-            raise NotFoundError(f"model '{model}' has no table '{table}'")
-        return t
+        return find_table(self._tables, model, table)
 
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
                sources: np.ndarray | None = None) -> LookupResult:
@@ -175,12 +170,8 @@ class WorkerEngine:
         return list(self._models.values())
 
     def healthy(self) -> dict[str, bool]:
-        out = {}
-        if self.volatile is not None:
-            out["volatile"] = self.volatile.healthy()
-        if self.persistent is not None:
-            out["persistent"] = self.persistent.healthy()
-        return out
+        """Reachability of each enabled tier."""
+        return tier_health(self.volatile, self.persistent)
 
     # ---- hand-offs to the owner ---------------------------------------------------------------
     def _push(self, kind: int, serial: int, generation: int, hit_rate: float, keys: np.ndarray,

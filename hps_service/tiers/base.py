@@ -236,3 +236,13 @@ class Tier(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release connections, files and memory."""
+
+
+def tier_health(volatile: Tier | None, persistent: Tier | None) -> dict[str, bool]:
+    """Reachability of each enabled tier, by kind (what /v1/health and gRPC health report)."""
+    out = {}
+    if volatile is not None:
+        out["volatile"] = volatile.healthy()
+    if persistent is not None:
+        out["persistent"] = persistent.healthy()
+    return out
