@@ -87,6 +87,10 @@ class ServerConfig(_Section):
         None, ge=1024, description="gRPC requests larger get RESOURCE_EXHAUSTED; default: sized from max_batch_keys"
     )
     tls: TLSConfig | None = None
+    heap_trim_interval_s: float = Field(
+        30.0, ge=0, description="return the C heap's free memory to the operating system this often (glibc "
+        "malloc_trim, in the owner and each worker), so resident memory follows live memory under a steady update "
+        "stream; 0: never")
     log_format: Literal["text", "json"] = Field(
         "text", description="stderr log lines as text, or one JSON object per line (librdkafka and uvicorn too)")
     probe_port: int | None = Field(

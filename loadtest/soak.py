@@ -376,15 +376,18 @@ class _Watch:
             pass
 
     def memory(self) -> tuple[float, float]:
-        """(memtables, block-cache usage) in MiB, asked now (so they match a PSS read at the same moment); NaN
+        """(memtables, block-cache usage) in MiB of the owner's RocksDB and the workers' secondary instances (each
+        replays the WAL into memtables of its own), asked now (so they match a PSS read at the same moment); NaN
         when the server does not answer in time."""
         try:
             stats = httpx.get(self.url, timeout=10).json()
         except (httpx.HTTPError, ValueError):
             return float("nan"), float("nan")
         persistent = stats["models"][self.model]["tables"][TABLE]["persistent"]
-        return (float(persistent.get("memtable_bytes", 0.0)) / _MiB,
-                float(persistent.get("block_cache_bytes", 0.0)) / _MiB)
+        workers = stats.get("node", {}).get("workers", [])
+        memtables = float(persistent.get("memtable_bytes", 0.0)) + sum(w.get("memtable_bytes", 0) for w in workers)
+        cache = float(persistent.get("block_cache_bytes", 0.0)) + sum(w.get("block_cache_bytes", 0) for w in workers)
+        return memtables / _MiB, cache / _MiB
 
     def _observe(self, stats: dict[str, Any], now: float) -> None:
         updates = stats.get("updates", {})

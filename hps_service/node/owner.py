@@ -209,7 +209,8 @@ _W_STATE_NAMES = {ns.W_NONE: "none", ns.W_STARTING: "starting", ns.W_READY: "rea
 
 
 class NodeCollector(Collector):
-    """``hps_node_workers{state}`` and ``hps_node_worker_restarts_total``."""
+    """``hps_node_workers{state}``, ``hps_node_worker_restarts_total``, ``hps_node_admissions_dropped_total`` and
+    ``hps_node_worker_rocksdb_bytes{kind}``."""
 
     def __init__(self, owner: NodeOwner) -> None:
         self.owner = owner
@@ -227,7 +228,15 @@ class NodeCollector(Collector):
         restarts = CounterMetricFamily("hps_node_worker_restarts", "gRPC worker processes started again after "
                                        "they died")
         restarts.add_metric([], self.owner.supervisor.restarts)
-        yield from (states, restarts)
+        rows = self.owner.store.workers[: self.owner.workers]
+        dropped = CounterMetricFamily("hps_node_admissions_dropped", "rows of L1 misses a worker could not hand to "
+                                      "the owner for admission (its queue was full); counts restart with a worker")
+        dropped.add_metric([], int(rows[:, ns.W_ADMISSIONS_DROPPED].sum()))
+        memory = GaugeMetricFamily("hps_node_worker_rocksdb_bytes", "memory of the workers' RocksDB secondary "
+                                   "instances, all workers together", labels=["kind"])
+        memory.add_metric(["memtables"], int(rows[:, ns.W_MEMTABLE_BYTES].sum()))
+        memory.add_metric(["block_cache"], int(rows[:, ns.W_BLOCK_CACHE_BYTES].sum()))
+        yield from (states, restarts, dropped, memory)
 
 
 class NodeGate(ServingGate):
@@ -346,7 +355,10 @@ class NodeOwner:
         status = self.store.workers
         per_process = self.store.requests[:, :, REQ_STATUS:REQ_LATENCY].sum(axis=(1, 2))
         workers = [{"index": i, "pid": int(status[i, ns.W_PID]), "state": _W_STATE_NAMES.get(int(status[i, ns.W_STATE])),
-                    "starts": int(status[i, ns.W_STARTS]), "requests": int(per_process[i + 1])}
+                    "starts": int(status[i, ns.W_STARTS]), "requests": int(per_process[i + 1]),
+                    "memtable_bytes": int(status[i, ns.W_MEMTABLE_BYTES]),
+                    "block_cache_bytes": int(status[i, ns.W_BLOCK_CACHE_BYTES]),
+                    "admissions_dropped": int(status[i, ns.W_ADMISSIONS_DROPPED])}
                    for i in range(self.workers)]
         return {"workers": workers, "restarts": self.supervisor.restarts, "owner_requests": int(per_process[0]),
                 "store": str(self.store.path)}

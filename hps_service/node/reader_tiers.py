@@ -179,6 +179,10 @@ class CaughtUpSecondary(Tier):
     def stats(self, table: str) -> TierStats:
         return self._db.stats(table)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """The secondary's memtables (replayed from the primary's WAL) and block cache, in bytes."""
+        return self._db.memory_bytes()
+
     def healthy(self) -> bool:
         return self._db.healthy()
 

@@ -17,13 +17,17 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from grpc_health.v1 import health, health_pb2
 
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
+from hps_service.heap import HeapTrimmer
 from hps_service.node.worker_engine import WorkerEngine
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.server.grpc_server import build_grpc_server
@@ -41,6 +45,8 @@ log = logging.getLogger(__name__)
 #: How often a worker follows the owner's state (gRPC health) and checks that the owner is alive, and how often a
 #: lookup checks it too (a few system calls, at most every 2 ms).
 STATE_POLL_S, OWNER_POLL_S, OWNER_CHECK_S = 0.02, 0.1, 0.002
+#: How often a worker writes its memory figures and dropped admissions into its status row.
+REPORT_S = 1.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -139,7 +145,10 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
         status[worker, ns.W_STATE] = ns.W_FAILED
         sys.exit(3)
     status[worker, ns.W_STATE] = ns.W_READY
-    _serve(view, health_servicer, stop, gate)
+    trimmer = HeapTrimmer(config.server.heap_trim_interval_s)
+    trimmer.start()
+    _serve(view, health_servicer, stop, gate, partial(_report, status[worker], engine))
+    trimmer.stop()
     gate.close("the server is draining")
     health_servicer.enter_graceful_shutdown()
     grace = config.server.grace_period_s
@@ -188,11 +197,27 @@ class FollowingHealth(health.HealthServicer):
         return super().Check(request, context)
 
 
-def _serve(view: StoreView, health_servicer: FollowingHealth, stop: threading.Event, gate: StoreGate) -> None:
-    """Follow the owner's state and models in gRPC health until SIGTERM or the owner's death."""
-    next_owner_check = 0.0
+def _report(row: np.ndarray, engine: WorkerEngine) -> None:
+    """Write what the owner reports of this worker (``/v1/stats`` node, ``/metrics``) into its status row."""
+    memory = engine.memory_bytes()
+    row[ns.W_MEMTABLE_BYTES] = memory["memtables"]
+    row[ns.W_BLOCK_CACHE_BYTES] = memory["block_cache"]
+    row[ns.W_ADMISSIONS_DROPPED] = engine.dropped
+
+
+def _serve(view: StoreView, health_servicer: FollowingHealth, stop: threading.Event, gate: StoreGate,
+           report: Callable[[], None]) -> None:
+    """Follow the owner's state and models in gRPC health until SIGTERM or the owner's death; ``report`` every
+    ``REPORT_S``."""
+    next_owner_check = next_report = 0.0
     while not stop.wait(STATE_POLL_S):
         now = time.monotonic()
+        if now >= next_report:
+            next_report = now + REPORT_S
+            try:
+                report()
+            except Exception:  # a figure is missed (the secondary being reopened): the next report has it
+                log.debug("status report failed", exc_info=True)
         if gate.owner_gone or now >= next_owner_check:
             next_owner_check = now + OWNER_POLL_S
             if gate.owner_gone or not layout.owner_alive(view.path / layout.LOCK):

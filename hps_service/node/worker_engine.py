@@ -169,6 +169,12 @@ class WorkerEngine:
         self.sync()
         return list(self._models.values())
 
+    def memory_bytes(self) -> dict[str, int]:
+        """This worker's RocksDB secondary's memtables and block cache, in bytes (zeros without RocksDB)."""
+        if self.persistent is None:
+            return {"memtables": 0, "block_cache": 0}
+        return self.persistent.memory_bytes()
+
     def healthy(self) -> dict[str, bool]:
         """Reachability of each enabled tier."""
         return tier_health(self.volatile, self.persistent)

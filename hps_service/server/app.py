@@ -9,6 +9,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
 from hps_service.fleet.registrations import forget_registration, load_registrations, save_registration
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.fleet.store import SnapshotBucket
+from hps_service.heap import HeapTrimmer
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.server.grpc_server import build_grpc_server, message_limits  # noqa: F401  (re-exported)
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
@@ -150,6 +152,13 @@ class HPSServer:
         self._health_stop = threading.Event()
         self._health_thread: threading.Thread | None = None
         self.node: NodeOwner | None = None
+        self.heap_trimmer = HeapTrimmer(config.server.heap_trim_interval_s)
+        self.stats_sections["heap"] = self._heap_stats
+
+    def _heap_stats(self) -> dict[str, Any]:
+        """/v1/stats "heap": what trimming the C heap gave back in this process (the owner)."""
+        return {"trim_supported": self.heap_trimmer.supported, "trim_interval_s": self.heap_trimmer.interval_s,
+                **asdict(self.heap_trimmer.stats)}
 
     def start(self) -> None:
         """Bootstrap an empty store from the snapshot store, open tiers, load models, bind the gRPC port, compile the
@@ -197,6 +206,7 @@ class HPSServer:
         self.update_health()
         self._health_thread = threading.Thread(target=self._health_loop, name="hps-health", daemon=True)
         self._health_thread.start()
+        self.heap_trimmer.start()
         if self.node is not None:
             self.node.publish_cluster_info(self.cluster_info)
         scheme = "TLS" if cfg.tls is not None else "plaintext"
@@ -474,6 +484,7 @@ class HPSServer:
 
         self.gate.close("the server is draining")
         self._health_stop.set()
+        self.heap_trimmer.stop()
         self.health.enter_graceful_shutdown()
         if self.node is not None:
             self.node.stop_workers(remaining(0.6))

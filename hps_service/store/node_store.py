@@ -37,8 +37,10 @@ T_L1_GEN, T_WRITE_GEN, T_CHANGES = 0, 8, 16
 TABLE_CTRL_LEN = 24
 #: Bytes of each worker's queue to the owner.
 QUEUE_BYTES = 8 << 20
-#: Worker status fields (int64, one 64-byte row per worker): its pid, its state, how often it was started.
-W_PID, W_STATE, W_STARTS = 0, 1, 2
+#: Worker status fields (int64, one 64-byte row per worker): its pid, its state, how often it was started; as the
+#: worker last reported them: its RocksDB secondary's memtable and block-cache bytes, and the admission records it
+#: dropped because its queue to the owner was full.
+W_PID, W_STATE, W_STARTS, W_MEMTABLE_BYTES, W_BLOCK_CACHE_BYTES, W_ADMISSIONS_DROPPED = 0, 1, 2, 3, 4, 5
 W_FIELDS = 8
 #: Worker states.
 W_NONE, W_STARTING, W_READY, W_FAILED, W_STOPPED = 0, 1, 2, 3, 4

@@ -540,6 +540,14 @@ class RocksDBTier(Tier):
             extra["row_cache_bytes"] = float(self._row_cache.get_usage())
         return TierStats(rows=self.count(table), capacity=None, extra=extra)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """What this instance holds in memory: its memtables (every column family) and its block cache's usage."""
+        self._check_open()
+        families = [*self._cfs.values(), *(cf for cf in (self._meta, self._positions) if cf is not None)]
+        memtables = sum(int(cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0) for cf in families)
+        cache = int(self._block_cache.get_usage()) if self._block_cache is not None else 0
+        return {"memtables": memtables, "block_cache": cache}
+
     def scan_keys(self, table: str, limit: int) -> np.ndarray:
         """The first ``limit`` keys of live rows in store order (unsigned key order; tombstones skipped)."""
         cf, _ = self._table(table)

@@ -265,6 +265,14 @@ def test_rows_only_in_rocksdb_are_read_fresh_by_the_workers(tmp_path: Path) -> N
             np.testing.assert_array_equal(got.vectors[2:], vectors[lo + 2:lo + 4])
         for client in per_worker:
             client.close()
+        # each worker reports its secondary's memory: the WAL it replayed (memtables) and the blocks it read
+        deadline = time.monotonic() + 10
+        while not all(w["memtable_bytes"] > 0 and w["block_cache_bytes"] > 0 for w in n.node_stats()["workers"]):
+            assert time.monotonic() < deadline, n.node_stats()["workers"]
+            time.sleep(0.2)
+        metrics = n.http.get("/metrics").text
+        assert 'hps_node_worker_rocksdb_bytes{kind="memtables"}' in metrics
+        assert "hps_node_admissions_dropped_total 0.0" in metrics
     finally:
         n.srv.stop()
         n.http.close()
@@ -288,6 +296,8 @@ def test_a_large_batch_read_from_rocksdb_is_promoted_whole(tmp_path: Path) -> No
                 assert time.monotonic() < deadline, f"not promoted: {np.bincount(again.sources).tolist()}"
                 time.sleep(0.2)
             np.testing.assert_array_equal(again.vectors, vectors)
+        time.sleep(1.5)  # a worker reports its figures once a second
+        assert [w["admissions_dropped"] for w in n.node_stats()["workers"]] == [0, 0]
     finally:
         n.srv.stop()
         n.http.close()
