@@ -47,10 +47,11 @@ from rich.table import Table
 
 from hps_service.config import load_config
 from hps_service.cpus import usable_cpus
+from hps_service.local_processes import process_tree
 from hps_service.server.app import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.embedded import EmbeddedServer
-from loadtest.loadgen import RESULTS, LoadSpec, process_tree, run_load
+from loadtest.loadgen import RESULTS, LoadSpec, run_load
 from loadtest.report import write_json
 from loadtest.workload import KeySampler, load_keys
 

@@ -40,9 +40,10 @@ from rich.console import Console
 from rich.table import Table
 
 from hps_service.cpus import usable_cpus
+from hps_service.local_processes import process_tree, pss_bytes
 from loadtest.bench import FloorServer
 from loadtest.embedded import EmbeddedServer
-from loadtest.loadgen import LoadSpec, process_tree, run_load
+from loadtest.loadgen import LoadSpec, run_load
 from loadtest.report import write_json
 
 MODEL, TABLE, DIM, BATCH = "demo", "item", 64, 1024
@@ -72,19 +73,6 @@ def plan(quick: bool, rows: int | None, workers: str | None, clients: int | None
     if clients is not None:
         p = replace(p, clients=clients, concurrency=max(p.concurrency, 4 * clients))
     return p
-
-
-def pss_bytes(pids: list[int]) -> int:
-    """Proportional set size of ``pids`` together (shared pages split among the processes that map them)."""
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total += int(line.split()[1]) * 1024
-        except OSError:
-            continue
-    return total
 
 
 def _stats(server: EmbeddedServer) -> dict[str, Any]:

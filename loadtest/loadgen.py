@@ -117,23 +117,6 @@ def process_cpu_s(pids: list[int]) -> float:
     return total / ticks
 
 
-def process_tree(pid: int) -> list[int]:
-    """``pid`` and every process under it (a node's owner, its fork server and workers) from /proc."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(children.get(p, []))
-    return out
-
-
 def run_load(spec: LoadSpec, server_pids: list[int] | None = None) -> dict[str, Any]:
     """Run ``spec`` over ``spec.workers`` processes and return its report (see :func:`report.summarize`).
 

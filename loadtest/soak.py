@@ -45,9 +45,8 @@ import yaml
 
 from hps_service.client import HPSClient
 from hps_service.errors import HPSError
-from hps_service.local_processes import free_port, stop_process
+from hps_service.local_processes import free_port, process_tree, pss_bytes, stop_process
 from hps_service.updates import Publisher
-from loadtest.loadgen import process_tree
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = "item"
@@ -165,16 +164,8 @@ def rss_mib(pid: int | None) -> float:
 def server_memory_mib(pid: int) -> float:
     """PSS in MiB of ``pid`` and every process under it (a node's owner and its workers): the shared store is
     counted once, not once per process that maps it (NaN when gone)."""
-    total, seen = 0, False
-    for p in process_tree(pid):
-        try:
-            for line in Path(f"/proc/{p}/smaps_rollup").read_text().splitlines():
-                if line.startswith("Pss:"):
-                    total, seen = total + int(line.split()[1]), True
-                    break
-        except OSError:
-            continue
-    return total / 1024 if seen else float("nan")
+    total = pss_bytes(process_tree(pid))
+    return total / _MiB if total else float("nan")
 
 
 def server_cpu_seconds(pid: int) -> float:

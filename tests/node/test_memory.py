@@ -8,7 +8,6 @@ map): ``HPS_RUN_LONG=1``, or ``make test-node-memory``.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 
@@ -18,25 +17,11 @@ import pytest
 
 from hps_service.client import HPSClient
 from hps_service.importer import synthesize_model
+from hps_service.local_processes import process_tree, pss_bytes
 from hps_service.tiers.rocksdb import RocksDBTier
 from tests.helpers import ServerProcess, free_port, write_config
 
 ROWS, DIM = 1_000_000, 64
-
-
-def _pss(pid: int) -> int:
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except FileNotFoundError:
-        pass
-    return 0
-
-
-def _process_tree(pid: int) -> list[int]:
-    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
-    return [pid] + [p for c in children for p in _process_tree(int(c))]
 
 
 def _server_pss(tmp_path: Path, db: Path, keys: np.ndarray, workers: int) -> tuple[int, int]:
@@ -60,8 +45,8 @@ def _server_pss(tmp_path: Path, db: Path, keys: np.ndarray, workers: int) -> tup
                 for _ in range(10):
                     client.lookup("m", "item", keys[rng.integers(0, ROWS, 1024)])
         assert srv.proc is not None
-        procs = _process_tree(srv.proc.pid)
-        return sum(_pss(p) for p in procs), len(procs)
+        procs = process_tree(srv.proc.pid)
+        return pss_bytes(procs), len(procs)
     finally:
         srv.stop()
 
