@@ -114,6 +114,7 @@ class RocksDBTier(Tier):
         row_cache_mb: int = 0,
         secondary_path: Path | None = None,
         on_write: WriteHook | None = None,
+        max_total_wal_mb: int = 256,
     ) -> None:
         """Open (or create) the store at ``path``; every existing table reopens with the tuned options.
 
@@ -121,6 +122,7 @@ class RocksDBTier(Tier):
         the owner writes; its own files go there) that sees the primary's writes after :meth:`catch_up`.
         ``on_write(table, keys)`` is called after every write batch reached the store, with the keys it wrote
         (None: too many to list, e.g. an import): how a secondary's reader knows which keys it may hold stale.
+        ``max_total_wal_mb``: the write-ahead logs' bound (``persistent.max_total_wal_mb``).
         """
         if block_cache_mb < 0 or row_cache_mb < 0:
             raise InvalidArgumentError("block_cache_mb and row_cache_mb must be >= 0")
@@ -131,6 +133,7 @@ class RocksDBTier(Tier):
         self._on_write = on_write
         self._staged: list[tuple[str, np.ndarray]] = []
         self.sync_writes = sync_writes
+        self._max_total_wal_bytes = max_total_wal_mb * _MiB
         self._lock = threading.Lock()
         self._block_cache = Cache(block_cache_mb * _MiB) if block_cache_mb else None
         self._row_cache = Cache(row_cache_mb * _MiB) if row_cache_mb else None
@@ -196,6 +199,11 @@ class RocksDBTier(Tier):
         if self._row_cache is not None:
             opts.set_row_cache(self._row_cache)
         opts.set_level_compaction_dynamic_level_bytes(True)
+        # A log is deleted only once every column family with data in it flushed. The positions (and the metadata)
+        # are written with every batch and never fill a memtable, so without a bound on the logs they are flushed
+        # only at RocksDB's default (4x all write buffers): gigabytes of logs for a restart to replay, each kept by a
+        # secondary instance as an immutable memtable of the positions.
+        opts.set_max_total_wal_size(self._max_total_wal_bytes)
         # A bloom filter over the memtable's keys (2% of its size): the update path reads the stored version of
         # every key it writes, and most are not in the memtable, so they skip its skiplist search (measured with
         # loadtest.bench_rocksdb_ingest: multi-get 22% and the versioned put 12% less CPU at 1M rows).

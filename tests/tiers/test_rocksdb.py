@@ -13,9 +13,11 @@ import numpy as np
 import pytest
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.tiers.base import TableWrite
 from hps_service.tiers.rocksdb import RocksDBTier
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+_MiB = 1 << 20
 
 
 @pytest.fixture
@@ -342,3 +344,39 @@ def test_synced_puts_survive_sigkill(tmp_path: Path) -> None:
         assert tier.count("m.t") >= (acked + 1) * 64
     finally:
         tier.close()
+
+
+def _write_with_positions(tier: RocksDBTier, mib: int, dim: int = 256, batch: int = 2048) -> None:
+    """``mib`` MiB of rows of 2048 keys overwritten again and again, each batch with the positions (as the update
+    consumer writes them)."""
+    keys = np.arange(batch, dtype=np.int64)
+    empty = np.zeros(0, dtype=np.int64)
+    for i in range(mib * _MiB // (batch * dim * 4)):
+        rows = np.full((batch, dim), i, dtype=np.float32)
+        tier.write([TableWrite("m.t", keys, rows, np.full(batch, i + 1, np.int64), empty, None)],
+                   positions={("topic", 0): i + 1})
+
+
+def _log_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.glob("*.log"))
+
+
+def test_the_write_ahead_logs_stay_bounded_though_the_positions_never_fill_a_memtable(tmp_path: Path) -> None:
+    """The positions are written with every batch yet never fill a memtable. A log is kept until every column
+    family with data in it flushed, so without ``max_total_wal_mb`` every log since the start is kept (a restart
+    replays them all, a secondary instance holds one memtable of positions per log)."""
+    bounded = RocksDBTier(tmp_path / "bounded", block_cache_mb=8, max_total_wal_mb=8)
+    bounded.create_table("m.t", 256)
+    _write_with_positions(bounded, 96)
+    secondary = RocksDBTier(tmp_path / "bounded", secondary_path=tmp_path / "secondary", block_cache_mb=8)
+    assert _log_bytes(tmp_path / "bounded") <= 24 * _MiB
+    assert secondary.memory_bytes()["memtables"] <= 24 * _MiB
+    assert bounded.get("m.t", np.arange(2048, dtype=np.int64)).versions.min() == 96 * _MiB // (2048 * 256 * 4)
+    assert bounded.positions() == {("topic", 0): 96 * _MiB // (2048 * 256 * 4)}
+    secondary.close()
+    bounded.close()
+    unbounded = RocksDBTier(tmp_path / "unbounded", block_cache_mb=8, max_total_wal_mb=1024)
+    unbounded.create_table("m.t", 256)
+    _write_with_positions(unbounded, 96)
+    assert _log_bytes(tmp_path / "unbounded") >= 90 * _MiB  # what the bound prevents
+    unbounded.close()
