@@ -72,6 +72,7 @@ def serve(
     cfg = _config(config)
     setup_logging(log_level, cfg.server.log_format)
     server = HPSServer(cfg)
+    stop_requested = server.catch_stop_signals()
     try:
         server.start()
     except HPSError as exc:
@@ -89,7 +90,7 @@ def serve(
     if example:
         out_console.print(f"try:  {example}", highlight=False, soft_wrap=True)
     sys.stdout.flush()
-    server.run_until_signal()
+    server.run_until_signal(stop_requested)
 
 
 def _example_lookup(server: object, cfg: HPSConfig, target: str) -> str | None:

@@ -519,8 +519,9 @@ class HPSServer:
         """Block until stopped; True if it stopped."""
         return self._stopped.wait(timeout)
 
-    def run_until_signal(self) -> None:
-        """After start(): block until SIGTERM or SIGINT, then drain and stop."""
+    def catch_stop_signals(self) -> threading.Event:
+        """From now on SIGTERM and SIGINT set the returned event instead of killing the process. Called before
+        start(): a signal sent the moment the server answers (a probe saw it ready) must still drain it."""
         stop_requested = threading.Event()
 
         def _on_signal(signum: int, _frame: object) -> None:
@@ -529,6 +530,13 @@ class HPSServer:
 
         signal.signal(signal.SIGTERM, _on_signal)
         signal.signal(signal.SIGINT, _on_signal)
+        return stop_requested
+
+    def run_until_signal(self, stop_requested: threading.Event | None = None) -> None:
+        """After start(): block until SIGTERM or SIGINT (or ``stop_requested`` from :meth:`catch_stop_signals`),
+        then drain and stop."""
+        if stop_requested is None:
+            stop_requested = self.catch_stop_signals()
         try:
             while not stop_requested.wait(0.5):
                 pass
