@@ -30,7 +30,12 @@ from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.fleet.store import SnapshotBucket
 from hps_service.heap import HeapTrimmer
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
-from hps_service.server.grpc_server import build_grpc_server, message_limits  # noqa: F401  (re-exported)
+from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
+    HandlerPool,
+    build_grpc_server,
+    drain_and_stop,
+    message_limits,
+)
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
@@ -128,6 +133,7 @@ class HPSServer:
         self.gate = ServingGate()
         self.health = health.HealthServicer()
         self._grpc: grpc.Server | None = None
+        self._grpc_pool: HandlerPool | None = None
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self.metrics: ServerMetrics | None = None
@@ -223,7 +229,7 @@ class HPSServer:
         if self.metrics is None:
             self.metrics = ServerMetrics(self.engine)
         servicer = EmbeddingServicer(self.engine, cfg, self.gate, self.metrics, self.shard_map, self.cluster_info)
-        server = build_grpc_server(self.config, servicer, self.health)
+        server, pool = build_grpc_server(self.config, servicer, self.health)
         port = self.grpc_port
         if self.node is None:
             address = f"{cfg.host}:{cfg.grpc_port}"
@@ -237,7 +243,7 @@ class HPSServer:
         server.start()
         if uds is not None:
             uds.chmod(0o660)  # the group (the pod's inference containers) may connect, as it may map the store
-        self._grpc = server
+        self._grpc, self._grpc_pool = server, pool
         self.grpc_port = port
 
     def _start_node(self) -> None:
@@ -488,8 +494,8 @@ class HPSServer:
         self.health.enter_graceful_shutdown()
         if self.node is not None:
             self.node.stop_workers(remaining(0.6))
-        if self._grpc is not None:
-            self._grpc.stop(remaining(0.6)).wait(remaining(0.6) + 0.5)
+        if self._grpc is not None and self._grpc_pool is not None:
+            drain_and_stop(self._grpc, self._grpc_pool, remaining(0.6))
         if self.consumer is not None:
             self.consumer.close_timeout_s = min(self.consumer.close_timeout_s, max(remaining(0.5), 0.5))
             self.consumer.stop(timeout=max(remaining(0.8), 1.0), commit=True)

@@ -3,6 +3,11 @@ checking and reflection, with the message limits and connection options of ``ser
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -10,9 +15,60 @@ from grpc_reflection.v1alpha import reflection
 from hps_service.config import HPSConfig, ServerConfig
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.server.grpc_service import EmbeddingServicer, add_embedding_service
-from hps_service.server.metrics import QueueTimedExecutor
 
 _MiB = 1 << 20
+#: How long a draining server waits after its last call answered before it stops (see :meth:`HandlerPool.wait_idle`).
+DRAIN_SETTLE_S = 0.5
+
+
+class HandlerPool(futures.ThreadPoolExecutor):
+    """The gRPC server's handler pool. It records, per call, how long the call waited for a thread (the server
+    submits a call the moment it arrives), and it counts the calls not yet answered, so a draining server knows when
+    its last answer went out."""
+
+    def __init__(self, observe_queue_wait: Callable[[float], None], **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._observe = observe_queue_wait
+        self._calls_lock = threading.Lock()
+        self._unanswered = 0
+        self._last_answer = 0.0
+
+    def submit(self, fn: Callable, /, *args: object, **kwargs: object) -> futures.Future:
+        queued = time.perf_counter()
+
+        def timed() -> object:
+            try:
+                self._observe(time.perf_counter() - queued)
+                return fn(*args, **kwargs)
+            finally:
+                with self._calls_lock:
+                    self._unanswered -= 1
+                    self._last_answer = time.monotonic()
+
+        with self._calls_lock:
+            self._unanswered += 1
+        try:
+            return super().submit(timed)
+        except BaseException:
+            with self._calls_lock:
+                self._unanswered -= 1
+            raise
+
+    def wait_idle(self, settle_s: float, timeout_s: float) -> bool:
+        """Block until no call is unanswered and the last answer went out ``settle_s`` ago (or ``timeout_s``
+        passed; False then). gRPC closes a connection the moment its last call ends after the server's GOAWAY, and a
+        client still reading a large answer then gets a TCP reset in place of the answer's tail; a server that waits
+        here before it stops lets its clients read what it answered."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic()
+            with self._calls_lock:
+                idle = self._unanswered == 0 and now - self._last_answer >= settle_s
+            if idle:
+                return True
+            if now >= deadline:
+                return False
+            time.sleep(0.005)
 
 
 def message_limits(config: HPSConfig) -> tuple[int, int]:
@@ -46,15 +102,17 @@ def grpc_connection_options(cfg: ServerConfig) -> list[tuple[str, int]]:
 
 def build_grpc_server(
     config: HPSConfig, servicer: EmbeddingServicer, health_servicer: health.HealthServicer, *, reuseport: bool = False
-) -> grpc.Server:
-    """A thread-pool gRPC server with the EmbeddingService, health and reflection (no port bound yet).
+) -> tuple[grpc.Server, HandlerPool]:
+    """A thread-pool gRPC server with the EmbeddingService, health and reflection (no port bound yet), and its
+    handler pool (stop it with :func:`drain_and_stop`).
 
     ``reuseport``: let the node's worker processes bind one port together (SO_REUSEPORT; the kernel spreads the
     connections over them)."""
     cfg = config.server
     receive, send = message_limits(config)
+    pool = HandlerPool(servicer.metrics.queue_wait, max_workers=cfg.grpc_threads(), thread_name_prefix="grpc")
     server = grpc.server(
-        QueueTimedExecutor(servicer.metrics.queue_wait, max_workers=cfg.grpc_threads(), thread_name_prefix="grpc"),
+        pool,
         maximum_concurrent_rpcs=cfg.max_concurrent_requests,
         options=[
             ("grpc.max_receive_message_length", receive),
@@ -69,4 +127,14 @@ def build_grpc_server(
         (pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
         server,
     )
-    return server
+    return server, pool
+
+
+def drain_and_stop(server: grpc.Server, pool: HandlerPool, grace_s: float) -> None:
+    """Stop a server whose gate already refuses new lookups: wait (up to a third of ``grace_s``, at most 2 s) until
+    the calls it took have answered and their clients had :data:`DRAIN_SETTLE_S` to read the answers, then stop it
+    with what is left of ``grace_s`` for calls still running."""
+    deadline = time.monotonic() + grace_s
+    pool.wait_idle(DRAIN_SETTLE_S, min(grace_s / 3, 2.0))
+    left = max(0.0, deadline - time.monotonic())
+    server.stop(left).wait(left + 0.5)

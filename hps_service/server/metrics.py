@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import grpc
@@ -158,7 +157,7 @@ class ServerMetrics:
             self.registry.register(EngineCollector(engine))
 
     def queue_wait(self, seconds: float) -> None:
-        """Count how long a gRPC call waited for a handler thread (see :class:`QueueTimedExecutor`)."""
+        """Count how long a gRPC call waited for a handler thread (see :class:`hps_service.server.grpc_server.HandlerPool`)."""
         self.counters.observe_queue_wait(seconds)
 
     @contextmanager
@@ -188,21 +187,3 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition: this server's registry, then the process-wide default registry."""
         return generate_latest(self.registry) + generate_latest(REGISTRY)
-
-
-class QueueTimedExecutor(futures.ThreadPoolExecutor):
-    """The gRPC server's handler pool: records, per call, how long it waited for a thread (the server submits a
-    call the moment it arrives, so this is the time between its arrival and its handler starting)."""
-
-    def __init__(self, observe: Callable[[float], None], **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
-        self._observe = observe
-
-    def submit(self, fn: Callable, /, *args: object, **kwargs: object) -> futures.Future:
-        queued = time.perf_counter()
-
-        def timed() -> object:
-            self._observe(time.perf_counter() - queued)
-            return fn(*args, **kwargs)
-
-        return super().submit(timed)
