@@ -183,6 +183,10 @@ class FollowingHealth(health.HealthServicer):
             # by up to OWNER_POLL_S, and a probe in that time must not see a server that is gone as serving).
             if int(self._view.header[layout.H_STATE]) != layout.SERVING or not self._gate.owner_running(now=True):
                 statuses = {name: health_pb2.HealthCheckResponse.NOT_SERVING for name in statuses or ("", self._service)}
+            # The owner publishes a model it unloaded as NOT_SERVING once, then leaves it out: a publish this worker
+            # did not see must not leave the model SERVING here.
+            for name in self._shown.keys() - statuses.keys():
+                statuses[name] = health_pb2.HealthCheckResponse.NOT_SERVING
             for name, status in statuses.items():
                 if self._shown.get(name) != status:
                     self.set(name, status)

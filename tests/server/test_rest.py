@@ -257,6 +257,26 @@ def test_register_describe_unload_model_keeps_grpc_health_in_sync(http: httpx.Cl
     assert http.delete("/v1/models/runtime", headers=AUTH).status_code == 404
 
 
+def test_a_worker_shows_an_unloaded_model_not_serving_though_it_missed_that_publish(tmp_path: Path) -> None:
+    """The owner publishes an unloaded model NOT_SERVING once and leaves it out of its next publish (0.2 s later at
+    most); a worker that followed only the later one kept answering SERVING for the model (a flake of the test
+    above)."""
+    with running(server_config(tmp_path)) as srv:
+        assert srv.node is not None and srv.engine is not None and srv._health_thread is not None
+        srv._health_stop.set()  # from here on the owner publishes health only when this test says
+        srv._health_thread.join(5)
+        with httpx.Client(base_url=base_url(srv), timeout=30) as http:
+            body = {"name": "runtime", "tables": [{"name": "t", "dim": 3}]}
+            assert http.post("/v1/models", json=body, headers=AUTH).status_code == 201
+        with grpc.insecure_channel(target(srv)) as channel:  # a worker answers (only workers serve the port)
+            health = health_pb2_grpc.HealthStub(channel)
+            assert health.Check(health_pb2.HealthCheckRequest(service="runtime")).status == 1
+            srv.engine.unregister_model("runtime")
+            srv._served_models.discard("runtime")  # the NOT_SERVING publish is overwritten before the worker looks
+            srv.update_health()
+            assert health.Check(health_pb2.HealthCheckRequest(service="runtime")).status == 2  # NOT_SERVING
+
+
 def _put_model_rows(http: httpx.Client) -> int:
     r = http.put("/v1/models/runtime/tables/t/embeddings", json={"keys": [1], "vectors": [[1, 2, 3]]}, headers=AUTH)
     return r.json()["written"]
