@@ -1,0 +1,142 @@
+"""A worker's RocksDB secondary (CaughtUpSecondary) against a real primary: a read never misses a write noted in the
+change ring before it began, whatever the background pace; the background catches up at its pace (sooner when a
+ring fills), not on every poll; readers that find the same keys stale share one catch-up."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hps_service.config import PersistentConfig
+from hps_service.node import reader_tiers
+from hps_service.node.reader_tiers import CaughtUpSecondary
+from hps_service.store.changes import ChangeRing
+from hps_service.tiers.rocksdb import RocksDBTier
+
+DIM = 4
+
+
+class Owner:
+    """The primary and the change ring the owner notes each write batch's keys in (after the write)."""
+
+    def __init__(self, path: Path) -> None:
+        self.db = RocksDBTier(path, block_cache_mb=8)
+        self.db.create_table("t", DIM)
+        self.ring = ChangeRing(np.zeros(1 << 12, np.int64), np.zeros(4, np.int64), 0)
+        self.version = 0
+
+    def write(self, keys: list[int] | np.ndarray) -> int:
+        keys = np.asarray(keys, np.int64)
+        self.version += 1
+        self.db.put("t", keys, np.full((keys.shape[0], DIM), self.version, np.float32),
+                    np.full(keys.shape[0], self.version, np.int64))
+        self.ring.append(keys)
+        return self.version
+
+
+@pytest.fixture
+def owner(tmp_path: Path) -> Iterator[Owner]:
+    o = Owner(tmp_path / "db")
+    yield o
+    o.db.close()
+
+
+def _secondary(owner: Owner, tmp_path: Path) -> CaughtUpSecondary:
+    return CaughtUpSecondary(PersistentConfig(path=tmp_path / "db"), lambda: {"t": owner.ring}, block_cache_mb=8)
+
+
+class CountedCatchUps:
+    """Counts the secondary's RocksDB catch-ups (each optionally slowed down)."""
+
+    def __init__(self, sec: CaughtUpSecondary, delay_s: float = 0.0) -> None:
+        self.n = 0
+        real = sec._db.catch_up
+
+        def counted() -> None:
+            self.n += 1
+            time.sleep(delay_s)
+            real()
+
+        sec._db.catch_up = counted  # type: ignore[method-assign]
+
+
+def test_a_read_sees_every_write_noted_before_it_though_the_background_never_ran(
+        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(reader_tiers, "RING_SHARE", 1.0)
+    sec = _secondary(owner, tmp_path)
+    try:
+        for _ in range(5):
+            v = owner.write([1, 2, 3])
+            rows = sec.get("t", np.array([2, 9], np.int64))
+            assert rows.found.tolist() == [True, False]
+            assert rows.versions[0] == v and rows.vectors[0].tolist() == [v] * DIM
+        owner.write([7])  # a key not asked: no catch-up needed for the read of key 2
+        counted = CountedCatchUps(sec)
+        assert sec.get("t", np.array([2], np.int64)).versions[0] == v
+        assert counted.n == 0
+    finally:
+        sec.close()
+
+
+def test_the_background_catches_up_at_its_pace_not_on_every_poll(
+        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 0.3)
+    sec = _secondary(owner, tmp_path)
+    counted = CountedCatchUps(sec)
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:  # a write every 10 ms, as a steady ingest
+            owner.write([int(time.monotonic_ns() % 1000)])
+            time.sleep(0.01)
+        assert 2 <= counted.n <= 1.5 / 0.3 + 2, counted.n  # polls every 20 ms would have made about 75
+        deadline = time.monotonic() + 2
+        while sec._caught[id(owner.ring)] != owner.ring.position() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sec._caught[id(owner.ring)] == owner.ring.position()  # caught up without a read
+    finally:
+        sec.close()
+
+
+def test_a_ring_filling_up_is_caught_up_before_the_pace_says(
+        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0)
+    sec = _secondary(owner, tmp_path)
+    counted = CountedCatchUps(sec)
+    try:
+        owner.write(np.arange(10, dtype=np.int64))
+        time.sleep(0.3)
+        assert counted.n == 0  # behind, but neither the pace nor the ring says so yet
+        owner.write(np.arange(int(owner.ring.size * reader_tiers.RING_SHARE), dtype=np.int64) + 100)
+        deadline = time.monotonic() + 2
+        while counted.n == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert counted.n == 1
+        assert sec._caught[id(owner.ring)] == owner.ring.position()
+    finally:
+        sec.close()
+
+
+def test_readers_that_find_the_same_keys_stale_share_one_catch_up(
+        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0)
+    sec = _secondary(owner, tmp_path)
+    counted = CountedCatchUps(sec, delay_s=0.2)
+    try:
+        v = owner.write([5])
+        versions: list[int] = []
+        readers = [threading.Thread(target=lambda: versions.append(int(sec.get("t", np.array([5])).versions[0])))
+                   for _ in range(4)]
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join(10)
+        assert versions == [v] * 4
+        assert counted.n == 1
+    finally:
+        sec.close()
