@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from hps_service.local_processes import process_tree
 from hps_service.updates import Publisher
 from loadtest.embedded import EmbeddedServer
 from loadtest.loadgen import RESULTS, LoadSpec, process_cpu_s, run_load
@@ -225,10 +226,13 @@ def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concu
                         time.sleep(2.0)  # the consumer at its steady pace before the window opens
                     batches0 = _applied_batches(server.http_target)
                     broker0, own0 = process_cpu_s([broker.process.pid]), time.process_time()
+                    workers = process_tree(pid)[1:]  # a node's fork server and gRPC worker processes
                     applied0, cpu0, t0 = _applied_rows(server.http_target), thread_cpu(pid), time.monotonic()
+                    workers0 = process_cpu_s(workers)
                     report = run_load(spec, [pid])
                     elapsed = time.monotonic() - t0
                     applied1, cpu1 = _applied_rows(server.http_target), thread_cpu(pid)
+                    workers_s = process_cpu_s(workers) - workers0
                     broker_s, own_s = process_cpu_s([broker.process.pid]) - broker0, time.process_time() - own0
                     batches = _applied_batches(server.http_target) - batches0
                     if phase == "ingest":
@@ -242,6 +246,7 @@ def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concu
                         "applied_rows_per_s": (applied1 - applied0) / elapsed,
                         "applied_batches_per_s": batches / elapsed,
                         "server_cores": {k: (cpu1.get(k, 0.0) - cpu0.get(k, 0.0)) / elapsed for k in cpu1},
+                        "worker_processes_cores": workers_s / elapsed,
                         "broker_cores": broker_s / elapsed,
                         "publisher_process_cores": own_s / elapsed,
                     }
@@ -250,6 +255,7 @@ def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concu
                         f"{entry['p99_ms']:.1f} ms, applied {entry['applied_rows_per_s']:,.0f} rows/s in "
                         f"{entry['applied_batches_per_s']:.0f} batches/s, server cores "
                         + ", ".join(f"{k.split(' (')[0]} {v:.2f}" for k, v in entry["server_cores"].items())
+                        + f"; worker processes {entry['worker_processes_cores']:.2f}"
                         + f"; broker {entry['broker_cores']:.2f}, publisher process {entry['publisher_process_cores']:.2f}")
             if profile:
                 out["profile"] = _profile(spec, ingest, pid, workdir, say)
@@ -305,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=200_000, help="rows of the served table")
     ap.add_argument("--rate", type=int, default=10_000, help="ingested rows per second in the ingest phases")
     ap.add_argument("--publish-every", type=float, default=0.1, help="seconds between publishes of rate x this")
-    ap.add_argument("--rounds", type=int, default=2, help="pairs of phases (without, with ingest), interleaved")
+    ap.add_argument("--rounds", type=int, default=3, help="pairs of phases (without, with ingest), interleaved")
     ap.add_argument("--measure", type=float, default=6.0, help="seconds of lookups per phase")
     ap.add_argument("--workers", type=int, default=2, help="load generator processes")
     ap.add_argument("--concurrency", type=int, default=8, help="calls in flight")
