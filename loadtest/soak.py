@@ -47,6 +47,7 @@ from hps_service.client import HPSClient
 from hps_service.errors import HPSError
 from hps_service.local_processes import free_port, process_tree, pss_bytes, stop_process
 from hps_service.updates import Publisher
+from loadtest.loadgen import process_cpu_s
 
 REPO = Path(__file__).resolve().parents[1]
 TABLE = "item"
@@ -170,18 +171,12 @@ def server_memory_mib(pid: int) -> float:
 
 def server_cpu_seconds(pid: int) -> float:
     """CPU seconds used so far by ``pid`` and the processes under it (its workers)."""
-    return float(np.nansum([cpu_seconds(p) for p in process_tree(pid)]))
+    return process_cpu_s(process_tree(pid))
 
 
 def cpu_seconds(pid: int | None) -> float:
-    """User + system CPU seconds used by ``pid`` so far (NaN when unknown or gone)."""
-    if pid is None:
-        return float("nan")
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    except OSError:
-        return float("nan")
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds used by ``pid`` so far (NaN when unknown)."""
+    return float("nan") if pid is None else process_cpu_s([pid])
 
 
 # ---------------------------------------------------------------------------------------------- verdict
