@@ -7,8 +7,10 @@ Kafka updates, in one run (rounds interleaved), and where the ingest's cost goes
 
 ``hps serve`` runs the embedded default (L1 = 20% of the table, the hash map holds every row, RocksDB) with Kafka
 updates from a local tansu broker; the load generator's worker processes keep 8 calls of 1024 zipf(1.05) keys in
-flight. In the ingest phases a publisher thread sends ``--rate`` rows/s of existing keys (each a versioned update:
-RocksDB multi-get of the stored versions, a synced write batch, the hash map, the rows present in L1). Target:
+flight over 8 connections (with one per load process, the kernel put both on one of a node's two workers half the
+time, and the phases differed by which it did: idle phases of one build ranged 0.60-1.10 M keys/s). In the ingest
+phases a publisher thread sends ``--rate`` rows/s of existing keys (each a versioned update: RocksDB multi-get of
+the stored versions, a synced write batch, the hash map, the rows present in L1). Target:
 keys/s with ingest >= 0.8x keys/s without. Per phase it reports the server's CPU by thread (RocksDB's background
 compaction and flush threads, librdkafka, the Python threads), the rows applied per second, and with
 ``--profile`` a py-spy profile of who holds the server's GIL during ingest (the lookups need it): the consumer
@@ -211,7 +213,8 @@ def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concu
                 time.sleep(0.2)
             spec = LoadSpec(target=server.target, model=MODEL, tables=(TABLE,), batch=1024, workers=workers,
                             concurrency=concurrency, duration_s=measure_s, warmup_s=1.0,
-                            keys_file=str(server.keys_file), http_target=server.http_target, dim=DIM)
+                            keys_file=str(server.keys_file), http_target=server.http_target, dim=DIM,
+                            channels=4)  # 8 connections, so the kernel spreads them over a node's workers
             keys = load_keys(server.keys_file)
             ingest = Ingest(publisher, keys, DIM, rate, publish_every_s)
             say("warm-up: 5 s of lookups with ingest (kernels compiled, L1 filled, RocksDB flushing)")
