@@ -23,13 +23,17 @@ from hps_service.tiers.rocksdb import RocksDBTier
 
 log = logging.getLogger(__name__)
 
-#: How often the background thread catches the secondary up when the owner wrote something since. A catch-up costs
-#: about 3.5 ms however little it replays (measured at 10k rows/s of 64 floats: every 20 ms, 0.16 cores per worker;
-#: every 0.25 s, 0.04), and a read of a key written since catches up itself, so the pace only bounds that read's wait.
-CATCH_UP_INTERVAL_S = 0.25
-#: How often the background thread looks at the change rings; it catches up sooner than ``CATCH_UP_INTERVAL_S``
-#: once a ring has filled this share since the last catch-up (a lapped ring means opening the instance afresh).
-RING_POLL_S, RING_SHARE = 0.02, 0.25
+#: How often the background thread catches the secondary up while this worker reads RocksDB (a read within
+#: ``READING_S``) and the owner wrote something since. A catch-up costs about 3.5 ms however little it replays, plus
+#: about 2 us a row (measured at 10k rows/s of 64 floats: every 20 ms, 0.16 cores per worker; every 0.25 s, 0.04), and
+#: it holds the GIL throughout (rocksdict does not release it), stalling the worker's lookups. A read of a key written
+#: since catches up itself, so the pace only bounds that read's wait.
+CATCH_UP_INTERVAL_S, READING_S = 0.25, 5.0
+#: How often the background thread looks at the change rings, and the share of a ring written since the last catch-up
+#: at which it catches up whatever the pace (while reading, and while not: a lapped ring means opening the instance
+#: afresh, which replays every write-ahead log). A worker that does not read RocksDB (the hash map holds every row)
+#: so replays the owner's writes in a few large catch-ups instead of four a second.
+RING_POLL_S, RING_SHARE_READING, RING_SHARE_IDLE = 0.02, 0.25, 0.5
 
 
 def _read_only(what: str) -> UnavailableError:
@@ -75,9 +79,9 @@ class SharedVolatile(Tier):
 class CaughtUpSecondary(Tier):
     """RocksDB read through a secondary instance of the owner's primary. Before a read, the keys the owner wrote
     since this instance's last catch-up (its change ring) are checked against the keys asked: if any is among them
-    the instance catches up first, so a read never misses a write acknowledged before it began. A background thread
-    catches up every ``CATCH_UP_INTERVAL_S`` while the owner writes (sooner when a ring fills), which keeps that
-    check and that catch-up short."""
+    the instance catches up first, so a read never misses a write acknowledged before it began. While this process
+    reads RocksDB, a background thread catches up every ``CATCH_UP_INTERVAL_S`` while the owner writes, which keeps
+    that check and that catch-up short; otherwise only before a ring laps."""
 
     kind = "persistent"
 
@@ -91,6 +95,7 @@ class CaughtUpSecondary(Tier):
         self._refreshing = threading.Lock()  # one refresh at a time: readers that found the same keys stale share it
         self._caught: dict[int, int] = {}  # id(ring) -> position caught up to
         self._caught_at = 0.0
+        self._read_at = float("-inf")  # when this process last read RocksDB
         self._readers = threading.Condition()
         self._reading: dict[int, int] = {}  # id(instance) -> reads in progress on it
         self._db = self._open()
@@ -152,18 +157,22 @@ class CaughtUpSecondary(Tier):
         return since is None or ring.stale(since, keys)
 
     def _due(self) -> bool:
-        """Whether the background thread should catch up now: the owner wrote since the last catch-up, and either
-        ``CATCH_UP_INTERVAL_S`` passed or a ring filled ``RING_SHARE`` of itself (or is new to this instance)."""
+        """Whether the background thread should catch up now: a ring filled its share since the last catch-up (or is
+        new to this instance), or this process reads RocksDB, the owner wrote since and ``CATCH_UP_INTERVAL_S``
+        passed."""
+        now = time.monotonic()
+        reading = now - self._read_at < READING_S
+        share = RING_SHARE_READING if reading else RING_SHARE_IDLE
         behind = False
         for r in self._rings().values():
             since = self._caught.get(id(r))
             if since is None:
                 return True
             written = r.position() - since
-            if written >= r.size * RING_SHARE:
+            if written >= r.size * share:
                 return True
             behind = behind or written > 0
-        return behind and time.monotonic() - self._caught_at >= CATCH_UP_INTERVAL_S
+        return behind and reading and now - self._caught_at >= CATCH_UP_INTERVAL_S
 
     def _loop(self) -> None:
         while not self._stop.wait(RING_POLL_S):
@@ -178,6 +187,7 @@ class CaughtUpSecondary(Tier):
 
     def get(self, table: str, keys: np.ndarray) -> Rows:
         keys = as_keys(keys)
+        self._read_at = time.monotonic()
         if self._stale(table, keys):
             with self._refreshing:
                 if self._stale(table, keys):  # a refresh that ran while this read waited may have covered its keys

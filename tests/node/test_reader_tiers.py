@@ -1,6 +1,7 @@
 """A worker's RocksDB secondary (CaughtUpSecondary) against a real primary: a read never misses a write noted in the
-change ring before it began, whatever the background pace; the background catches up at its pace (sooner when a
-ring fills), not on every poll; readers that find the same keys stale share one catch-up."""
+change ring before it began, whatever the background pace; while the process reads RocksDB the background catches
+up at its pace (sooner when a ring fills), not on every poll, and otherwise only before a ring laps; readers that
+find the same keys stale share one catch-up."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ class CountedCatchUps:
 def test_a_read_sees_every_write_noted_before_it_though_the_background_never_ran(
         owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0)
-    monkeypatch.setattr(reader_tiers, "RING_SHARE", 1.0)
+    monkeypatch.setattr(reader_tiers, "RING_SHARE_READING", 1.0)
+    monkeypatch.setattr(reader_tiers, "RING_SHARE_IDLE", 1.0)
     sec = _secondary(owner, tmp_path)
     try:
         for _ in range(5):
@@ -84,10 +86,11 @@ def test_a_read_sees_every_write_noted_before_it_though_the_background_never_ran
         sec.close()
 
 
-def test_the_background_catches_up_at_its_pace_not_on_every_poll(
+def test_while_it_reads_the_background_catches_up_at_its_pace_not_on_every_poll(
         owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 0.3)
     sec = _secondary(owner, tmp_path)
+    sec.get("t", np.array([1], np.int64))  # this process reads RocksDB (for READING_S from now)
     counted = CountedCatchUps(sec)
     try:
         started = time.monotonic()
@@ -103,16 +106,22 @@ def test_the_background_catches_up_at_its_pace_not_on_every_poll(
         sec.close()
 
 
+@pytest.mark.parametrize("reading", [True, False])
 def test_a_ring_filling_up_is_caught_up_before_the_pace_says(
-        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0)
+        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reading: bool) -> None:
+    """Reading: at a quarter of the ring though the pace is an hour; not reading: only at half of it, however long
+    ago the last catch-up was (no catch-ups for a worker that never reads RocksDB, but never a lapped ring)."""
+    monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0 if reading else 0.05)
     sec = _secondary(owner, tmp_path)
+    if reading:
+        sec.get("t", np.array([1], np.int64))
     counted = CountedCatchUps(sec)
+    share = reader_tiers.RING_SHARE_READING if reading else reader_tiers.RING_SHARE_IDLE
     try:
-        owner.write(np.arange(10, dtype=np.int64))
+        owner.write(np.arange(int(owner.ring.size * share) - 1, dtype=np.int64))
         time.sleep(0.3)
         assert counted.n == 0  # behind, but neither the pace nor the ring says so yet
-        owner.write(np.arange(int(owner.ring.size * reader_tiers.RING_SHARE), dtype=np.int64) + 100)
+        owner.write([100])
         deadline = time.monotonic() + 2
         while counted.n == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
