@@ -47,8 +47,12 @@ def owner(tmp_path: Path) -> Iterator[Owner]:
     o.db.close()
 
 
-def _secondary(owner: Owner, tmp_path: Path) -> CaughtUpSecondary:
-    return CaughtUpSecondary(PersistentConfig(path=tmp_path / "db"), lambda: {"t": owner.ring}, block_cache_mb=8)
+@pytest.fixture
+def sec(owner: Owner, tmp_path: Path) -> Iterator[CaughtUpSecondary]:
+    """A worker's secondary of the owner's primary (its background thread reads the pace settings as it runs)."""
+    s = CaughtUpSecondary(PersistentConfig(path=tmp_path / "db"), lambda: {"t": owner.ring}, block_cache_mb=8)
+    yield s
+    s.close()
 
 
 class CountedCatchUps:
@@ -67,85 +71,69 @@ class CountedCatchUps:
 
 
 def test_a_read_sees_every_write_noted_before_it_though_the_background_never_ran(
-        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        owner: Owner, sec: CaughtUpSecondary, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0)
     monkeypatch.setattr(reader_tiers, "RING_SHARE_READING", 1.0)
     monkeypatch.setattr(reader_tiers, "RING_SHARE_IDLE", 1.0)
-    sec = _secondary(owner, tmp_path)
-    try:
-        for _ in range(5):
-            v = owner.write([1, 2, 3])
-            rows = sec.get("t", np.array([2, 9], np.int64))
-            assert rows.found.tolist() == [True, False]
-            assert rows.versions[0] == v and rows.vectors[0].tolist() == [v] * DIM
-        owner.write([7])  # a key not asked: no catch-up needed for the read of key 2
-        counted = CountedCatchUps(sec)
-        assert sec.get("t", np.array([2], np.int64)).versions[0] == v
-        assert counted.n == 0
-    finally:
-        sec.close()
+    for _ in range(5):
+        v = owner.write([1, 2, 3])
+        rows = sec.get("t", np.array([2, 9], np.int64))
+        assert rows.found.tolist() == [True, False]
+        assert rows.versions[0] == v and rows.vectors[0].tolist() == [v] * DIM
+    owner.write([7])  # a key not asked: no catch-up needed for the read of key 2
+    counted = CountedCatchUps(sec)
+    assert sec.get("t", np.array([2], np.int64)).versions[0] == v
+    assert counted.n == 0
 
 
 def test_while_it_reads_the_background_catches_up_at_its_pace_not_on_every_poll(
-        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        owner: Owner, sec: CaughtUpSecondary, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 0.3)
-    sec = _secondary(owner, tmp_path)
     sec.get("t", np.array([1], np.int64))  # this process reads RocksDB (for READING_S from now)
     counted = CountedCatchUps(sec)
-    try:
-        started = time.monotonic()
-        while time.monotonic() - started < 1.5:  # a write every 10 ms, as a steady ingest
-            owner.write([int(time.monotonic_ns() % 1000)])
-            time.sleep(0.01)
-        assert 2 <= counted.n <= 1.5 / 0.3 + 2, counted.n  # polls every 20 ms would have made about 75
-        deadline = time.monotonic() + 2
-        while sec._caught[id(owner.ring)] != owner.ring.position() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert sec._caught[id(owner.ring)] == owner.ring.position()  # caught up without a read
-    finally:
-        sec.close()
+    started = time.monotonic()
+    while time.monotonic() - started < 1.5:  # a write every 10 ms, as a steady ingest
+        owner.write([int(time.monotonic_ns() % 1000)])
+        time.sleep(0.01)
+    assert 2 <= counted.n <= 1.5 / 0.3 + 2, counted.n  # polls every 20 ms would have made about 75
+    deadline = time.monotonic() + 2
+    while sec._caught[id(owner.ring)] != owner.ring.position() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert sec._caught[id(owner.ring)] == owner.ring.position()  # caught up without a read
 
 
 @pytest.mark.parametrize("reading", [True, False])
 def test_a_ring_filling_up_is_caught_up_before_the_pace_says(
-        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reading: bool) -> None:
+        owner: Owner, sec: CaughtUpSecondary, monkeypatch: pytest.MonkeyPatch, reading: bool) -> None:
     """Reading: at a quarter of the ring though the pace is an hour; not reading: only at half of it, however long
     ago the last catch-up was (no catch-ups for a worker that never reads RocksDB, but never a lapped ring)."""
     monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0 if reading else 0.05)
-    sec = _secondary(owner, tmp_path)
     if reading:
         sec.get("t", np.array([1], np.int64))
     counted = CountedCatchUps(sec)
     share = reader_tiers.RING_SHARE_READING if reading else reader_tiers.RING_SHARE_IDLE
-    try:
-        owner.write(np.arange(int(owner.ring.size * share) - 1, dtype=np.int64))
-        time.sleep(0.3)
-        assert counted.n == 0  # behind, but neither the pace nor the ring says so yet
-        owner.write([100])
-        deadline = time.monotonic() + 2
-        while counted.n == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert counted.n == 1
-        assert sec._caught[id(owner.ring)] == owner.ring.position()
-    finally:
-        sec.close()
+    owner.write(np.arange(int(owner.ring.size * share) - 1, dtype=np.int64))
+    time.sleep(0.3)
+    assert counted.n == 0  # behind, but neither the pace nor the ring says so yet
+    owner.write([100])
+    deadline = time.monotonic() + 2
+    while sec._caught[id(owner.ring)] != owner.ring.position() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sec._caught[id(owner.ring)] == owner.ring.position()
+    assert counted.n == 1
 
 
 def test_readers_that_find_the_same_keys_stale_share_one_catch_up(
-        owner: Owner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        owner: Owner, sec: CaughtUpSecondary, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0)
-    sec = _secondary(owner, tmp_path)
     counted = CountedCatchUps(sec, delay_s=0.2)
-    try:
-        v = owner.write([5])
-        versions: list[int] = []
-        readers = [threading.Thread(target=lambda: versions.append(int(sec.get("t", np.array([5])).versions[0])))
-                   for _ in range(4)]
-        for r in readers:
-            r.start()
-        for r in readers:
-            r.join(10)
-        assert versions == [v] * 4
-        assert counted.n == 1
-    finally:
-        sec.close()
+    v = owner.write([5])
+    versions: list[int] = []
+    readers = [threading.Thread(target=lambda: versions.append(int(sec.get("t", np.array([5])).versions[0])))
+               for _ in range(4)]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join(10)
+    assert versions == [v] * 4
+    assert counted.n == 1
