@@ -30,7 +30,7 @@ from hps_service.errors import UnavailableError
 from hps_service.heap import HeapTrimmer
 from hps_service.node.worker_engine import WorkerEngine
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
-from hps_service.server.grpc_server import build_grpc_server, drain_and_stop
+from hps_service.server.grpc_server import build_grpc_server
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
 from hps_service.server.metrics import ServerMetrics
 from hps_service.sharding import ShardMap
@@ -132,7 +132,8 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
         health_servicer = FollowingHealth(view, engine, gate)
         shard_map = ShardMap.from_config(config.cluster)
         servicer = EmbeddingServicer(engine, config.server, gate, metrics, shard_map, _ClusterInfo(view, shard_map))
-        server, pool = build_grpc_server(config, servicer, health_servicer, reuseport=True)
+        serving = build_grpc_server(config, servicer, health_servicer, reuseport=True)
+        server = serving.server
         address = f"{config.server.host}:{port}"
         tls = config.server.tls
         bound = (server.add_secure_port(address, grpc_server_credentials(tls)) if tls is not None
@@ -146,12 +147,12 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
         sys.exit(3)
     status[worker, ns.W_STATE] = ns.W_READY
     trimmer = HeapTrimmer(config.server.heap_trim_interval_s)
+    trimmer.watch(lambda: engine.memory_bytes()["memtables"])
     trimmer.start()
     _serve(view, health_servicer, stop, gate, partial(_report, status[worker], engine))
     trimmer.stop()
-    gate.close("the server is draining")
     health_servicer.enter_graceful_shutdown()
-    drain_and_stop(server, pool, config.server.grace_period_s)
+    serving.drain_and_stop(gate, config.server.grace_period_s)
     engine.close()
     status[worker, ns.W_STATE] = ns.W_STOPPED
     log.debug("gRPC worker %d stopped", worker)

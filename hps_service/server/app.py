@@ -31,12 +31,11 @@ from hps_service.fleet.store import SnapshotBucket
 from hps_service.heap import HeapTrimmer
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
-    HandlerPool,
+    ServingGrpc,
     build_grpc_server,
-    drain_and_stop,
     message_limits,
 )
-from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
+from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
@@ -132,8 +131,7 @@ class HPSServer:
         self.shard_map = ShardMap.from_config(config.cluster)
         self.gate = ServingGate()
         self.health = health.HealthServicer()
-        self._grpc: grpc.Server | None = None
-        self._grpc_pool: HandlerPool | None = None
+        self._grpc: ServingGrpc | None = None
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self.metrics: ServerMetrics | None = None
@@ -198,7 +196,7 @@ class HPSServer:
         except Exception:
             self._stop_listeners()
             if self._grpc is not None:
-                self._grpc.stop(0)
+                self._grpc.server.stop(0)
             if self.node is not None:
                 self.node.stop_workers(0)
                 if self.engine is not None:
@@ -212,6 +210,8 @@ class HPSServer:
         self.update_health()
         self._health_thread = threading.Thread(target=self._health_loop, name="hps-health", daemon=True)
         self._health_thread.start()
+        engine = self.engine
+        self.heap_trimmer.watch(lambda: engine.memory_bytes()["memtables"])
         self.heap_trimmer.start()
         if self.node is not None:
             self.node.publish_cluster_info(self.cluster_info)
@@ -229,7 +229,8 @@ class HPSServer:
         if self.metrics is None:
             self.metrics = ServerMetrics(self.engine)
         servicer = EmbeddingServicer(self.engine, cfg, self.gate, self.metrics, self.shard_map, self.cluster_info)
-        server, pool = build_grpc_server(self.config, servicer, self.health)
+        serving = build_grpc_server(self.config, servicer, self.health)
+        server = serving.server
         port = self.grpc_port
         if self.node is None:
             address = f"{cfg.host}:{cfg.grpc_port}"
@@ -243,7 +244,7 @@ class HPSServer:
         server.start()
         if uds is not None:
             uds.chmod(0o660)  # the group (the pod's inference containers) may connect, as it may map the store
-        self._grpc, self._grpc_pool = server, pool
+        self._grpc = serving
         self.grpc_port = port
 
     def _start_node(self) -> None:
@@ -326,6 +327,8 @@ class HPSServer:
             reasons.append(restoring)
         if not self.gate.is_open:
             reasons.append(self.gate.reason)
+        elif self.gate.draining:
+            reasons.append(DRAINING)
         engine = self.engine
         if engine is None:
             return reasons
@@ -474,8 +477,9 @@ class HPSServer:
         self._http, self._http_thread = http, thread
 
     def stop(self, grace: float | None = None) -> None:
-        """Refuse new lookups, let in-flight ones finish, commit applied updates, close the tiers: all within
-        ``grace`` seconds (server.grace_period_s), the budget Kubernetes gives between SIGTERM and SIGKILL.
+        """Say NOT_SERVING, answer lookups for a lame-duck moment, then refuse them and let in-flight ones finish
+        (see :meth:`ServingGrpc.drain_and_stop`), commit applied updates, close the tiers: all within ``grace``
+        seconds (server.grace_period_s), the budget Kubernetes gives between SIGTERM and SIGKILL.
 
         The tiers close only once no write is in progress (the engine takes every table's write lock first and
         refuses later writes), so an update consumer that outlives its join timeout never writes to a closed
@@ -488,14 +492,15 @@ class HPSServer:
         def remaining(share: float = 1.0) -> float:
             return max(0.0, (deadline - time.monotonic()) * share)
 
-        self.gate.close("the server is draining")
+        self.gate.begin_draining()
         self._health_stop.set()
         self.heap_trimmer.stop()
         self.health.enter_graceful_shutdown()
         if self.node is not None:
             self.node.stop_workers(remaining(0.6))
-        if self._grpc is not None and self._grpc_pool is not None:
-            drain_and_stop(self._grpc, self._grpc_pool, remaining(0.6))
+        if self._grpc is not None:
+            self._grpc.drain_and_stop(self.gate, remaining(0.6))
+        self.gate.close(DRAINING)
         if self.consumer is not None:
             self.consumer.close_timeout_s = min(self.consumer.close_timeout_s, max(remaining(0.5), 0.5))
             self.consumer.stop(timeout=max(remaining(0.8), 1.0), commit=True)

@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -14,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hps_service.config import HPSConfig, ServerConfig
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
-from hps_service.server.grpc_service import EmbeddingServicer, add_embedding_service
+from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate, add_embedding_service
 
 _MiB = 1 << 20
 #: How long a draining server waits after its last call answered before it stops (see :meth:`HandlerPool.wait_idle`).
@@ -100,11 +101,34 @@ def grpc_connection_options(cfg: ServerConfig) -> list[tuple[str, int]]:
     return options
 
 
+@dataclass
+class ServingGrpc:
+    """A serving process's gRPC server and the handler pool it runs on."""
+
+    server: grpc.Server
+    pool: HandlerPool
+
+    def drain_and_stop(self, gate: ServingGate, grace_s: float) -> None:
+        """Stop serving within ``grace_s``, losing no call and no answer.
+
+        First a lame-duck moment: the server still answers (clients that have not yet seen it go, and those whose
+        retries land here, get answers, not refusals) until its calls have answered and their clients had
+        :data:`DRAIN_SETTLE_S` to read them, for at most a third of ``grace_s`` (2 s at most). gRPC closes a
+        connection the moment its last call ends after the server's GOAWAY, and a client still reading a large answer
+        then gets a TCP reset in place of the answer's tail. Then the gate refuses lookups and the server stops (its
+        GOAWAY sends clients' new calls elsewhere) with what is left of ``grace_s`` for calls still running."""
+        deadline = time.monotonic() + grace_s
+        self.pool.wait_idle(DRAIN_SETTLE_S, min(grace_s / 3, 2.0))
+        gate.close(DRAINING)
+        left = max(0.0, deadline - time.monotonic())
+        self.server.stop(left).wait(left + 0.5)
+
+
 def build_grpc_server(
     config: HPSConfig, servicer: EmbeddingServicer, health_servicer: health.HealthServicer, *, reuseport: bool = False
-) -> tuple[grpc.Server, HandlerPool]:
-    """A thread-pool gRPC server with the EmbeddingService, health and reflection (no port bound yet), and its
-    handler pool (stop it with :func:`drain_and_stop`).
+) -> ServingGrpc:
+    """A thread-pool gRPC server with the EmbeddingService, health and reflection (no port bound yet), on its
+    handler pool.
 
     ``reuseport``: let the node's worker processes bind one port together (SO_REUSEPORT; the kernel spreads the
     connections over them)."""
@@ -127,14 +151,5 @@ def build_grpc_server(
         (pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
         server,
     )
-    return server, pool
+    return ServingGrpc(server, pool)
 
-
-def drain_and_stop(server: grpc.Server, pool: HandlerPool, grace_s: float) -> None:
-    """Stop a server whose gate already refuses new lookups: wait (up to a third of ``grace_s``, at most 2 s) until
-    the calls it took have answered and their clients had :data:`DRAIN_SETTLE_S` to read the answers, then stop it
-    with what is left of ``grace_s`` for calls still running."""
-    deadline = time.monotonic() + grace_s
-    pool.wait_idle(DRAIN_SETTLE_S, min(grace_s / 3, 2.0))
-    left = max(0.0, deadline - time.monotonic())
-    server.stop(left).wait(left + 0.5)

@@ -59,12 +59,22 @@ def check_deadline(context: grpc.ServicerContext) -> None:
         raise DeadlineExceededError(f"the deadline passed {-remaining * 1000:.1f} ms before the lookup began")
 
 
+#: Why a server that received SIGTERM is not ready, and why it refuses lookups once its lame-duck moment is over.
+DRAINING = "the server is draining"
+
+
 class ServingGate:
-    """Whether lookups are accepted: closed while starting and while draining."""
+    """Whether lookups are accepted: closed while starting and while draining. ``draining`` is set the moment a
+    server begins to drain, while it still answers (readiness already says it is going)."""
 
     def __init__(self) -> None:
         self._open = threading.Event()
         self.reason = "the server is starting"
+        self.draining = False
+
+    def begin_draining(self) -> None:
+        """Say the server is going (readiness) while lookups are still answered, until :meth:`close`."""
+        self.draining = True
 
     def open(self) -> None:
         self._open.set()

@@ -11,7 +11,8 @@ import time
 import grpc
 import pytest
 
-from hps_service.server.grpc_server import DRAIN_SETTLE_S, HandlerPool, drain_and_stop
+from hps_service.server.grpc_server import DRAIN_SETTLE_S, HandlerPool, ServingGrpc
+from hps_service.server.grpc_service import DRAINING, ServingGate
 from tests.helpers import free_port
 
 
@@ -58,9 +59,13 @@ def test_wait_idle_gives_up_at_its_timeout() -> None:
     pool.shutdown()
 
 
-def test_drain_and_stop_lets_a_slow_call_finish_and_waits_the_settle() -> None:
+def test_drain_and_stop_answers_through_its_lame_duck_then_refuses_and_lets_clients_read() -> None:
+    """A call sent while the server drains is answered (the gate is still open); the server stops only once its
+    last answer had the settle to be read, and the gate is closed when it returns."""
     pool = _pool()
     server = grpc.server(pool)
+    gate = ServingGate()
+    gate.open()
     answered_at: list[float] = []
 
     def slow(request: bytes, context: grpc.ServicerContext) -> bytes:
@@ -68,22 +73,30 @@ def test_drain_and_stop_lets_a_slow_call_finish_and_waits_the_settle() -> None:
         answered_at.append(time.monotonic())
         return b"x" * (8 << 20)
 
+    def small(request: bytes, context: grpc.ServicerContext) -> bytes:
+        return b"open" if gate.is_open else b"refused"
+
     handler = grpc.method_handlers_generic_handler(
-        "t.T", {"Slow": grpc.unary_unary_rpc_method_handler(slow)})
+        "t.T", {"Slow": grpc.unary_unary_rpc_method_handler(slow),
+                "Small": grpc.unary_unary_rpc_method_handler(small)})
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
     server.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 16 << 20)])
-    call = channel.unary_unary("/t.T/Slow")
     result: list[bytes] = []
-    caller = threading.Thread(target=lambda: result.append(call(b"", timeout=10)))
+    caller = threading.Thread(target=lambda: result.append(channel.unary_unary("/t.T/Slow")(b"", timeout=10)))
     caller.start()
     deadline = time.monotonic() + 10
     while pool.wait_idle(0, 0) and time.monotonic() < deadline:  # until the call reached the server's pool
         time.sleep(0.005)
-    drain_and_stop(server, pool, grace_s=6.0)
+    gate.begin_draining()
+    drainer = threading.Thread(target=ServingGrpc(server, pool).drain_and_stop, args=(gate, 6.0))
+    drainer.start()
+    assert channel.unary_unary("/t.T/Small")(b"", timeout=10) == b"open"
+    drainer.join(10)
     stopped_at = time.monotonic()
     caller.join(10)
     channel.close()
     assert result and len(result[0]) == 8 << 20
     assert stopped_at - answered_at[0] >= DRAIN_SETTLE_S - 0.02
+    assert not gate.is_open and gate.reason == DRAINING
