@@ -6,6 +6,10 @@ arenas, whose freed pages stay resident. Under a steady stream of updates a serv
 with fragmentation while its live memory does not (measured in a soak at 10k rows/s: ``malloc_trim(0)`` released
 54-58 MiB in each process of a two-worker node after five minutes). ``malloc_trim`` returns the free pages of every
 arena; where it does not exist (musl, macOS) the trimmer does nothing.
+
+RocksDB frees a memtable at once when it is flushed (the owner) or dropped at a catch-up (a worker's secondary), and
+those arenas stay resident the same way until the next trim: a trimmer that watches the memtables trims as soon as
+they fall, so resident memory follows them instead of lagging a trim interval behind.
 """
 
 from __future__ import annotations
@@ -16,11 +20,16 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+#: How often a trimmer with a watched figure reads it.
+WATCH_POLL_S = 1.0
+#: A fall of the watched figure by this much since the last reading trims at once.
+TRIM_ON_FALL_BYTES = 8 << 20
 
 
 def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -65,11 +74,14 @@ class TrimStats:
 
 
 class HeapTrimmer:
-    """A daemon thread that trims the heap every ``interval_s`` seconds (0 or no ``malloc_trim``: never)."""
+    """A daemon thread that trims the heap every ``interval_s`` seconds (0 or no ``malloc_trim``: never), and, once
+    :meth:`watch` gave it a figure of freeable memory (the memtables), as soon as that figure falls by
+    :data:`TRIM_ON_FALL_BYTES`."""
 
     def __init__(self, interval_s: float) -> None:
         self.interval_s = interval_s
         self.stats = TrimStats()
+        self._watched: Callable[[], int] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -85,9 +97,32 @@ class HeapTrimmer:
         self._thread = threading.Thread(target=self._loop, name="hps-heap-trim", daemon=True)
         self._thread.start()
 
+    def watch(self, figure: Callable[[], int]) -> None:
+        """Also trim whenever ``figure()`` (bytes; read every :data:`WATCH_POLL_S`) fell by
+        :data:`TRIM_ON_FALL_BYTES` since its last reading. Call before :meth:`start`."""
+        self._watched = figure
+
+    def _read_watched(self) -> int | None:
+        if self._watched is None:
+            return None
+        try:
+            return self._watched()
+        except Exception:  # a figure missed (a store being reopened or closed): the next reading has it
+            log.debug("the trimmer's watched figure failed", exc_info=True)
+            return None
+
     def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.trim()
+        last_trim = time.monotonic()
+        seen = self._read_watched()
+        poll = min(WATCH_POLL_S, self.interval_s) if self._watched is not None else self.interval_s
+        while not self._stop.wait(poll):
+            now = time.monotonic()
+            current = self._read_watched()
+            fell = seen is not None and current is not None and seen - current >= TRIM_ON_FALL_BYTES
+            seen = current
+            if fell or now - last_trim >= self.interval_s - 0.01:
+                self.trim()
+                last_trim = now
 
     def trim(self) -> int:
         """Trim once and count it; the bytes released."""

@@ -195,6 +195,12 @@ class LookupEngine:
         """Reachability of each enabled tier."""
         return tier_health(self.volatile, self.persistent)
 
+    def memory_bytes(self) -> dict[str, int]:
+        """The persistent tier's memtables and block cache, in bytes (zeros without one)."""
+        if self.persistent is None:
+            return {"memtables": 0, "block_cache": 0}
+        return self.persistent.memory_bytes()
+
     def close(self, timeout_s: float = 30.0) -> bool:
         """Stop the repair and preload threads and the caches (saving warm-start snapshots), then close the tiers.
 

@@ -233,6 +233,11 @@ class Tier(ABC):
         """Whether the tier can currently serve (used by readiness)."""
         return True
 
+    def memory_bytes(self) -> dict[str, int]:
+        """Memory the store holds in this process beside its rows' own accounting: its write buffers (memtables)
+        and its block cache, in bytes; zeros for a store with neither."""
+        return {"memtables": 0, "block_cache": 0}
+
     @abstractmethod
     def close(self) -> None:
         """Release connections, files and memory."""

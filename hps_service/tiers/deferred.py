@@ -133,6 +133,10 @@ class DeferredTier(Tier):
         inner = self._inner
         return inner.healthy() if inner is not None else False
 
+    def memory_bytes(self) -> dict[str, int]:
+        inner = self._inner
+        return inner.memory_bytes() if inner is not None else super().memory_bytes()
+
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=5)

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from hps_service import heap
 from hps_service.heap import HeapTrimmer, resident_bytes
 
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
@@ -55,3 +56,45 @@ def test_interval_zero_never_starts_a_thread():
     trimmer.start()
     assert trimmer._thread is None
     trimmer.stop()
+
+
+def test_a_watching_trimmer_trims_when_the_figure_falls_and_only_then(monkeypatch):
+    """The memtables a flush or a catch-up frees are trimmed at once, not a whole interval later."""
+    monkeypatch.setattr(heap, "WATCH_POLL_S", 0.02)
+    figure = [100 << 20]
+    trimmer = HeapTrimmer(3600)
+    trimmer.watch(lambda: figure[0])
+    if not trimmer.supported:
+        pytest.skip("the C library has no malloc_trim")
+    trimmer.start()
+    try:
+        figure[0] += 50 << 20  # growing memtables: nothing to trim
+        time.sleep(0.2)
+        figure[0] -= heap.TRIM_ON_FALL_BYTES // 2  # a small fall
+        time.sleep(0.2)
+        assert trimmer.stats.trims == 0
+        figure[0] -= heap.TRIM_ON_FALL_BYTES  # a flush
+        deadline = time.monotonic() + 5
+        while trimmer.stats.trims == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert trimmer.stats.trims == 1
+        time.sleep(0.2)
+        assert trimmer.stats.trims == 1
+    finally:
+        trimmer.stop()
+
+
+def test_a_failing_figure_is_skipped_and_the_interval_still_trims():
+    def broken() -> int:
+        raise RuntimeError("the store is being reopened")
+
+    trimmer = HeapTrimmer(0.05)
+    trimmer.watch(broken)
+    trimmer.start()
+    try:
+        deadline = time.monotonic() + 10
+        while trimmer.supported and trimmer.stats.trims < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        trimmer.stop()
+    assert not trimmer.supported or trimmer.stats.trims >= 2
