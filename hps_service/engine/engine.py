@@ -20,7 +20,7 @@ from hps_service.engine.stats import table_stats
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write import TableChange, Writer, table_write
 from hps_service.errors import UnavailableError
-from hps_service.tiers.base import Positions, Tier, WriteResult, tier_health
+from hps_service.tiers.base import Positions, Tier, WriteResult, tier_health, tier_memory
 
 log = logging.getLogger(__name__)
 
@@ -197,9 +197,7 @@ class LookupEngine:
 
     def memory_bytes(self) -> dict[str, int]:
         """The persistent tier's memtables and block cache, in bytes (zeros without one)."""
-        if self.persistent is None:
-            return {"memtables": 0, "block_cache": 0}
-        return self.persistent.memory_bytes()
+        return tier_memory(self.persistent)
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Stop the repair and preload threads and the caches (saving warm-start snapshots), then close the tiers.

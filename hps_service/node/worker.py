@@ -147,7 +147,7 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
         sys.exit(3)
     status[worker, ns.W_STATE] = ns.W_READY
     trimmer = HeapTrimmer(config.server.heap_trim_interval_s)
-    trimmer.watch(lambda: engine.memory_bytes()["memtables"])
+    trimmer.watch(lambda: int(status[worker, ns.W_MEMTABLE_BYTES]))  # as _report last read it
     trimmer.start()
     _serve(view, health_servicer, stop, gate, partial(_report, status[worker], engine))
     trimmer.stop()

@@ -29,7 +29,7 @@ from hps_service.store.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES,
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN
 from hps_service.store.queue import record_bytes
 from hps_service.store.view import StoreView, TableView
-from hps_service.tiers.base import Tier, tier_health
+from hps_service.tiers.base import Tier, tier_health, tier_memory
 from hps_service.tiers.factory import build_volatile
 
 log = logging.getLogger(__name__)
@@ -171,9 +171,7 @@ class WorkerEngine:
 
     def memory_bytes(self) -> dict[str, int]:
         """This worker's RocksDB secondary's memtables and block cache, in bytes (zeros without RocksDB)."""
-        if self.persistent is None:
-            return {"memtables": 0, "block_cache": 0}
-        return self.persistent.memory_bytes()
+        return tier_memory(self.persistent)
 
     def healthy(self) -> dict[str, bool]:
         """Reachability of each enabled tier."""

@@ -251,3 +251,8 @@ def tier_health(volatile: Tier | None, persistent: Tier | None) -> dict[str, boo
     if persistent is not None:
         out["persistent"] = persistent.healthy()
     return out
+
+
+def tier_memory(tier: Tier | None) -> dict[str, int]:
+    """A tier's memtables and block cache in bytes (:meth:`Tier.memory_bytes`; zeros without a tier)."""
+    return tier.memory_bytes() if tier is not None else {"memtables": 0, "block_cache": 0}
