@@ -132,13 +132,11 @@ def test_draining_server_answers_unavailable_on_open_streams(tmp_path: Path) -> 
             assert stream.ask(build_request("demo", {"item": [1]})).tables[0].count == 1
             while srv.gate.is_open:
                 time.sleep(0.01)
-            ready = httpx.get(base_url(srv) + "/readyz", timeout=10)
-            assert ready.status_code == 503 and "draining" in ready.json()["error"]
+            # The gate's refusal, or the GOAWAY of the server that stops right after closing it (its REST listener
+            # closes soon after too, so readiness is checked in the lame duck above, not here).
             with pytest.raises(grpc.RpcError) as err:
                 stream.ask(build_request("demo", {"item": [1]}))
-            # The gate's refusal, or the GOAWAY of the server stopping right after it closed the gate.
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "draining" in err.value.details() or "GOAWAY" in err.value.details(), err.value.details()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
     finally:
         if stopper.ident is not None:
             stopper.join()
