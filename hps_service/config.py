@@ -241,6 +241,15 @@ class UpdatesConfig(_Section):
         0.5, ge=0.0, description="a partition whose next message is past the offset expected is read again until "
         "the gap closes or stays this long (a broker may acknowledge a record before a fetch can see it; tansu does); "
         "0 = no check")
+    replication_factor: int = Field(
+        3, ge=1, le=32, description="copies of each partition of the update, dead-letter and registration topics "
+        "the server creates (capped at the brokers the cluster has, with a WARNING)")
+    min_insync_replicas: int = Field(
+        2, ge=1, le=32, description="min.insync.replicas of the topics the server creates (capped at "
+        "replication_factor - 1): with acks=all, an acknowledged update is on this many brokers")
+    log_check_interval_s: float = Field(
+        5.0, gt=0, description="how often the consumer asks the broker where each log starts and which topic it "
+        "is: a position below the start, or a topic deleted and created again, means updates were lost")
     kafka_config: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="extra librdkafka settings for every client, e.g. security.protocol, sasl.*, ssl.*",

@@ -39,6 +39,8 @@ class LogWriter:
             pub = self._publishers.get(model)
             if pub is None:
                 pub = Publisher(self.cfg.brokers, model, topic_prefix=self.cfg.topic_prefix, partitions=self.partitions,
+                                replication_factor=self.cfg.replication_factor,
+                                min_insync_replicas=self.cfg.min_insync_replicas,
                                 **{**connection_settings(self.cfg.kafka_config), "linger.ms": 0})
                 self._publishers[model] = pub
             return pub
@@ -75,8 +77,7 @@ class LogWriter:
             # read-your-writes: every write acknowledged before this delete is applied here before versions are read
             if self.consumer is None:
                 raise UnavailableError("this replica consumes no update topic; give the delete a version")
-            ends = {k: end - 1 for k, end in self.consumer.end_offsets(model).items() if end > 0}
-            if not self.consumer.wait_applied(ends, self.ack_timeout_s):
+            if not self.consumer.wait_applied_to_end(model, self.ack_timeout_s):
                 raise UnavailableError(f"this replica did not catch up with the update topic within "
                                        f"{self.ack_timeout_s:g} s; give the delete a version")
             versions = np.zeros(keys.shape[0], dtype=np.int64)

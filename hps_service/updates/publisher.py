@@ -16,7 +16,12 @@ from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.updates.kafka_log import with_logging
 from hps_service.updates.message import MAX_MESSAGE_BYTES, encode_update, rows_per_message, topic_name
 from hps_service.updates.partitioning import group_by_partition, partition_of
-from hps_service.updates.topics import DEFAULT_PARTITIONS, ensure_topic
+from hps_service.updates.topics import (
+    DEFAULT_MIN_INSYNC_REPLICAS,
+    DEFAULT_PARTITIONS,
+    DEFAULT_REPLICATION_FACTOR,
+    ensure_topic,
+)
 
 _PRODUCER_DEFAULTS: dict[str, Any] = {
     "enable.idempotence": True,
@@ -74,6 +79,8 @@ class Publisher:
         *,
         partitions: int = DEFAULT_PARTITIONS,
         metadata_timeout_s: float = 10.0,
+        replication_factor: int = DEFAULT_REPLICATION_FACTOR,
+        min_insync_replicas: int = DEFAULT_MIN_INSYNC_REPLICAS,
         **producer_config: Any,
     ) -> None:
         if not valid_name(model):
@@ -85,7 +92,8 @@ class Publisher:
         self._conf = with_logging({**_PRODUCER_DEFAULTS, **producer_config, "bootstrap.servers": brokers})
         self._producer = Producer(self._conf)
         admin = AdminClient(with_logging({**connection_settings(producer_config), "bootstrap.servers": brokers}))
-        self.partitions = ensure_topic(admin, self.topic, partitions, timeout_s=metadata_timeout_s)
+        self.partitions = ensure_topic(admin, self.topic, partitions, timeout_s=metadata_timeout_s,
+                                       replication_factor=replication_factor, min_insync_replicas=min_insync_replicas)
         self._errors: list[str] = []
         self._fatal: list[str] = []  # fatal producer errors: the producer must be replaced before the next send
         self._lock = threading.Lock()
