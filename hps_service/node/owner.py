@@ -28,6 +28,7 @@ from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, ServedTable
 from hps_service.engine.promote import promote
+from hps_service.node.manifest_wait import wait_workers_serve
 from hps_service.node.shared_l1 import cache_entry
 from hps_service.node.supervisor import WorkerSupervisor, reserve_port
 from hps_service.node.worker_engine import KIND_ADMIT, KIND_PROMOTE
@@ -123,12 +124,14 @@ class OwnerEngine(LookupEngine):
             t.guard.mirror_to(slot.control, T_WRITE_GEN)
         self.publish()
         self._drop_slots(old)
+        wait_workers_serve(self.store, self.config.server.worker_processes(), f"model {model.name}")
 
     def unregister_model(self, name: str) -> None:
         old = set(self._slots_of(name))
         super().unregister_model(name)
         self.publish()
         self._drop_slots(old)
+        wait_workers_serve(self.store, self.config.server.worker_processes(), f"the unload of model {name}")
 
     def _slots_of(self, model: str) -> list[int]:
         with self._slot_lock:

@@ -25,7 +25,8 @@ from hps_service.engine import CacheFactory, LookupEngine, ServedTable
 from hps_service.errors import UnavailableError
 from hps_service.fleet.admin_writes import LogWriter
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
-from hps_service.fleet.registrations import forget_registration, load_registrations, save_registration
+from hps_service.fleet.registrations import load_registrations, sync_registrations
+from hps_service.fleet.services import FleetServices
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.fleet.store import SnapshotBucket
 from hps_service.heap import HeapTrimmer
@@ -47,6 +48,7 @@ from hps_service.tiers.factory import build_persistent, build_volatile
 from hps_service.tls import grpc_server_credentials, uvicorn_ssl_options
 from hps_service.updates import UpdateConsumer
 from hps_service.updates.message import topic_name
+from hps_service.updates.readiness import update_consumer_not_ready
 from hps_service.warmup import warm_all
 
 if TYPE_CHECKING:
@@ -106,22 +108,6 @@ def snapshots_root(config: HPSConfig) -> Path:
     return Path(config.persistent.path).parent / "snapshots"
 
 
-def update_consumer_not_ready(consumer: UpdateConsumer, model: str | None = None) -> str | None:
-    """The readiness reason of the update consumer (for one model, or all): no partitions yet, updates failing to
-    apply (nothing is stored meanwhile, so they are retried and replayed, but the served rows are going stale), a
-    stalled stream (messages waiting, none applied for ``updates.stall_after_s``), or not caught up with the update
-    log (at start, or after falling more than updates.max_lag_s behind)."""
-    if not consumer.ready:
-        reason = f"update consumer (group {consumer.group}) has no partitions yet"
-        return f"{reason}: {consumer.last_error}" if consumer.last_error else reason
-    if consumer.apply_error is not None:
-        return f"update consumer (group {consumer.group}) cannot apply updates: {consumer.apply_error}"
-    if consumer.stall.reason:
-        return consumer.stall.reason
-    behind = consumer.catching_up(model)
-    return f"update consumer (group {consumer.group}) {behind}" if behind else None
-
-
 class HPSServer:
     """One server process: the lookup engine behind gRPC (health checking, reflection) and the REST admin API."""
 
@@ -150,6 +136,8 @@ class HPSServer:
         self._ssl_options: dict = {}
         self.bootstrap = BootstrapProgress()
         self.snapshotter: Snapshotter | None = None
+        self.remote_snapshots: RemoteSnapshots | None = None
+        self.fleet: FleetServices | None = None
         self.log_writer: LogWriter | None = None
         self._app = SwitchableApp(create_starting_app(self.readiness_report))
         self._probes: ProbeServer | None = None
@@ -189,8 +177,12 @@ class HPSServer:
                     self.engine = build_engine(self.config)
             self._start_grpc(credentials)
             self._make_snapshotter()
+            self.fleet = FleetServices(self.config, self.engine, self.models_changed, self._group())
+            self.readiness.append(self.fleet.not_ready)
+            self.stats_sections["registry"] = self.fleet.stats
             self._app.target = create_app(self._admin_context())
             self._start_updates()
+            self.fleet.start()
             if self.snapshotter is not None:
                 self.snapshotter.start(self.config.persistent.snapshot_interval_s)
         except Exception:
@@ -297,12 +289,15 @@ class HPSServer:
         self.snapshotter = Snapshotter(
             self.engine, SnapshotBucket(pcfg.snapshot_store, pcfg.snapshot_upload_bytes_per_s),
             snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
+            refuse=lambda model: self.consumer.lost_reason(model) if self.consumer is not None else None,
         )
 
     def _admin_context(self) -> AdminContext:
         assert self.engine is not None and self.metrics is not None
         local = SnapshotStore(self.engine, snapshots_root(self.config))
-        snapshots = local if self.snapshotter is None else RemoteSnapshots(self.snapshotter, local)
+        if self.snapshotter is not None:
+            self.remote_snapshots = RemoteSnapshots(self.snapshotter, local)
+        snapshots = self.remote_snapshots or local
         return AdminContext(
             engine=self.engine,
             config=self.config,
@@ -313,6 +308,7 @@ class HPSServer:
             readiness=self.readiness_report,
             stats_sections=self.stats_sections,
             on_models_changed=self.models_changed,
+            registrations=self.fleet.registrations if self.fleet is not None else None,
             log_writer=lambda: self.log_writer,
             shard_map=self.shard_map,
             cluster_info=self.cluster_info,
@@ -415,8 +411,7 @@ class HPSServer:
         assert self.engine is not None
         if self.config.updates.type != "kafka" or not self.engine.models():
             return
-        ucfg = self.config.updates
-        group = ucfg.group or f"{ucfg.topic_prefix}.{socket.gethostname()}"
+        ucfg, group = self.config.updates, self._group()
         cluster = self.config.cluster
         consumer = UpdateConsumer(ucfg, self.engine, [m.name for m in self.engine.models()], group,
                                   partitions=cluster.partitions, shards=cluster.shards, shard=cluster.shard)
@@ -425,24 +420,22 @@ class HPSServer:
         self.log_writer = LogWriter(ucfg, self.engine, consumer, partitions=cluster.partitions)
         self.log_writer.prepare([m.name for m in self.engine.models()])
         self.stats_sections["updates"] = consumer.stats
+        if self.fleet is not None:
+            self.fleet.watch_losses(consumer, self.remote_snapshots)
         log.info("consuming updates from %s as group %s (shard %d of %d: partitions %s of %d)", ucfg.brokers, group,
                  cluster.shard, cluster.shards, self.shard_map.owned_partitions() if cluster.shards > 1 else "all",
                  cluster.partitions)
+
+    def _group(self) -> str:
+        """This replica's consumer group: updates.group, or one of its own per pod."""
+        return self.config.updates.group or f"{self.config.updates.topic_prefix}.{socket.gethostname()}"
 
     def models_changed(self) -> None:
         """After a model is registered or unloaded at runtime: stored registrations (models the config does not
         define survive a restart), health per model, and the update topics consumed."""
         assert self.engine is not None
-        persistent = self.engine.persistent
-        if persistent is not None and not self.config.persistent.read_only:
-            configured = {m.name for m in self.config.models}
-            loaded = {m.name: m for m in self.engine.models()}
-            for name, model in loaded.items():
-                if name not in configured:
-                    save_registration(persistent, model)
-            for model in load_registrations(persistent):
-                if model.name not in loaded:
-                    forget_registration(persistent, model.name)
+        if not self.config.persistent.read_only:
+            sync_registrations(self.engine.persistent, {m.name for m in self.config.models}, self.engine.models())
         self.update_health()
         with self._consumer_lock:
             names = [m.name for m in self.engine.models()]
@@ -501,6 +494,8 @@ class HPSServer:
         if self._grpc is not None:
             self._grpc.drain_and_stop(self.gate, remaining(0.6))
         self.gate.close(DRAINING)
+        if self.fleet is not None:
+            self.fleet.stop(max(remaining(0.3), 0.5))
         if self.consumer is not None:
             self.consumer.close_timeout_s = min(self.consumer.close_timeout_s, max(remaining(0.5), 0.5))
             self.consumer.stop(timeout=max(remaining(0.8), 1.0), commit=True)

@@ -37,6 +37,7 @@ from hps_service.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from hps_service.fleet.registry_log import ModelRegistrations
 from hps_service.server.grpc_service import ServingGate, status_for
 from hps_service.server.jobs import JobRunner, import_job, persistent_rocksdb
 from hps_service.server.metrics import ServerMetrics
@@ -94,6 +95,8 @@ class AdminContext:
     #: Called after a model is registered or unloaded (keeps gRPC health, the consumer and stored registrations
     #: in sync).
     on_models_changed: Callable[[], None] = lambda: None
+    #: Registers and unloads models (through the registration log in a fleet); None: on this server only.
+    registrations: ModelRegistrations | None = None
     #: The keys this server answers; others are refused with 421 naming their shard.
     shard_map: ShardMap = field(default_factory=ShardMap)
     #: GET /v1/cluster (the fields of hps.v1.ClusterInfo); None: built from shard_map and readiness.
@@ -286,6 +289,7 @@ class SwitchableApp:
 def create_app(ctx: AdminContext) -> FastAPI:
     """The admin FastAPI application over ``ctx``."""
     engine = ctx.engine
+    registrations = ctx.registrations or ModelRegistrations(engine, (), ctx.on_models_changed)
     app = FastAPI(
         title="hps-service admin API",
         version="1",
@@ -360,8 +364,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     def register_model(model: ModelConfig, replace: bool = False) -> dict[str, Any]:
         if not replace and any(m.name == model.name for m in engine.models()):
             raise HTTPException(409, f"model '{model.name}' is already loaded (pass replace=true to replace it)")
-        engine.register_model(model)
-        ctx.on_models_changed()
+        registrations.register(model)
         return describe_model(engine, model.name)
 
     @app.get("/v1/models/{model}", tags=["models"], summary="Describe a model: tables, dims, rows per tier")
@@ -371,8 +374,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.delete("/v1/models/{model}", tags=["models"], dependencies=admin,
                 summary="Unload a model (its rows stay stored)")
     def unload_model(model: str) -> dict[str, str]:
-        engine.unregister_model(model)
-        ctx.on_models_changed()
+        registrations.unload(model)
         return {"unloaded": model}
 
     # ---- rows -------------------------------------------------------------------------------------

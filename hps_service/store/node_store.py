@@ -38,12 +38,23 @@ TABLE_CTRL_LEN = 24
 #: Bytes of each worker's queue to the owner.
 QUEUE_BYTES = 8 << 20
 #: Worker status fields (int64, one 64-byte row per worker): its pid, its state, how often it was started; as the
-#: worker last reported them: its RocksDB secondary's memtable and block-cache bytes, and the admission records it
-#: dropped because its queue to the owner was full.
+#: worker last reported them: its RocksDB secondary's memtable and block-cache bytes, the admission records it
+#: dropped because its queue to the owner was full, and the manifest generation it serves (models and tables).
 W_PID, W_STATE, W_STARTS, W_MEMTABLE_BYTES, W_BLOCK_CACHE_BYTES, W_ADMISSIONS_DROPPED = 0, 1, 2, 3, 4, 5
+W_MANIFEST = 6
 W_FIELDS = 8
 #: Worker states.
 W_NONE, W_STARTING, W_READY, W_FAILED, W_STOPPED = 0, 1, 2, 3, 4
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
 
 
 @dataclass
@@ -183,6 +194,13 @@ class NodeStore:
             os.fchmod(f.fileno(), self.file_mode)
             json.dump(data, f)
         os.replace(tmp, self.path / name)
+
+    def workers_behind(self, count: int) -> list[int]:
+        """The ready workers (of the first ``count``) that do not serve the manifest published last yet."""
+        published = int(self.header[layout.H_MANIFEST])
+        rows = self.workers[:count]
+        return [i for i in range(count) if rows[i, W_STATE] == W_READY and rows[i, W_MANIFEST] < published
+                and _alive(int(rows[i, W_PID]))]
 
     def table_slots(self) -> dict[int, TableSlot]:
         with self._lock:
