@@ -33,6 +33,7 @@ class LogLosses:
 
     group: str
     engine: Any
+    metrics: Any
     topics: dict[str, str]
     logs: BrokerLogs
     ledger: LogLedger
@@ -130,6 +131,7 @@ class LogLosses:
         self._parked = {p: o for p, o in self._parked.items() if p not in parts}
         self.catch_up.forget(parts)
         self.gaps.forget(parts)
+        self.metrics.forget_partitions(list(parts))  # no lag figure for a partition nobody reads
         for x in losses:
             self._lost[x.part] = x
             LOG_GAPS.labels(x.topic, str(x.partition)).inc()
