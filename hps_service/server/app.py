@@ -293,7 +293,7 @@ class HPSServer:
         )
 
     def _admin_context(self) -> AdminContext:
-        assert self.engine is not None and self.metrics is not None
+        assert self.engine is not None and self.metrics is not None and self.fleet is not None
         local = SnapshotStore(self.engine, snapshots_root(self.config))
         if self.snapshotter is not None:
             self.remote_snapshots = RemoteSnapshots(self.snapshotter, local)
@@ -307,8 +307,7 @@ class HPSServer:
             snapshots=snapshots,
             readiness=self.readiness_report,
             stats_sections=self.stats_sections,
-            on_models_changed=self.models_changed,
-            registrations=self.fleet.registrations if self.fleet is not None else None,
+            registrations=self.fleet.registrations,
             log_writer=lambda: self.log_writer,
             shard_map=self.shard_map,
             cluster_info=self.cluster_info,

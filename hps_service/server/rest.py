@@ -90,13 +90,10 @@ class AdminContext:
     snapshots: SnapshotStore | Any
     #: What /readyz reports: the reasons the server is not ready and details (HPSServer.readiness).
     readiness: Readiness
+    #: Registers and unloads models (through the registration log in a fleet), keeping health and the consumer in step.
+    registrations: ModelRegistrations
     #: Extra sections of /v1/stats, e.g. ``{"updates": consumer.stats}``.
     stats_sections: dict[str, Callable[[], dict]] = field(default_factory=dict)
-    #: Called after a model is registered or unloaded (keeps gRPC health, the consumer and stored registrations
-    #: in sync).
-    on_models_changed: Callable[[], None] = lambda: None
-    #: Registers and unloads models (through the registration log in a fleet); None: on this server only.
-    registrations: ModelRegistrations | None = None
     #: The keys this server answers; others are refused with 421 naming their shard.
     shard_map: ShardMap = field(default_factory=ShardMap)
     #: GET /v1/cluster (the fields of hps.v1.ClusterInfo); None: built from shard_map and readiness.
@@ -289,7 +286,6 @@ class SwitchableApp:
 def create_app(ctx: AdminContext) -> FastAPI:
     """The admin FastAPI application over ``ctx``."""
     engine = ctx.engine
-    registrations = ctx.registrations or ModelRegistrations(engine, (), ctx.on_models_changed)
     app = FastAPI(
         title="hps-service admin API",
         version="1",
@@ -364,7 +360,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     def register_model(model: ModelConfig, replace: bool = False) -> dict[str, Any]:
         if not replace and any(m.name == model.name for m in engine.models()):
             raise HTTPException(409, f"model '{model.name}' is already loaded (pass replace=true to replace it)")
-        registrations.register(model)
+        ctx.registrations.register(model)
         return describe_model(engine, model.name)
 
     @app.get("/v1/models/{model}", tags=["models"], summary="Describe a model: tables, dims, rows per tier")
@@ -374,7 +370,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.delete("/v1/models/{model}", tags=["models"], dependencies=admin,
                 summary="Unload a model (its rows stay stored)")
     def unload_model(model: str) -> dict[str, str]:
-        registrations.unload(model)
+        ctx.registrations.unload(model)
         return {"unloaded": model}
 
     # ---- rows -------------------------------------------------------------------------------------
