@@ -123,5 +123,6 @@ class LostUpdatesRecovery:
                f"past the logs' start" if seen else f"no snapshot of {model} in {self.bucket.url}")
         if self._waiting.get(model) != why:
             self._waiting[model] = why
-            log.warning("lost partitions of %s: %s; waiting for one (looked for every %g s)", model, why, self.interval_s)
+            log.warning("lost partitions of %s: %s; waiting for one (looked for every %g s)", model, why,
+                        self.interval_s)
         return None

@@ -40,9 +40,8 @@ class FleetServices:
         ``updates.log_check_interval_s`` while partitions are lost)."""
         if snapshots is None or self.recovery is not None:
             return
-        self.recovery = LostUpdatesRecovery(
-            consumer, snapshots.bucket, lambda model, sid, progress, keys: snapshots.restore(model, sid, progress, keys),
-            self.config.updates.log_check_interval_s)
+        self.recovery = LostUpdatesRecovery(consumer, snapshots.bucket, snapshots.restore,
+                                            self.config.updates.log_check_interval_s)
         self.recovery.start()
 
     def not_ready(self) -> str | None:
