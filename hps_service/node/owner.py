@@ -266,6 +266,8 @@ class NodeOwner:
         local = cfg.local
         self.store = NodeStore(local.path if local.enabled else store_parent(), private=not local.enabled,
                                processes=self.workers + 1, workers=self.workers)
+        if (uds := cfg.local_socket()) is not None:  # where LocalClient readers send their misses
+            self.store.extra["socket"] = str(uds)
         WorkerSupervisor.prepare()
         self.wake = multiprocessing.get_context("forkserver").Semaphore(0)
         self.supervisor = WorkerSupervisor(config, self.store, self.wake, log_level)

@@ -18,6 +18,7 @@ import numpy as np
 import uvicorn
 from grpc_health.v1 import health, health_pb2
 
+from hps_client.channel import ACCEPTING_SERVICE
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
@@ -322,6 +323,21 @@ class HPSServer:
     def not_ready(self, model: str | None = None) -> list[str]:
         """Why the server (or one model) must not receive traffic: starting, bootstrapping, draining, a tier down,
         no model, updates not caught up or failing, or a check in ``readiness``. Empty when ready."""
+        reasons = self.not_accepting(model)
+        if self.engine is None:
+            return reasons
+        for check in self.readiness:
+            if reason := check():
+                reasons.append(reason)
+        consumer = self.consumer
+        if consumer is not None and (reason := update_consumer_not_ready(consumer, model)):
+            reasons.append(reason)
+        return reasons
+
+    def not_accepting(self, model: str | None = None) -> list[str]:
+        """Why the server would not answer a call now (gRPC health ``ACCEPTING_SERVICE``, which clients balance
+        on): starting, bootstrapping, draining, its persistent tier down, no model. Update lag is not a reason: it
+        hits every replica at once, and taking them all out of the clients' rotation would be an outage."""
         reasons = []
         if (restoring := self.bootstrap.describe()) is not None:
             reasons.append(restoring)
@@ -339,12 +355,6 @@ class HPSServer:
             reasons.append("no model is loaded")
         elif model is not None and model not in loaded:
             reasons.append(f"model '{model}' is not loaded")
-        for check in self.readiness:
-            if reason := check():
-                reasons.append(reason)
-        consumer = self.consumer
-        if consumer is not None and (reason := update_consumer_not_ready(consumer, model)):
-            reasons.append(reason)
         return reasons
 
     def degraded(self) -> list[str]:
@@ -366,13 +376,15 @@ class HPSServer:
 
     def update_health(self) -> None:
         """gRPC health: service "" and EmbeddingService SERVING only when the server is ready, each loaded model when
-        it is (its updates caught up), NOT_SERVING for a model unloaded since."""
+        it is (its updates caught up), NOT_SERVING for a model unloaded since; ``ACCEPTING_SERVICE`` SERVING while
+        it takes calls (what clients balance on)."""
         if self.engine is None:
             return
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         with self._health_lock:
             overall = serving if not self.not_ready() else not_serving
-            statuses = {"": overall, pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name: overall}
+            statuses = {"": overall, pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name: overall,
+                        ACCEPTING_SERVICE: serving if not self.not_accepting() else not_serving}
             loaded = {m.name for m in self.engine.models()}
             for name in loaded:
                 statuses[name] = serving if not self.not_ready(name) else not_serving
