@@ -8,7 +8,7 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test test-images image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test test-images test-coexistence image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
@@ -71,12 +71,18 @@ test-images: install-dev test-deps image-deps
 lock: install-dev
 	$(PY) docker/lock_requirements.py
 
+# hps-client in fresh virtualenvs beside tritonclient[grpc], tensorflow-serving-api and feast, each neighbour's whole
+# package imported (make test runs the resolution checks, the floors, tritonclient and feast with their stubs only).
+test-coexistence: install-dev
+	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/client/test_coexistence.py $(PYTEST_ARGS)
+
 # One copy of the rows per node: PSS of a server with 2 gRPC workers vs 1 over a 1M x 64 table (minutes).
 test-node-memory: install-dev
 	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/node/test_memory.py
 
-proto: install-dev
-	PYTHON=$(PY) ./scripts/gen_proto.sh
+# The stubs come from an old protoc in a virtualenv of its own (build/protoc-venv): see scripts/gen_proto.sh.
+proto:
+	./scripts/gen_proto.sh
 
 var/demo/demo.npz: | $(VENV)/.installed
 	$(HPS) synth --rows $(DEMO_ROWS) --dim $(DEMO_DIM) --out $@
