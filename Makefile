@@ -8,13 +8,14 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test test-images test-coexistence image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
 	@echo "make test    - install with dev extras, install redis-server if missing, run the test suite"
 	@echo "make test-images - build the CPU image with podman and run it (minutes)"
 	@echo "make proto   - regenerate gRPC stubs from protos/"
+	@echo "make dist    - build the wheels and sdists of hps-client and hps-service, twine check them"
 	@echo "make demo    - broker + server + online trainer + inference loop, printing AUC, hit rates, freshness"
 	@echo "make bench   - run the benchmarks under loadtest/ and print the ratios"
 	@echo "make loadtest - load the embedded default over gRPC: QPS, latency percentiles, hit rates, plots"
@@ -120,6 +121,10 @@ lint: install-dev
 helm-lint: install-dev
 	$(PY) deploy/values_schema.py
 	$(PY) deploy/check_chart.py
+
+# Wheels and sdists of hps-client and hps-service in dist/, checked with twine.
+dist: install-dev
+	PYTHON=$(PY) ./scripts/build_dist.sh
 
 IMAGE ?= hps-service
 IMAGE_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
