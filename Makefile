@@ -38,7 +38,7 @@ TORCH_VERSION ?= 2.13.0
 $(VENV)/.installed-dev: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q 'torch==$(TORCH_VERSION)'
 	$(PIP) install -q -e $(CLIENT)
-	$(PIP) install -q -e '.[dev,trainer,demo]'
+	$(PIP) install -q -e '.[dev,trainer,demo,otel]'
 	@touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed

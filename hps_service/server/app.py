@@ -31,6 +31,7 @@ from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.fleet.store import SnapshotBucket
 from hps_service.heap import HeapTrimmer
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
     ServingGrpc,
     build_grpc_server,
@@ -40,7 +41,7 @@ from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, Serving
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
-from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_app, create_starting_app
+from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_starting_app
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.sharding import ShardMap
 from hps_service.tiers.base import Tier
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
     from hps_service.node.owner import NodeOwner
 
 log = logging.getLogger(__name__)
-
 
 
 def build_engine(config: HPSConfig) -> LookupEngine:
@@ -190,7 +190,7 @@ class HPSServer:
                     self.engine = build_engine(self.config)
             self._start_grpc(credentials)
             self._make_snapshotter()
-            self._app.target = create_app(self._admin_context())
+            self._app.target = admin_app(self._admin_context())
             self._start_updates()
             if self.snapshotter is not None:
                 self.snapshotter.start(self.config.persistent.snapshot_interval_s)

@@ -58,8 +58,10 @@ class HPSClient:
     the server's pod reading its shared store (needs the ``hps-service`` package, not only this client).
 
     ``metadata`` is sent on every call (e.g. a token), after which each call's own ``metadata=`` follows;
-    ``interceptors`` (``grpc.UnaryUnaryClientInterceptor`` and friends, e.g. OpenTelemetry's
-    ``client_interceptor()``, which sends the W3C ``traceparent``) wrap every channel; ``hedging`` (a
+    ``interceptors`` (``grpc.UnaryUnaryClientInterceptor`` and friends) wrap every channel. For tracing, OpenTelemetry's
+    ``GrpcInstrumentorClient().instrument()`` instruments every channel the client opens (it sends the W3C
+    ``traceparent``; it reads the global tracer provider); its ``client_interceptor()`` is not a gRPC interceptor and
+    cannot be passed here. ``hedging`` (a
     :class:`HedgingPolicy` or gRPC's ``hedgingPolicy`` dict) sends a second copy of a slow unsharded lookup to
     another replica (see :mod:`hps_client.attempts`).
     """
