@@ -15,12 +15,11 @@ import asyncio
 import importlib
 import json
 import logging
+import re
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
-from concurrent import futures
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,7 +33,6 @@ pytest.importorskip("opentelemetry.sdk")
 from grpc_health.v1 import health  # noqa: E402
 from opentelemetry import propagate, trace  # noqa: E402
 from opentelemetry.instrumentation.grpc import aio_client_interceptors  # noqa: E402
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
@@ -50,6 +48,7 @@ from hps_service.server.grpc_service import EmbeddingServicer, ServingGate  # no
 from hps_service.server.jobs import JobRunner  # noqa: E402
 from hps_service.server.metrics import ServerMetrics  # noqa: E402
 from hps_service.server.rest import AdminContext  # noqa: E402
+from tests.fixtures.otlp_collector import Collector, OtlpCollector, Span  # noqa: E402
 from tests.fixtures.redis_cluster import RedisClusterProcess  # noqa: E402
 from tests.helpers import ServerProcess, free_port, write_config  # noqa: E402
 
@@ -59,62 +58,10 @@ LOOKUP = "/hps.v1.EmbeddingService/Lookup"
 HITS = ("hps.hits.cache", "hps.hits.volatile", "hps.hits.persistent", "hps.misses")  # sources 1, 2, 3, 4
 
 
-@dataclass
-class Span:
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str
-    kind: int
-    attributes: dict
-    resource: dict
-
-
-def _value(v) -> object:
-    kind = v.WhichOneof("value")
-    return list(_value(x) for x in v.array_value.values) if kind == "array_value" else getattr(v, kind)
-
-
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """An OTLP/gRPC trace receiver keeping every span it is sent."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self._changed = threading.Condition()
-
-    def Export(self, request, context):  # noqa: N802 - the OTLP method name
-        with self._changed:
-            for rs in request.resource_spans:
-                resource = {a.key: _value(a.value) for a in rs.resource.attributes}
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        self.spans.append(Span(s.name, s.trace_id.hex(), s.span_id.hex(), s.parent_span_id.hex(),
-                                               s.kind, {a.key: _value(a.value) for a in s.attributes}, resource))
-            self._changed.notify_all()
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def wait(self, found: Callable[[list[Span]], list[Span]], what: str, timeout: float = 20) -> list[Span]:
-        """The spans ``found`` picks out, once it picks any (the workers export every 0.1 s)."""
-        deadline = time.monotonic() + timeout
-        with self._changed:
-            while not (picked := found(self.spans)):
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise AssertionError(f"no span {what} in {len(self.spans)} spans: "
-                                         f"{sorted({(s.name, s.trace_id[:8]) for s in self.spans})[:20]}")
-                self._changed.wait(left)
-            return picked
-
-
 @pytest.fixture(scope="module")
 def collector() -> Iterator[tuple[Collector, int]]:
-    receiver = Collector()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield receiver, port
-    server.stop(0)
+    with OtlpCollector() as running:
+        yield running.spans, running.port
 
 
 @dataclass
@@ -223,14 +170,14 @@ def test_a_request_id_is_made_when_none_is_sent_and_a_bad_one_is_refused(node, c
     request = pb.LookupRequest(model="demo", tables=[pb.TableKeys(table="item", keys=np.arange(3, dtype="<i8").tobytes())])
     with grpc.insecure_channel(node.srv.target) as channel:
         stub = pb_grpc.EmbeddingServiceStub(channel)
-        _, call = stub.Lookup.with_call(request, timeout=10)
-        made = dict(call.initial_metadata())["x-request-id"]
-        assert len(made) == 16 and int(made, 16) >= 0
+        stub.Lookup(request, timeout=10, metadata=[("traceparent", f"00-{'e1' * 16}-{'f2' * 8}-01")])  # no request id
         for bad in ("r" * 129, "has space"):
             with pytest.raises(grpc.RpcError) as err:
                 stub.Lookup(request, timeout=10, metadata=[("x-request-id", bad)])
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "x-request-id" in err.value.details()
-    received.wait(lambda spans: [s for s in spans if s.attributes.get("hps.request_id") == made], "with the id made")
+    (made,) = received.wait(lambda spans: [s for s in spans if s.trace_id == "e1" * 16 and s.name == LOOKUP],
+                            "of the call without an id")
+    assert made.parent_id == "f2" * 8 and re.fullmatch("[0-9a-f]{16}", made.attributes["hps.request_id"])
     with HPSClient(node.srv.target) as c, pytest.raises(InvalidArgumentError, match="x-request-id"):
         c.lookup("demo", "item", [1], metadata=[("x-request-id", "r" * 129)])
     bad = node.http.get("/v1/models/demo/tables/item/embeddings", params={"keys": "1"},

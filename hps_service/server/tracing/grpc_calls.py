@@ -1,6 +1,7 @@
 """Tracing of the EmbeddingService's calls: OpenTelemetry's gRPC server interceptor (a SERVER span per call, the
 caller's ``traceparent`` followed), then ours: the call's request id (the caller's ``x-request-id``, checked, or a
-new one), sent back in the initial metadata, set on the span and made the current call for the log lines."""
+new one), set on the span and made the current call for the log lines. It is not sent back: initial metadata of
+its own would cost every call another batch of gRPC work, and a caller that wants to quote an id sends its own."""
 
 from __future__ import annotations
 
@@ -39,7 +40,6 @@ def _begin(context: grpc.ServicerContext) -> CallInfo:
     except InvalidArgumentError as err:
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
     trace.get_current_span().set_attribute("hps.request_id", call.request_id)
-    context.send_initial_metadata(((REQUEST_ID, call.request_id),))
     return call
 
 

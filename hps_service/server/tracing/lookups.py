@@ -30,10 +30,10 @@ class TracedEngine:
 
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
                sources: np.ndarray | None = None) -> LookupResult:
-        """The engine's lookup, recorded in a span when the call is sampled."""
+        """The engine's lookup, recorded in a span when the call is sampled (an unsampled call makes no span)."""
+        if not trace.get_current_span().is_recording():
+            return self._engine.lookup(model, table, keys, out, sources)
         with self._tracer.start_as_current_span("hps.lookup", kind=trace.SpanKind.INTERNAL) as span:
-            if not span.is_recording():
-                return self._engine.lookup(model, table, keys, out, sources)
             span.set_attributes({"hps.model": model, "hps.table": table, "hps.keys": int(keys.shape[0])})
             result = self._engine.lookup(model, table, keys, out, sources)
             counts = np.bincount(result.sources, minlength=DEFAULT + 1)
