@@ -43,8 +43,8 @@ class Image:
 
 
 IMAGES = (
-    Image(DOCKER / "requirements.lock", "3.11", (), ("async-timeout",)),
-    Image(DOCKER / "requirements-cuda.lock", "3.12", ("gpu",)),
+    Image(DOCKER / "requirements.lock", "3.11", ("otel",), ("async-timeout",)),
+    Image(DOCKER / "requirements-cuda.lock", "3.12", ("gpu", "otel")),
 )
 
 

@@ -243,7 +243,10 @@ def test_cuda_image_installs_the_gpu_extra_from_its_lock() -> None:
     finally:
         sys.path.pop(0)
     cuda = next(image for image in IMAGES if image.lock.name == "requirements-cuda.lock")
-    assert cuda.extras == ("gpu",) and cuda.python == "3.12"  # Ubuntu 24.04's python3, as in the CUDA base image
+    assert cuda.extras == ("gpu", "otel") and cuda.python == "3.12"  # Ubuntu 24.04's python3, as the CUDA base
+    for image in IMAGES:  # server.tracing works in either image: the otel extra is locked in both
+        assert "otel" in image.extras
+        assert re.search(r"^opentelemetry-sdk==", image.lock.read_text(), re.M), image.lock
     out = subprocess.run([sys.executable, str(REPO / "docker/pyproject_requirements.py"),
                           str(REPO / "pyproject.toml"), "gpu"], capture_output=True, text=True, check=True)
     assert any(line.startswith("cupy-cuda12x") for line in out.stdout.splitlines())
