@@ -78,7 +78,7 @@ def node(tmp_path_factory, collector, redis_cluster: RedisClusterProcess) -> Ite
     grpc_port, http_port = free_port(), free_port()
     cfg = write_config(root / "hps.yaml", {
         "server": {"grpc_port": grpc_port, "http_port": http_port, "workers": 2, "admin_token": TOKEN,
-                   "log_format": "json", "max_connection_age_s": 0,
+                   "log_format": "json", "max_connection_age_s": 0, "grace_period_s": 2,
                    "tracing": {"enabled": True, "endpoint": f"http://127.0.0.1:{collector[1]}",
                                "export_interval_s": 0.1, "service_name": "hps-under-test"}},
         "cache": {"capacity": 4096, "warm_start": False},
