@@ -48,6 +48,22 @@ class LocalStoreConfig(_Section):
     path: Path = Field(Path("/dev/shm/hps"), description="directory of the shared store (memory-backed)")
 
 
+class TracingConfig(_Section):
+    """OpenTelemetry spans of gRPC and REST calls, exported over OTLP/gRPC (needs the ``otel`` extra). Off by default,
+    and then nothing of it runs on a call: no interceptor, no middleware, no span, no request id."""
+
+    enabled: bool = False
+    endpoint: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(/.*)?$", description="OTLP/gRPC collector, e.g. http://otel-collector:4317 "
+        "(https:// for TLS); default OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else "
+        "http://localhost:4317. Headers (e.g. a vendor's key) come from OTEL_EXPORTER_OTLP_HEADERS, never the file")
+    service_name: str = Field("hps-service", min_length=1, max_length=128, description="the spans' service.name")
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="share of calls without a caller's trace decision that are traced; a "
+        "caller's sampled (or not) traceparent is always followed")
+    export_interval_s: float = Field(1.0, gt=0, le=60, description="a process exports its finished spans this often")
+
+
 class ServerConfig(_Section):
     """Network endpoints and request limits."""
 
@@ -93,6 +109,7 @@ class ServerConfig(_Section):
         "stream; 0: never")
     log_format: Literal["text", "json"] = Field(
         "text", description="stderr log lines as text, or one JSON object per line (librdkafka and uvicorn too)")
+    tracing: TracingConfig = Field(default_factory=lambda: TracingConfig())
     probe_port: int | None = Field(
         None, ge=0, le=65535, description="plaintext HTTP port answering only /healthz and /readyz, for probes that "
         "cannot speak (mutual) TLS; off when unset")

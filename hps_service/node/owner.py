@@ -39,6 +39,7 @@ from hps_service.store.counters import REQ_LATENCY, REQ_STATUS, TABLE_DEFAULTS, 
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, NodeStore, TableSlot
 from hps_service.store.queue import Record
 from hps_service.store.region import array_spec
+from hps_service.store.usage import resident_bytes
 from hps_service.tiers.factory import build_persistent, build_volatile
 
 log = logging.getLogger(__name__)
@@ -239,7 +240,10 @@ class NodeCollector(Collector):
                                    "instances, all workers together", labels=["kind"])
         memory.add_metric(["memtables"], int(rows[:, ns.W_MEMTABLE_BYTES].sum()))
         memory.add_metric(["block_cache"], int(rows[:, ns.W_BLOCK_CACHE_BYTES].sum()))
-        yield from (states, restarts, dropped, memory)
+        shared = GaugeMetricFamily("hps_node_shared_memory_bytes", "memory the node's shared store (L1 and the hash "
+                                   "map, on /dev/shm) holds: counted in the pod's memory, not in any process's RSS")
+        shared.add_metric([], resident_bytes(self.owner.store.path))
+        yield from (states, restarts, dropped, memory, shared)
 
 
 class NodeGate(ServingGate):
@@ -269,6 +273,8 @@ class NodeOwner:
         local = cfg.local
         self.store = NodeStore(local.path if local.enabled else store_parent(), private=not local.enabled,
                                processes=self.workers + 1, workers=self.workers)
+        if (uds := cfg.local_socket()) is not None:  # where LocalClient readers send their misses
+            self.store.extra["socket"] = str(uds)
         WorkerSupervisor.prepare()
         self.wake = multiprocessing.get_context("forkserver").Semaphore(0)
         self.supervisor = WorkerSupervisor(config, self.store, self.wake, log_level)

@@ -18,6 +18,7 @@ import numpy as np
 import uvicorn
 from grpc_health.v1 import health, health_pb2
 
+from hps_client.channel import ACCEPTING_SERVICE
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
@@ -31,6 +32,7 @@ from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.fleet.store import SnapshotBucket
 from hps_service.heap import HeapTrimmer
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
     ServingGrpc,
     build_grpc_server,
@@ -40,7 +42,7 @@ from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, Serving
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
-from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_app, create_starting_app
+from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_starting_app
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.sharding import ShardMap
 from hps_service.tiers.base import Tier
@@ -55,7 +57,6 @@ if TYPE_CHECKING:
     from hps_service.node.owner import NodeOwner
 
 log = logging.getLogger(__name__)
-
 
 
 def build_engine(config: HPSConfig) -> LookupEngine:
@@ -180,7 +181,7 @@ class HPSServer:
             self.fleet = FleetServices(self.config, self.engine, self.models_changed, self._group())
             self.readiness.append(self.fleet.not_ready)
             self.stats_sections["registry"] = self.fleet.stats
-            self._app.target = create_app(self._admin_context())
+            self._app.target = admin_app(self._admin_context())
             self._start_updates()
             self.fleet.start()
             if self.snapshotter is not None:
@@ -317,7 +318,26 @@ class HPSServer:
     def not_ready(self, model: str | None = None) -> list[str]:
         """Why the server (or one model) must not receive traffic: starting, bootstrapping, draining, a tier down,
         no model, updates not caught up or failing, or a check in ``readiness``. Empty when ready."""
+        reasons = self.not_accepting(model)
+        if self.engine is None:
+            return reasons
+        for check in self.readiness:
+            if reason := check():
+                reasons.append(reason)
+        consumer = self.consumer
+        if consumer is not None and (reason := update_consumer_not_ready(consumer, model)) and reason not in reasons:
+            reasons.append(reason)
+        return reasons
+
+    def not_accepting(self, model: str | None = None) -> list[str]:
+        """Why the server would not answer a call now (gRPC health ``ACCEPTING_SERVICE``, which clients balance
+        on): starting, bootstrapping, draining, its persistent tier down, no model, or partitions that lost updates
+        (their rows can be older than acknowledged ones until bootstrapped again). Update lag is not a reason: it
+        hits every replica at once, and taking them all out of the clients' rotation would be an outage."""
         reasons = []
+        consumer = self.consumer
+        if consumer is not None and (lost := consumer.lost_reason(model)):
+            reasons.append(f"update consumer (group {consumer.group}) {lost}")
         if (restoring := self.bootstrap.describe()) is not None:
             reasons.append(restoring)
         if not self.gate.is_open:
@@ -334,12 +354,6 @@ class HPSServer:
             reasons.append("no model is loaded")
         elif model is not None and model not in loaded:
             reasons.append(f"model '{model}' is not loaded")
-        for check in self.readiness:
-            if reason := check():
-                reasons.append(reason)
-        consumer = self.consumer
-        if consumer is not None and (reason := update_consumer_not_ready(consumer, model)):
-            reasons.append(reason)
         return reasons
 
     def degraded(self) -> list[str]:
@@ -361,13 +375,15 @@ class HPSServer:
 
     def update_health(self) -> None:
         """gRPC health: service "" and EmbeddingService SERVING only when the server is ready, each loaded model when
-        it is (its updates caught up), NOT_SERVING for a model unloaded since."""
+        it is (its updates caught up), NOT_SERVING for a model unloaded since; ``ACCEPTING_SERVICE`` SERVING while
+        it takes calls (what clients balance on)."""
         if self.engine is None:
             return
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         with self._health_lock:
             overall = serving if not self.not_ready() else not_serving
-            statuses = {"": overall, pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name: overall}
+            statuses = {"": overall, pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name: overall,
+                        ACCEPTING_SERVICE: serving if not self.not_accepting() else not_serving}
             loaded = {m.name for m in self.engine.models()}
             for name in loaded:
                 statuses[name] = serving if not self.not_ready(name) else not_serving

@@ -11,9 +11,11 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from hps_client.attempts import PUSHBACK
 from hps_service.config import ServerConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import (
+    DeadlineExceededError,
     FailedPreconditionError,
     HPSError,
     InvalidArgumentError,
@@ -28,10 +30,6 @@ from hps_service.server.wire import ResponseBuffer, encode_lookup_response
 from hps_service.sharding import ShardMap
 
 log = logging.getLogger(__name__)
-
-
-class DeadlineExceededError(HPSError):
-    """The caller's deadline passed before the server began the work (gRPC DEADLINE_EXCEEDED)."""
 
 
 _STATUS = {
@@ -58,6 +56,10 @@ def check_deadline(context: grpc.ServicerContext) -> None:
     if remaining is not None and remaining <= 0:
         raise DeadlineExceededError(f"the deadline passed {-remaining * 1000:.1f} ms before the lookup began")
 
+
+#: gRPC's server pushback (gRFC A6) telling a client's retry policy not to retry: sent with the RESOURCE_EXHAUSTED
+#: of a request over a limit, so that only an overloaded server's (gRPC's own, at max_concurrent_requests) is retried.
+NO_RETRY = ((PUSHBACK, "-1"),)
 
 #: Why a server that received SIGTERM is not ready, and why it refuses lookups once its lame-duck moment is over.
 DRAINING = "the server is draining"
@@ -225,6 +227,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
 
     def _abort(self, context: grpc.ServicerContext, err: Exception) -> None:
         if isinstance(err, HPSError):
+            if isinstance(err, ResourceExhaustedError):  # a limit of the request: no replica would take it
+                context.set_trailing_metadata(NO_RETRY)
             context.abort(status_for(err), str(err))
         log.exception("unexpected error serving a lookup")
         context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")

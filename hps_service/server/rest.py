@@ -38,6 +38,7 @@ from hps_service.errors import (
     UnavailableError,
 )
 from hps_service.fleet.registry_log import ModelRegistrations
+from hps_service.server.docs import add_offline_docs
 from hps_service.server.grpc_service import ServingGate, status_for
 from hps_service.server.jobs import JobRunner, import_job, persistent_rocksdb
 from hps_service.server.metrics import ServerMetrics
@@ -291,7 +292,9 @@ def create_app(ctx: AdminContext) -> FastAPI:
         version="1",
         description="Models, rows, import, snapshots, stats and cache control of one hps-service process. "
         "Mutating endpoints need `Authorization: Bearer <admin token>`.",
+        docs_url=None, redoc_url=None,  # served from packaged assets (offline clusters): hps_service.server.docs
     )
+    add_offline_docs(app)
     app.add_middleware(BodySizeLimit, max_bytes=ctx.config.server.max_body_bytes)
 
     def require_admin(credentials: AdminCredentials) -> None:

@@ -152,6 +152,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
             "logger": KAFKA_LOG,
         }
         self.metrics = FreshnessStats()
+        self.metrics.expect(models)
         self._consumer: Consumer | None = None
         self._dlq: DeadLetters | None = None
         self._thread: threading.Thread | None = None
@@ -282,6 +283,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         with their offsets committed up to what was applied, so loading it again resumes where it stopped
         instead of dead-lettering its updates while it is away. The consumer thread makes the change.
         """
+        self.metrics.expect(models)
         with self._follow_lock:
             self._wanted = {topic_name(m, self.cfg.topic_prefix): m for m in models}
 

@@ -232,6 +232,7 @@ def test_values_schema_matches_the_config_model() -> None:
     ({"kafka": {"enabled": True}}, "brokers"),
     ({"redisCluster": {"enabled": True, "nodes": ["no-port"]}}, "nodes"),
     ({"replicas": 3}, "replicas"),
+    ({"gpu": {"enabled": True, "count": 2}}, "count"),  # one device per pod: a second would sit idle
 ])
 def test_schema_rejects_bad_values(values: dict, complaint: str) -> None:
     with pytest.raises(helm_python.HelmError) as exc:
