@@ -46,7 +46,7 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
         "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
     })
     cfg = load_config(cfg_path)
-    dlrm, source = build_run(cfg.models[0], RunSpec(data_format="criteo", data=(str(tsv),), holdout_rows=1000,
+    dlrm, source = build_run(cfg.models[0], RunSpec(data_format="criteo", data=(str(tsv),), holdout_last=1000,
                                                     seed=3, max_rows_per_table=150))  # 200 ids: evictions
     export = tmp_path / "export"
     publisher = Publisher(kafka_broker.bootstrap, model, "hps")
