@@ -37,7 +37,7 @@ def test_train_on_criteo_files_checkpoints_exports_and_resumes(tmp_path: Path) -
     tsv = write_tsv(tmp_path / "day_0.tsv", cols)
     config = criteo_config(tmp_path / "ctr.yaml", fields=6)
     out = tmp_path / "metrics.json"
-    args = ["train", "--config", str(config), "--data", str(tsv), "--batch-size", "500", "--holdout-size", "1000",
+    args = ["train", "--config", str(config), "--data", str(tsv), "--batch-size", "500", "--holdout", "last:1000",
             "--eval-every", "5", "--no-progress", "--metrics-out", str(out), "--max-rows-per-table", "150",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4", "--export-dir",
             str(tmp_path / "export"), "--export-every", "5", "--precision", "bf16", "--device", "cpu",
@@ -51,7 +51,7 @@ def test_train_on_criteo_files_checkpoints_exports_and_resumes(tmp_path: Path) -
     assert metrics["tables"]["C1"]["rows"] <= 150 and metrics["tables"]["C1"]["evictions"] > 0
     assert [Path(p).name for p in metrics["checkpoints"]] == ["step-000000000004", "step-000000000006"]
     assert len(metrics["exports"]) == 2 and len(metrics["moe"]["load_over_time"]) == 2
-    # run on to the end of the file (one pass: 5000 training rows after the 1000 held out)
+    # run on to the end of the file (one pass: the 5000 training rows before the last 1000, held out)
     result = CliRunner().invoke(_app(), [*args, "--resume"])
     assert result.exit_code == 0, result.output
     metrics = json.loads(out.read_text())
