@@ -204,8 +204,8 @@ class KafkaSource:
 
         from hps_service.updates.kafka_log import with_logging
 
-        CriteoFiles([], "criteo", sparse_fields)  # the same checks of the table names
         self.brokers, self.topic = parse_kafka_url(url)
+        CriteoFiles([], "criteo", sparse_fields)  # the same checks of the table names
         self.sparse_fields = sparse_fields
         self.group = group
         self.poll_s, self.max_wait_s = poll_s, max_wait_s

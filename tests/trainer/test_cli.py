@@ -96,6 +96,13 @@ def test_train_on_synthetic_data_measures_drift(tmp_path: Path) -> None:
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--precision", "fp8"], "precision"),
         (["--batch-size", "0"], "batch-size"),
+        (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the 2 --experts"),
+        (["--interaction", "fm"], "--interaction must be dot or dcn"),
+        (["--bottom-mlp", "64,x"], "comma-separated layer widths"),
+        (["--holdout", "first:10"], "--holdout takes last:N"),
+        (["--data", "kafka://127.0.0.1:1/t", "--holdout", "last:10"], "progressive validation"),
+        (["--data", "kafka://nowhere"], "expected kafka://"),
+        (["--follow", "--data", "{tsv}", "--data", "{tsv}"], "--follow needs one --data"),
     ],
 )
 def test_train_errors_exit_2_with_a_message(tmp_path: Path, extra: list[str], message: str) -> None:
@@ -112,3 +119,16 @@ def test_predict_errors_exit_2_with_a_message(tmp_path: Path) -> None:
     tsv = write_tsv(tmp_path / "x.tsv", make_rows(10))
     result = CliRunner().invoke(_app(), ["predict", "--export-dir", str(tmp_path / "none"), "--data", str(tsv)])
     assert result.exit_code == 2 and "no exported model" in result.output, result.output
+
+
+def test_resuming_with_another_shape_is_one_error_line(tmp_path: Path) -> None:
+    config = tmp_path / "hps.yaml"
+    config.write_text(CONFIG)
+    args = ["train", "--config", str(config), "--steps", "2", "--batch-size", "64", "--no-progress", "--experts",
+            "0", "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "m.json")]
+    assert CliRunner().invoke(_app(), args).exit_code == 0
+    result = CliRunner().invoke(_app(), [*args, "--resume", "--top-mlp", "16", "--interaction", "dcn"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith("error:") and "another model shape" in result.output, result.output
+    assert "interaction: checkpoint 'dot', this run 'dcn'" in result.output and "Traceback" not in result.output

@@ -22,7 +22,6 @@ from safetensors.numpy import load_file
 
 from hps_service.trainer.checkpoint import latest_checkpoint, read_meta
 from hps_service.trainer.criteo import DENSE_FIELDS, SPARSE_FIELDS
-from hps_service.trainer.data import PlantedTeacherData, TeacherConfig
 from hps_service.trainer.model import DLRM, DLRMConfig, TableSpec
 from hps_service.trainer.stream_sources import DirectorySource
 from hps_service.trainer.train import TrainConfig, Trainer
@@ -73,7 +72,7 @@ def test_a_kafka_click_log_is_trained_exactly_once_across_sigterm_and_resume(kaf
     out1 = run1.communicate(timeout=120)[0]
     assert run1.returncode == 0, out1
     m1 = json.loads((tmp_path / "m1.json").read_text())
-    assert m1["stopped"] and 0 < m1["samples"] and "(stopped)" in out1
+    assert m1["stopped"] and m1["samples"] > 0 and "(stopped)" in out1
     second = _rows(ROWS, ROWS)
     for i, lo in enumerate(range(0, ROWS, 150)):  # then Parquet batches, 150 rows a message
         buf = io.BytesIO()
