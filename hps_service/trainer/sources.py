@@ -46,8 +46,24 @@ class DataSource(Protocol):
     def describe(self) -> dict: ...
 
 
+class SourceBase:
+    """What a source without a held-out set, a known length or input offsets answers."""
+
+    def holdout(self, size: int, step: int) -> Batch | None:
+        return None
+
+    def total_steps(self, batch_size: int, position: Any) -> int | None:
+        return None
+
+    def commit(self, position: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
-class SyntheticSource:
+class SyntheticSource(SourceBase):
     """The planted teacher: batch ``step`` is a pure function of (seed, step); its oracle is known."""
 
     data: PlantedTeacherData
@@ -77,21 +93,12 @@ class SyntheticSource:
             self._holdouts[key] = self.data.holdout(size, at_step=step)
         return self._holdouts[key]
 
-    def total_steps(self, batch_size: int, position: Any) -> int | None:
-        return None
-
-    def commit(self, position: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
     def describe(self) -> dict:
         return {"format": "synthetic", "seed": self.data.config.seed}
 
 
 @dataclass
-class FileSource:
+class FileSource(SourceBase):
     """Criteo-format files read as a stream, in order; ``holdout_last`` rows at their end are held out (never
     trained), or ``eval_files`` are the held-out set."""
 
@@ -153,12 +160,6 @@ class FileSource:
     def total_steps(self, batch_size: int, position: Any) -> int | None:
         rows = self._train_rows() if self.holdout_last else self.files.count_rows(exact=False)
         return None if rows is None else max(0, math.ceil((rows - int(position or 0)) / batch_size))
-
-    def commit(self, position: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
     def describe(self) -> dict:
         return {"format": self.files.file_format, "files": [str(p) for p in self.files.paths],

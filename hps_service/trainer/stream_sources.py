@@ -32,7 +32,7 @@ import numpy as np
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_service.trainer.criteo import DENSE_FIELDS, CriteoFiles, FileFormat, encode, tsv_options
 from hps_service.trainer.data import Batch
-from hps_service.trainer.sources import BatchItem
+from hps_service.trainer.sources import BatchItem, SourceBase
 
 log = logging.getLogger(__name__)
 _PARQUET_MAGIC = b"PAR1"
@@ -94,7 +94,7 @@ def _format_of(path: Path, data_format: str | None) -> FileFormat:
 
 
 @dataclass
-class DirectorySource:
+class DirectorySource(SourceBase):
     """Criteo-format files of a directory in name order; with ``follow`` new files are trained as they land."""
 
     directory: Path
@@ -161,18 +161,6 @@ class DirectorySource:
         state = dict(position or {})
         yield from assemble(self._chunks(state, stop or threading.Event()), batch_size, self.max_wait_s, state)
 
-    def holdout(self, size: int, step: int) -> None:
-        return None
-
-    def total_steps(self, batch_size: int, position: Any) -> int | None:
-        return None
-
-    def commit(self, position: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
     def describe(self) -> dict:
         return {"format": "dir", "directory": str(self.directory), "follow": self.follow,
                 "files_read": [p.name for p in self._files][-100:]}
@@ -192,7 +180,7 @@ def parse_kafka_url(url: str) -> tuple[str, str]:
     return brokers, topic
 
 
-class KafkaSource:
+class KafkaSource(SourceBase):
     """Click events from every partition of one topic, resumable at the exact row."""
 
     bounded = False
@@ -293,12 +281,6 @@ class KafkaSource:
                 stop: threading.Event | None = None) -> Iterator[BatchItem]:
         state = dict(position or {})
         yield from assemble(self._chunks(state, stop or threading.Event()), batch_size, self.max_wait_s, state)
-
-    def holdout(self, size: int, step: int) -> None:
-        return None
-
-    def total_steps(self, batch_size: int, position: Any) -> int | None:
-        return None
 
     def commit(self, position: Any) -> None:
         """Commit, for the group, the offset of the first message not wholly trained in every partition."""

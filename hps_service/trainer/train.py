@@ -244,6 +244,11 @@ class Trainer:
         return job.rows
 
     @property
+    def rows_published(self) -> int:
+        """Rows the broker acknowledged so far."""
+        return self.sink.rows_published if self.sink is not None else 0
+
+    @property
     def last_version(self) -> int | None:
         """The newest version the broker acknowledged."""
         return self.sink.last_version if self.sink is not None else None

@@ -53,15 +53,15 @@ def test_serving_is_dropless_whatever_the_capacity_factor(tmp_path: Path) -> Non
     moe = MoEConfig(num_experts=4, top_k=2, ffn_hidden=16, capacity_factor=0.5, pad_to_capacity=True)
     model = _model(SMALL, moe=moe)
     store = _store(model)
-    metrics = Trainer(model, data, TrainConfig(steps=15, batch_size=512, eval_every=15, holdout_size=500,
+    metrics = Trainer(model, data, TrainConfig(steps=8, batch_size=512, eval_every=8, holdout_size=500,
                                                export_dir=str(tmp_path / "x")), publisher=store).run()
     assert metrics["moe"]["dropped_fraction"] > 0.2  # training drops tokens
-    rows = data.holdout(4096, 15)
+    rows = data.holdout(4096, 8)
     whole = model.predict(rows)
     by_64 = np.concatenate([model.predict(rows.rows(slice(i, i + 64))) for i in range(0, 4096, 64)])
-    alone = np.concatenate([model.predict(rows.rows(slice(i, i + 1))) for i in range(0, 4096, 41)])
+    alone = np.concatenate([model.predict(rows.rows(slice(i, i + 1))) for i in range(0, 4096, 97)])
     assert float(np.max(np.abs(by_64 - whole))) <= 1e-6
-    assert float(np.max(np.abs(alone - whole[::41]))) <= 1e-6
+    assert float(np.max(np.abs(alone - whole[::97]))) <= 1e-6
     with Predictor(tmp_path / "x", store) as predictor:  # the exported tower routes dropless too
         served = np.concatenate([predictor.predict(rows.rows(slice(i, i + 64))) for i in range(0, 4096, 64)])
     assert float(np.max(np.abs(served - whole))) <= 1e-5

@@ -90,6 +90,16 @@ def test_short_run_reaches_the_oracle_and_beats_logistic_regression() -> None:
     baseline_auc = auc(baseline.predict(holdout), holdout.labels)
     print("logistic regression AUC", baseline_auc)
     assert final["auc"] > baseline_auc + 0.05
+    # progressive validation: each batch scored before training on it; the rolling AUC approaches the oracle's on
+    # the same samples, and the AUC over the whole run (its first, untrained batches too) lags behind it
+    progressive = metrics["progressive"]
+    rolling = progressive["rolling"]
+    print("progressive", progressive["rolling"], progressive["overall"])
+    assert rolling["samples"] == 100_000 and rolling["oracle_auc"] - rolling["auc"] <= 0.015
+    assert progressive["overall"]["samples"] == 400 * 1024
+    assert progressive["overall"]["auc"] < rolling["auc"] - 0.01
+    curve = [p["progressive_auc"] for p in metrics["history"]]
+    assert curve[0] < curve[-1] and progressive["per_day"] == {}  # the teacher's samples carry no time
     assert metrics["samples_per_s"] > 0 and metrics["model_flops_per_s"] > 0 and metrics["moe"] is None
     assert metrics["throughput_window_steps"] == 50 and metrics["mfu"] is None  # no GPU: no utilisation claimed
 
