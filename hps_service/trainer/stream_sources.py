@@ -54,29 +54,31 @@ def assemble(chunks: Iterator[Chunk | None], batch_size: int, max_wait_s: float,
     held = 0
     first_t = 0.0
 
-    def take(n: int) -> Batch:
+    def take(n: int) -> Batch | None:
+        """The next ``n`` samples; the position moves through every chunk in order (empty ones too)."""
         nonlocal held
         parts = []
-        while n:
+        while pending and (n or not len(pending[0].batch)):
             chunk = pending[0]
             k = min(n, len(chunk.batch) - chunk.used)
-            parts.append(chunk.batch.rows(slice(chunk.used, chunk.used + k)))
+            if k:
+                parts.append(chunk.batch.rows(slice(chunk.used, chunk.used + k)))
             chunk.used += k
             n -= k
             held -= k
             position.update(chunk.after(chunk.used))
             if chunk.used == len(chunk.batch):
                 pending.pop(0)
-        return Batch.concat(parts)
+        return Batch.concat(parts) if parts else None
 
     for chunk in chunks:
-        if chunk is not None and len(chunk.batch):
+        if chunk is not None:
             if not held:
                 first_t = time.monotonic()
-            pending.append(chunk)
+            pending.append(chunk)  # an empty one (a skipped message, a file's end) moves the position in turn
             held += len(chunk.batch)
-        elif chunk is not None:
-            position.update(chunk.after(0))
+            if not held:
+                take(0)
         while held >= batch_size:
             yield take(batch_size), dict(position), batch_size
             first_t = time.monotonic()
