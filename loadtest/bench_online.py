@@ -1,7 +1,7 @@
 """The planted teacher at the demo's sizes: the gap to the oracle on the full held-out set, and samples/s with and
 without the online options (admission, expiry, publishing in the background), all in one process.
 
-    python -m loadtest.bench_online                 # 500 steps of 4096 over 3 x 2000 ids, 4 experts (minutes)
+    python -m loadtest.bench_online                 # 700 steps of 4096 over 3 x 1500 ids, 4 experts (minutes)
     python -m loadtest.bench_online --steps 100 --throughput-only
 """
 
@@ -13,25 +13,27 @@ import json
 import torch
 
 from hps_service.config import ModelConfig, TableConfig
+from hps_service.demo import DemoSettings
 from hps_service.trainer.factory import RunSpec, build_run
 from hps_service.trainer.rowstore import LatestRowStore
 from hps_service.trainer.train import TrainConfig, Trainer
 
 
 def _run(steps: int, online: bool, holdout: int) -> dict:
-    tables = ("user", "item", "category")
-    model_cfg = ModelConfig(name="demo", tables=[TableConfig(name=t, dim=16) for t in tables])
-    dlrm, data = build_run(model_cfg, RunSpec(cardinality=2000, experts=4, top_k=2, seed=0))
-    store = LatestRowStore(dict.fromkeys(tables, 16))
+    demo = DemoSettings()
+    model_cfg = ModelConfig(name="demo", tables=[TableConfig(name=t, dim=demo.dim) for t in demo.tables])
+    dlrm, data = build_run(model_cfg, RunSpec(cardinality=demo.cardinality, experts=demo.experts, top_k=demo.top_k,
+                                              seed=0))
+    store = LatestRowStore(dict.fromkeys(demo.tables, demo.dim))
     extra = {"admit_after": 2, "expire_after_steps": 200} if online else {}
-    cfg = TrainConfig(steps=steps, batch_size=4096, publish_every_steps=10, publish_every_s=0.5, eval_every=50,
+    cfg = TrainConfig(steps=steps, batch_size=demo.batch_size, publish_every_steps=10, publish_every_s=0.5, eval_every=50,
                       holdout_size=holdout, **extra)
     return Trainer(dlrm, data, cfg, publisher=store, model_name="demo").run()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--steps", type=int, default=DemoSettings().steps)
     parser.add_argument("--holdout", type=int, default=10_000)
     parser.add_argument("--throughput-only", action="store_true", help="skip the run without the options")
     args = parser.parse_args()

@@ -20,8 +20,10 @@ pytest.importorskip("torch")
 from confluent_kafka import Consumer, Producer, TopicPartition
 from safetensors.numpy import load_file
 
-from hps_service.trainer.checkpoint import latest_checkpoint, read_meta
+from hps_service.config import load_config
+from hps_service.trainer.checkpoint import latest_checkpoint
 from hps_service.trainer.criteo import DENSE_FIELDS, SPARSE_FIELDS
+from hps_service.trainer.factory import RunSpec, build_run
 from hps_service.trainer.model import DLRM, DLRMConfig, TableSpec
 from hps_service.trainer.stream_sources import DirectorySource
 from hps_service.trainer.train import TrainConfig, Trainer
@@ -29,7 +31,7 @@ from tests.helpers import REPO
 from tests.trainer.criteo_data import criteo_config, make_rows, write_parquet, write_tsv
 
 FIELDS = 3
-ROWS = 1200
+ROWS = 600
 
 
 def _rows(start: int, n: int) -> dict[str, list]:
@@ -64,8 +66,9 @@ def test_a_kafka_click_log_is_trained_exactly_once_across_sigterm_and_resume(kaf
     ckpt = tmp_path / "ckpt"
     base = [sys.executable, "-m", "hps_service.cli", "train", "--config", str(config), "--data",
             f"kafka://{kafka_broker.bootstrap}/{topic}", "--batch-size", "32", "--experts", "0", "--no-progress",
-            "--checkpoint-dir", str(ckpt), "--eval-every", "10", "--kafka-group", f"g-{topic}"]
-    run1 = subprocess.Popen([*base, "--checkpoint-every", "3", "--metrics-out", str(tmp_path / "m1.json")],
+            "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--eval-every", "10", "--kafka-group",
+            f"g-{topic}"]
+    run1 = subprocess.Popen([*base, "--metrics-out", str(tmp_path / "m1.json")],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     _wait(lambda: latest_checkpoint(ckpt) is not None or run1.poll() is not None, 120, "the first checkpoint")
     run1.send_signal(signal.SIGTERM)
@@ -81,26 +84,31 @@ def test_a_kafka_click_log_is_trained_exactly_once_across_sigterm_and_resume(kaf
     producer.flush(30)
     watcher = Consumer({"bootstrap.servers": kafka_broker.bootstrap, "group.id": f"w-{topic}"})
     ends = {p: watcher.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(2)}
-    run2 = subprocess.Popen([*base, "--resume", "--checkpoint-every", "1", "--metrics-out", str(tmp_path / "m2.json")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def caught_up() -> bool:
-        latest = latest_checkpoint(ckpt)
-        position = read_meta(latest)["position"] if latest is not None else {}
-        return run2.poll() is not None or all(position.get(str(p)) == [ends[p], 0] for p in range(2))
-
-    _wait(caught_up, 180, "the resumed run to train every message")
-    run2.send_signal(signal.SIGTERM)
-    out2 = run2.communicate(timeout=120)[0]
-    assert run2.returncode == 0, out2
-    m2 = json.loads((tmp_path / "m2.json").read_text())
-    assert m2["resumed_from"] and m2["steps"] > m1["steps"]
+    watcher.close()
+    # the resumed run, in this process: the same options (shape) as the CLI's, stopped as SIGTERM stops it
+    dlrm, source = build_run(load_config(config).models[0], RunSpec(
+        data=(f"kafka://{kafka_broker.bootstrap}/{topic}",), data_format="criteo", experts=0,
+        kafka_group=f"g-{topic}"))
+    trainer = Trainer(dlrm, source, TrainConfig(batch_size=32, eval_every=10, checkpoint_dir=ckpt,
+                                                checkpoint_every=10, resume=True))
+    m2: dict = {}
+    thread = threading.Thread(target=lambda: m2.update(trainer.run()))
+    thread.start()
+    try:
+        _wait(lambda: not thread.is_alive() or trainer.position == {str(p): [ends[p], 0] for p in range(2)}, 90,
+              "the resumed run to train every message")
+    except AssertionError:
+        raise AssertionError(f"position {trainer.position} samples {trainer.samples} ends {ends} alive "
+                             f"{thread.is_alive()} m1 {m1['position']} {m1['samples']}") from None
+    trainer.request_stop()
+    thread.join(60)
+    source.close()
+    assert m2["resumed_from"] and m2["steps"] > m1["steps"] and m2["stopped"]
     # every sample trained exactly once: as many samples as produced, and every sample's own id among the rows
     assert m1["samples"] + m2["samples"] == 2 * ROWS
     shard = load_file(str(latest_checkpoint(ckpt) / "tables-rank0.safetensors"))
     assert np.unique(shard["C3/keys"]).size == 2 * ROWS
     assert m2["progressive"]["overall"]["samples"] == m2["samples"] and m2["final"]["kind"] == "progressive"
-    watcher.close()
     # the group's offsets follow the checkpoint
     group = Consumer({"bootstrap.servers": kafka_broker.bootstrap, "group.id": f"g-{topic}"})
     committed = group.committed([TopicPartition(topic, p) for p in range(2)], timeout=10)
