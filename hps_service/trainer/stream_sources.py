@@ -253,11 +253,16 @@ class KafkaSource(SourceBase):
             if msg is None:
                 yield None
                 continue
-            if msg.error() is not None:
-                if msg.error().code() == KafkaError._PARTITION_EOF:
+            err = msg.error()
+            if err is not None:
+                if err.code() == KafkaError._PARTITION_EOF:
                     continue
-                raise UnavailableError(f"reading {self.topic}: {msg.error().str()} (a position below the log's "
-                                       "start means samples were lost: start over without --resume)")
+                if err.fatal() or err.code() in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
+                    raise UnavailableError(f"reading {self.topic}: {err.str()} (a position below the log's start "
+                                           "means samples were lost: start over without --resume)")
+                log.warning("reading %s: %s (retrying)", self.topic, err.str())  # the client reconnects itself
+                yield None
+                continue
             p, offset = msg.partition(), msg.offset()
             try:
                 batch = self._decode(msg.value() or b"", msg.timestamp()[1])
