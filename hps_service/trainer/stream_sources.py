@@ -207,6 +207,7 @@ class KafkaSource(SourceBase):
         meta = self._consumer.list_topics(self.topic, timeout=10)
         topic = meta.topics.get(self.topic)
         if topic is None or topic.error is not None or not topic.partitions:
+            self._consumer.close()
             raise UnavailableError(f"topic {self.topic!r} not found on {self.brokers}")
         self.partitions = sorted(topic.partitions)
 
