@@ -12,9 +12,11 @@ from hps_client.errors import (
     InvalidArgumentError,
     LookupError_,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 
 __all__ = ["FailedPreconditionError", "HPSError", "InvalidArgumentError", "LookupError_", "NotFoundError",
-           "ResourceExhaustedError", "UnavailableError"]
+           "PermissionDeniedError", "ResourceExhaustedError", "UnauthenticatedError", "UnavailableError"]

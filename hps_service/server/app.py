@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-import uvicorn
 from grpc_health.v1 import health, health_pb2
 
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
@@ -36,6 +35,7 @@ from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-e
     message_limits,
 )
 from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate
+from hps_service.server.http_listener import HttpListener
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
@@ -44,7 +44,7 @@ from hps_service.server.snapshots import SnapshotStore
 from hps_service.sharding import ShardMap
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
-from hps_service.tls import grpc_server_credentials, uvicorn_ssl_options
+from hps_service.tls import grpc_server_credentials
 from hps_service.updates import UpdateConsumer
 from hps_service.updates.message import topic_name
 from hps_service.warmup import warm_all
@@ -140,14 +140,12 @@ class HPSServer:
         self.readiness: list[ReadinessCheck] = []
         #: Extra /v1/stats sections, e.g. ``{"updates": consumer.stats}``.
         self.stats_sections: dict[str, Callable[[], dict]] = {}
-        self._http: uvicorn.Server | None = None
-        self._http_thread: threading.Thread | None = None
+        self._http: HttpListener | None = None
         self._served_models: set[str] = set()
         self._health_lock = threading.Lock()
         self._stopped = threading.Event()
         self.consumer: UpdateConsumer | None = None
         self._consumer_lock = threading.Lock()
-        self._ssl_options: dict = {}
         self.bootstrap = BootstrapProgress()
         self.snapshotter: Snapshotter | None = None
         self.log_writer: LogWriter | None = None
@@ -176,11 +174,12 @@ class HPSServer:
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         # TLS material is read before any tier opens, so a bad path fails fast and leaves nothing open.
         credentials = grpc_server_credentials(cfg.tls) if cfg.tls is not None else None
-        self._ssl_options = uvicorn_ssl_options(cfg.tls) if cfg.tls is not None else {}
-        self._start_http()  # liveness and readiness (with bootstrap progress) answer from here on
+        # liveness and readiness (with bootstrap progress) answer from here on
+        self._http = HttpListener(self._app, cfg.host, cfg.http_port, "REST port", cfg.tls)
+        self.http_port = self._http.port
         try:
             if cfg.probe_port is not None:
-                self._probes = ProbeServer(cfg.host, cfg.probe_port, self.readiness_report)
+                self._probes = ProbeServer(cfg.host, cfg.probe_port, self._app)
             if self.engine is None:
                 self._bootstrap()
                 if cfg.worker_processes() > 0:
@@ -451,31 +450,6 @@ class HPSServer:
             elif names:
                 self._start_updates()
 
-    def _start_http(self) -> None:
-        """Serve the REST port with uvicorn on its own thread and event loop (bound before this returns): the
-        starting app until :meth:`start` switches to the admin API."""
-        cfg = self.config.server
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((cfg.host, cfg.http_port))
-        except OSError as exc:
-            sock.close()
-            raise UnavailableError(f"cannot bind the REST port {cfg.host}:{cfg.http_port}: {exc}") from None
-        self.http_port = sock.getsockname()[1]
-        http = uvicorn.Server(
-            uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off", log_config=None,
-                           timeout_graceful_shutdown=5, **self._ssl_options)
-        )
-        thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="hps-http", daemon=True)
-        thread.start()
-        while not http.started:
-            if not thread.is_alive():
-                sock.close()
-                raise UnavailableError(f"the REST server on {cfg.host}:{self.http_port} failed to start")
-            thread.join(0.01)
-        self._http, self._http_thread = http, thread
-
     def stop(self, grace: float | None = None) -> None:
         """Say NOT_SERVING, answer lookups for a lame-duck moment, then refuse them and let in-flight ones finish
         (see :meth:`ServingGrpc.drain_and_stop`), commit applied updates, close the tiers: all within ``grace``
@@ -519,9 +493,8 @@ class HPSServer:
 
     def _stop_listeners(self, timeout: float = 0.5) -> None:
         """Close the REST and probe listeners."""
-        if self._http is not None and self._http_thread is not None:
-            self._http.should_exit = True
-            self._http_thread.join(max(timeout, 0.5))
+        if self._http is not None:
+            self._http.close(timeout)
         if self._probes is not None:
             self._probes.close()
             self._probes = None

@@ -9,7 +9,9 @@ from hps_client.errors import (
     InvalidArgumentError,
     LookupError_,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from hps_client.wire import TableAnswer, build_request, decode_answer, encode_keys
@@ -18,6 +20,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncHPSClient", "FailedPreconditionError", "HPSClient", "HPSError", "InvalidArgumentError", "LookupError_", "NotFoundError",
-    "ResourceExhaustedError", "TableAnswer", "UnavailableError", "build_request", "channel_options",
+    "PermissionDeniedError", "ResourceExhaustedError", "UnauthenticatedError", "TableAnswer", "UnavailableError", "build_request", "channel_options",
     "channel_target", "decode_answer", "encode_keys", "service_config",
 ]

@@ -34,3 +34,12 @@ class FailedPreconditionError(HPSError):
 
 class LookupError_(HPSError):
     """A call failed with a status the client does not map to a narrower error (DEADLINE_EXCEEDED, INTERNAL...)."""
+
+
+class UnauthenticatedError(HPSError):
+    """The call carries no credential, or one the server does not know (gRPC UNAUTHENTICATED, HTTP 401)."""
+
+
+class PermissionDeniedError(HPSError):
+    """The caller is known but may not do this, e.g. read a model it is not allowed (gRPC PERMISSION_DENIED,
+    HTTP 403)."""

@@ -14,7 +14,9 @@ from hps_client.errors import (
     InvalidArgumentError,
     LookupError_,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
@@ -25,6 +27,8 @@ _ERRORS: dict[grpc.StatusCode, type[HPSError]] = {
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
 }
 
 
