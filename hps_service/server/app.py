@@ -283,7 +283,7 @@ class HPSServer:
         pcfg = self.config.persistent
         if pcfg.type != "rocksdb" or pcfg.snapshot_store is None or pcfg.read_only:
             return
-        bucket = SnapshotBucket(pcfg.snapshot_store, pcfg.snapshot_upload_bytes_per_s)
+        bucket = SnapshotBucket.from_config(pcfg)
         bootstrap(Path(pcfg.path), bucket, [m.name for m in self.config.models], self.bootstrap)
 
     def _make_snapshotter(self) -> None:
@@ -294,7 +294,7 @@ class HPSServer:
             return
         prefix = self.config.updates.topic_prefix
         self.snapshotter = Snapshotter(
-            self.engine, SnapshotBucket(pcfg.snapshot_store, pcfg.snapshot_upload_bytes_per_s),
+            self.engine, SnapshotBucket.from_config(pcfg),
             snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
         )
 
