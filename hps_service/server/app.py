@@ -42,6 +42,7 @@ from hps_service.server.probes import ProbeServer
 from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_app, create_starting_app
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.sharding import ShardMap
+from hps_service.store.permissions import local_access
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
 from hps_service.tls import grpc_server_credentials
@@ -241,8 +242,9 @@ class HPSServer:
         if uds is not None:
             self._bind_uds(server, uds)
         server.start()
-        if uds is not None:
-            uds.chmod(0o660)  # the group (the pod's inference containers) may connect, as it may map the store
+        if uds is not None:  # the colocated readers' group may connect, as it may map the store
+            access = local_access(cfg.local)
+            access.apply(uds, access.socket_mode)
         self._grpc = serving
         self.grpc_port = port
 
