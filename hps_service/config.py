@@ -290,6 +290,8 @@ class UpdatesConfig(_Section):
         """SASL credentials given as their own keys (environment variables or files from a Secret) reach every
         client."""
         load_secret_files(self, "updates", "sasl_password", "admin_key")
+        if self.admin_key is not None and len(self.admin_key.get_secret_value()) < 16:
+            raise ValueError("updates.admin_key needs at least 16 characters (an HMAC key)")
         if self.sasl_username is not None:
             self.kafka_config["sasl.username"] = self.sasl_username
         if self.sasl_password is not None:

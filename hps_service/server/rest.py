@@ -366,6 +366,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         engine.table(model, table)
         target = {"model": model, "table": table, "below_version": body.below_version}
         if (writer := ctx.log_writer()) is not None:
+            writer.check_admin_messages()  # refused now, not in the job: replicas would drop it unsigned
             job = ctx.jobs.submit("purge_tombstones", target, lambda job: writer.purge_tombstones(
                 model, table, body.below_version, wait_applied=wait == "applied"))
         else:

@@ -44,6 +44,7 @@ from confluent_kafka.admin import AdminClient
 from hps_service.config import UpdatesConfig
 from hps_service.engine import LookupEngine, TableChange
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.updates.admin_signature import AdminMessages
 from hps_service.updates.batch import TableBatch, table_change
 from hps_service.updates.dead_letters import DeadLetters
 from hps_service.updates.gaps import OffsetGaps
@@ -148,6 +149,7 @@ class UpdateConsumer:
             "logger": KAFKA_LOG,
         }
         self.metrics = FreshnessStats()
+        self.admin_messages = AdminMessages(cfg.admin_key)
         self._consumer: Consumer | None = None
         self._dlq: DeadLetters | None = None
         self._thread: threading.Thread | None = None
@@ -498,6 +500,7 @@ class UpdateConsumer:
                 if model not in loaded:
                     raise ModelUnloadedError(model)
                 upd = self._validated(model, msg.value())
+                self.admin_messages.check(model, upd, msg.value(), msg.headers())
             except ModelUnloadedError:
                 park[part] = msg.offset()
                 continue
