@@ -15,6 +15,7 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
+from hps_client.call_auth import CallAuth, Metadata
 from hps_client.channel import channel_options
 from hps_client.errors import FailedPreconditionError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
@@ -56,9 +57,11 @@ class AsyncHPSClient:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         tls: bool = False,
+        credentials: str | grpc.CallCredentials | None = None,
     ) -> None:
-        """Targets, retry, channel and TLS options as in HPSClient."""
+        """Targets, retry, channel, TLS options and ``credentials`` as in HPSClient."""
         self._credentials = channel_credentials(tls_ca, tls_cert, tls_key, tls)
+        self._auth = CallAuth(credentials)
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         self.target = whole_target(self.targets)
         self.timeout = timeout
@@ -92,11 +95,13 @@ class AsyncHPSClient:
             raise UnavailableError(f"none of the targets {', '.join(self.targets)} answered")
         return stubs[0]
 
-    async def _call(self, method: str, request: object, timeout: float | None) -> Any:
+    async def _call(self, method: str, request: object, timeout: float | None, metadata: Metadata | None = None
+                    ) -> Any:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return await getattr(await self._any_stub(deadline), method)(request, timeout=remaining(deadline))
+            return await getattr(await self._any_stub(deadline), method)(request, timeout=remaining(deadline),
+                                                                         **self._auth(metadata))
         except grpc.aio.AioRpcError as err:
             raise as_error(err) from None
 
@@ -126,7 +131,8 @@ class AsyncHPSClient:
         stub = self._get_stub()
         if stub is not None:
             try:
-                info = await stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+                info = await stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
+                                                 **self._auth())
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     self._unsharded = True
@@ -134,7 +140,8 @@ class AsyncHPSClient:
             if info.shards <= 1:
                 self._unsharded = True
                 return None
-        probes = [self._open(t).GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+        probes = [self._open(t).GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
+                                               **self._auth())
                   for t in self.targets]
         answers = await asyncio.gather(*probes, return_exceptions=True)
         infos = {i: a for i, a in enumerate(answers) if isinstance(a, pb.ClusterInfo)}
@@ -167,7 +174,8 @@ class AsyncHPSClient:
     async def _watch(self, i: int) -> None:
         """Add target ``i`` (down when first asked) to its shard's routes as soon as it answers."""
         try:
-            info = await self._open(self.targets[i]).GetClusterInfo(CLUSTER_INFO, wait_for_ready=True)
+            info = await self._open(self.targets[i]).GetClusterInfo(CLUSTER_INFO, wait_for_ready=True,
+                                                                    **self._auth())
         except grpc.aio.AioRpcError:
             return
         finally:
@@ -182,19 +190,22 @@ class AsyncHPSClient:
 
     # ---- lookups ------------------------------------------------------------------------------------------
     async def lookup(
-        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None
+        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> np.ndarray:
-        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
-        return (await self.lookup_with_sources(model, table, keys, timeout)).vectors
+        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked; ``metadata`` goes with this call."""
+        return (await self.lookup_with_sources(model, table, keys, timeout, metadata=metadata)).vectors
 
     async def lookup_with_sources(
-        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None
+        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
-        return (await self.lookup_many(model, {table: keys}, timeout))[table]
+        return (await self.lookup_many(model, {table: keys}, timeout, metadata=metadata))[table]
 
     async def lookup_many(
-        self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None
+        self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``."""
         timeout = self.timeout if timeout is None else timeout
@@ -206,15 +217,17 @@ class AsyncHPSClient:
                     stub = self._get_stub()
                     assert stub is not None
                     try:
-                        response = await stub.Lookup(build_request(model, tables), timeout=remaining(deadline))
+                        response = await stub.Lookup(build_request(model, tables), timeout=remaining(deadline),
+                                                     **self._auth(metadata))
                     except grpc.aio.AioRpcError as err:
                         raise as_error(err) from None
                     return {tv.table: decode_answer(tv) for tv in response.tables}
                 split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
                 total = sum(split.sizes)
                 if len(split.parts) == 1:
-                    return split.merge([await self._answer(routes, split.parts[0], deadline, total)])
-                tasks = [asyncio.ensure_future(self._answer(routes, part, deadline, total)) for part in split.parts]
+                    return split.merge([await self._answer(routes, split.parts[0], deadline, total, metadata)])
+                tasks = [asyncio.ensure_future(self._answer(routes, part, deadline, total, metadata))
+                         for part in split.parts]
                 try:
                     responses = await asyncio.gather(*tasks)
                 finally:
@@ -228,12 +241,12 @@ class AsyncHPSClient:
         raise AssertionError("unreachable")
 
     async def _answer(self, routes: ShardRoutes, part: ShardPart, deadline: float | None,
-                      total: int) -> pb.LookupResponse:
+                      total: int, metadata: Metadata | None = None) -> pb.LookupResponse:
         """The part's answer from the shard's channels in turn; UnavailableError naming the shard when none does."""
         detail = "none of the client's targets serves this shard"
         for stub in routes.stubs_from(part.shard):
             try:
-                return await stub.Lookup(part.request, timeout=remaining(deadline))
+                return await stub.Lookup(part.request, timeout=remaining(deadline), **self._auth(metadata))
             except grpc.aio.AioRpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE:
                     raise shard_error(part.shard, routes.shape, err) from None
@@ -241,9 +254,10 @@ class AsyncHPSClient:
         raise shard_unavailable(part.shard, routes.shape, part.keys, total, routes.targets.get(part.shard, []),
                                 detail)
 
-    async def list_models(self, timeout: float | None = None) -> dict[str, dict[str, int]]:
-        """``{model: {table: dim}}`` of the models the server serves."""
-        response = await self._call("ListModels", pb.ListModelsRequest(), timeout)
+    async def list_models(self, timeout: float | None = None, *, metadata: Metadata | None = None
+                          ) -> dict[str, dict[str, int]]:
+        """``{model: {table: dim}}`` of the models the server serves (those the caller may read)."""
+        response = await self._call("ListModels", pb.ListModelsRequest(), timeout, metadata)
         return {m.name: {t.name: t.dim for t in m.tables} for m in response.models}
 
     async def close(self) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from hps_client.call_auth import CallAuth, Metadata
 from hps_client.channel import channel_options
 from hps_client.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
@@ -80,18 +81,22 @@ class HPSClient:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         tls: bool = False,
+        credentials: str | grpc.CallCredentials | None = None,
     ) -> None:
         """``targets``: a gRPC target (``host:port``, ``dns:///name:port``) or a list of them: ``host:port``
         replicas, or for a sharded fleet the replicas or ``dns:///`` names of its shards, in any order.
         ``retries`` (at most 4) and ``backoff_s`` shape the retry policy; ``options`` adds or overrides channel
         options. ``tls_ca`` (or ``tls=True`` for the system roots) turns TLS on; ``tls_cert``/``tls_key`` add a
-        client certificate for servers that require mutual TLS."""
+        client certificate for servers that require mutual TLS (``server.auth: mtls``). ``credentials``: for
+        ``server.auth: token``, a read token (sent as ``authorization: Bearer`` metadata) or gRPC call credentials
+        (TLS only); every call sends it, and each lookup may add its own ``metadata``."""
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         self.target = whole_target(self.targets)
         self.timeout = timeout
         self.retries = retries
         self._options = channel_options(retries, backoff_s, options)
         self._creds = channel_credentials(tls_ca, tls_cert, tls_key, tls)
+        self._auth = CallAuth(credentials)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.RLock()
         self._learning = threading.Lock()  # one thread learns the shard map at a time
@@ -125,11 +130,12 @@ class HPSClient:
             raise UnavailableError(f"none of the targets {', '.join(self.targets)} answered")
         return stubs[0]
 
-    def _call(self, method: str, request: object, timeout: float | None) -> Any:
+    def _call(self, method: str, request: object, timeout: float | None, metadata: Metadata | None = None) -> Any:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return getattr(self._any_stub(deadline), method)(request, timeout=remaining(deadline))
+            return getattr(self._any_stub(deadline), method)(request, timeout=remaining(deadline),
+                                                             **self._auth(metadata))
         except grpc.RpcError as err:
             raise as_error(err) from None
 
@@ -168,7 +174,8 @@ class HPSClient:
                 return self._routes
             if self._stub is not None:
                 try:
-                    info = self._stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+                    info = self._stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
+                                                     **self._auth())
                 except grpc.RpcError as err:
                     if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server from before shards
                         self._unsharded = True
@@ -181,8 +188,8 @@ class HPSClient:
     def _learn_targets(self, deadline: float | None) -> ShardRoutes | None:
         """Ask every target its shard (concurrently) and build one channel per shard."""
         stubs = {i: pb_grpc.EmbeddingServiceStub(self._probe_channel(t)) for i, t in enumerate(self.targets)}
-        futures = {i: s.GetClusterInfo.future(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
-                   for i, s in stubs.items()}
+        futures = {i: s.GetClusterInfo.future(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
+                                              **self._auth()) for i, s in stubs.items()}
         infos: dict[int, pb.ClusterInfo] = {}
         errors: dict[int, str] = {}
         for i, fut in futures.items():
@@ -222,7 +229,7 @@ class HPSClient:
     def _watch(self, i: int) -> None:
         """Learn the shard of target ``i`` (down when first asked) as soon as it answers."""
         stub = pb_grpc.EmbeddingServiceStub(self._probe_channel(self.targets[i]))
-        fut = stub.GetClusterInfo.future(CLUSTER_INFO, wait_for_ready=True)
+        fut = stub.GetClusterInfo.future(CLUSTER_INFO, wait_for_ready=True, **self._auth())
 
         def done(f: grpc.Future) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -258,18 +265,21 @@ class HPSClient:
             self._found = {}
 
     # ---- lookups ------------------------------------------------------------------------------------------
-    def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None) -> np.ndarray:
-        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
-        return self.lookup_with_sources(model, table, keys, timeout).vectors
+    def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
+               metadata: Metadata | None = None) -> np.ndarray:
+        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked; ``metadata`` goes with this call."""
+        return self.lookup_with_sources(model, table, keys, timeout, metadata=metadata).vectors
 
     def lookup_with_sources(
-        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None
+        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
-        return self.lookup_many(model, {table: keys}, timeout)[table]
+        return self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table]
 
     def lookup_many(
-        self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None
+        self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``."""
         timeout = self.timeout if timeout is None else timeout
@@ -280,11 +290,12 @@ class HPSClient:
                 if routes is None:
                     assert self._stub is not None
                     try:
-                        response = self._stub.Lookup(build_request(model, tables), timeout=remaining(deadline))
+                        response = self._stub.Lookup(build_request(model, tables), timeout=remaining(deadline),
+                                                     **self._auth(metadata))
                     except grpc.RpcError as err:
                         raise as_error(err) from None
                     return {tv.table: decode_answer(tv) for tv in response.tables}
-                return self._lookup_sharded(routes, model, tables, deadline)
+                return self._lookup_sharded(routes, model, tables, deadline, metadata)
             except FailedPreconditionError:
                 if attempt:
                     raise
@@ -292,7 +303,7 @@ class HPSClient:
         raise AssertionError("unreachable")
 
     def _lookup_sharded(self, routes: ShardRoutes, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                        deadline: float | None) -> dict[str, TableAnswer]:
+                        deadline: float | None, metadata: Metadata | None) -> dict[str, TableAnswer]:
         split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
         total = sum(split.sizes)
         calls: list[tuple[ShardPart, list[pb_grpc.EmbeddingServiceStub], grpc.Future | None]] = []
@@ -300,9 +311,11 @@ class HPSClient:
             for part in split.parts:
                 stubs = routes.stubs_from(part.shard)
                 concurrent = len(split.parts) > 1 and stubs  # one part: called in _answer, no future needed
-                fut = stubs[0].Lookup.future(part.request, timeout=remaining(deadline)) if concurrent else None
+                fut = (stubs[0].Lookup.future(part.request, timeout=remaining(deadline), **self._auth(metadata))
+                       if concurrent else None)
                 calls.append((part, stubs, fut))
-            responses = [self._answer(routes, part, stubs, fut, deadline, total) for part, stubs, fut in calls]
+            responses = [self._answer(routes, part, stubs, fut, deadline, total, metadata)
+                         for part, stubs, fut in calls]
         finally:
             for _, _, fut in calls:
                 if fut is not None:
@@ -310,7 +323,8 @@ class HPSClient:
         return split.merge(responses)
 
     def _answer(self, routes: ShardRoutes, part: ShardPart, stubs: list[pb_grpc.EmbeddingServiceStub],
-                fut: grpc.Future | None, deadline: float | None, total: int) -> pb.LookupResponse:
+                fut: grpc.Future | None, deadline: float | None, total: int,
+                metadata: Metadata | None = None) -> pb.LookupResponse:
         """The part's answer: its call, else the shard's other channels in turn; UnavailableError naming the
         shard when none answers."""
         detail = "none of the client's targets serves this shard"
@@ -318,7 +332,7 @@ class HPSClient:
             try:
                 if i == 0 and fut is not None:
                     return fut.result()
-                return stub.Lookup(part.request, timeout=remaining(deadline))
+                return stub.Lookup(part.request, timeout=remaining(deadline), **self._auth(metadata))
             except grpc.RpcError as err:
                 if err.code() != grpc.StatusCode.UNAVAILABLE:
                     raise shard_error(part.shard, routes.shape, err) from None
@@ -326,9 +340,10 @@ class HPSClient:
         raise shard_unavailable(part.shard, routes.shape, part.keys, total, routes.targets.get(part.shard, []),
                                 detail)
 
-    def list_models(self, timeout: float | None = None) -> dict[str, dict[str, int]]:
-        """``{model: {table: dim}}`` of the models the server serves."""
-        response = self._call("ListModels", pb.ListModelsRequest(), timeout)
+    def list_models(self, timeout: float | None = None, *, metadata: Metadata | None = None
+                    ) -> dict[str, dict[str, int]]:
+        """``{model: {table: dim}}`` of the models the server serves (those the caller may read)."""
+        response = self._call("ListModels", pb.ListModelsRequest(), timeout, metadata)
         return {m.name: {t.name: t.dim for t in m.tables} for m in response.models}
 
     def close(self) -> None:
