@@ -18,7 +18,7 @@ from starlette.routing import Match, Router
 from hps_service.errors import PermissionDeniedError, UnauthenticatedError
 from hps_service.server.audit import AUDIT_STATE, AuditEntry, AuditLog
 from hps_service.server.auth import Authenticator, Principal, bearer_token
-from hps_service.server.problems import send_problem
+from hps_service.server.problems import CLOSE, send_problem
 from hps_service.server.rest_access import BodyLimits, RoutePolicy, policy_of
 from hps_service.server.tls_peer import PEER_IDENTITIES
 
@@ -124,7 +124,7 @@ class Gatekeeper:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > limit:  # a chunked body (no Content-Length) past its bound: refused as it arrives
-                    raise HTTPException(413, self._too_large(seen, limit, policy))
+                    raise HTTPException(413, self._too_large(seen, limit, policy), headers=CLOSE)
             return message
 
         await self.app(scope, bounded, send)

@@ -23,7 +23,10 @@ class HttpListener:
     """uvicorn serving ``app`` on ``host:port`` (bound before this returns; port 0 picks one: see ``port``)."""
 
     def __init__(self, app: Callable, host: str, port: int, what: str, tls: TLSConfig | None = None) -> None:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        # proto IPPROTO_TCP (not 0), or asyncio does not set TCP_NODELAY on the connections: each answer's body then
+        # waits for the ACK of its headers, 40 ms of the client's delayed ACK (measured: /healthz 48 ms, 4 ms with)
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
+                             socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))

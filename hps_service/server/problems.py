@@ -20,8 +20,13 @@ def problem(code: int, message: str, headers: dict[str, str] | None = None, **ex
     return JSONResponse(body, status_code=code, headers=headers, media_type=PROBLEM_JSON)
 
 
+#: Sent with a refusal that leaves a request's body unread: the server closes the connection behind its answer
+#: instead of reading (and dropping) the rest of the body to reach the next request.
+CLOSE = {"Connection": "close"}
+
+
 async def send_problem(send: Callable, code: int, message: str, headers: dict[str, str] | None = None) -> None:
-    """Answer an ASGI request with a problem, from a middleware (the connection closes if its body is unread)."""
-    response = problem(code, message, headers)
+    """Answer an ASGI request with a problem, from a middleware, and close the connection (its body is unread)."""
+    response = problem(code, message, {**(headers or {}), **CLOSE})
     await send({"type": "http.response.start", "status": code, "headers": response.raw_headers})
     await send({"type": "http.response.body", "body": response.body})
