@@ -80,9 +80,6 @@ def serve(
     except Exception as exc:  # a tier that cannot open: one line, not a traceback
         logging.getLogger("hps").debug("start failed", exc_info=True)
         _fail(f"cannot start: {type(exc).__name__}: {exc}")
-    from hps_service.warmup import freeze_startup_heap
-
-    freeze_startup_heap()
     host = cfg.server.host
     out_console.print(
         f"hps-service: gRPC on {host}:{server.grpc_port}, REST admin on http://{host}:{server.http_port} "

@@ -11,7 +11,6 @@ loads machine code instead of compiling it.
 
 from __future__ import annotations
 
-import gc
 import importlib
 import logging
 import os
@@ -84,13 +83,3 @@ def main() -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def freeze_startup_heap() -> None:
-    """After a process's start: collect its start's garbage once, then move every object left (modules, kernels,
-    config, the engine) out of the cyclic collector's sight (``gc.freeze``). A full collection otherwise walks them
-    all: 40-140 ms in the owner on a 2-core host, measured (more when it is loaded), stalling every request of the
-    process behind it; frozen, the collector walks what was made since. Workers do the same after their fork."""
-    gc.collect()
-    gc.freeze()
-
