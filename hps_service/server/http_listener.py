@@ -6,7 +6,6 @@ Under ``server.tls`` it serves HTTPS, gives each request the identities of the c
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +15,7 @@ import uvicorn
 from hps_service.config import TLSConfig
 from hps_service.errors import UnavailableError
 from hps_service.server.tls_peer import PeerIdentityProtocol
+from hps_service.sockets import bound_socket
 from hps_service.tls import SSLContextReloader, uvicorn_ssl_options
 
 
@@ -23,16 +23,7 @@ class HttpListener:
     """uvicorn serving ``app`` on ``host:port`` (bound before this returns; port 0 picks one: see ``port``)."""
 
     def __init__(self, app: Callable, host: str, port: int, what: str, tls: TLSConfig | None = None) -> None:
-        # proto IPPROTO_TCP (not 0), or asyncio does not set TCP_NODELAY on the connections: each answer's body then
-        # waits for the ACK of its headers, 40 ms of the client's delayed ACK (measured: /healthz 48 ms, 4 ms with)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM,
-                             socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            sock.close()
-            raise UnavailableError(f"cannot bind the {what} {host}:{port}: {exc}") from None
+        sock = bound_socket(host, port, f"the {what}")
         self.port: int = sock.getsockname()[1]
         options: dict[str, Any] = {}
         if tls is not None:

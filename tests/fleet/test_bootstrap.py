@@ -8,7 +8,6 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
 from hps_service.fleet.store import SnapshotBucket
@@ -16,13 +15,6 @@ from hps_service.tiers.base import TableWrite
 from hps_service.tiers.rocksdb import RocksDBTier
 
 DIM = 4
-
-
-@pytest.fixture
-def bucket(s3_server, monkeypatch) -> SnapshotBucket:  # noqa: F811
-    for k, v in s3_server.env.items():
-        monkeypatch.setenv(k, v)
-    return SnapshotBucket(f"s3://{s3_server.new_bucket()}/b")
 
 
 def _snapshot(bucket: SnapshotBucket, tmp: Path, model: str, rows: int, offset: int) -> dict:

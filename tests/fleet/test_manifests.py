@@ -15,13 +15,6 @@ from hps_service.fleet.manifests import MAX_FILES, MAX_MANIFEST_BYTES
 from hps_service.fleet.store import MANIFEST, CorruptSnapshotError, SnapshotBucket, sha256_file
 
 
-@pytest.fixture
-def bucket(s3_server, monkeypatch) -> SnapshotBucket:
-    for k, v in s3_server.env.items():
-        monkeypatch.setenv(k, v)
-    return SnapshotBucket(f"s3://{s3_server.new_bucket()}/hostile")
-
-
 def _checkpoint(root: Path) -> Path:
     root.mkdir(parents=True)
     (root / "000007.sst").write_bytes(os.urandom(50_000))

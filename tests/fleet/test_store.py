@@ -8,14 +8,7 @@ from pathlib import Path
 import pytest
 
 from hps_service.errors import NotFoundError
-from hps_service.fleet.store import CorruptSnapshotError, SnapshotBucket
-
-
-@pytest.fixture
-def bucket(s3_server, monkeypatch):
-    for k, v in s3_server.env.items():
-        monkeypatch.setenv(k, v)
-    return SnapshotBucket(f"s3://{s3_server.new_bucket()}/fleet/a")
+from hps_service.fleet.store import CorruptSnapshotError
 
 
 def _files(root: Path) -> Path:
