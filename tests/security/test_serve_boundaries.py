@@ -1,5 +1,4 @@
-"""The REST boundary of a real `hps serve` (workers, Kafka updates, snapshots in S3, auth token, every secret from a
-file): hostile bodies cost it their headers only; every admin route leaves one audit line; and no log line, audit
+"""The REST boundary of a real `hps serve` (Kafka updates, snapshots in S3, auth token, every secret from a file): hostile bodies cost it their headers only; every admin route leaves one audit line; and no log line, audit
 line or response carries a secret it was given."""
 
 from __future__ import annotations
@@ -62,7 +61,7 @@ def served(tmp_path_factory: pytest.TempPathFactory, kafka_broker, s3_server) ->
     grpc_port, http_port = free_port(), free_port()
     bucket = s3_server.new_bucket()
     config = write_config(tmp / "serve.yaml", {
-        "server": {"grpc_port": grpc_port, "http_port": http_port, "workers": 1, "grpc_workers": 2,
+        "server": {"grpc_port": grpc_port, "http_port": http_port, "workers": 0, "grpc_workers": 2,
                    "admin_token_file": str(secrets / "admin"), "auth": "token", "audit_log": str(tmp / "audit.log"),
                    "readers": [{"name": "ranker", "token_file": str(secrets / "ranker"), "models": ["demo"]}]},
         "cache": {"backend": "numpy", "capacity": 4096},

@@ -60,7 +60,7 @@ def test_a_rotated_certificate_is_served_without_a_restart(tmp_path: Path) -> No
         # half-way: the new certificate beside the old key is not taken
         shutil.copy(new.server_cert, live / ".tls.crt.new")
         os.replace(live / ".tls.crt.new", live / "tls.crt")
-        time.sleep(2.5)
+        time.sleep(1.5)  # the files are looked at once a second
         assert _grpc_ok(srv.grpc_port, old.ca) and _rest_ok(srv.http_port, old.ca)
         _install(new.server_cert, new.server_key, live)
         deadline = time.monotonic() + 10
