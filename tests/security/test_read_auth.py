@@ -6,6 +6,7 @@ file takes effect without a restart, in the worker processes too."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import ssl
 import time
@@ -25,7 +26,7 @@ from hps_service.config import load_config
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.app import HPSServer
-from tests.helpers import free_port
+from tests.helpers import free_port, run_hps
 from tests.security.certs import PKI, make_pki
 
 ADMIN = "admin-token-for-read-auth-tests"
@@ -177,6 +178,16 @@ def test_token_reads_through_the_clients(token_server) -> None:
                     ).shape == (1, DIM)
 
     asyncio.run(aio())
+
+
+def test_hps_lookup_takes_a_token_file(token_server) -> None:
+    srv, tmp = token_server
+    args = ["lookup", "--target", f"127.0.0.1:{srv.grpc_port}", "-m", "demo", "-t", "item", "--json", "5"]
+    refused = run_hps(*args)
+    assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr + refused.stdout
+    done = run_hps(*args, env={"HPS_TOKEN_FILE": str(tmp / "ranker")})
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["vectors"] == [[0.5] * DIM]
 
 
 def test_a_rotated_token_file_takes_effect_without_a_restart(token_server) -> None:
