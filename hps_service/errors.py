@@ -16,12 +16,15 @@ from hps_client.errors import (
     InternalError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 
 __all__ = ["DeadlineExceededError", "FailedPreconditionError", "HPSError", "InternalError", "InvalidArgumentError",
-           "NotFoundError", "ResourceExhaustedError", "UnavailableError"]
+           "NotFoundError", "PermissionDeniedError", "ResourceExhaustedError", "UnauthenticatedError",
+           "UnavailableError"]
 
 
 def __getattr__(name: str) -> Any:

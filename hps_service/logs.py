@@ -13,6 +13,9 @@ from typing import Literal
 from hps_service.call_context import current_call
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+#: Libraries whose DEBUG records carry credentials (botocore logs each request's signed Authorization header, the
+#: access key in it) or whole request bodies: they log at INFO and above whatever the level asked for.
+_QUIET_AT_DEBUG = ("botocore", "boto3", "s3transfer", "urllib3")
 #: Attributes every LogRecord has; anything else was passed with ``extra=`` and goes into the JSON object.
 _STANDARD = set(vars(logging.makeLogRecord({}))) | {"message", "asctime", "taskName"}
 
@@ -72,6 +75,8 @@ def setup_logging(level: str | int = "info", log_format: Literal["text", "json"]
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
+    for name in _QUIET_AT_DEBUG:
+        logging.getLogger(name).setLevel(max(logging.INFO, root.level))
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):  # their records reach the root handler only
         logger = logging.getLogger(name)
         logger.handlers.clear()

@@ -37,6 +37,7 @@ from hps_service.store import layout
 from hps_service.store import node_store as ns
 from hps_service.store.counters import REQ_LATENCY, REQ_STATUS, TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, NodeStore, TableSlot
+from hps_service.store.permissions import local_access
 from hps_service.store.queue import Record
 from hps_service.store.region import array_spec
 from hps_service.store.usage import resident_bytes
@@ -272,7 +273,7 @@ class NodeOwner:
         self.workers = cfg.worker_processes()
         local = cfg.local
         self.store = NodeStore(local.path if local.enabled else store_parent(), private=not local.enabled,
-                               processes=self.workers + 1, workers=self.workers)
+                               processes=self.workers + 1, workers=self.workers, access=local_access(local))
         if (uds := cfg.local_socket()) is not None:  # where LocalClient readers send their misses
             self.store.extra["socket"] = str(uds)
         WorkerSupervisor.prepare()

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-import uvicorn
 from grpc_health.v1 import health, health_pb2
 
 from hps_client.channel import ACCEPTING_SERVICE
@@ -39,15 +38,17 @@ from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-e
     message_limits,
 )
 from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate
+from hps_service.server.http_listener import HttpListener
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
 from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_starting_app
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.sharding import ShardMap
+from hps_service.store.permissions import local_access
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
-from hps_service.tls import grpc_server_credentials, uvicorn_ssl_options
+from hps_service.tls import grpc_server_credentials
 from hps_service.updates import UpdateConsumer
 from hps_service.updates.message import topic_name
 from hps_service.updates.readiness import update_consumer_not_ready
@@ -127,14 +128,12 @@ class HPSServer:
         self.readiness: list[ReadinessCheck] = []
         #: Extra /v1/stats sections, e.g. ``{"updates": consumer.stats}``.
         self.stats_sections: dict[str, Callable[[], dict]] = {}
-        self._http: uvicorn.Server | None = None
-        self._http_thread: threading.Thread | None = None
+        self._http: HttpListener | None = None
         self._served_models: set[str] = set()
         self._health_lock = threading.Lock()
         self._stopped = threading.Event()
         self.consumer: UpdateConsumer | None = None
         self._consumer_lock = threading.Lock()
-        self._ssl_options: dict = {}
         self.bootstrap = BootstrapProgress()
         self.snapshotter: Snapshotter | None = None
         self.remote_snapshots: RemoteSnapshots | None = None
@@ -165,11 +164,12 @@ class HPSServer:
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         # TLS material is read before any tier opens, so a bad path fails fast and leaves nothing open.
         credentials = grpc_server_credentials(cfg.tls) if cfg.tls is not None else None
-        self._ssl_options = uvicorn_ssl_options(cfg.tls) if cfg.tls is not None else {}
-        self._start_http()  # liveness and readiness (with bootstrap progress) answer from here on
+        # liveness and readiness (with bootstrap progress) answer from here on
+        self._http = HttpListener(self._app, cfg.host, cfg.http_port, "REST port", cfg.tls)
+        self.http_port = self._http.port
         try:
             if cfg.probe_port is not None:
-                self._probes = ProbeServer(cfg.host, cfg.probe_port, self.readiness_report)
+                self._probes = ProbeServer(cfg.host, cfg.probe_port, self._app)
             if self.engine is None:
                 self._bootstrap()
                 if cfg.worker_processes() > 0:
@@ -235,8 +235,9 @@ class HPSServer:
         if uds is not None:
             self._bind_uds(server, uds)
         server.start()
-        if uds is not None:
-            uds.chmod(0o660)  # the group (the pod's inference containers) may connect, as it may map the store
+        if uds is not None:  # the colocated readers' group may connect, as it may map the store
+            access = local_access(cfg.local)
+            access.apply(uds, access.socket_mode)
         self._grpc = serving
         self.grpc_port = port
 
@@ -277,7 +278,7 @@ class HPSServer:
         pcfg = self.config.persistent
         if pcfg.type != "rocksdb" or pcfg.snapshot_store is None or pcfg.read_only:
             return
-        bucket = SnapshotBucket(pcfg.snapshot_store, pcfg.snapshot_upload_bytes_per_s)
+        bucket = SnapshotBucket.from_config(pcfg)
         bootstrap(Path(pcfg.path), bucket, [m.name for m in self.config.models], self.bootstrap)
 
     def _make_snapshotter(self) -> None:
@@ -288,7 +289,7 @@ class HPSServer:
             return
         prefix = self.config.updates.topic_prefix
         self.snapshotter = Snapshotter(
-            self.engine, SnapshotBucket(pcfg.snapshot_store, pcfg.snapshot_upload_bytes_per_s),
+            self.engine, SnapshotBucket.from_config(pcfg),
             snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
             refuse=lambda model: self.consumer.lost_reason(model) if self.consumer is not None else None,
         )
@@ -459,31 +460,6 @@ class HPSServer:
             elif names:
                 self._start_updates()
 
-    def _start_http(self) -> None:
-        """Serve the REST port with uvicorn on its own thread and event loop (bound before this returns): the
-        starting app until :meth:`start` switches to the admin API."""
-        cfg = self.config.server
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((cfg.host, cfg.http_port))
-        except OSError as exc:
-            sock.close()
-            raise UnavailableError(f"cannot bind the REST port {cfg.host}:{cfg.http_port}: {exc}") from None
-        self.http_port = sock.getsockname()[1]
-        http = uvicorn.Server(
-            uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off", log_config=None,
-                           timeout_graceful_shutdown=5, **self._ssl_options)
-        )
-        thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="hps-http", daemon=True)
-        thread.start()
-        while not http.started:
-            if not thread.is_alive():
-                sock.close()
-                raise UnavailableError(f"the REST server on {cfg.host}:{self.http_port} failed to start")
-            thread.join(0.01)
-        self._http, self._http_thread = http, thread
-
     def stop(self, grace: float | None = None) -> None:
         """Say NOT_SERVING, answer lookups for a lame-duck moment, then refuse them and let in-flight ones finish
         (see :meth:`ServingGrpc.drain_and_stop`), commit applied updates, close the tiers: all within ``grace``
@@ -529,9 +505,8 @@ class HPSServer:
 
     def _stop_listeners(self, timeout: float = 0.5) -> None:
         """Close the REST and probe listeners."""
-        if self._http is not None and self._http_thread is not None:
-            self._http.should_exit = True
-            self._http_thread.join(max(timeout, 0.5))
+        if self._http is not None:
+            self._http.close(timeout)
         if self._probes is not None:
             self._probes.close()
             self._probes = None

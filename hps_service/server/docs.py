@@ -23,14 +23,14 @@ def add_offline_docs(app: FastAPI) -> None:
     title = f"{app.title} - docs"
 
     @app.get("/docs", include_in_schema=False)
-    def swagger() -> HTMLResponse:
+    def swagger_ui_html() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url=app.openapi_url or "/openapi.json", title=title,
                                    swagger_js_url=f"{ASSETS}/swagger-ui-bundle.js",
                                    swagger_css_url=f"{ASSETS}/swagger-ui.css",
                                    swagger_favicon_url=f"{ASSETS}/favicon.png")
 
     @app.get("/redoc", include_in_schema=False)
-    def redoc() -> HTMLResponse:
+    def redoc_html() -> HTMLResponse:
         return get_redoc_html(openapi_url=app.openapi_url or "/openapi.json", title=title,
                               redoc_js_url=f"{ASSETS}/redoc.standalone.js", redoc_favicon_url=f"{ASSETS}/favicon.png",
                               with_google_fonts=False)

@@ -27,6 +27,7 @@ import numpy as np
 from hps_service.store import layout
 from hps_service.store.changes import RING_KEYS, ChangeRing
 from hps_service.store.counters import REQ_FIELDS, TABLE_FIELDS, THREAD_ROWS
+from hps_service.store.permissions import PRIVATE, StoreAccess
 from hps_service.store.queue import CTRL_LEN as QUEUE_CTRL_LEN
 from hps_service.store.queue import Ring
 from hps_service.store.region import NamedAllocator, Region, array_spec
@@ -72,23 +73,22 @@ class NodeStore:
     """One generation of the store, created and written by the owner."""
 
     def __init__(self, root: Path, *, private: bool, processes: int, workers: int,
-                 queue_bytes: int = QUEUE_BYTES) -> None:
-        """``processes``: rows of the counter arrays (the owner is 0, worker ``i`` is ``i + 1``)."""
+                 queue_bytes: int = QUEUE_BYTES, access: StoreAccess = PRIVATE) -> None:
+        """``processes``: rows of the counter arrays (the owner is 0, worker ``i`` is ``i + 1``); ``access``: who
+        may read the store beside the server's user (a private store is the server's alone)."""
         self.private = private
-        self.file_mode = 0o600 if private else 0o640
-        self.dir_mode = Region.dir_mode(self.file_mode)
+        self.access = access = PRIVATE if private else access
         root = Path(root)
         if private:
             layout.remove_dead_private_roots(root)
             root = root / f"{layout.PRIVATE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-            root.mkdir(mode=self.dir_mode)
-        else:
-            root.mkdir(parents=True, exist_ok=True)
-        os.chmod(root, self.dir_mode)
+            root.mkdir(mode=access.dir_mode)
+        access.make_dirs(root)
+        access.apply(root, access.dir_mode)
         self.root = root
         self.generation = layout.new_generation_id()
-        self.path, self._lock_fd = layout.make_generation(root, self.generation, self.dir_mode, self.file_mode)
-        self.region = Region(self.path, writable=True, mode=self.file_mode)
+        self.path, self._lock_fd = layout.make_generation(root, self.generation, access)
+        self.region = Region(self.path, writable=True, access=access)
         self.header = self.region.create(layout.HEADER, (layout.HEADER_LEN,), np.int64)
         self.header[layout.H_MAGIC] = layout.MAGIC
         self.header[layout.H_LAYOUT] = layout.LAYOUT_VERSION
@@ -189,9 +189,9 @@ class NodeStore:
     def write_json(self, name: str, data: Any) -> None:
         """Replace the small JSON file ``name`` of this generation whole (readers see the old or the new one)."""
         tmp = self.path / f".{name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.file_mode)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.access.file_mode)
         with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), self.file_mode)
+            self.access.apply_fd(f.fileno(), tmp)
             json.dump(data, f)
         os.replace(tmp, self.path / name)
 

@@ -43,6 +43,7 @@ from confluent_kafka.admin import AdminClient
 from hps_service.config import UpdatesConfig
 from hps_service.engine import LookupEngine, TableChange
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.updates.admin_signature import AdminMessages
 from hps_service.updates.batch import TableBatch, table_change
 from hps_service.updates.catch_up import CatchUp
 from hps_service.updates.commits import OffsetCommits
@@ -153,6 +154,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         }
         self.metrics = FreshnessStats()
         self.metrics.expect(models)
+        self.admin_messages = AdminMessages(cfg.admin_key)
         self._consumer: Consumer | None = None
         self._dlq: DeadLetters | None = None
         self._thread: threading.Thread | None = None
@@ -536,6 +538,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
                 if model not in loaded:
                     raise ModelUnloadedError(model)
                 upd = self._validated(model, msg.value())
+                self.admin_messages.check(model, upd, msg.value(), msg.headers())
             except ModelUnloadedError:
                 park[part] = msg.offset()
                 continue

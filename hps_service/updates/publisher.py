@@ -13,6 +13,8 @@ from confluent_kafka.admin import AdminClient
 
 from hps_service.config import valid_name
 from hps_service.errors import InvalidArgumentError, UnavailableError
+from hps_service.updates.admin_signature import HEADER as SIGNATURE_HEADER
+from hps_service.updates.admin_signature import sign
 from hps_service.updates.kafka_log import with_logging
 from hps_service.updates.message import MAX_MESSAGE_BYTES, encode_update, rows_per_message, topic_name
 from hps_service.updates.partitioning import group_by_partition, partition_of
@@ -81,13 +83,17 @@ class Publisher:
         metadata_timeout_s: float = 10.0,
         replication_factor: int = DEFAULT_REPLICATION_FACTOR,
         min_insync_replicas: int = DEFAULT_MIN_INSYNC_REPLICAS,
+        admin_key: str | None = None,
         **producer_config: Any,
     ) -> None:
+        """``admin_key``: updates.admin_key, which signs the admin-only messages (tombstone purges); replicas refuse
+        them unsigned."""
         if not valid_name(model):
             raise InvalidArgumentError(f"model name {model!r} is not valid (letters, digits, '_' and '-', <= 64)")
         if not brokers:
             raise InvalidArgumentError("brokers must be a non-empty 'host:port[,host:port]' string")
         self.model = model
+        self._admin_key = admin_key
         self.topic = topic_name(model, topic_prefix)
         self._conf = with_logging({**_PRODUCER_DEFAULTS, **producer_config, "bootstrap.servers": brokers})
         self._producer = Producer(self._conf)
@@ -142,8 +148,9 @@ class Publisher:
         none = np.empty(0, dtype=np.int64)
         payload = encode_update(self.model, table, none, np.empty((0, 0), dtype=np.float32), none,
                                 purge_tombstones_below=int(below))
+        headers = [(SIGNATURE_HEADER, sign(self._admin_key, payload))] if self._admin_key is not None else None
         for p in range(self.partitions):
-            self._produce(p, payload, deliveries)
+            self._produce(p, payload, deliveries, headers)
         self.messages_sent += self.partitions
         return self.partitions
 
@@ -210,11 +217,12 @@ class Publisher:
         self.rows_sent += len(keys)
         return sent
 
-    def _produce(self, partition: int, payload: bytes, deliveries: Deliveries | None = None) -> None:
+    def _produce(self, partition: int, payload: bytes, deliveries: Deliveries | None = None,
+                 headers: list[tuple[str, bytes]] | None = None) -> None:
         deadline = time.monotonic() + 60.0
         while True:
             try:
-                self._producer.produce(self.topic, value=payload, partition=partition,
+                self._producer.produce(self.topic, value=payload, partition=partition, headers=headers,
                                        on_delivery=deliveries if deliveries is not None else self._on_delivery)
                 if deliveries is not None:
                     deliveries.sent()

@@ -19,13 +19,6 @@ from hps_service.tiers.rocksdb import RocksDBTier
 DIM = 4
 
 
-@pytest.fixture
-def bucket(s3_server, monkeypatch) -> SnapshotBucket:  # noqa: F811
-    for k, v in s3_server.env.items():
-        monkeypatch.setenv(k, v)
-    return SnapshotBucket(f"s3://{s3_server.new_bucket()}/b")
-
-
 def _snapshot(bucket: SnapshotBucket, tmp: Path, model: str, rows: int, offset: int) -> dict:
     """A store holding ``rows`` rows of ``model.t`` applied up to ``offset``, uploaded as a snapshot."""
     db = RocksDBTier(tmp / f"src-{model}-{rows}")

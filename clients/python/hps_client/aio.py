@@ -16,6 +16,7 @@ import grpc
 import numpy as np
 
 from hps_client.attempts import HedgingPolicy, call_hedged_async, retry_elsewhere
+from hps_client.call_auth import read_credentials
 from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import FailedPreconditionError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
@@ -61,15 +62,17 @@ class AsyncHPSClient:
         interceptors: Sequence[Any] | None = None,
         hedging: HedgingPolicy | Mapping[str, Any] | None = None,
         health_check: bool = True,
+        credentials: str | grpc.CallCredentials | None = None,
     ) -> None:
-        """Targets, retry, channel, TLS, metadata, hedging and health-check options as in HPSClient;
+        """Targets, retry, channel, TLS, metadata, hedging, health-check options and ``credentials`` as in HPSClient;
         ``interceptors`` are grpc.aio client interceptors (e.g. OpenTelemetry's ``aio_client_interceptors()``)."""
         self._credentials = channel_credentials(tls_ca, tls_cert, tls_key, tls)
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         self.target = whole_target(self.targets)
         self.timeout = timeout
         self.retries = retries
-        self.metadata = merge_metadata(metadata, None)
+        token, self._call_credentials = read_credentials(credentials)
+        self.metadata = merge_metadata(token, metadata)
         self.hedging = HedgingPolicy.parse(hedging) if hedging is not None else None
         self._interceptors = list(interceptors or ()) or None
         self._options = channel_options(retries, backoff_s, options, health_check=health_check)
@@ -80,6 +83,10 @@ class AsyncHPSClient:
         self._learning: asyncio.Lock | None = None  # one coroutine learns the shard map at a time
 
     # ---- channels -----------------------------------------------------------------------------------------
+    def _auth(self, metadata: Metadata | None) -> dict[str, Any]:
+        """The keyword arguments that carry a call's metadata and the client's call credentials."""
+        return {"metadata": metadata, "credentials": self._call_credentials}
+
     def _open(self, target: str) -> pb_grpc.EmbeddingServiceStub:
         channel = self._channels.get(target)
         if channel is None:
@@ -108,7 +115,7 @@ class AsyncHPSClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             return await getattr(await self._any_stub(deadline), method)(
-                request, timeout=remaining(deadline), metadata=merge_metadata(self.metadata, metadata))
+                request, timeout=remaining(deadline), **self._auth(merge_metadata(self.metadata, metadata)))
         except grpc.aio.AioRpcError as err:
             raise as_error(err) from None
 
@@ -140,7 +147,7 @@ class AsyncHPSClient:
         if stub is not None:
             try:
                 info = await stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
-                                                 metadata=self.metadata)
+                                                 **self._auth(self.metadata))
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     self._unsharded = True
@@ -149,7 +156,7 @@ class AsyncHPSClient:
                 self._unsharded = True
                 return None
         probes = [self._open(t).GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
-                                               metadata=self.metadata) for t in self.targets]
+                                               **self._auth(self.metadata)) for t in self.targets]
         answers = await asyncio.gather(*probes, return_exceptions=True)
         infos = {i: a for i, a in enumerate(answers) if isinstance(a, pb.ClusterInfo)}
         errors = {i: a for i, a in enumerate(answers) if not isinstance(a, pb.ClusterInfo)}
@@ -182,7 +189,7 @@ class AsyncHPSClient:
         """Add target ``i`` (down when first asked) to its shard's routes as soon as it answers."""
         try:
             info = await self._open(self.targets[i]).GetClusterInfo(CLUSTER_INFO, wait_for_ready=True,
-                                                                    metadata=self.metadata)
+                                                                    **self._auth(self.metadata))
         except grpc.aio.AioRpcError:
             return
         finally:
@@ -249,9 +256,9 @@ class AsyncHPSClient:
         """One Lookup over the channel of every replica, hedged when the client has a policy."""
         try:
             if self.hedging is None:
-                return await stub.Lookup(request, timeout=remaining(deadline), metadata=metadata)
+                return await stub.Lookup(request, timeout=remaining(deadline), **self._auth(metadata))
             return await call_hedged_async(
-                lambda: stub.Lookup(request, timeout=remaining(deadline), metadata=metadata), self.hedging, deadline)
+                lambda: stub.Lookup(request, timeout=remaining(deadline), **self._auth(metadata)), self.hedging, deadline)
         except grpc.aio.AioRpcError as err:
             raise as_error(err) from None
 
@@ -262,7 +269,7 @@ class AsyncHPSClient:
         detail = "none of the client's targets serves this shard"
         for stub in routes.stubs_from(part.shard):
             try:
-                return await stub.Lookup(part.request, timeout=remaining(deadline), metadata=metadata)
+                return await stub.Lookup(part.request, timeout=remaining(deadline), **self._auth(metadata))
             except grpc.aio.AioRpcError as err:
                 if not retry_elsewhere(err):
                     raise shard_error(part.shard, routes.shape, err) from None

@@ -19,6 +19,7 @@ import grpc
 import numpy as np
 
 from hps_client.attempts import HedgingPolicy, call_hedged, retry_elsewhere
+from hps_client.call_auth import read_credentials
 from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
@@ -94,18 +95,22 @@ class HPSClient:
         interceptors: Sequence[Any] | None = None,
         hedging: HedgingPolicy | Mapping[str, Any] | None = None,
         health_check: bool = True,
+        credentials: str | grpc.CallCredentials | None = None,
     ) -> None:
         """``targets``: a gRPC target (``host:port``, ``dns:///name:port``) or a list of them: ``host:port``
         replicas, or for a sharded fleet the replicas or ``dns:///`` names of its shards, in any order.
         ``retries`` (at most 4) and ``backoff_s`` shape the retry policy; ``options`` adds or overrides channel
         options. ``tls_ca`` (or ``tls=True`` for the system roots) turns TLS on; ``tls_cert``/``tls_key`` add a
         client certificate for servers that require mutual TLS. ``metadata``, ``interceptors`` and ``hedging``: see
-        the class; ``health_check=False`` for servers older than 0.2 (no ``accepting`` health service)."""
+        the class; ``health_check=False`` for servers older than 0.2 (no ``accepting`` health service).
+        ``credentials``: for ``server.auth: token``, a read token (sent as ``authorization: Bearer`` metadata on
+        every call) or gRPC call credentials (which gRPC sends over TLS only)."""
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         self.target = whole_target(self.targets)
         self.timeout = timeout
         self.retries = retries
-        self.metadata = merge_metadata(metadata, None)
+        token, self._call_credentials = read_credentials(credentials)
+        self.metadata = merge_metadata(token, metadata)
         self.hedging = HedgingPolicy.parse(hedging) if hedging is not None else None
         self._interceptors = tuple(interceptors or ())
         self._options = channel_options(retries, backoff_s, options, health_check=health_check)
@@ -124,6 +129,10 @@ class HPSClient:
         self._closed = False
 
     # ---- channels -----------------------------------------------------------------------------------------
+    def _auth(self, metadata: Metadata | None) -> dict[str, Any]:
+        """The keyword arguments that carry a call's metadata and the client's call credentials."""
+        return {"metadata": metadata, "credentials": self._call_credentials}
+
     def _open(self, target: str) -> pb_grpc.EmbeddingServiceStub:
         """A stub over the channel of ``target`` (one channel per distinct target, kept until close)."""
         with self._lock:
@@ -150,7 +159,7 @@ class HPSClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             return getattr(self._any_stub(deadline), method)(request, timeout=remaining(deadline),
-                                                            metadata=merge_metadata(self.metadata, metadata))
+                                                            **self._auth(merge_metadata(self.metadata, metadata)))
         except grpc.RpcError as err:
             raise as_error(err) from None
 
@@ -190,7 +199,7 @@ class HPSClient:
             if self._stub is not None:
                 try:
                     info = self._stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
-                                                     metadata=self.metadata)
+                                                     **self._auth(self.metadata))
                 except grpc.RpcError as err:
                     if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server from before shards
                         self._unsharded = True
@@ -204,7 +213,7 @@ class HPSClient:
         """Ask every target its shard (concurrently) and build one channel per shard."""
         stubs = {i: pb_grpc.EmbeddingServiceStub(self._probe_channel(t)) for i, t in enumerate(self.targets)}
         futures = {i: s.GetClusterInfo.future(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
-                                              metadata=self.metadata) for i, s in stubs.items()}
+                                              **self._auth(self.metadata)) for i, s in stubs.items()}
         infos: dict[int, pb.ClusterInfo] = {}
         errors: dict[int, str] = {}
         for i, fut in futures.items():
@@ -244,7 +253,7 @@ class HPSClient:
     def _watch(self, i: int) -> None:
         """Learn the shard of target ``i`` (down when first asked) as soon as it answers."""
         stub = pb_grpc.EmbeddingServiceStub(self._probe_channel(self.targets[i]))
-        fut = stub.GetClusterInfo.future(CLUSTER_INFO, wait_for_ready=True, metadata=self.metadata)
+        fut = stub.GetClusterInfo.future(CLUSTER_INFO, wait_for_ready=True, **self._auth(self.metadata))
 
         def done(f: grpc.Future) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -320,8 +329,8 @@ class HPSClient:
         """One Lookup over the channel of every replica, hedged when the client has a policy."""
         try:
             if self.hedging is None:
-                return stub.Lookup(request, timeout=remaining(deadline), metadata=metadata)
-            return call_hedged(lambda: stub.Lookup.future(request, timeout=remaining(deadline), metadata=metadata),
+                return stub.Lookup(request, timeout=remaining(deadline), **self._auth(metadata))
+            return call_hedged(lambda: stub.Lookup.future(request, timeout=remaining(deadline), **self._auth(metadata)),
                                self.hedging, deadline)
         except grpc.RpcError as err:
             raise as_error(err) from None
@@ -335,7 +344,7 @@ class HPSClient:
             for part in split.parts:
                 stubs = routes.stubs_from(part.shard)
                 concurrent = len(split.parts) > 1 and stubs  # one part: called in _answer, no future needed
-                fut = (stubs[0].Lookup.future(part.request, timeout=remaining(deadline), metadata=metadata)
+                fut = (stubs[0].Lookup.future(part.request, timeout=remaining(deadline), **self._auth(metadata))
                        if concurrent else None)
                 calls.append((part, stubs, fut))
             responses = [self._answer(routes, part, stubs, fut, deadline, total, metadata)
@@ -356,7 +365,7 @@ class HPSClient:
             try:
                 if i == 0 and fut is not None:
                     return fut.result()
-                return stub.Lookup(part.request, timeout=remaining(deadline), metadata=metadata)
+                return stub.Lookup(part.request, timeout=remaining(deadline), **self._auth(metadata))
             except grpc.RpcError as err:
                 if not retry_elsewhere(err):
                     raise shard_error(part.shard, routes.shape, err) from None
