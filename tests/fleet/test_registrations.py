@@ -1,6 +1,7 @@
 """Models registered at runtime in a fleet (issue 27, defect 7): ``POST /v1/models`` returns once every gRPC worker
 of the node serves the model, and the registration travels through the registration log to every other replica
-(an unload too). Two in-process replicas, the first with two gRPC worker processes, and tansu."""
+(an unload too), signed with updates.admin_key (issue F1). Two in-process replicas, the first with two gRPC worker
+processes, and tansu."""
 
 from __future__ import annotations
 
@@ -38,13 +39,14 @@ def test_a_model_registered_on_one_replica_is_served_at_once_by_its_workers_and_
     names = [f"late{i}" for i in range(3)]
     for name in names:
         r = a.http.post("/v1/models", json={"name": name, "tables": [{"name": "item", "dim": DIM}]})
-        assert r.status_code == 201, r.text
+        assert r.status_code == 201 and r.json()["replicated"] is True, r.text
         for client in a.clients:
             assert np.array_equal(client.lookup(name, "item", keys), np.zeros((keys.size, DIM), np.float32))
     assert wait_until(lambda: all(b.loaded(n) for n in names), timeout=30), b.http.get("/v1/models").json()
     for client in b.clients:
         assert client.lookup(names[0], "item", keys).shape == (keys.size, DIM)
-    assert b.http.get("/v1/stats").json()["registry"]["failed"] == {}
+    registry = b.http.get("/v1/stats").json()["registry"]
+    assert registry["failed"] == {} and registry["refused"] == {"no_key": 0, "unsigned": 0, "bad_signature": 0}
 
     rows = np.full((keys.size, DIM), 0.5, np.float32)
     with Publisher(kafka_broker.bootstrap, names[0], topic_prefix=prefix, partitions=2) as pub:
@@ -54,7 +56,7 @@ def test_a_model_registered_on_one_replica_is_served_at_once_by_its_workers_and_
                           timeout=30)
 
     r = b.http.delete(f"/v1/models/{names[1]}")
-    assert r.status_code == 200, r.text
+    assert r.status_code == 200 and r.json() == {"unloaded": names[1], "replicated": True}, r.text
     assert not b.loaded(names[1])
     assert wait_until(lambda: not a.loaded(names[1]), timeout=30)
     assert a.http.post("/v1/models", json={"name": names[0], "tables": [{"name": "item", "dim": DIM}]}
