@@ -307,8 +307,9 @@ class UpdatesConfig(_Section):
         None, description="SASL password (sasl.password): HPS_UPDATES__SASL_PASSWORD from a Secret, not the file")
     sasl_password_file: Path | None = Field(None, description="a file holding the SASL password")
     admin_key: SecretStr | None = Field(
-        None, description="HMAC key of the admin-only messages on the update topics (tombstone purges): they are "
-        "signed with it, and applied only with a good signature; unset, such messages are refused")
+        None, description="HMAC key of the admin-only messages (tombstone purges on the update topics, model "
+        "registrations on the registration log): they are signed with it, and applied only with a good signature; "
+        "unset, such messages are refused, and a registration is made on the replica asked only")
     admin_key_file: Path | None = Field(None, description="a file holding updates.admin_key")
 
     @model_validator(mode="after")
