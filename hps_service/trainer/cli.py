@@ -243,7 +243,8 @@ def train_command(
             from hps_service.updates import Publisher
 
             publisher = Publisher(target, model_cfg.name, cfg.updates.topic_prefix,
-                                  partitions=cfg.cluster.partitions, **cfg.updates.kafka_config)
+                                  partitions=cfg.cluster.partitions, replication_factor=cfg.updates.replication_factor,
+                                  min_insync_replicas=cfg.updates.min_insync_replicas, **cfg.updates.kafka_config)
         elif publish and rank == 0:
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
         trainer = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,
