@@ -177,14 +177,16 @@ class CacheConfig(_Section):
         "auto", description="auto: the GPU when a CUDA device is usable, else host memory (logged); numpy: host "
         "memory; cupy: the GPU, or fail at start")
     capacity: int | float = Field(0.2, description="float in (0, 1]: fraction of each table's rows; int: rows")
-    min_rows: int = Field(8192, ge=0, description="a fractional capacity never gives fewer rows than this")
+    min_rows: int = Field(8192, ge=0, description="a fractional capacity never gives fewer rows than this (so that a "
+                          "table fed only by updates gets a cache)")
     ways: int = Field(32, ge=1, le=1024, description="slots per set of the set-associative cache")
     policy: Literal["lru", "lfu"] = Field("lru", description="which slot of a full set is evicted")
     hit_rate_threshold: float = Field(
         0.9, ge=0.0, le=1.0, description="a batch with at least this hit rate inserts its misses off the request path")
     admit_after_misses: int = Field(
         2, ge=1, le=15,
-        description="once the cache is full, a key enters it after missing this many times lately (1: every miss)")
+        description="once the cache is full, a key enters it after missing this many times lately (a count-min "
+        "sketch of misses, halved every `capacity` misses; 1: every miss)")
     refresh_interval_s: float = Field(0.0, ge=0.0, description="re-read cached rows from below this often (0: off)")
     refresh_fraction: float = Field(0.1, gt=0.0, le=1.0, description="share of the cache re-read per refresh")
     warm_start: bool = Field(True, description="fill L1 at start from the hot-key snapshot, else RocksDB's first rows")
