@@ -8,13 +8,14 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build docs
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
 	@echo "make test    - install with dev extras, install redis-server if missing, run the test suite"
 	@echo "make test-images - build the CPU image with podman and run it (minutes)"
 	@echo "make proto   - regenerate gRPC stubs from protos/"
+	@echo "make docs    - build the documentation site (mkdocs.yml, docs/) into build/site, --strict"
 	@echo "make dist    - build the wheels and sdists of hps-client and hps-service, twine check them"
 	@echo "make demo    - broker + server + online trainer + inference loop, printing AUC, hit rates, freshness"
 	@echo "make bench   - run the benchmarks under loadtest/ and print the ratios"
@@ -114,6 +115,10 @@ soak: install-dev
 # history; HPS_HISTORY_LONG_SECONDS sets the duration.
 history: install-dev test-deps
 	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/history/test_history.py -k long $(PYTEST_ARGS)
+
+# The user documentation: MkDocs (Material), offline; make test builds it too (tests/docs/test_docs_build.py).
+docs: install-dev
+	$(PY) -m mkdocs build --strict
 
 lint: install-dev
 	$(VENV)/bin/ruff check hps_service clients/python tests loadtest

@@ -226,17 +226,21 @@ def stats(
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="PEM CA bundle that signed the server (https)."),
 ) -> None:
     """Show a running server's /v1/stats: per table and level hits, misses, hit rate, rows; update freshness."""
-    import httpx
+    import ssl
+    import urllib.error
+    import urllib.request
+
     from rich.table import Table
 
+    # The standard library's client: httpx is no dependency of the server's distribution (only of its tests).
+    context = ssl.create_default_context(cafile=str(tls_ca)) if tls_ca is not None else None
     try:
-        response = httpx.get(f"{url.rstrip('/')}/v1/stats", timeout=timeout,
-                             verify=str(tls_ca) if tls_ca is not None else True)
-    except httpx.HTTPError as exc:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/v1/stats", timeout=timeout, context=context) as response:
+            data = json.load(response)
+    except urllib.error.HTTPError as exc:
+        _fail(f"{url}/v1/stats answered {exc.code}: {exc.read()[:200].decode(errors='replace')}")
+    except (urllib.error.URLError, OSError, ValueError) as exc:
         _fail(f"cannot reach {url}: {exc}")
-    if response.status_code != 200:
-        _fail(f"{url}/v1/stats answered {response.status_code}: {response.text[:200]}")
-    data = response.json()
     if as_json:
         typer.echo(json.dumps(data, indent=2))
         return

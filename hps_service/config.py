@@ -50,7 +50,7 @@ class TracingConfig(_Section):
     """OpenTelemetry spans of gRPC and REST calls, exported over OTLP/gRPC (needs the ``otel`` extra). Off by default,
     and then nothing of it runs on a call: no interceptor, no middleware, no span, no request id."""
 
-    enabled: bool = False
+    enabled: bool = Field(False, description="trace gRPC and REST calls (needs the otel extra)")
     endpoint: str | None = Field(
         None, pattern=r"^https?://[^\s/]+(/.*)?$", description="OTLP/gRPC collector, e.g. http://otel-collector:4317 "
         "(https:// for TLS); default OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else "
@@ -65,10 +65,10 @@ class TracingConfig(_Section):
 class ServerConfig(_Section):
     """Network endpoints and request limits."""
 
-    host: str = "127.0.0.1"
-    grpc_port: int = Field(8500, ge=0, le=65535)
-    http_port: int = Field(8000, ge=0, le=65535)
-    admin_token: SecretStr | None = None
+    host: str = Field("127.0.0.1", description="address gRPC and REST listen on (0.0.0.0 in a container)")
+    grpc_port: int = Field(8500, ge=0, le=65535, description="gRPC port (0: a free one, logged)")
+    http_port: int = Field(8000, ge=0, le=65535, description="REST admin API and /metrics port (0: a free one)")
+    admin_token: SecretStr | None = Field(None, description="bearer token of the admin routes (or HPS_ADMIN_TOKEN); unset: they answer 403")
     admin_token_file: Path | None = Field(
         None, description="a file holding the admin token (a mounted Secret; re-read when it changes)")
     auth: AuthMode = Field(
@@ -81,8 +81,8 @@ class ServerConfig(_Section):
         default_factory=lambda: ["http"], description="where /metrics, /docs, /v1/stats, /v1/jobs and "
         "/v1/cache are served: the REST port (http) and/or the probe port (probe, server.probe_port); on the REST "
         "port they need a read credential when server.auth is on")
-    max_batch_keys: int = Field(65536, ge=1)
-    max_tables_per_request: int = Field(64, ge=1)
+    max_batch_keys: int = Field(65536, ge=1, description="keys per request; more: RESOURCE_EXHAUSTED / 413")
+    max_tables_per_request: int = Field(64, ge=1, description="tables per Lookup; more: RESOURCE_EXHAUSTED")
     workers: int | None = Field(
         None, ge=0, le=1024, description="gRPC worker processes sharing the gRPC port (SO_REUSEPORT) and one copy of "
         "L1 and the hash map in shared memory; default: the CPUs this process may use (cgroup limit, else affinity); "
@@ -96,7 +96,7 @@ class ServerConfig(_Section):
         None, description="also serve gRPC on this Unix domain socket (from the owner process; LocalClient sends "
         "its misses there); default with server.local enabled: <local.path>/grpc.sock")
     local: LocalStoreConfig = Field(default_factory=lambda: LocalStoreConfig())
-    grace_period_s: float = Field(30.0, ge=0)
+    grace_period_s: float = Field(30.0, ge=0, description="SIGTERM waits this long for calls in flight")
     max_concurrent_requests: int = Field(256, ge=1, description="gRPC calls in flight; more get RESOURCE_EXHAUSTED")
     max_connection_age_s: float = Field(
         300.0, ge=0, description="gRPC connections are closed (GOAWAY, with gRPC's 10% jitter) after this long, so "
@@ -112,7 +112,7 @@ class ServerConfig(_Section):
     max_message_bytes: int | None = Field(
         None, ge=1024, description="gRPC requests larger get RESOURCE_EXHAUSTED; default: sized from max_batch_keys"
     )
-    tls: TLSConfig | None = None
+    tls: TLSConfig | None = Field(None, description="TLS on both ports (unset: plaintext)")
     heap_trim_interval_s: float = Field(
         30.0, ge=0, description="return the C heap's free memory to the operating system this often (glibc "
         "malloc_trim, in the owner and each worker), so resident memory follows live memory under a steady update "
@@ -172,19 +172,24 @@ class ServerConfig(_Section):
 class CacheConfig(_Section):
     """L1 embedding cache (device memory on a GPU, host memory on NumPy)."""
 
-    enabled: bool = True
-    backend: Literal["auto", "numpy", "cupy"] = "auto"
+    enabled: bool = Field(True, description="keep an L1 cache per table (false: lookups start at L2)")
+    backend: Literal["auto", "numpy", "cupy"] = Field(
+        "auto", description="auto: the GPU when a CUDA device is usable, else host memory (logged); numpy: host "
+        "memory; cupy: the GPU, or fail at start")
     capacity: int | float = Field(0.2, description="float in (0, 1]: fraction of each table's rows; int: rows")
-    min_rows: int = Field(8192, ge=0, description="a fractional capacity never gives fewer rows than this")
-    ways: int = Field(32, ge=1, le=1024)
-    policy: Literal["lru", "lfu"] = "lru"
-    hit_rate_threshold: float = Field(0.9, ge=0.0, le=1.0)
+    min_rows: int = Field(8192, ge=0, description="a fractional capacity never gives fewer rows than this (so that a "
+                          "table fed only by updates gets a cache)")
+    ways: int = Field(32, ge=1, le=1024, description="slots per set of the set-associative cache")
+    policy: Literal["lru", "lfu"] = Field("lru", description="which slot of a full set is evicted")
+    hit_rate_threshold: float = Field(
+        0.9, ge=0.0, le=1.0, description="a batch with at least this hit rate inserts its misses off the request path")
     admit_after_misses: int = Field(
         2, ge=1, le=15,
-        description="once the cache is full, a key enters it after missing this many times lately (1: every miss)")
-    refresh_interval_s: float = Field(0.0, ge=0.0, description="0 disables periodic refresh")
-    refresh_fraction: float = Field(0.1, gt=0.0, le=1.0)
-    warm_start: bool = True
+        description="once the cache is full, a key enters it after missing this many times lately (a count-min "
+        "sketch of misses, halved every `capacity` misses; 1: every miss)")
+    refresh_interval_s: float = Field(0.0, ge=0.0, description="re-read cached rows from below this often (0: off)")
+    refresh_fraction: float = Field(0.1, gt=0.0, le=1.0, description="share of the cache re-read per refresh")
+    warm_start: bool = Field(True, description="fill L1 at start from the hot-key snapshot, else RocksDB's first rows")
 
     @field_validator("capacity")
     @classmethod
@@ -201,18 +206,19 @@ class CacheConfig(_Section):
 class VolatileConfig(_Section):
     """L2: an in-process bounded hash map, a Redis Cluster shared by all pods, or nothing."""
 
-    type: Literal["hashmap", "redis_cluster", "disabled"] = "hashmap"
-    capacity_rows: int = Field(10_000_000, ge=1, description="per table, hashmap only")
-    overflow_policy: Literal["lru", "lfu"] = "lru"
-    overflow_evict_fraction: float = Field(0.1, gt=0.0, le=0.5)
+    type: Literal["hashmap", "redis_cluster", "disabled"] = Field("hashmap", description="which L2, if any")
+    capacity_rows: int = Field(10_000_000, ge=1, description="hashmap: rows per table (address space reserved, "
+                               "memory used as rows arrive; a table that fits is filled from RocksDB at load)")
+    overflow_policy: Literal["lru", "lfu"] = Field("lru", description="hashmap: which rows a full table evicts")
+    overflow_evict_fraction: float = Field(0.1, gt=0.0, le=0.5, description="hashmap: share evicted at once")
     nodes: list[str] = Field(default_factory=list, description="redis_cluster: host:port seeds")
     partitions: int = Field(64, ge=1, le=16384, description="redis_cluster: hashes per table")
-    password: SecretStr | None = None
+    password: SecretStr | None = Field(None, description="redis_cluster: AUTH password (prefer password_file)")
     password_file: Path | None = Field(None, description="redis_cluster: a file holding the password")
     username: str | None = Field(None, description="redis_cluster: ACL user (Redis 6+) for AUTH with password")
     tls: bool = Field(False, description="redis_cluster: connect with TLS")
     ca_file: Path | None = Field(None, description="redis_cluster: PEM CA bundle that verifies the nodes (TLS)")
-    socket_timeout_s: float = Field(0.5, gt=0)
+    socket_timeout_s: float = Field(0.5, gt=0, description="redis_cluster: per-command socket timeout")
     node_retry_after_s: float = Field(1.0, ge=0, description="redis_cluster: skip a failed node this long")
 
     @model_validator(mode="after")
@@ -231,10 +237,10 @@ class VolatileConfig(_Section):
 class PersistentConfig(_Section):
     """L3: RocksDB, one column family per model.table."""
 
-    type: Literal["rocksdb", "disabled"] = "rocksdb"
-    path: Path = Path("./var/rocksdb")
-    read_only: bool = False
-    block_cache_mb: int = Field(256, ge=0)
+    type: Literal["rocksdb", "disabled"] = Field("rocksdb", description="disabled is refused with Kafka updates")
+    path: Path = Field(Path("./var/rocksdb"), description="the RocksDB directory (one writer process)")
+    read_only: bool = Field(False, description="open RocksDB read-only: no imports, updates or admin writes")
+    block_cache_mb: int = Field(256, ge=0, description="RocksDB block cache, divided among the worker processes")
     sync_writes: bool = Field(True, description="fsync the WAL on every update batch before its offset is committed")
     max_total_wal_mb: int = Field(
         256, ge=1, description="RocksDB flushes the column families that keep the oldest write-ahead log once the "
@@ -250,9 +256,9 @@ class PersistentConfig(_Section):
         0, ge=0, description="bandwidth cap of a snapshot upload, so it leaves room for serving (0 = unlimited)")
     s3_access_key_id: SecretStr | None = Field(None, description="snapshot store credentials; default: the AWS "
                                                "environment (AWS_ACCESS_KEY_ID, IRSA, ...)")
-    s3_access_key_id_file: Path | None = None
-    s3_secret_access_key: SecretStr | None = None
-    s3_secret_access_key_file: Path | None = None
+    s3_access_key_id_file: Path | None = Field(None, description="a file holding s3_access_key_id")
+    s3_secret_access_key: SecretStr | None = Field(None, description="goes with s3_access_key_id")
+    s3_secret_access_key_file: Path | None = Field(None, description="a file holding s3_secret_access_key")
 
     @model_validator(mode="after")
     def _s3_secret_files(self) -> PersistentConfig:
@@ -274,10 +280,10 @@ class PersistentConfig(_Section):
 class UpdatesConfig(_Section):
     """Online updates from Kafka."""
 
-    type: Literal["kafka", "disabled"] = "disabled"
-    brokers: str = "127.0.0.1:9092"
-    topic_prefix: str = "hps"
-    group: str | None = None
+    type: Literal["kafka", "disabled"] = Field("disabled", description="kafka: follow topic <topic_prefix>.<model>")
+    brokers: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers, comma-separated host:port")
+    topic_prefix: str = Field("hps", description="update topics are <topic_prefix>.<model>")
+    group: str | None = Field(None, description="consumer group (lag monitoring); default <topic_prefix>.<hostname>")
     stall_after_s: float = Field(
         30.0, gt=0, description="messages waiting and none applied for this long: the stream is stalled (WARNING "
         "log, hps_update_stalled, /readyz 503)"
@@ -307,8 +313,9 @@ class UpdatesConfig(_Section):
         None, description="SASL password (sasl.password): HPS_UPDATES__SASL_PASSWORD from a Secret, not the file")
     sasl_password_file: Path | None = Field(None, description="a file holding the SASL password")
     admin_key: SecretStr | None = Field(
-        None, description="HMAC key of the admin-only messages on the update topics (tombstone purges): they are "
-        "signed with it, and applied only with a good signature; unset, such messages are refused")
+        None, description="HMAC key of the admin-only messages (tombstone purges on the update topics, model "
+        "registrations on the registration log): they are signed with it, and applied only with a good signature; "
+        "unset, such messages are refused, and a registration is made on the replica asked only")
     admin_key_file: Path | None = Field(None, description="a file holding updates.admin_key")
 
     @model_validator(mode="after")
@@ -352,7 +359,9 @@ class ClusterConfig(_Section):
 
 
 class ConstantDefault(_Section):
-    constant: float
+    """Every missing key of the table answers a row of this one value."""
+
+    constant: float = Field(description="the value of every element")
 
 
 DefaultSpec = Literal["zeros", "hashed_random"] | ConstantDefault
@@ -361,14 +370,17 @@ DefaultSpec = Literal["zeros", "hashed_random"] | ConstantDefault
 class TableConfig(_Section):
     """One embedding table of a model."""
 
-    name: str = Field(pattern=NAME_PATTERN)
-    dim: int = Field(ge=1, le=16384)
-    default: DefaultSpec = "zeros"
+    name: str = Field(pattern=NAME_PATTERN, description="the table's name in lookups")
+    dim: int = Field(ge=1, le=16384, description="floats per row")
+    default: DefaultSpec = Field("zeros", description="the row of a key no tier holds: zeros, {constant: X} or "
+                                 "hashed_random (a deterministic per-key random row)")
 
 
 class ModelConfig(_Section):
-    name: str = Field(pattern=NAME_PATTERN)
-    tables: list[TableConfig] = Field(min_length=1)
+    """One served model: a name and its embedding tables."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the model's name in lookups and its update topic")
+    tables: list[TableConfig] = Field(min_length=1, description="its embedding tables")
 
     @field_validator("tables")
     @classmethod

@@ -28,7 +28,7 @@ class ReaderConfig(Section):
     """One caller allowed to read: by a bearer token (``server.auth: token``) or by the identity in its client
     certificate (``server.auth: mtls``). Its name, never its token, is what the audit log and errors show."""
 
-    name: str = Field(pattern=NAME_PATTERN)
+    name: str = Field(pattern=NAME_PATTERN, description="the reader's name in the audit log and errors (never its token)")
     token: SecretStr | None = Field(None, description="auth token: the bearer token (prefer token_file)")
     token_file: Path | None = Field(None, description="auth token: a file holding the token (a mounted Secret; "
                                     "re-read when it changes)")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import grpc
 import yaml
@@ -16,6 +18,16 @@ from hps_service.local_processes import free_port, stop_process  # noqa: F401  (
 
 REPO = Path(__file__).resolve().parents[1]
 HPS = [sys.executable, "-m", "hps_service.cli"]
+
+
+def load_script(name: str, path: Path) -> ModuleType:
+    """Import a script that lives outside a package (deploy/*.py, docs/*.py) as module ``name``."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the script runs
+    spec.loader.exec_module(module)
+    return module
 
 
 def write_config(path: Path, data: dict) -> Path:

@@ -7,6 +7,11 @@ returns once this replica has applied its own change (and, in a node, every gRPC
 applied up to is kept in the persistent tier's metadata, so that a restart resumes there; a replica is not ready
 until it has applied the registrations that were on the log when it started.
 
+Every change on the log is signed with ``updates.admin_key`` (:mod:`updates.admin_signature`), and a replica
+applies only those whose signature is good: any producer on the topic could otherwise unload every model of every
+replica. A refused one is logged (WARNING), counted in ``hps_registry_refused_total{reason}`` and skipped. Without a
+key nothing is published (a change is made on the replica asked only) and nothing on the log is applied.
+
 Models the config defines belong to the config: a change to one is made only where it is asked for (as without
 Kafka), and other replicas skip it. A change that fails to apply here is logged (ERROR) and skipped.
 """
@@ -23,12 +28,14 @@ from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
+from prometheus_client import Counter
 
 from hps_service.background import BackgroundThread
 from hps_service.config import ModelConfig, UpdatesConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, UnavailableError
 from hps_service.tiers.base import Tier
+from hps_service.updates.admin_signature import REASONS, Signature, registry_context
 from hps_service.updates.catch_up import CatchUp
 from hps_service.updates.kafka_log import KAFKA_LOG, with_logging
 from hps_service.updates.publisher import connection_settings
@@ -38,6 +45,11 @@ from hps_service.updates.watermarks import BrokerLogs
 log = logging.getLogger(__name__)
 
 REGISTER, UNLOAD = "register", "unload"
+REFUSED = Counter("hps_registry_refused_total",
+                  "Changes on the registration log refused (not applied: unsigned, badly signed, or no key here), by why",
+                  ["reason"])
+for _reason in REASONS:
+    REFUSED.labels(_reason)
 
 
 def registry_topic(prefix: str) -> str:
@@ -70,9 +82,21 @@ class RegistryChange:
         return RegistryChange(data["op"], data["name"], model)
 
 
+def claimed(payload: bytes | None, key: bytes | None) -> str:
+    """What a message not yet trusted says it is, for a log line: ``the unload of model 'x'`` (cut and quoted)."""
+    try:
+        data = json.loads(payload or b"null")
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("name"), str):
+        op = data["op"] if data.get("op") in (REGISTER, UNLOAD) else "change"
+        return f"the {op} of model {data['name'][:100]!r}"
+    return f"a message keyed {(key or b'')[:100]!r}"
+
+
 class ModelRegistrations:
-    """Registers and unloads models at runtime: through the registration log when there is one (``log()``), else
-    on this replica only; :meth:`apply` is what the log's follower calls for every change on the log."""
+    """Registers and unloads models at runtime: through the registration log when there is one (``log()``) and
+    it signs, else on this replica only; :meth:`apply` is what the log's follower calls for every change on the log."""
 
     def __init__(self, engine: LookupEngine, configured: Collection[str], changed: Callable[[], None],
                  log_of: Callable[[], RegistryLog | None] = lambda: None, timeout_s: float = 30.0) -> None:
@@ -82,21 +106,28 @@ class ModelRegistrations:
         self.log_of = log_of
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one change at a time, from REST or the log
+        self._warned_local = False
 
-    def register(self, model: ModelConfig) -> None:
-        """Serve ``model`` here (and, through the log, on every replica) before this returns."""
-        self._through_log(RegistryChange(REGISTER, model.name, model))
+    def register(self, model: ModelConfig) -> bool:
+        """Serve ``model`` here (and, through the log, on every replica) before this returns; True when the change
+        went through the log, False when it was made on this replica only."""
+        return self._through_log(RegistryChange(REGISTER, model.name, model))
 
-    def unload(self, name: str) -> None:
-        """Stop serving ``name`` here (and, through the log, on every replica) before this returns."""
+    def unload(self, name: str) -> bool:
+        """Stop serving ``name`` here (and, through the log, on every replica) before this returns; True when the
+        change went through the log, False when it was made on this replica only."""
         self.engine.model(name)  # NotFoundError for a model not loaded
-        self._through_log(RegistryChange(UNLOAD, name))
+        return self._through_log(RegistryChange(UNLOAD, name))
 
-    def _through_log(self, change: RegistryChange) -> None:
+    def _through_log(self, change: RegistryChange) -> bool:
+        """Makes ``change`` through the log when it can travel (a log, a key to sign it, a model the config does not
+        define), else on this replica only; whether it travelled."""
         registry = self.log_of()
-        if registry is None or change.name in self.configured:
+        if registry is not None and not registry.signs and change.name not in self.configured:
+            self._warn_local_once(registry.topic)
+        if registry is None or not registry.signs or change.name in self.configured:
             self._apply(change)
-            return
+            return False
         offset = registry.publish(change)
         if not registry.wait_applied(offset, self.timeout_s):
             raise UnavailableError(f"the {change.op} of model {change.name} is on the log, but this replica did "
@@ -104,6 +135,14 @@ class ModelRegistrations:
         if registry.failed.get(offset):
             raise UnavailableError(f"the {change.op} of model {change.name} is on the log, but this replica could "
                                    f"not apply it: {registry.failed[offset]}")
+        return True
+
+    def _warn_local_once(self, topic: str) -> None:
+        if not self._warned_local:
+            self._warned_local = True
+            log.warning("updates.admin_key is not set, so model registrations and unloads are made on this replica "
+                        "only: other replicas will not see them (nor does this one apply theirs from %s). To carry "
+                        "them to every replica, set updates.admin_key, the same on every replica", topic)
 
     def apply(self, change: RegistryChange) -> None:
         """A change read from the log: applied unless the config defines the model or it changes nothing."""
@@ -137,6 +176,7 @@ class RegistryLog:
         self.part = (self.topic, 0)
         self._tier = tier
         self._apply = apply
+        self._signature = Signature(cfg.admin_key, registry_context(self.topic))
         self.ack_timeout_s = ack_timeout_s
         self._client = with_logging({**cfg.kafka_config, "bootstrap.servers": cfg.brokers})
         self._consumer_config = {**self._client, "group.id": f"{group}.registry", "enable.auto.commit": False,
@@ -148,20 +188,29 @@ class RegistryLog:
         self.applied = -1  # next offset, applied
         #: Offsets of changes this replica could not apply, and why (answered to the REST call that made them).
         self.failed: dict[int, str] = {}
+        #: Changes on the log refused here (not applied), by reason.
+        self.refused = dict.fromkeys(REASONS, 0)
         self.last_error: str | None = None
         self._worker = BackgroundThread("hps-registry", self._run)
         self._stop = self._worker.stopping
 
     # ---- the REST side ------------------------------------------------------------------------
+    @property
+    def signs(self) -> bool:
+        """Whether this replica signs (publishes) changes and applies signed ones: ``updates.admin_key`` is set."""
+        return self._signature.can_sign
+
     def publish(self, change: RegistryChange) -> int:
-        """Put ``change`` on the log; returns its offset once the broker acknowledged it."""
+        """Put ``change`` on the log, signed; returns its offset once the broker acknowledged it."""
         acked: dict[str, Any] = {}
+        value = change.encode()
+        headers = self._signature.headers(value)
 
         def delivered(err: KafkaError | None, msg: Message) -> None:
             acked["err"], acked["offset"] = err, msg.offset()
 
         try:
-            self._producer.produce(self.topic, key=change.name.encode(), value=change.encode(), partition=0,
+            self._producer.produce(self.topic, key=change.name.encode(), value=value, partition=0, headers=headers,
                                    on_delivery=delivered)
         except (KafkaException, BufferError) as exc:
             raise UnavailableError(f"cannot publish the {change.op} of model {change.name}: {exc}") from None
@@ -184,12 +233,14 @@ class RegistryLog:
 
     def stats(self) -> dict[str, Any]:
         """The ``registry`` section of /v1/stats."""
-        return {"topic": self.topic, "applied_offset": self.applied, "catching_up": self.not_ready() is not None,
-                "failed": {str(o): why for o, why in self.failed.items()}, "last_error": self.last_error}
+        return {"topic": self.topic, "signed": self.signs, "applied_offset": self.applied,
+                "catching_up": self.not_ready() is not None, "failed": {str(o): why for o, why in self.failed.items()},
+                "refused": dict(self.refused), "last_error": self.last_error}
 
     def not_ready(self) -> str | None:
-        """Why this replica has not applied the registrations on the log yet, or None."""
-        if not self._worker.started:
+        """Why this replica has not applied the registrations on the log yet, or None (always without a key: it
+        applies none)."""
+        if not self._worker.started or not self.signs:
             return None
         if self.applied < 0:
             reason = f"registration log {self.topic} not read yet"
@@ -232,6 +283,14 @@ class RegistryLog:
                 if consumer is not None:
                     consumer.close()
 
+    def _refuse(self, msg: Message, reason: str) -> None:
+        """Skip a message whose signature is not good (the position advances past it), logged and counted."""
+        REFUSED.labels(reason).inc()
+        self.refused[reason] += 1
+        hint = "; set updates.admin_key, the same on every replica, to apply the fleet's" if reason == "no_key" else ""
+        log.warning("registration log %s: refused %s at offset %d: %s%s", self.topic,
+                    claimed(msg.value(), msg.key()), msg.offset(), REASONS[reason], hint)
+
     def _connect(self) -> Consumer:
         ensure_topic(AdminClient(self._client), self.topic, 1, replication_factor=self.cfg.replication_factor,
                      min_insync_replicas=self.cfg.min_insync_replicas, config={"cleanup.policy": "compact"})
@@ -257,12 +316,16 @@ class RegistryLog:
                 continue
             if msg.offset() < self.applied:
                 continue
-            try:
-                self._apply(RegistryChange.decode(msg.value()))
-            except Exception as exc:  # noqa: BLE001  (logged and skipped: one change must not stop the others)
-                self.failed = {**dict(list(self.failed.items())[-99:]), msg.offset(): str(exc)}
-                log.error("registration log %s: the change at offset %d was not applied here: %s", self.topic,
-                          msg.offset(), exc)
+            reason = self._signature.refusal(msg.value() or b"", msg.headers())
+            if reason is not None:
+                self._refuse(msg, reason)
+            else:
+                try:
+                    self._apply(RegistryChange.decode(msg.value()))
+                except Exception as exc:  # noqa: BLE001  (logged and skipped: one change must not stop the others)
+                    self.failed = {**dict(list(self.failed.items())[-99:]), msg.offset(): str(exc)}
+                    log.error("registration log %s: the change at offset %d was not applied here: %s", self.topic,
+                              msg.offset(), exc)
             with self.catch_up.cond:
                 self.applied = msg.offset() + 1
         high = consumer.get_watermark_offsets(TopicPartition(self.topic, 0), cached=True)[1]
@@ -274,7 +337,7 @@ class RegistryLog:
             with self.catch_up.cond:
                 self.applied = 0
             return
-        if msgs:
+        if msgs and self.signs:  # without a key nothing is applied: once one is set, what was skipped is read again
             self._store(self.applied)
         with self.catch_up.cond:
             self.catch_up.advance({self.part: self.applied}, {self.part: high})

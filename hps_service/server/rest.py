@@ -261,8 +261,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
     def register_model(model: ModelConfig, replace: bool = False) -> dict[str, Any]:
         if not replace and any(m.name == model.name for m in engine.models()):
             raise HTTPException(409, f"model '{model.name}' is already loaded (pass replace=true to replace it)")
-        ctx.registrations.register(model)
-        return describe_model(engine, model.name)
+        replicated = ctx.registrations.register(model)
+        return {**describe_model(engine, model.name), "replicated": replicated}
 
     @app.get("/v1/models/{model}", tags=["models"], summary="Describe a model: tables, dims, rows per tier")
     def get_model(model: str) -> dict[str, Any]:
@@ -270,9 +270,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
 
     @app.delete("/v1/models/{model}", tags=["models"], dependencies=admin,
                 summary="Unload a model (its rows stay stored)")
-    def unload_model(model: str) -> dict[str, str]:
-        ctx.registrations.unload(model)
-        return {"unloaded": model}
+    def unload_model(model: str) -> dict[str, Any]:
+        return {"unloaded": model, "replicated": ctx.registrations.unload(model)}
 
     # ---- rows -------------------------------------------------------------------------------------
     rows_path = "/v1/models/{model}/tables/{table}/embeddings"

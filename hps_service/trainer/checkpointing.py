@@ -18,7 +18,7 @@ import numpy as np
 
 from hps_service.errors import FailedPreconditionError
 from hps_service.trainer import checkpoint as ckpt
-from hps_service.trainer.export import config_to_dict
+from hps_service.trainer.export import config_from_dict, config_to_dict
 from hps_service.trainer.journal import PublishJournal
 from hps_service.trainer.sharding import AllToAllExchange
 
@@ -84,9 +84,11 @@ def restore(trainer: Trainer) -> bool:
     if meta["tables"] != dims:
         raise FailedPreconditionError(f"checkpoint {latest} has tables {meta['tables']}, the model {dims}")
     shape = json.loads(json.dumps(config_to_dict(trainer.model.config)))  # as meta.json holds it
-    if "dlrm" in meta and meta["dlrm"] != shape:
+    # read through the config so that options newer than the checkpoint take their defaults
+    saved = json.loads(json.dumps(config_to_dict(config_from_dict(meta["dlrm"])))) if "dlrm" in meta else shape
+    if saved != shape:
         raise FailedPreconditionError(f"checkpoint {latest} was trained with another model shape ("
-                                      f"{_shape_difference(meta['dlrm'], shape)}): resume with the same options")
+                                      f"{_shape_difference(saved, shape)}): resume with the same options")
     dense = ckpt.read_dense(latest)
     try:
         trainer.model.tower.load_state_dict(dense["tower"])

@@ -114,6 +114,9 @@ def train_command(
     interaction: str = typer.Option("dot", "--interaction", help="dot (DLRM pairwise dots) or dcn (DCN-v2 cross "
                                     "layers)."),
     dcn_layers: int = typer.Option(2, "--dcn-layers", min=1, help="Cross layers of --interaction dcn."),
+    normalize_dense: bool = typer.Option(False, "--normalize-dense", help="Standardise the dense features with "
+                                         "the running mean and variance of the samples trained on (exported with "
+                                         "the tower): for features far from centred, e.g. counts and rates."),
     cardinality: int = typer.Option(1000, "--cardinality", min=1, help="Synthetic data: ids per table."),
     num_dense: int = typer.Option(4, "--num-dense", min=1, help="Synthetic data: dense features per sample."),
     experts: int = typer.Option(4, "--experts", min=0, help="Routed experts of the MoE block; 0: no MoE block."),
@@ -216,7 +219,7 @@ def train_command(
             data_format=fmt, data=tuple(data or ()), eval_data=tuple(eval_data or ()),
             holdout_last=_holdout_last(holdout), follow=follow, kafka_group=kafka_group,
             bottom_mlp=_widths(bottom_mlp, "--bottom-mlp"), top_mlp=_widths(top_mlp, "--top-mlp"),
-            interaction=interaction, dcn_layers=dcn_layers,
+            interaction=interaction, dcn_layers=dcn_layers, normalize_dense=normalize_dense,
             cardinality=cardinality, num_dense=num_dense, experts=experts, top_k=top_k,
             expert_ffn_hidden=expert_hidden, shared_expert_hidden=shared_expert_hidden, moe=moe,
             max_rows_per_table=max_rows_per_table, seed=seed, drift_step=drift_step,
@@ -243,7 +246,8 @@ def train_command(
             from hps_service.updates import Publisher
 
             publisher = Publisher(target, model_cfg.name, cfg.updates.topic_prefix,
-                                  partitions=cfg.cluster.partitions, **cfg.updates.kafka_config)
+                                  partitions=cfg.cluster.partitions, replication_factor=cfg.updates.replication_factor,
+                                  min_insync_replicas=cfg.updates.min_insync_replicas, **cfg.updates.kafka_config)
         elif publish and rank == 0:
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
         trainer = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,

@@ -43,6 +43,7 @@ def config_from_dict(data: dict[str, Any]) -> DLRMConfig:
         bottom_hidden=tuple(data["bottom_hidden"]), top_hidden=tuple(data["top_hidden"]),
         interaction_dim=data.get("interaction_dim"), moe=moe, moe_hidden=data["moe_hidden"],
         interaction=data.get("interaction", "dot"), dcn_layers=data.get("dcn_layers", 2),
+        normalize_dense=data.get("normalize_dense", False),
     )
 
 

@@ -38,6 +38,7 @@ class RunSpec:
     top_mlp: tuple[int, ...] | None = None
     interaction: str = "dot"
     dcn_layers: int = 2
+    normalize_dense: bool = False
     cardinality: int = 1000
     num_dense: int = 4
     experts: int = 4
@@ -125,7 +126,8 @@ def build_run(model: ModelConfig, spec: RunSpec) -> tuple[DLRM, DataSource]:
             num_experts=spec.experts, top_k=spec.top_k, ffn_hidden=spec.expert_ffn_hidden,
             shared_expert_hidden=spec.shared_expert_hidden, **spec.moe,
         )
-    towers: dict[str, Any] = {"interaction": spec.interaction, "dcn_layers": spec.dcn_layers}
+    towers: dict[str, Any] = {"interaction": spec.interaction, "dcn_layers": spec.dcn_layers,
+                              "normalize_dense": spec.normalize_dense}
     if spec.bottom_mlp is not None:  # the last width is the interaction's: tables of another width are projected
         if not spec.bottom_mlp:
             raise InvalidArgumentError("--bottom-mlp needs at least one width")

@@ -21,6 +21,7 @@ from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.data import Batch
 from hps_service.trainer.interaction import CrossNetwork
 from hps_service.trainer.moe import MoEConfig, MoELayer, RoutingResult
+from hps_service.trainer.normalize import DenseNormalizer
 from hps_service.trainer.tables import EmbeddingTable
 
 
@@ -37,7 +38,8 @@ class DLRMConfig:
     """Layer sizes; ``interaction_dim`` defaults to the widest table (tables of another width get a projection).
 
     ``interaction``: ``dot`` (DLRM: the bottom output and every pairwise dot of the F+1 vectors) or ``dcn``
-    (DCN-v2: ``dcn_layers`` full-rank cross layers over the F+1 vectors concatenated).
+    (DCN-v2: ``dcn_layers`` full-rank cross layers over the F+1 vectors concatenated). ``normalize_dense``: the
+    dense features are standardised with running statistics before the bottom MLP (``normalize.DenseNormalizer``).
     """
 
     tables: tuple[TableSpec, ...]
@@ -49,6 +51,7 @@ class DLRMConfig:
     moe_hidden: int = 32
     interaction: Literal["dot", "dcn"] = "dot"
     dcn_layers: int = 2
+    normalize_dense: bool = False
 
     def __post_init__(self) -> None:
         if not self.tables:
@@ -103,6 +106,7 @@ class DenseTower(nn.Module):
         super().__init__()
         self.config = config
         d = config.resolved_interaction_dim
+        self.normalizer = DenseNormalizer(config.num_dense) if config.normalize_dense else None
         self.bottom = _mlp([config.num_dense, *config.bottom_hidden, d], relu_last=True)
         self.projections = nn.ModuleDict(
             {t.name: (nn.Identity() if t.dim == d else nn.Linear(t.dim, d, bias=False)) for t in config.tables}
@@ -128,7 +132,7 @@ class DenseTower(nn.Module):
         self.top = _mlp([top_in, *config.top_hidden, 1], relu_last=False)
 
     def forward(self, dense: torch.Tensor, pooled: Mapping[str, torch.Tensor]) -> TowerOutput:
-        bottom = self.bottom(dense)
+        bottom = self.bottom(dense if self.normalizer is None else self.normalizer(dense))
         vectors = [bottom] + [self.projections[name](pooled[name]) for name in self.config.table_names]
         stacked = torch.stack(vectors, dim=1)  # (B, F+1, d)
         if self.cross is not None:

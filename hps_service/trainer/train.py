@@ -193,10 +193,11 @@ class Trainer:
         self.exchange.push(grads)
         self.dense_opt.step()
         self.dense_schedule.step()
+        reduce = (lambda t: dist.all_reduce(t)) if self.distributed else None
         if self.model.tower.moe is not None:
-            self.model.tower.moe.router.update_expert_bias(
-                (lambda t: dist.all_reduce(t)) if self.distributed else None
-            )
+            self.model.tower.moe.router.update_expert_bias(reduce)
+        if self.model.tower.normalizer is not None:  # after the step: a batch is scored with the past's statistics
+            self.model.tower.normalizer.update(dense, reduce)
         scores = torch.sigmoid(out.logits.detach().float()).cpu().numpy() if self._exact_training_scores else None
         return float(bce.detach()), scores
 

@@ -10,26 +10,19 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import helm_python
 import pytest
 import yaml
 
+from tests.helpers import load_script
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _load(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+_load = load_script
 
 
 check_chart = _load("check_chart", REPO / "deploy" / "check_chart.py")

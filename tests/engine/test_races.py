@@ -173,7 +173,7 @@ def test_model_replaced_while_its_new_cache_warms_never_serves_an_older_row(tmp_
 
 
 def test_lookups_take_no_table_lock(engine: LookupEngine) -> None:
-    """README: L1 reads take no lock. A lookup answered from L1 and L2 completes while another thread holds the
+    """docs/concepts.md: L1 reads take no lock. A lookup answered from L1 and L2 completes while another thread holds the
     table's lock (before: every lookup took it to add to the hit counters)."""
     keys = np.arange(64, dtype=np.int64)
     engine.apply_updates("m", "t", keys, rows_for(keys, 1), 1)

@@ -237,7 +237,7 @@ def test_register_describe_unload_model_keeps_grpc_health_in_sync(http: httpx.Cl
     body = {"name": "runtime", "tables": [{"name": "t", "dim": 3, "default": {"constant": 0.25}}]}
     r = http.post("/v1/models", json=body, headers=AUTH)
     assert r.status_code == 201, r.text
-    assert r.json()["tables"][0]["dim"] == 3
+    assert r.json()["tables"][0]["dim"] == 3 and r.json()["replicated"] is False  # no fleet: this server only
     assert http.post("/v1/models", json=body, headers=AUTH).status_code == 409
     bad = http.post("/v1/models", json={"name": "bad name!", "tables": []}, headers=AUTH)
     assert bad.status_code == 422 and "error" in bad.json()
@@ -250,7 +250,7 @@ def test_register_describe_unload_model_keeps_grpc_health_in_sync(http: httpx.Cl
         assert "runtime" in client.list_models()
         np.testing.assert_array_equal(client.lookup("runtime", "t", [1, 2]),
                                       [[1, 2, 3], [0.25, 0.25, 0.25]])
-        assert http.delete("/v1/models/runtime", headers=AUTH).json() == {"unloaded": "runtime"}
+        assert http.delete("/v1/models/runtime", headers=AUTH).json() == {"unloaded": "runtime", "replicated": False}
         assert health.Check(health_pb2.HealthCheckRequest(service="runtime")).status == 2  # NOT_SERVING
         assert "runtime" not in client.list_models()
     assert http.get("/v1/models/runtime").status_code == 404

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import uuid
 from pathlib import Path
 
 import pytest
@@ -132,3 +134,19 @@ def test_resuming_with_another_shape_is_one_error_line(tmp_path: Path) -> None:
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert lines[-1].startswith("error:") and "another model shape" in result.output, result.output
     assert "interaction: checkpoint 'dot', this run 'dcn'" in result.output and "Traceback" not in result.output
+
+
+def test_train_creates_its_update_topic_with_the_configured_replication(kafka_broker, tmp_path: Path,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """``updates.replication_factor``, not the publisher's default of 3: on one broker the topic is capped at 1
+    with a warning that names the configured factor."""
+    config = tmp_path / "hps.yaml"
+    config.write_text(CONFIG.replace("updates: {type: disabled}", (
+        f"updates: {{type: kafka, brokers: '{kafka_broker.bootstrap}', topic_prefix: rf{uuid.uuid4().hex[:8]}, "
+        "replication_factor: 2, min_insync_replicas: 1}")))
+    with caplog.at_level(logging.WARNING, logger="hps_service.updates.topics"):
+        result = CliRunner().invoke(_app(), ["train", "--config", str(config), "--steps", "1", "--batch-size", "64",
+                                             "--experts", "0", "--no-progress", "--metrics-out", str(tmp_path / "m")])
+    assert result.exit_code == 0, result.output
+    created = [r.getMessage() for r in caplog.records if "created with replication factor" in r.getMessage()]
+    assert created and all("not updates.replication_factor=2" in m for m in created), created

@@ -32,7 +32,7 @@ def test_two_processes_reach_the_single_process_auc_and_each_owns_its_partitions
     config = criteo_config(tmp_path / "ctr.yaml", fields=FIELDS)
     names = tuple(f"C{i}" for i in range(1, FIELDS + 1))
     common = ["--config", str(config), "--data", str(tsv), "--batch-size", "1000", "--holdout", "last:2000",
-              "--eval-every", "3", "--no-progress", "--device", "cpu"]
+              "--eval-every", "3", "--no-progress", "--device", "cpu", "--normalize-dense"]
     out = tmp_path / "m2.json"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     result = subprocess.run(
@@ -47,13 +47,19 @@ def test_two_processes_reach_the_single_process_auc_and_each_owns_its_partitions
     torch.manual_seed(0)
     cfg = load_config(config)
     dlrm, source = build_run(cfg.models[0], RunSpec(data_format="criteo", data=(str(tsv),), holdout_last=2000,
-                                                    max_rows_per_table=10_000_000))
+                                                    max_rows_per_table=10_000_000, normalize_dense=True))
     one = Trainer(dlrm, source, TrainConfig(batch_size=1000, eval_every=3, holdout_size=2000), model_name="ctr").run()
     print(f"samples/s: 1 process {one['samples_per_s']:,.0f}, 2 processes {two['samples_per_s']:,.0f}; "
           f"AUC {one['final']['auc']:.4f} vs {two['final']['auc']:.4f}")
     assert two["world_size"] == 2 and one["world_size"] == 1 and two["steps"] == one["steps"] == 6
     assert one["final"]["auc"] > 0.65
     assert abs(two["final"]["auc"] - one["final"]["auc"]) < 0.01
+    # the dense statistics are summed over the ranks: those of every global batch, as in one process
+    tower = torch.load(tmp_path / "ckpt" / "step-000000000006" / "dense.pt", weights_only=True)["tower"]
+    assert float(tower["normalizer.count"]) == 6000
+    for name in ("mean", "var"):
+        np.testing.assert_allclose(tower[f"normalizer.{name}"].numpy(),
+                                   getattr(dlrm.tower.normalizer, name).numpy(), rtol=1e-9)
     # each rank held (and so published) only the rows of its partitions; together every trained key once
     shards = [load_file(str(tmp_path / "ckpt" / "step-000000000006" / f"tables-rank{r}.safetensors"))
               for r in range(2)]
