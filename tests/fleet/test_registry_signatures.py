@@ -144,7 +144,9 @@ def test_without_a_key_registrations_are_local_and_the_log_is_not_applied(kafka_
             assert r.status_code == 201 and r.json()["replicated"] is False, r.text
     local = [rec.getMessage() for rec in caplog.records if "updates.admin_key is not set" in rec.getMessage()]
     assert len(local) == 1 and "other replicas will not see them" in local[0], local
-    assert replica.http.get("/readyz").status_code == 200
+    # Ready once the new models' update partitions are assigned and caught up (a moment after the registrations).
+    assert wait_until(lambda: replica.http.get("/readyz").status_code == 200, timeout=20), \
+        replica.http.get("/readyz").text
     assert wait_until(lambda: _registry(replica)["applied_offset"] == 0, timeout=20), _registry(replica)  # following
     assert _on_the_log(kafka_broker.bootstrap, topic) == 0, "a registration was published without a key"
 
