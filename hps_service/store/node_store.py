@@ -32,7 +32,8 @@ from hps_service.store.queue import Ring
 from hps_service.store.region import NamedAllocator, Region, array_spec
 
 #: Indices into a table's control array (int64, one per cache line): the L1's change generation and the table's
-#: write generation (``engine.write_guard``) as last published, and the position of its RocksDB change ring.
+#: write generation (``engine.write_guard``) as last published, and the position of its RocksDB change ring (its
+#: reservation at ``T_CHANGES + 1``, see :mod:`hps_service.store.changes`).
 T_L1_GEN, T_WRITE_GEN, T_CHANGES = 0, 8, 16
 TABLE_CTRL_LEN = 24
 #: Bytes of each worker's queue to the owner.
