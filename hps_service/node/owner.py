@@ -265,7 +265,8 @@ class NodeOwner:
         self.workers = cfg.worker_processes()
         local = cfg.local
         self.store = NodeStore(local.path if local.enabled else store_parent(), private=not local.enabled,
-                               processes=self.workers + 1, workers=self.workers)
+                               processes=self.workers + 1, workers=self.workers,
+                               ring_keys=config.persistent.change_ring_keys)
         WorkerSupervisor.prepare()
         self.wake = multiprocessing.get_context("forkserver").Semaphore(0)
         self.supervisor = WorkerSupervisor(config, self.store, self.wake, log_level)
@@ -351,7 +352,8 @@ class NodeOwner:
                         log.warning("applying rows a worker handed over failed", exc_info=True)
 
     def stats(self) -> dict[str, Any]:
-        """The ``node`` section of /v1/stats: each worker's pid, state, starts and requests served, and the store."""
+        """The ``node`` section of /v1/stats: each worker's pid, state, starts and requests served, the store, and
+        per table how many keys its change ring noted (a ring of ``slots`` laps every ``slots`` of them)."""
         status = self.store.workers
         per_process = self.store.requests[:, :, REQ_STATUS:REQ_LATENCY].sum(axis=(1, 2))
         workers = [{"index": i, "pid": int(status[i, ns.W_PID]), "state": _W_STATE_NAMES.get(int(status[i, ns.W_STATE])),
@@ -360,8 +362,11 @@ class NodeOwner:
                     "block_cache_bytes": int(status[i, ns.W_BLOCK_CACHE_BYTES]),
                     "admissions_dropped": int(status[i, ns.W_ADMISSIONS_DROPPED])}
                    for i in range(self.workers)]
+        rings = {slot.entry["model"] + "." + slot.entry["table"]: {"keys_noted": slot.changes.position(),
+                                                                    "slots": slot.changes.size}
+                 for slot in self.store.table_slots().values()}
         return {"workers": workers, "restarts": self.supervisor.restarts, "owner_requests": int(per_process[0]),
-                "store": str(self.store.path)}
+                "store": str(self.store.path), "change_rings": rings}
 
     def stop_workers(self, grace: float) -> None:
         self.supervisor.stop(grace)

@@ -189,8 +189,8 @@ class HPSServer:
                     self.engine = build_engine(self.config)
             self._start_grpc(credentials)
             self._make_snapshotter()
+            self._start_updates()  # first: an admin write answered before the log writer exists would bypass the log
             self._app.target = create_app(self._admin_context())
-            self._start_updates()
             if self.snapshotter is not None:
                 self.snapshotter.start(self.config.persistent.snapshot_interval_s)
         except Exception:

@@ -62,8 +62,10 @@ class NodeStore:
     """One generation of the store, created and written by the owner."""
 
     def __init__(self, root: Path, *, private: bool, processes: int, workers: int,
-                 queue_bytes: int = QUEUE_BYTES) -> None:
-        """``processes``: rows of the counter arrays (the owner is 0, worker ``i`` is ``i + 1``)."""
+                 queue_bytes: int = QUEUE_BYTES, ring_keys: int = RING_KEYS) -> None:
+        """``processes``: rows of the counter arrays (the owner is 0, worker ``i`` is ``i + 1``); ``ring_keys``: slots
+        of each table's change ring."""
+        self.ring_keys = ring_keys
         self.private = private
         self.file_mode = 0o600 if private else 0o640
         self.dir_mode = Region.dir_mode(self.file_mode)
@@ -137,7 +139,7 @@ class NodeStore:
             self._next_serial += 1
         base = f"tables/{serial}"
         control = self.region.create(f"{base}/control", (TABLE_CTRL_LEN,), np.int64)
-        ring = self.region.create(f"{base}/changes", (RING_KEYS,), np.int64)
+        ring = self.region.create(f"{base}/changes", (self.ring_keys,), np.int64)
         counters = self.region.create(f"{base}/counters", (self.processes, THREAD_ROWS, TABLE_FIELDS), np.float64)
         entry = {"model": model, "table": table, "dim": int(dim), "default": default, "l1": None,
                  "control": array_spec(f"{base}/control", control), "changes": array_spec(f"{base}/changes", ring),

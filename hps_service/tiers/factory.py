@@ -74,6 +74,6 @@ def build_persistent(cfg: PersistentConfig, on_write: Any | None = None) -> Tier
 
         return RocksDBTier(
             path=cfg.path, read_only=cfg.read_only, block_cache_mb=cfg.block_cache_mb, sync_writes=cfg.sync_writes,
-            max_total_wal_mb=cfg.max_total_wal_mb, on_write=on_write,
+            max_total_wal_mb=cfg.max_total_wal_mb, write_buffer_mb=cfg.write_buffer_mb, on_write=on_write,
         )
     return None

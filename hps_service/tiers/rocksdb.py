@@ -115,6 +115,7 @@ class RocksDBTier(Tier):
         secondary_path: Path | None = None,
         on_write: WriteHook | None = None,
         max_total_wal_mb: int = 256,
+        write_buffer_mb: float = 64.0,
     ) -> None:
         """Open (or create) the store at ``path``; every existing table reopens with the tuned options.
 
@@ -122,7 +123,8 @@ class RocksDBTier(Tier):
         the owner writes; its own files go there) that sees the primary's writes after :meth:`catch_up`.
         ``on_write(table, keys)`` is called after every write batch reached the store, with the keys it wrote
         (None: too many to list, e.g. an import): how a secondary's reader knows which keys it may hold stale.
-        ``max_total_wal_mb``: the write-ahead logs' bound (``persistent.max_total_wal_mb``).
+        ``max_total_wal_mb``, ``write_buffer_mb``: the write-ahead logs' bound and a table's memtable size
+        (``persistent.*``).
         """
         if block_cache_mb < 0 or row_cache_mb < 0:
             raise InvalidArgumentError("block_cache_mb and row_cache_mb must be >= 0")
@@ -134,6 +136,7 @@ class RocksDBTier(Tier):
         self._staged: list[tuple[str, np.ndarray]] = []
         self.sync_writes = sync_writes
         self._max_total_wal_bytes = max_total_wal_mb * _MiB
+        self._write_buffer_bytes = int(write_buffer_mb * _MiB)
         self._lock = threading.Lock()
         self._block_cache = Cache(block_cache_mb * _MiB) if block_cache_mb else None
         self._row_cache = Cache(row_cache_mb * _MiB) if row_cache_mb else None
@@ -199,6 +202,7 @@ class RocksDBTier(Tier):
         if self._row_cache is not None:
             opts.set_row_cache(self._row_cache)
         opts.set_level_compaction_dynamic_level_bytes(True)
+        opts.set_write_buffer_size(self._write_buffer_bytes)
         # A log is deleted only once every column family with data in it flushed. The positions (and the metadata)
         # are written with every batch and never fill a memtable, so without a bound on the logs they are flushed
         # only at RocksDB's default (4x all write buffers): gigabytes of logs for a restart to replay, each kept by a
