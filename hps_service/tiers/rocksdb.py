@@ -14,28 +14,13 @@ from __future__ import annotations
 
 import shutil
 import threading
-import uuid
-from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import compress, islice, repeat
 from pathlib import Path
-from typing import Any
 
 import numpy as np
-from rocksdict import (
-    AccessType,
-    BlockBasedOptions,
-    Cache,
-    Checkpoint,
-    DataBlockIndexType,
-    IngestExternalFileOptions,
-    Options,
-    Rdict,
-    SstFileWriter,
-    WriteBatch,
-    WriteOptions,
-)
+from rocksdict import AccessType, BlockBasedOptions, Cache, DataBlockIndexType, Options, Rdict, WriteBatch, WriteOptions
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.keys import as_keys
@@ -60,47 +45,29 @@ from hps_service.tiers.codec import (
     encode_rows,
     encode_tombstones,
 )
+from hps_service.tiers.rocksdb_files import IMPORT_CHUNK_ROWS, FileOperations
+from hps_service.tiers.rocksdb_layout import (
+    APP_PREFIX,
+    META_CF,
+    POSITIONS_CF,
+    RESERVED_CFS,
+    drain,
+    int_value,
+    meta_key,
+    parse_position_key,
+    position_key,
+)
 
 #: ``on_write(table, keys)``: keys of a write batch that reached the store (None when too many to list).
 WriteHook = Callable[[str, "np.ndarray | None"], None]
 
-#: Column family holding ``dim:<table>``, ``count:<table>`` and ``tombstones:<table>`` entries (int64 LE values),
-#: and the ``app:`` entries of :meth:`RocksDBTier.set_metadata`.
-META_CF = "__hps_meta__"
-#: Column family of the log positions written with the rows: ``<source>\0<partition u32 BE>`` -> next offset (i64 LE).
-POSITIONS_CF = "__hps_positions__"
-#: Column families that are not tables.
-RESERVED_CFS = (META_CF, POSITIONS_CF, "default")
-_APP_PREFIX = "app:"
-#: Rows per SST file written by :meth:`RocksDBTier.bulk_import` (one progress report per file).
-IMPORT_CHUNK_ROWS = 262_144
 #: Entries read per step by :meth:`RocksDBTier.scan_keys` and :meth:`RocksDBTier.purge_tombstones`.
 SCAN_CHUNK = 65_536
 _MiB = 1 << 20
 
+__all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
-def _meta_key(kind: str, table: str) -> bytes:
-    return f"{kind}:{table}".encode()
-
-
-def _int_value(value: int) -> bytes:
-    return int(value).to_bytes(8, "little", signed=True)
-
-
-def _position_key(source: str, partition: int) -> bytes:
-    return source.encode() + b"\0" + int(partition).to_bytes(4, "big")
-
-
-def _parse_position_key(key: bytes) -> tuple[str, int]:
-    return key[:-5].decode(), int.from_bytes(key[-4:], "big")
-
-
-def _drain(iterator) -> None:
-    """Run an iterator of side effects to completion at C speed."""
-    deque(iterator, maxlen=0)
-
-
-class RocksDBTier(Tier):
+class RocksDBTier(FileOperations, Tier):
     """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
 
     kind = "persistent"
@@ -168,7 +135,7 @@ class RocksDBTier(Tier):
             raise UnavailableError(f"cannot open RocksDB at {self.path}: {exc}") from exc
         self._closed = False
         if not read_only:  # SST files of an import that a crash interrupted (never ingested)
-            _drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
+            drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
         self._meta = self._db.get_column_family(META_CF) if META_CF in column_families else None
         self._positions = self._db.get_column_family(POSITIONS_CF) if POSITIONS_CF in column_families else None
         self._dims: dict[str, int] = {}
@@ -224,7 +191,7 @@ class RocksDBTier(Tier):
     def _meta_int(self, kind: str, table: str) -> int | None:
         if self._meta is None:
             return None
-        raw = self._meta.get(_meta_key(kind, table))
+        raw = self._meta.get(meta_key(kind, table))
         return None if raw is None else int.from_bytes(raw, "little", signed=True)
 
     def _attach(self, table: str, dim: int) -> None:
@@ -278,8 +245,8 @@ class RocksDBTier(Tier):
             self._db.create_column_family(table, self._options())
             batch = WriteBatch(raw_mode=True)
             meta = self._db.get_column_family_handle(META_CF)
-            batch.put(_meta_key("dim", table), _int_value(dim), meta)
-            batch.put(_meta_key("count", table), _int_value(0), meta)
+            batch.put(meta_key("dim", table), int_value(dim), meta)
+            batch.put(meta_key("count", table), int_value(0), meta)
             self._write(batch)
             self._attach(table, int(dim))
 
@@ -313,7 +280,7 @@ class RocksDBTier(Tier):
         for (kind, table), delta in deltas.items():
             if delta:
                 count = max(0, (self._meta_int(kind, table) or 0) + delta)
-                batch.put(_meta_key(kind, table), _int_value(count), meta)
+                batch.put(meta_key(kind, table), int_value(count), meta)
 
     def _stage_put(
         self, batch: WriteBatch, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
@@ -339,7 +306,7 @@ class RocksDBTier(Tier):
             self._staged.append((table, keys if idx.size == n else keys[idx]))
             handle = self._handles[table]
             sel_keys = encoded if idx.size == n else encode_keys(keys[idx])
-            _drain(map(batch.put, sel_keys, encode_rows(vectors[idx], offered[idx]), repeat(handle)))
+            drain(map(batch.put, sel_keys, encode_rows(vectors[idx], offered[idx]), repeat(handle)))
             replaced = states[idx]
             deltas[("count", table)] = deltas.get(("count", table), 0) + int(np.count_nonzero(replaced != LIVE))
             deltas[("tombstones", table)] = (deltas.get(("tombstones", table), 0)
@@ -367,7 +334,7 @@ class RocksDBTier(Tier):
         self._staged.append((table, keys))
         if tomb_versions is None:
             removed = int(np.count_nonzero(live))
-            _drain(map(batch.delete, encoded, repeat(handle)))
+            drain(map(batch.delete, encoded, repeat(handle)))
             tombstones = -int(np.count_nonzero(states == TOMBSTONE))
         else:
             removing = live & (stored <= tomb_versions)
@@ -378,7 +345,7 @@ class RocksDBTier(Tier):
             if idx.size == 0:
                 return 0
             sel_keys = encoded if idx.size == keys.size else encode_keys(keys[idx])
-            _drain(map(batch.put, sel_keys, encode_tombstones(tomb_versions[idx]), repeat(handle)))
+            drain(map(batch.put, sel_keys, encode_tombstones(tomb_versions[idx]), repeat(handle)))
             tombstones = int(np.count_nonzero(new_tombstones))
         deltas[("count", table)] = deltas.get(("count", table), 0) - removed
         deltas[("tombstones", table)] = deltas.get(("tombstones", table), 0) + tombstones
@@ -453,7 +420,7 @@ class RocksDBTier(Tier):
             if positions:
                 handle = self._db.get_column_family_handle(POSITIONS_CF)
                 for (source, partition), offset in positions.items():
-                    batch.put(_position_key(source, partition), _int_value(offset), handle)
+                    batch.put(position_key(source, partition), int_value(offset), handle)
             self._commit(batch, deltas)
         return results
 
@@ -462,19 +429,19 @@ class RocksDBTier(Tier):
         self._check_open()
         if self._positions is None:
             return {}
-        return {_parse_position_key(k): int.from_bytes(v, "little", signed=True) for k, v in self._positions.items()}
+        return {parse_position_key(k): int.from_bytes(v, "little", signed=True) for k, v in self._positions.items()}
 
     def metadata(self, prefix: str = "") -> dict[str, bytes]:
         """Entries stored with :meth:`set_metadata` whose key starts with ``prefix``."""
         self._check_open()
         if self._meta is None:
             return {}
-        start = (_APP_PREFIX + prefix).encode()
+        start = (APP_PREFIX + prefix).encode()
         out = {}
         for key, value in self._meta.items(from_key=start):
             if not key.startswith(start):
                 break
-            out[key[len(_APP_PREFIX):].decode()] = value
+            out[key[len(APP_PREFIX):].decode()] = value
         return out
 
     def set_metadata(self, key: str, value: bytes | None) -> bool:
@@ -485,9 +452,9 @@ class RocksDBTier(Tier):
             batch = WriteBatch(raw_mode=True)
             handle = self._db.get_column_family_handle(META_CF)
             if value is None:
-                batch.delete((_APP_PREFIX + key).encode(), handle)
+                batch.delete((APP_PREFIX + key).encode(), handle)
             else:
-                batch.put((_APP_PREFIX + key).encode(), bytes(value), handle)
+                batch.put((APP_PREFIX + key).encode(), bytes(value), handle)
             self._write(batch)
         return True
 
@@ -516,7 +483,7 @@ class RocksDBTier(Tier):
                 if not n_purge:
                     continue
                 batch = WriteBatch(raw_mode=True)
-                _drain(map(batch.delete, compress(candidates, purge.tolist()), repeat(handle)))
+                drain(map(batch.delete, compress(candidates, purge.tolist()), repeat(handle)))
                 self._add_counts(batch, table, rows=0, tombstones=-n_purge)
                 self._write(batch)
                 self._wrote(table, None)
@@ -590,9 +557,9 @@ class RocksDBTier(Tier):
             self._db.drop_column_family(table)
             batch = WriteBatch(raw_mode=True)
             meta = self._db.get_column_family_handle(META_CF)
-            batch.delete(_meta_key("dim", table), meta)
-            batch.delete(_meta_key("count", table), meta)
-            batch.delete(_meta_key("tombstones", table), meta)
+            batch.delete(meta_key("dim", table), meta)
+            batch.delete(meta_key("count", table), meta)
+            batch.delete(meta_key("tombstones", table), meta)
             self._write(batch)
 
     def healthy(self) -> bool:
@@ -604,107 +571,6 @@ class RocksDBTier(Tier):
         except Exception:  # noqa: BLE001  rocksdict raises bare Exception on a closed or broken DB
             return False
 
-    def checkpoint(self, dest: Path) -> None:
-        """A consistent, hard-linked snapshot of the whole store at ``dest`` (which must not exist)."""
-        self._check_open()
-        dest = Path(dest)
-        if dest.exists():
-            raise InvalidArgumentError(f"checkpoint destination {dest} already exists")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        Checkpoint(self._db).create_checkpoint(str(dest))
-
-    def export(
-        self, dest: Path, tables: Sequence[str], sources: Collection[str], metadata_keys: Collection[str] = ()
-    ) -> dict[str, Any]:
-        """A checkpoint at ``dest`` that holds only ``tables``, the positions of ``sources`` and the metadata entries
-        ``metadata_keys``: a consistent copy of those rows with the positions they were applied up to.
-
-        Returns ``{"tables": {table: {"dim", "rows", "tombstones"}}, "positions": {(source, partition): offset}}``.
-        """
-        self.checkpoint(dest)
-        keep = set(tables)
-        opts = self._options()
-        names = Rdict.list_cf(str(dest), opts)
-        db = Rdict(str(dest), opts, column_families={n: self._options() for n in names},
-                   access_type=AccessType.read_write())
-        try:
-            for name in names:
-                if name not in RESERVED_CFS and name not in keep:
-                    db.drop_column_family(name)
-            meta = db.get_column_family(META_CF)
-            wanted_app = {(_APP_PREFIX + k).encode() for k in metadata_keys}
-            stale = []
-            meta_keys = list(meta.keys())
-            for key in meta_keys:
-                kind, _, name = key.decode().partition(":")
-                if (kind == _APP_PREFIX[:-1] and key not in wanted_app) or (
-                        kind in ("dim", "count", "tombstones") and name not in keep):
-                    stale.append(key)
-            _drain(map(meta.delete, stale))
-            positions = db.get_column_family(POSITIONS_CF) if POSITIONS_CF in names else None
-            kept_positions: dict[tuple[str, int], int] = {}
-            if positions is not None:
-                for key, value in list(positions.items()):
-                    source, partition = _parse_position_key(key)
-                    if source in sources:
-                        kept_positions[(source, partition)] = int.from_bytes(value, "little", signed=True)
-                    else:
-                        positions.delete(key)
-            described = {}
-            for name in sorted(keep & set(names)):
-                def meta_int(kind: str, table: str = name) -> int:
-                    raw = meta.get(_meta_key(kind, table))
-                    return 0 if raw is None else int.from_bytes(raw, "little", signed=True)
-                described[name] = {"dim": meta_int("dim"), "rows": meta_int("count"), "tombstones": meta_int("tombstones")}
-            db.flush()
-        finally:
-            db.close()
-        return {"tables": described, "positions": kept_positions}
-
-    def adopt(self, src: Path) -> list[str]:
-        """Copy every table, metadata entry and position of the store at ``src`` into this one, rows as stored
-        (versions and tombstones included), as sorted SST files ingested per table. The tables must not exist
-        here yet (this merges a restored snapshot into a store that holds other models). Returns the tables."""
-        self._check_writable("adopt a store")
-        other = RocksDBTier(src, read_only=True, block_cache_mb=8)
-        try:
-            clash = sorted(set(other.tables()) & set(self._dims))
-            if clash:
-                raise InvalidArgumentError(f"cannot adopt {src}: tables {', '.join(clash)} exist here already")
-            for table, dim in other.tables().items():
-                self.create_table(table, dim)
-                tmp = self.path / f"import-{uuid.uuid4().hex}"
-                tmp.mkdir()
-                try:
-                    files = []
-                    items = other._cfs[table].items()
-                    while chunk := list(islice(items, IMPORT_CHUNK_ROWS)):
-                        sst = tmp / f"{len(files):06d}.sst"
-                        writer = SstFileWriter(self._options())
-                        writer.open(str(sst))
-                        _drain(map(writer.__setitem__, *zip(*chunk)))
-                        writer.finish()
-                        files.append(str(sst))
-                    if files:
-                        ingest = IngestExternalFileOptions()
-                        ingest.set_move_files(True)
-                        self._cfs[table].ingest_external_file(files, ingest)
-                        self._wrote(table, None)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                with self._lock:
-                    batch = WriteBatch(raw_mode=True)
-                    self._stage_counts(batch, {("count", table): other.count(table),
-                                               ("tombstones", table): other.tombstones(table)})
-                    self._commit(batch, {})
-            for key, value in other.metadata().items():
-                self.set_metadata(key, value)
-            if other.positions():
-                self.write([], other.positions())
-            return sorted(other.tables())
-        finally:
-            other.close()
-
     def close(self) -> None:
         """Flush nothing extra (writes are in the WAL) and release the files and the lock."""
         if self._closed:
@@ -715,82 +581,3 @@ class RocksDBTier(Tier):
             self._handles.clear()
             self._meta = self._positions = None
             self._db.close()
-
-    # ---- bulk import ----------------------------------------------------------------------------------
-
-    def bulk_import(
-        self,
-        table: str,
-        keys: np.ndarray,
-        vectors: np.ndarray,
-        version: int = 0,
-        progress: Callable[[int], None] | None = None,
-    ) -> int:
-        """Write rows as sorted SST files and ingest them atomically; returns how many rows this import wrote.
-
-        Atomic: rows are checked (finite) while the SST files are written, and all files are ingested in one
-        call at the end, so a failure leaves the table as it was. Duplicate keys: the last occurrence wins.
-        Rows already stored with a newer version are kept, so an import never takes a row backwards, and a
-        tombstone at or above ``version`` keeps its key deleted.
-        ``progress(rows_done)`` is called after each SST file.
-        """
-        self._check_writable(f"import into {table}")
-        cf, dim = self._table(table)
-        keys = as_keys(keys)
-        vectors = self._vectors(vectors, keys.size, dim, table)
-        if keys.size == 0:
-            return 0
-        order = np.argsort(keys.view(np.uint64), kind="stable")
-        sorted_keys = keys.view(np.uint64)[order]
-        last = np.ones(order.size, dtype=bool)
-        last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
-        order = order[last]
-        tmp = self.path / f"import-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        try:
-            with self._lock:
-                count_before = self._meta_int("count", table) or 0
-                tombstones_before = self._meta_int("tombstones", table) or 0
-                files, written, new_rows, replaced_tombstones = [], 0, 0, 0
-                for start in range(0, order.size, IMPORT_CHUNK_ROWS):
-                    chunk = order[start : start + IMPORT_CHUNK_ROWS]
-                    chunk_vectors = vectors[chunk]
-                    bad = np.flatnonzero(~np.isfinite(chunk_vectors).all(axis=1))
-                    if bad.size:
-                        raise InvalidArgumentError(
-                            f"row {int(chunk[bad[0]])} has NaN or inf values; nothing imported"
-                        )
-                    encoded = encode_keys(keys[chunk])
-                    if count_before or tombstones_before:
-                        states, stored = self._stored_states(cf, encoded, dim)
-                        keep = self._accepts(states, stored, version)
-                        new_rows += int(np.count_nonzero(keep & (states != LIVE)))
-                        replaced_tombstones += int(np.count_nonzero(keep & (states == TOMBSTONE)))
-                        if not keep.all():
-                            chunk, chunk_vectors = chunk[keep], chunk_vectors[keep]
-                            encoded = encode_keys(keys[chunk])
-                    else:
-                        new_rows += chunk.size
-                    if chunk.size:
-                        values = encode_rows(chunk_vectors, np.full(chunk.size, version, dtype=np.int64))
-                        sst = tmp / f"{len(files):06d}.sst"
-                        writer = SstFileWriter(self._options())
-                        writer.open(str(sst))
-                        _drain(map(writer.__setitem__, encoded, values))
-                        writer.finish()
-                        files.append(str(sst))
-                        written += chunk.size
-                    if progress is not None:
-                        progress(min(start + IMPORT_CHUNK_ROWS, order.size))
-                if files:
-                    ingest = IngestExternalFileOptions()
-                    ingest.set_move_files(True)
-                    cf.ingest_external_file(files, ingest)
-                    self._wrote(table, None)
-                if new_rows or replaced_tombstones:
-                    batch = WriteBatch(raw_mode=True)
-                    self._add_counts(batch, table, rows=new_rows, tombstones=-replaced_tombstones)
-                    self._write(batch)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return written

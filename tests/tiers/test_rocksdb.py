@@ -214,7 +214,7 @@ def test_read_only_mode(tmp_path: Path) -> None:
 
 
 def test_bulk_import_duplicates_last_wins_and_progress(tier: RocksDBTier, monkeypatch) -> None:
-    monkeypatch.setattr("hps_service.tiers.rocksdb.IMPORT_CHUNK_ROWS", 100)
+    monkeypatch.setattr("hps_service.tiers.rocksdb_files.IMPORT_CHUNK_ROWS", 100)
     tier.create_table("m.t", 4)
     keys, vecs = _rows(350, 4)
     keys[-5:] = keys[:5]  # five duplicates: later rows must win
@@ -243,7 +243,7 @@ def test_bulk_import_into_filled_table_keeps_newer_rows(tier: RocksDBTier) -> No
 
 
 def test_bulk_import_is_atomic(tier: RocksDBTier, monkeypatch) -> None:
-    monkeypatch.setattr("hps_service.tiers.rocksdb.IMPORT_CHUNK_ROWS", 10)
+    monkeypatch.setattr("hps_service.tiers.rocksdb_files.IMPORT_CHUNK_ROWS", 10)
     tier.create_table("m.t", 4)
     keys = np.arange(100, dtype=np.int64)
     vecs = np.ones((100, 4), np.float32)
