@@ -35,6 +35,7 @@ from hps_service.server.grpc_service import ServingGate
 from hps_service.store import layout
 from hps_service.store import node_store as ns
 from hps_service.store.counters import REQ_LATENCY, REQ_STATUS, TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES
+from hps_service.store.l3_events import L3Announcer
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, NodeStore, TableSlot
 from hps_service.store.queue import Record
 from hps_service.store.region import array_spec
@@ -65,7 +66,8 @@ class OwnerEngine(LookupEngine):
         placement = store.volatile_allocator(config.volatile.overflow_policy == "lfu")
         volatile = build_volatile(config.volatile, placement)
         try:
-            persistent = build_persistent(config.persistent, on_write=self._l3_written)
+            persistent = build_persistent(config.persistent, on_write=self._l3_written,
+                                          file_events=L3Announcer(store.header))
         except Exception:
             if volatile is not None:
                 volatile.close()

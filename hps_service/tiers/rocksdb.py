@@ -12,6 +12,8 @@ per-row calls into rocksdict are driven by ``map`` (C-level iteration), never by
 
 from __future__ import annotations
 
+import gc
+import logging
 import shutil
 import threading
 from collections.abc import Callable, Sequence
@@ -20,7 +22,17 @@ from itertools import compress, islice, repeat
 from pathlib import Path
 
 import numpy as np
-from rocksdict import AccessType, BlockBasedOptions, Cache, DataBlockIndexType, Options, Rdict, WriteBatch, WriteOptions
+from rocksdict import (
+    AccessType,
+    BlockBasedOptions,
+    Cache,
+    DataBlockIndexType,
+    DbClosedError,
+    Options,
+    Rdict,
+    WriteBatch,
+    WriteOptions,
+)
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.keys import as_keys
@@ -46,6 +58,7 @@ from hps_service.tiers.codec import (
     encode_tombstones,
 )
 from hps_service.tiers.rocksdb_files import IMPORT_CHUNK_ROWS, FileOperations
+from hps_service.tiers.rocksdb_flush import NEVER_BYTES, FileEvents, Flusher
 from hps_service.tiers.rocksdb_layout import (
     APP_PREFIX,
     META_CF,
@@ -57,6 +70,9 @@ from hps_service.tiers.rocksdb_layout import (
     parse_position_key,
     position_key,
 )
+from hps_service.tiers.rocksdb_recovery import ReadGate, WriteFailure, gated
+
+log = logging.getLogger(__name__)
 
 #: ``on_write(table, keys)``: keys of a write batch that reached the store (None when too many to list).
 WriteHook = Callable[[str, "np.ndarray | None"], None]
@@ -83,6 +99,7 @@ class RocksDBTier(FileOperations, Tier):
         on_write: WriteHook | None = None,
         max_total_wal_mb: int = 256,
         write_buffer_mb: float = 64.0,
+        file_events: FileEvents | None = None,
     ) -> None:
         """Open (or create) the store at ``path``; every existing table reopens with the tuned options.
 
@@ -91,20 +108,26 @@ class RocksDBTier(FileOperations, Tier):
         ``on_write(table, keys)`` is called after every write batch reached the store, with the keys it wrote
         (None: too many to list, e.g. an import): how a secondary's reader knows which keys it may hold stale.
         ``max_total_wal_mb``, ``write_buffer_mb``: the write-ahead logs' bound and a table's memtable size
-        (``persistent.*``).
+        (``persistent.*``), which this tier's flush policy keeps (:mod:`hps_service.tiers.rocksdb_flush`);
+        ``file_events`` is told around the flushes a secondary's catch-up cannot follow.
         """
         if block_cache_mb < 0 or row_cache_mb < 0:
             raise InvalidArgumentError("block_cache_mb and row_cache_mb must be >= 0")
         self.path = Path(path)
         self.secondary = secondary_path is not None
+        self._secondary_path = secondary_path
         read_only = read_only or self.secondary
         self.read_only = read_only
         self._on_write = on_write
         self._staged: list[tuple[str, np.ndarray]] = []
         self.sync_writes = sync_writes
-        self._max_total_wal_bytes = max_total_wal_mb * _MiB
+        self._lock = threading.RLock()  # writes; a reopen after a write error (from a write) takes it too
+        self._gate = ReadGate()
+        self._failure = WriteFailure(self.path)
         self._write_buffer_bytes = int(write_buffer_mb * _MiB)
-        self._lock = threading.Lock()
+        self._max_total_wal_bytes = int(max_total_wal_mb * _MiB)
+        self._flusher = None if read_only else Flusher(
+            self.path, self._write_buffer_bytes, self._max_total_wal_bytes, file_events)
         self._block_cache = Cache(block_cache_mb * _MiB) if block_cache_mb else None
         self._row_cache = Cache(row_cache_mb * _MiB) if row_cache_mb else None
         # Batches are written unsynced, then the WAL is synced with flush_wal, which rocksdict runs with the GIL
@@ -114,44 +137,57 @@ class RocksDBTier(FileOperations, Tier):
         if read_only and not (self.path / "CURRENT").exists():
             raise UnavailableError(f"no RocksDB store at {self.path} to open read-only")
         self.path.mkdir(parents=True, exist_ok=True)
+        self._closed = self._down = False
+        self._open()
+        if not read_only:  # SST files of an import that a crash interrupted (never ingested)
+            drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
+
+    def _open(self) -> None:
+        """Open the store's every column family and attach its tables (at start, and again after a write error)."""
         existing = (
             set(Rdict.list_cf(str(self.path), self._options())) if (self.path / "CURRENT").exists() else set()
         )
         column_families = {name: self._options() for name in existing | {META_CF, POSITIONS_CF}}
         if self.secondary:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
-            Path(secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
-            access = AccessType.secondary(str(secondary_path))
-        elif read_only:
+            Path(self._secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+            access = AccessType.secondary(str(self._secondary_path))
+        elif self.read_only:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
             access = AccessType.read_only(False)
         else:
             access = AccessType.read_write()
         try:
             self._db = Rdict(
-                str(self.path), self._options(), column_families=column_families, access_type=access
+                str(self.path), self._options(pin=True), column_families=column_families, access_type=access
             )
         except Exception as exc:  # rocksdict raises bare Exception for I/O and lock errors
             raise UnavailableError(f"cannot open RocksDB at {self.path}: {exc}") from exc
-        self._closed = False
-        if not read_only:  # SST files of an import that a crash interrupted (never ingested)
-            drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
-        self._meta = self._db.get_column_family(META_CF) if META_CF in column_families else None
-        self._positions = self._db.get_column_family(POSITIONS_CF) if POSITIONS_CF in column_families else None
+        self._attach_all(list(column_families))
+
+    def _attach_all(self, names: list[str]) -> None:
+        """Take the column families ``names`` of the open store in use: metadata, positions, tables."""
+        self._meta = self._db.get_column_family(META_CF) if META_CF in names else None
+        self._positions = self._db.get_column_family(POSITIONS_CF) if POSITIONS_CF in names else None
         self._dims: dict[str, int] = {}
         self._cfs: dict[str, Rdict] = {}
         self._handles: dict[str, object] = {}
-        for name in column_families:
+        for name in names:
             if name in RESERVED_CFS:
                 continue
             dim = self._meta_int("dim", name)
             if dim is not None:
                 self._attach(name, dim)
+        if self._flusher is not None:
+            assert self._meta is not None and self._positions is not None
+            self._flusher.attach(self._db, self._write_opts, self.sync_writes,
+                                 {**self._cfs, META_CF: self._meta, POSITIONS_CF: self._positions})
 
     # ---- options and metadata -------------------------------------------------------------------------
 
-    def _options(self) -> Options:
-        """Options for the DB and each column family (rocksdict forgets table options not passed per CF)."""
+    def _options(self, pin: bool = False) -> Options:
+        """Options for the DB and each column family (rocksdict forgets table options not passed per CF); ``pin``:
+        the DB's and its ``default`` column family's, which only the flush policy's pin writes."""
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.create_missing_column_families(True)
@@ -169,24 +205,78 @@ class RocksDBTier(FileOperations, Tier):
         if self._row_cache is not None:
             opts.set_row_cache(self._row_cache)
         opts.set_level_compaction_dynamic_level_bytes(True)
-        opts.set_write_buffer_size(self._write_buffer_bytes)
-        # A log is deleted only once every column family with data in it flushed. The positions (and the metadata)
-        # are written with every batch and never fill a memtable, so without a bound on the logs they are flushed
-        # only at RocksDB's default (4x all write buffers): gigabytes of logs for a restart to replay, each kept by a
-        # secondary instance as an immutable memtable of the positions.
-        opts.set_max_total_wal_size(self._max_total_wal_bytes)
-        # A bloom filter over the memtable's keys (2% of its size): the update path reads the stored version of
-        # every key it writes, and most are not in the memtable, so they skip its skiplist search (measured with
-        # loadtest.bench_rocksdb_ingest: multi-get 22% and the versioned put 12% less CPU at 1M rows).
-        opts.set_memtable_whole_key_filtering(True)
-        opts.set_memtable_prefix_bloom_ratio(0.02)
+        # Memtable switches are this tier's to make (``persistent.write_buffer_mb``, ``max_total_wal_mb``; see
+        # tiers/rocksdb_flush.py): RocksDB's own would leave a secondary instance answering from before a flush. Its
+        # limits are set above the policy's (a table's at twice, which only a batch larger than the memtable crosses;
+        # the pin's above the logs' bound, which it never reaches) and the log bound out of reach.
+        opts.set_write_buffer_size(max(2 * self._write_buffer_bytes, 2 * self._max_total_wal_bytes if pin else 0))
+        opts.set_max_total_wal_size(NEVER_BYTES)
+        # A bloom filter over the memtable's keys (2% of ``write_buffer_mb``; RocksDB sizes it on its own limit,
+        # twice that): the update path reads the stored version of every key it writes, and most are not in the
+        # memtable, so they skip its skiplist search (measured with loadtest.bench_rocksdb_ingest: multi-get 22% and
+        # the versioned put 12% less CPU at 1M rows). The pin is never read.
+        opts.set_memtable_whole_key_filtering(not pin)
+        opts.set_memtable_prefix_bloom_ratio(0.0 if pin else 0.01)
         return opts
 
-    def _write(self, batch: WriteBatch) -> None:
-        """Apply ``batch`` atomically; with ``sync_writes`` it is on disk (WAL fsynced) when this returns."""
-        self._db.write(batch, self._write_opts)
-        if self.sync_writes:
-            self._db.flush_wal(True)
+    def _write(self, batch: WriteBatch, families: Sequence[str] = (META_CF,)) -> None:
+        """Apply ``batch`` (writing to ``families``) atomically; with ``sync_writes`` it is on disk (WAL fsynced) when
+        this returns; then the flush policy switches what it filled. Caller holds the lock. A failure leaves the
+        store refusing writes until :meth:`_heal` reopens it."""
+        assert self._flusher is not None
+        self._flusher.pin(batch)
+        size = batch.size_in_bytes()
+        try:
+            self._db.write(batch, self._write_opts)
+            if self.sync_writes:
+                self._db.flush_wal(True)
+            self._flusher.written(size, families)  # a switch and its marker (a write too)
+        except Exception as exc:  # rocksdict raises bare Exception for I/O errors (ENOSPC)
+            raise self._failure.failed(exc) from None  # (its message has it; its traceback holds the batch)
+
+    def _heal(self) -> None:
+        """After a failed write: reopen the store when due (see :mod:`hps_service.tiers.rocksdb_recovery`), else
+        refuse the write."""
+        with self._lock:
+            if self._failure.error is None:
+                return
+            if not self._failure.due(0 if self._down else self._memtable_bytes()):
+                raise self._failure.refusal()
+            assert self._flusher is not None
+            with self._flusher.announced(reopened=True), self._gate.closed():
+                if not self._down:
+                    if not self._close_db():
+                        raise self._failure.refusal("it could not be closed to reopen it (no room yet?)")
+                    self._down = True
+                try:
+                    self._open()  # an error leaves it closed (reads refused), tried again when next due
+                    self._flusher.mark(self._flusher.families())
+                except Exception as exc:  # noqa: BLE001  (still no room, or the store cannot recover yet)
+                    raise self._failure.refusal(f"reopening failed: {exc}") from None
+                self._down = False
+            self._failure.healed()
+
+    def _close_db(self) -> bool:
+        """Release the open store (every column family object first: the DB closes only once none is left);
+        whether it closed: rocksdict keeps it open when the flush its close makes fails, and then it stays in use."""
+        names = [*self._cfs, META_CF, POSITIONS_CF]
+        if self._flusher is not None:
+            self._flusher.detach()
+        self._cfs.clear()
+        self._handles.clear()
+        self._meta = self._positions = None
+        gc.collect()  # a failed write's batch (it holds column family handles) in a traceback's reference cycle
+        try:
+            self._db.close()
+        except Exception as exc:  # noqa: BLE001  (rocksdict raises bare Exception; the write error again)
+            try:
+                self._db.property_value("rocksdb.num-running-compactions")
+            except DbClosedError:
+                return True
+            log.warning("RocksDB at %s could not be closed: %s; it stays open", self.path, str(exc))
+            self._attach_all(names)
+            return False
+        return True
 
     def _meta_int(self, kind: str, table: str) -> int | None:
         if self._meta is None:
@@ -202,11 +292,16 @@ class RocksDBTier(FileOperations, Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise UnavailableError(f"RocksDB tier at {self.path} is closed")
+        if self._down:
+            raise UnavailableError(f"RocksDB at {self.path} is closed after its write error ({self._failure.error}) "
+                                   f"until it reopens")
 
     def _check_writable(self, what: str) -> None:
-        self._check_open()
         if self.read_only:
             raise UnavailableError(f"cannot {what}: RocksDB at {self.path} is opened read-only")
+        if self._failure.error is not None and not self._closed:
+            self._heal()
+        self._check_open()
 
     def _table(self, table: str) -> tuple[Rdict, int]:
         self._check_open()
@@ -249,7 +344,10 @@ class RocksDBTier(FileOperations, Tier):
             batch.put(meta_key("count", table), int_value(0), meta)
             self._write(batch)
             self._attach(table, int(dim))
+            if self._flusher is not None:
+                self._flusher.add_family(table, self._cfs[table])
 
+    @gated
     def get(self, table: str, keys: np.ndarray) -> Rows:
         """One multi-get for the whole batch; missing keys come back with ``found == False``."""
         cf, dim = self._table(table)
@@ -357,7 +455,7 @@ class RocksDBTier(FileOperations, Tier):
         staged, self._staged = self._staged, []
         self._stage_counts(batch, deltas)
         if not batch.is_empty():
-            self._write(batch)
+            self._write(batch, [*(table for table, _ in staged), META_CF, POSITIONS_CF])
             for table, keys in staged:
                 self._wrote(table, keys)
 
@@ -424,6 +522,7 @@ class RocksDBTier(FileOperations, Tier):
             self._commit(batch, deltas)
         return results
 
+    @gated
     def positions(self) -> dict[tuple[str, int], int]:
         """The positions stored with the rows: ``(source, partition) -> next offset``."""
         self._check_open()
@@ -431,6 +530,7 @@ class RocksDBTier(FileOperations, Tier):
             return {}
         return {parse_position_key(k): int.from_bytes(v, "little", signed=True) for k, v in self._positions.items()}
 
+    @gated
     def metadata(self, prefix: str = "") -> dict[str, bytes]:
         """Entries stored with :meth:`set_metadata` whose key starts with ``prefix``."""
         self._check_open()
@@ -485,16 +585,18 @@ class RocksDBTier(FileOperations, Tier):
                 batch = WriteBatch(raw_mode=True)
                 drain(map(batch.delete, compress(candidates, purge.tolist()), repeat(handle)))
                 self._add_counts(batch, table, rows=0, tombstones=-n_purge)
-                self._write(batch)
+                self._write(batch, (table, META_CF))
                 self._wrote(table, None)
             purged += n_purge
         return purged
 
+    @gated
     def tombstones(self, table: str) -> int:
         """Tombstones held for ``table`` (exact, from the metadata CF)."""
         self._table(table)
         return self._meta_int("tombstones", table) or 0
 
+    @gated
     def count(self, table: str) -> int:
         """Exact count of live rows (tombstones excluded) kept in the metadata CF.
 
@@ -504,6 +606,7 @@ class RocksDBTier(FileOperations, Tier):
         self._table(table)
         return self._meta_int("count", table) or 0
 
+    @gated
     def stats(self, table: str) -> TierStats:
         """Rows plus RocksDB's own size figures for the table."""
         cf, _ = self._table(table)
@@ -519,14 +622,18 @@ class RocksDBTier(FileOperations, Tier):
             extra["row_cache_bytes"] = float(self._row_cache.get_usage())
         return TierStats(rows=self.count(table), capacity=None, extra=extra)
 
+    @gated
     def memory_bytes(self) -> dict[str, int]:
         """What this instance holds in memory: its memtables (every column family) and its block cache's usage."""
         self._check_open()
-        families = [*self._cfs.values(), *(cf for cf in (self._meta, self._positions) if cf is not None)]
-        memtables = sum(int(cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0) for cf in families)
         cache = int(self._block_cache.get_usage()) if self._block_cache is not None else 0
-        return {"memtables": memtables, "block_cache": cache}
+        return {"memtables": self._memtable_bytes(), "block_cache": cache}
 
+    def _memtable_bytes(self) -> int:
+        families = [*self._cfs.values(), *(cf for cf in (self._meta, self._positions) if cf is not None)]
+        return sum(int(cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0) for cf in families)
+
+    @gated
     def scan_keys(self, table: str, limit: int) -> np.ndarray:
         """The first ``limit`` keys of live rows in store order (unsigned key order; tombstones skipped)."""
         cf, _ = self._table(table)
@@ -554,6 +661,8 @@ class RocksDBTier(FileOperations, Tier):
             self._cfs.pop(table)
             self._handles.pop(table)
             self._dims.pop(table)
+            if self._flusher is not None:
+                self._flusher.drop_family(table)
             self._db.drop_column_family(table)
             batch = WriteBatch(raw_mode=True)
             meta = self._db.get_column_family_handle(META_CF)
@@ -562,9 +671,10 @@ class RocksDBTier(FileOperations, Tier):
             batch.delete(meta_key("tombstones", table), meta)
             self._write(batch)
 
+    @gated
     def healthy(self) -> bool:
-        """Open and answering a property read."""
-        if self._closed:
+        """Open, writing (no write error outstanding), and answering a property read."""
+        if self._closed or self._down or self._failure.error is not None:
             return False
         try:
             return self._db.property_value("rocksdb.num-running-compactions") is not None
@@ -575,9 +685,9 @@ class RocksDBTier(FileOperations, Tier):
         """Flush nothing extra (writes are in the WAL) and release the files and the lock."""
         if self._closed:
             return
+        if self._flusher is not None:
+            self._flusher.close()
         with self._lock:
             self._closed = True
-            self._cfs.clear()
-            self._handles.clear()
-            self._meta = self._positions = None
-            self._db.close()
+            if not self._down:
+                self._close_db()

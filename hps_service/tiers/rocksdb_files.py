@@ -43,7 +43,27 @@ class FileOperations:
         if dest.exists():
             raise InvalidArgumentError(f"checkpoint destination {dest} already exists")
         dest.parent.mkdir(parents=True, exist_ok=True)
-        Checkpoint(self._db).create_checkpoint(str(dest))
+        flusher = self._flusher
+        if flusher is None:  # a read-only instance: no flush, no secondary to tell
+            Checkpoint(self._db).create_checkpoint(str(dest))
+            return
+        with self._lock:  # flushed beforehand, so that the checkpoint's own flush (all of it announced) is short
+            flusher.switch(flusher.filled())
+        flusher.wait_flushed()
+        with flusher.announced(), self._lock:
+            Checkpoint(self._db).create_checkpoint(str(dest))
+            flusher.mark(flusher.families())
+
+    def _ingest(self: RocksDBTier, table: str, files: list[str]) -> None:
+        """Ingest sorted SST files into ``table`` (moved, not copied); the flush RocksDB makes of an overlapping
+        memtable is announced and marked as the flush policy's own are."""
+        assert self._flusher is not None
+        ingest = IngestExternalFileOptions()
+        ingest.set_move_files(True)
+        with self._lock, self._flusher.announced(drops_logs=False):
+            self._cfs[table].ingest_external_file(files, ingest)
+            self._flusher.mark([table])
+        self._wrote(table, None)
 
     def export(
         self: RocksDBTier, dest: Path, tables: Sequence[str], sources: Collection[str], metadata_keys: Collection[str] = ()
@@ -118,10 +138,7 @@ class FileOperations:
                         writer.finish()
                         files.append(str(sst))
                     if files:
-                        ingest = IngestExternalFileOptions()
-                        ingest.set_move_files(True)
-                        self._cfs[table].ingest_external_file(files, ingest)
-                        self._wrote(table, None)
+                        self._ingest(table, files)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
                 with self._lock:
@@ -203,10 +220,7 @@ class FileOperations:
                     if progress is not None:
                         progress(min(start + IMPORT_CHUNK_ROWS, order.size))
                 if files:
-                    ingest = IngestExternalFileOptions()
-                    ingest.set_move_files(True)
-                    cf.ingest_external_file(files, ingest)
-                    self._wrote(table, None)
+                    self._ingest(table, files)
                 if new_rows or replaced_tombstones:
                     batch = WriteBatch(raw_mode=True)
                     self._add_counts(batch, table, rows=new_rows, tombstones=-replaced_tombstones)
