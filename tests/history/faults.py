@@ -19,31 +19,34 @@ BOOTSTRAP_BYTES_PER_S = 8192
 
 @dataclass
 class Faults:
-    """Kills ``primary`` at ``kill_owner_at`` and starts, kills and restarts ``replica`` from ``replica_at`` (fractions
-    of the run); ``None`` skips one."""
+    """Kills ``primary`` at each of ``kill_owner_at`` and starts, kills and restarts ``replica`` from ``replica_at``
+    (fractions of the run); ``None`` skips it."""
 
     workload: Workload
     primary: HistoryServer
     replica: HistoryServer | None
     seconds: float
-    kill_owner_at: float | None = 0.3
-    replica_at: float | None = 0.45
+    kill_owner_at: tuple[float, ...] = (0.5,)
+    replica_at: float | None = 0.15
     crashes: list[str] = field(default_factory=list)
     laps_before_restarts: int = 0
     errors: list[str] = field(default_factory=list)
 
     def start(self) -> list[threading.Thread]:
         """One thread per fault (a replica's bootstrap and an owner's restart take seconds each: they overlap)."""
-        threads = [threading.Thread(target=self._at, args=(at, what), name=f"history-{what.__name__}", daemon=True)
-                   for at, what in ((self.kill_owner_at, self._kill_owner), (self.replica_at, self._replica))
-                   if at is not None]
+        plans = [(tuple(self.kill_owner_at), self._kill_owner), ((self.replica_at,), self._replica)]
+        threads = [threading.Thread(target=self._at, args=(times, what), name=f"history-{what.__name__}", daemon=True)
+                   for times, what in plans if times and None not in times]
         for t in threads:
             t.start()
         return threads
 
-    def _at(self, at: float, what) -> None:  # noqa: ANN001
+    def _at(self, times: tuple[float, ...], what) -> None:  # noqa: ANN001
+        started = time.monotonic()
         try:
-            if not self.workload.stopped.wait(at * self.seconds):
+            for at in sorted(times):
+                if self.workload.stopped.wait(max(0.0, started + at * self.seconds - time.monotonic())):
+                    return
                 what()
         except Exception as exc:  # noqa: BLE001  (reported by the test)
             self.errors.append(f"faults: {type(exc).__name__}: {exc}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 import uuid
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def _violations(history: History, passes: dict[str, np.ndarray], stored: np.ndar
 
 
 def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replica: bool = True,
-                kill_owner: bool = True) -> str:
+                kill_owner_at: tuple[float, ...] = (0.5,)) -> str:
     """One run; returns its report (asserts no violation)."""
     model = f"h{uuid.uuid4().hex[:10]}"
     store = f"s3://{s3_server.new_bucket()}/h"
@@ -45,9 +46,11 @@ def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replic
                            overrides={"persistent": {"snapshot_store": store}, "server": {
                                "workers": 1, "local": {"enabled": False}}}) if replica else None
     keys = key_space(2000)
+    began = time.monotonic()
     primary.start()
+    phases = {"start": time.monotonic() - began}
     workload = Workload(primary, keys)
-    faults = Faults(workload, primary, second, seconds, kill_owner_at=0.5 if kill_owner else None,
+    faults = Faults(workload, primary, second, seconds, kill_owner_at=kill_owner_at,
                     replica_at=0.15 if replica else None)
     try:
         workload.start()
@@ -55,8 +58,10 @@ def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replic
         workload.stopped.wait(seconds)
         for thread in threads:
             thread.join(300)
+        phases["workload"] = time.monotonic() - began - phases["start"]
         assert not any(t.is_alive() for t in threads) and not faults.errors, f"{faults.errors}: {faults.crashes}"
         workload.finish()
+        phases["applied"] = time.monotonic() - began - sum(phases.values())
         laps = faults.laps_before_restarts + ring_laps(primary)
         passes = workload.final_passes(primary)
         assert not workload.errors and not faults.errors, workload.errors + faults.errors
@@ -65,6 +70,7 @@ def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replic
         assert primary.stop() == 0, primary.log_path.read_text()[-4000:]
         if second is not None and second.proc is not None:
             assert second.stop() == 0, second.log_path.read_text()[-4000:]
+    phases["final passes and stops"] = time.monotonic() - began - sum(phases.values())
     table_id = f"{model}.{primary.table}"
     violations = _violations(workload.history, passes, stored_versions(primary.db, table_id, keys), keys)
     edges = {"flushes": primary.flushes() + (second.flushes() if second is not None else 0), "ring laps": laps,
@@ -72,6 +78,7 @@ def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replic
              "calls failed while a server was down": workload.failed_calls}
     text = report(workload.history, violations, workload.t0, edges)
     text += "".join(f"\n  {c}" for c in faults.crashes)
+    text += "\nseconds: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
     replica_violations: list[Violation] = []
     if second is not None and workload.replica is not None:
         rh = workload.replica_history()
@@ -91,7 +98,7 @@ def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replic
     print(text)
     assert not workload.errors and not faults.errors, workload.errors + faults.errors
     assert workload.history.counts()["acknowledged writes"] > 0
-    assert len(faults.crashes) == kill_owner + replica, faults.crashes
+    assert len(faults.crashes) == len(kill_owner_at) + replica, faults.crashes
     assert not replica or workload.replica_reads, "the replica was never read"
     assert not violations and not replica_violations and not workload.unlogged_writes, text
     return text
@@ -109,4 +116,4 @@ def test_history_has_no_violation(kafka_broker, s3_server, tmp_path: Path) -> No
 @pytest.mark.long
 @pytest.mark.timeout(LONG_SECONDS + 900)
 def test_long_history_has_no_violation(kafka_broker, s3_server, tmp_path: Path) -> None:
-    run_history(kafka_broker.bootstrap, s3_server, tmp_path, LONG_SECONDS)
+    run_history(kafka_broker.bootstrap, s3_server, tmp_path, LONG_SECONDS, kill_owner_at=(0.2, 0.4, 0.6, 0.8))
