@@ -12,22 +12,18 @@ per-row calls into rocksdict are driven by ``map`` (C-level iteration), never by
 
 from __future__ import annotations
 
-import gc
 import logging
 import shutil
 import threading
 from collections.abc import Callable, Sequence
 from functools import partial
-from itertools import compress, islice, repeat
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
 from rocksdict import (
     AccessType,
-    BlockBasedOptions,
     Cache,
-    DataBlockIndexType,
-    DbClosedError,
     Options,
     Rdict,
     WriteBatch,
@@ -43,22 +39,14 @@ from hps_service.tiers.base import (
     Tier,
     TierStats,
     WriteResult,
-    delete_versions,
-    max_version_per_key,
 )
 from hps_service.tiers.codec import (
-    ABSENT,
-    LIVE,
-    TOMBSTONE,
     TOMBSTONE_BYTES,
     decode_rows,
-    decode_states,
     encode_keys,
-    encode_rows,
-    encode_tombstones,
 )
 from hps_service.tiers.rocksdb_files import IMPORT_CHUNK_ROWS, FileOperations
-from hps_service.tiers.rocksdb_flush import NEVER_BYTES, FileEvents, Flusher
+from hps_service.tiers.rocksdb_flush import FileEvents, Flusher
 from hps_service.tiers.rocksdb_layout import (
     APP_PREFIX,
     META_CF,
@@ -70,20 +58,20 @@ from hps_service.tiers.rocksdb_layout import (
     parse_position_key,
     position_key,
 )
-from hps_service.tiers.rocksdb_recovery import ReadGate, WriteFailure, gated
+from hps_service.tiers.rocksdb_options import tuned_options
+from hps_service.tiers.rocksdb_recovery import ReadGate, Reopening, WriteFailure, gated
+from hps_service.tiers.rocksdb_staging import WriteStaging
 
 log = logging.getLogger(__name__)
 
 #: ``on_write(table, keys)``: keys of a write batch that reached the store (None when too many to list).
 WriteHook = Callable[[str, "np.ndarray | None"], None]
 
-#: Entries read per step by :meth:`RocksDBTier.scan_keys` and :meth:`RocksDBTier.purge_tombstones`.
-SCAN_CHUNK = 65_536
 _MiB = 1 << 20
 
 __all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
-class RocksDBTier(FileOperations, Tier):
+class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
     """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
 
     kind = "persistent"
@@ -186,38 +174,9 @@ class RocksDBTier(FileOperations, Tier):
     # ---- options and metadata -------------------------------------------------------------------------
 
     def _options(self, pin: bool = False) -> Options:
-        """Options for the DB and each column family (rocksdict forgets table options not passed per CF); ``pin``:
-        the DB's and its ``default`` column family's, which only the flush policy's pin writes."""
-        opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
-        opts.create_missing_column_families(True)
-        table = BlockBasedOptions()
-        if self._block_cache is not None:
-            table.set_block_cache(self._block_cache)
-        else:
-            table.disable_cache()
-        table.set_bloom_filter(10, False)
-        table.set_cache_index_and_filter_blocks(True)
-        table.set_pin_l0_filter_and_index_blocks_in_cache(True)
-        table.set_data_block_index_type(DataBlockIndexType.binary_and_hash())
-        table.set_data_block_hash_ratio(0.75)
-        opts.set_block_based_table_factory(table)
-        if self._row_cache is not None:
-            opts.set_row_cache(self._row_cache)
-        opts.set_level_compaction_dynamic_level_bytes(True)
-        # Memtable switches are this tier's to make (``persistent.write_buffer_mb``, ``max_total_wal_mb``; see
-        # tiers/rocksdb_flush.py): RocksDB's own would leave a secondary instance answering from before a flush. Its
-        # limits are set above the policy's (a table's at twice, which only a batch larger than the memtable crosses;
-        # the pin's above the logs' bound, which it never reaches) and the log bound out of reach.
-        opts.set_write_buffer_size(max(2 * self._write_buffer_bytes, 2 * self._max_total_wal_bytes if pin else 0))
-        opts.set_max_total_wal_size(NEVER_BYTES)
-        # A bloom filter over the memtable's keys (2% of ``write_buffer_mb``; RocksDB sizes it on its own limit,
-        # twice that): the update path reads the stored version of every key it writes, and most are not in the
-        # memtable, so they skip its skiplist search (measured with loadtest.bench_rocksdb_ingest: multi-get 22% and
-        # the versioned put 12% less CPU at 1M rows). The pin is never read.
-        opts.set_memtable_whole_key_filtering(not pin)
-        opts.set_memtable_prefix_bloom_ratio(0.0 if pin else 0.01)
-        return opts
+        """This store's options for the DB and each column family (see :func:`tuned_options`)."""
+        return tuned_options(self._block_cache, self._row_cache, self._write_buffer_bytes,
+                             self._max_total_wal_bytes, pin)
 
     def _write(self, batch: WriteBatch, families: Sequence[str] = (META_CF,)) -> None:
         """Apply ``batch`` (writing to ``families``) atomically; with ``sync_writes`` it is on disk (WAL fsynced) when
@@ -233,50 +192,6 @@ class RocksDBTier(FileOperations, Tier):
             self._flusher.written(size, families)  # a switch and its marker (a write too)
         except Exception as exc:  # rocksdict raises bare Exception for I/O errors (ENOSPC)
             raise self._failure.failed(exc) from None  # (its message has it; its traceback holds the batch)
-
-    def _heal(self) -> None:
-        """After a failed write: reopen the store when due (see :mod:`hps_service.tiers.rocksdb_recovery`), else
-        refuse the write."""
-        with self._lock:
-            if self._failure.error is None:
-                return
-            if not self._failure.due(0 if self._down else self._memtable_bytes()):
-                raise self._failure.refusal()
-            assert self._flusher is not None
-            with self._flusher.announced(reopened=True), self._gate.closed():
-                if not self._down:
-                    if not self._close_db():
-                        raise self._failure.refusal("it could not be closed to reopen it (no room yet?)")
-                    self._down = True
-                try:
-                    self._open()  # an error leaves it closed (reads refused), tried again when next due
-                    self._flusher.mark(self._flusher.families())
-                except Exception as exc:  # noqa: BLE001  (still no room, or the store cannot recover yet)
-                    raise self._failure.refusal(f"reopening failed: {exc}") from None
-                self._down = False
-            self._failure.healed()
-
-    def _close_db(self) -> bool:
-        """Release the open store (every column family object first: the DB closes only once none is left);
-        whether it closed: rocksdict keeps it open when the flush its close makes fails, and then it stays in use."""
-        names = [*self._cfs, META_CF, POSITIONS_CF]
-        if self._flusher is not None:
-            self._flusher.detach()
-        self._cfs.clear()
-        self._handles.clear()
-        self._meta = self._positions = None
-        gc.collect()  # a failed write's batch (it holds column family handles) in a traceback's reference cycle
-        try:
-            self._db.close()
-        except Exception as exc:  # noqa: BLE001  (rocksdict raises bare Exception; the write error again)
-            try:
-                self._db.property_value("rocksdb.num-running-compactions")
-            except DbClosedError:
-                return True
-            log.warning("RocksDB at %s could not be closed: %s; it stays open", self.path, str(exc))
-            self._attach_all(names)
-            return False
-        return True
 
     def _meta_int(self, kind: str, table: str) -> int | None:
         if self._meta is None:
@@ -355,113 +270,6 @@ class RocksDBTier(FileOperations, Tier):
         if keys.size == 0:
             return Rows.empty(0, dim)
         return decode_rows(cf.get(encode_keys(keys)), dim)
-
-    @staticmethod
-    def _stored_states(cf: Rdict, encoded_keys: list[bytes], dim: int) -> tuple[np.ndarray, np.ndarray]:
-        """(codec state, stored version) of the encoded keys, read with one multi-get."""
-        return decode_states(cf.get(encoded_keys), dim)
-
-    @staticmethod
-    def _accepts(states: np.ndarray, stored: np.ndarray, offered: np.ndarray | int) -> np.ndarray:
-        """Where a put at ``offered`` may be written: absent, a row not newer, or a tombstone strictly older."""
-        return np.where(
-            states == LIVE, offered >= stored, np.where(states == TOMBSTONE, offered > stored, True)
-        )
-
-    def _add_counts(self, batch: WriteBatch, table: str, rows: int, tombstones: int) -> None:
-        """Adjust the row and tombstone counts of ``table`` inside ``batch`` (caller holds the lock)."""
-        self._stage_counts(batch, {("count", table): rows, ("tombstones", table): tombstones})
-
-    def _stage_counts(self, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:
-        """Put the counts changed by ``deltas`` ((kind, table) -> change) into ``batch`` (caller holds the lock)."""
-        meta = self._db.get_column_family_handle(META_CF)
-        for (kind, table), delta in deltas.items():
-            if delta:
-                count = max(0, (self._meta_int(kind, table) or 0) + delta)
-                batch.put(meta_key(kind, table), int_value(count), meta)
-
-    def _stage_put(
-        self, batch: WriteBatch, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
-        deltas: dict[tuple[str, str], int],
-    ) -> np.ndarray:
-        """Stage the rows whose version is >= the stored row's (> a tombstone's) into ``batch``; the written mask.
-        Keys are unique; the caller holds the lock."""
-        cf, dim = self._table(table)
-        keys = as_keys(keys)
-        n = keys.size
-        vectors = self._vectors(vectors, n, dim, table)
-        offered = np.asarray(versions, dtype=np.int64)
-        if offered.shape not in ((), (n,)):
-            raise InvalidArgumentError(f"versions for {table} must have shape ({n},), got {offered.shape}")
-        offered = np.broadcast_to(offered, (n,))
-        if n == 0:
-            return np.zeros(0, dtype=bool)
-        encoded = encode_keys(keys)
-        states, stored = self._stored_states(cf, encoded, dim)
-        written = self._accepts(states, stored, offered)
-        idx = np.flatnonzero(written)
-        if idx.size:
-            self._staged.append((table, keys if idx.size == n else keys[idx]))
-            handle = self._handles[table]
-            sel_keys = encoded if idx.size == n else encode_keys(keys[idx])
-            drain(map(batch.put, sel_keys, encode_rows(vectors[idx], offered[idx]), repeat(handle)))
-            replaced = states[idx]
-            deltas[("count", table)] = deltas.get(("count", table), 0) + int(np.count_nonzero(replaced != LIVE))
-            deltas[("tombstones", table)] = (deltas.get(("tombstones", table), 0)
-                                             - int(np.count_nonzero(replaced == TOMBSTONE)))
-        return written
-
-    def _stage_delete(
-        self, batch: WriteBatch, table: str, keys: np.ndarray, versions: np.ndarray | None,
-        deltas: dict[tuple[str, str], int],
-    ) -> int:
-        """Stage a delete of ``keys`` into ``batch`` (see :meth:`delete`); live rows removed. Caller holds the lock."""
-        cf, dim = self._table(table)
-        keys = as_keys(keys)
-        tomb_versions = delete_versions(versions, keys.size)
-        if keys.size == 0:
-            return 0
-        if tomb_versions is None:
-            keys = np.unique(keys)
-        else:
-            keys, tomb_versions = max_version_per_key(keys, tomb_versions)
-        encoded = encode_keys(keys)
-        states, stored = self._stored_states(cf, encoded, dim)
-        live = states == LIVE
-        handle = self._handles[table]
-        self._staged.append((table, keys))
-        if tomb_versions is None:
-            removed = int(np.count_nonzero(live))
-            drain(map(batch.delete, encoded, repeat(handle)))
-            tombstones = -int(np.count_nonzero(states == TOMBSTONE))
-        else:
-            removing = live & (stored <= tomb_versions)
-            raising = (states == TOMBSTONE) & (stored < tomb_versions)
-            new_tombstones = removing | (states == ABSENT)
-            removed = int(np.count_nonzero(removing))
-            idx = np.flatnonzero(new_tombstones | raising)
-            if idx.size == 0:
-                return 0
-            sel_keys = encoded if idx.size == keys.size else encode_keys(keys[idx])
-            drain(map(batch.put, sel_keys, encode_tombstones(tomb_versions[idx]), repeat(handle)))
-            tombstones = int(np.count_nonzero(new_tombstones))
-        deltas[("count", table)] = deltas.get(("count", table), 0) - removed
-        deltas[("tombstones", table)] = deltas.get(("tombstones", table), 0) + tombstones
-        return removed
-
-    def _commit(self, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:
-        """Add the count changes to ``batch`` and write it (synced when sync_writes); caller holds the lock. Then
-        name the keys written to ``on_write``."""
-        staged, self._staged = self._staged, []
-        self._stage_counts(batch, deltas)
-        if not batch.is_empty():
-            self._write(batch, [*(table for table, _ in staged), META_CF, POSITIONS_CF])
-            for table, keys in staged:
-                self._wrote(table, keys)
-
-    def _wrote(self, table: str, keys: np.ndarray | None) -> None:
-        if self._on_write is not None:
-            self._on_write(table, keys)
 
     def catch_up(self) -> None:
         """A secondary instance: apply what the primary wrote since the last catch-up (about 1-2 ms even when
@@ -557,38 +365,6 @@ class RocksDBTier(FileOperations, Tier):
                 batch.put((APP_PREFIX + key).encode(), bytes(value), handle)
             self._write(batch)
         return True
-
-    def purge_tombstones(self, table: str, below_version: int) -> int:
-        """Remove the tombstones of ``table`` whose version is below ``below_version``; returns how many.
-
-        A tombstone only matters while a put older than it can still arrive (a replay of the update log), so
-        ``below_version`` is the oldest version any producer or log can still deliver. Scans the whole table
-        without blocking writers: each scanned chunk's candidates are checked again under the write lock.
-        """
-        self._check_writable(f"purge tombstones of {table}")
-        cf, dim = self._table(table)
-        handle = self._handles[table]
-        purged = 0
-        items = cf.items()
-        while chunk := list(islice(items, SCAN_CHUNK)):
-            keys, values = zip(*chunk)
-            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-            candidates = list(compress(keys, (lengths == TOMBSTONE_BYTES).tolist()))
-            if not candidates:
-                continue
-            with self._lock:
-                states, stored = self._stored_states(cf, candidates, dim)
-                purge = (states == TOMBSTONE) & (stored < below_version)
-                n_purge = int(np.count_nonzero(purge))
-                if not n_purge:
-                    continue
-                batch = WriteBatch(raw_mode=True)
-                drain(map(batch.delete, compress(candidates, purge.tolist()), repeat(handle)))
-                self._add_counts(batch, table, rows=0, tombstones=-n_purge)
-                self._write(batch, (table, META_CF))
-                self._wrote(table, None)
-            purged += n_purge
-        return purged
 
     @gated
     def tombstones(self, table: str) -> int:

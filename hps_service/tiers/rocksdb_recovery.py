@@ -11,6 +11,7 @@ Reads wait at :class:`ReadGate` for the instant of the reopen.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import shutil
@@ -19,9 +20,15 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from rocksdict import DbClosedError
 
 from hps_service.errors import UnavailableError
+from hps_service.tiers.rocksdb_layout import META_CF, POSITIONS_CF
+
+if TYPE_CHECKING:
+    from hps_service.tiers.rocksdb import RocksDBTier
 
 log = logging.getLogger(__name__)
 
@@ -137,3 +144,51 @@ class WriteFailure:
     def healed(self) -> None:
         log.warning("RocksDB at %s reopened after its write error (%s): writes resume", self.path, self.error)
         self.error = None
+
+
+class Reopening:
+    """The reopen of :class:`RocksDBTier` after a failed write (mixed into it)."""
+
+    def _heal(self: RocksDBTier) -> None:
+        """After a failed write: reopen the store when due (see :mod:`hps_service.tiers.rocksdb_recovery`), else
+        refuse the write."""
+        with self._lock:
+            if self._failure.error is None:
+                return
+            if not self._failure.due(0 if self._down else self._memtable_bytes()):
+                raise self._failure.refusal()
+            assert self._flusher is not None
+            with self._flusher.announced(reopened=True), self._gate.closed():
+                if not self._down:
+                    if not self._close_db():
+                        raise self._failure.refusal("it could not be closed to reopen it (no room yet?)")
+                    self._down = True
+                try:
+                    self._open()  # an error leaves it closed (reads refused), tried again when next due
+                    self._flusher.mark(self._flusher.families())
+                except Exception as exc:  # noqa: BLE001  (still no room, or the store cannot recover yet)
+                    raise self._failure.refusal(f"reopening failed: {exc}") from None
+                self._down = False
+            self._failure.healed()
+
+    def _close_db(self: RocksDBTier) -> bool:
+        """Release the open store (every column family object first: the DB closes only once none is left);
+        whether it closed: rocksdict keeps it open when the flush its close makes fails, and then it stays in use."""
+        names = [*self._cfs, META_CF, POSITIONS_CF]
+        if self._flusher is not None:
+            self._flusher.detach()
+        self._cfs.clear()
+        self._handles.clear()
+        self._meta = self._positions = None
+        gc.collect()  # a failed write's batch (it holds column family handles) in a traceback's reference cycle
+        try:
+            self._db.close()
+        except Exception as exc:  # noqa: BLE001  (rocksdict raises bare Exception; the write error again)
+            try:
+                self._db.property_value("rocksdb.num-running-compactions")
+            except DbClosedError:
+                return True
+            log.warning("RocksDB at %s could not be closed: %s; it stays open", self.path, str(exc))
+            self._attach_all(names)
+            return False
+        return True

@@ -121,7 +121,7 @@ def test_bulk_import_respects_tombstones(tier: RocksDBTier) -> None:
 
 
 def test_purge_tombstones_below_a_version(tier: RocksDBTier, monkeypatch) -> None:
-    monkeypatch.setattr("hps_service.tiers.rocksdb.SCAN_CHUNK", 7)  # several scan steps
+    monkeypatch.setattr("hps_service.tiers.rocksdb_staging.SCAN_CHUNK", 7)  # several scan steps
     tier.create_table("m.t", 2)
     keys = np.arange(40, dtype=np.int64)
     tier.put("m.t", keys, np.ones((40, 2), np.float32), np.zeros(40, np.int64))
