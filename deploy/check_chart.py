@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
+import json
 import os
 import re
 import sys
@@ -36,7 +38,8 @@ LINT_KUBE_VERSION = "v1.33.0"
 # Custom resources have no schema in kubernetes-validate; check_consistency covers their fields.
 CUSTOM_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 #: Server config keys that hold secrets: they reach the pod from Secrets, never through the ConfigMap.
-SECRET_KEYS = ("admin_token", "password", "sasl_password", "sasl.password", "ssl.key.password")
+SECRET_KEYS = ("admin_token", "password", "sasl_password", "sasl.password", "ssl.key.password", "admin_key", "token",
+               "s3_secret_access_key")
 _ENV_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -168,15 +171,53 @@ def statefulset_of(rendered: Rendered, pod_name: str) -> dict[str, Any]:
     return rendered.one("StatefulSet", pod_name.rsplit("-", 1)[0])
 
 
-def server_config(rendered: Rendered, pod_name: str) -> HPSConfig:
-    """The config the server in ``pod_name`` loads: the ConfigMap's file under the pod's environment."""
+def _secret_value(rendered: Rendered, name: str, key: str) -> str:
+    """A key of a Secret: the rendered Secret's, or a placeholder naming an existing one."""
+    secrets = rendered.find("Secret", name)
+    if secrets:
+        return base64.b64decode(secrets[0]["data"][key]).decode()
+    return f"existing-secret:{name}/{key}"
+
+
+def mounted_secrets(rendered: Rendered, sts: dict[str, Any], container: dict[str, Any]) -> dict[str, str]:
+    """The files Secret volumes (``secret`` with items, or ``projected`` secrets) put into ``container``: path ->
+    content (the rendered Secret's value, or a placeholder for an existing Secret)."""
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"].get("volumes", [])}
+    files: dict[str, str] = {}
+    for mount in container.get("volumeMounts", []):
+        volume = volumes.get(mount["name"], {})
+        sources = [volume["secret"] | {"name": volume["secret"]["secretName"]}] if "secret" in volume else [
+            src["secret"] for src in volume.get("projected", {}).get("sources", []) if "secret" in src]
+        for source in sources:
+            for item in source.get("items", []):
+                files[f"{mount['mountPath']}/{item['path']}"] = _secret_value(rendered, source["name"], item["key"])
+    return files
+
+
+def _relocated(value: Any, mounts: dict[str, str]) -> Any:
+    """``value`` (a config tree) with each path of a mounted file replaced by where it was written here."""
+    if isinstance(value, dict):
+        return {k: _relocated(v, mounts) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relocated(v, mounts) for v in value]
+    return mounts.get(value, value) if isinstance(value, str) else value
+
+
+def server_config(rendered: Rendered, pod_name: str, environment: bool = True) -> HPSConfig:
+    """The config the server in ``pod_name`` loads: the ConfigMap's file under the pod's environment (none with
+    ``environment=False``), its ``*_file`` keys reading the files the pod's Secret volumes mount."""
     sts = statefulset_of(rendered, pod_name)
     container = _server_container(sts)
     config_map = rendered.one("ConfigMap")
-    env = pod_environment(rendered, container, pod_name)
+    env = pod_environment(rendered, container, pod_name) if environment else {}
     with tempfile.TemporaryDirectory() as tmp:
+        mounts: dict[str, str] = {}
+        for i, (mounted, content) in enumerate(mounted_secrets(rendered, sts, container).items()):
+            local = Path(tmp) / f"secret-{i}"
+            local.write_text(content)
+            mounts[mounted] = str(local)
         path = Path(tmp) / "config.yaml"
-        path.write_text(config_map["data"]["config.yaml"])
+        path.write_text(yaml.safe_dump(_relocated(yaml.safe_load(config_map["data"]["config.yaml"]), mounts)))
         with _process_env(env):
             return load_config(path)
 
@@ -335,21 +376,26 @@ def _check_statefulset(rendered: Rendered, sts: dict[str, Any], report: Report) 
 
 
 def _check_secrets(rendered: Rendered, container: dict[str, Any], cfg: HPSConfig, report: Report) -> None:
-    """Secrets reach the server from Secrets (env secretKeyRef), never through the ConfigMap; an admin token is
+    """Secrets reach the server from Secrets (env secretKeyRef or mounted files), never through the ConfigMap; no
+    manifest but the Secret itself holds a secret, its base64 or its SHA-256; the admin token is a mounted file,
     given to the server exactly when the chart has one."""
     text = rendered.one("ConfigMap")["data"]["config.yaml"]
     for key in SECRET_KEYS:
         if re.search(rf"(^|\s|['\"]){re.escape(key)}['\"]?\s*:", text, re.MULTILINE):
             report.add(f"the ConfigMap holds the secret key {key}")
+    others = [(doc, json.dumps(doc)) for doc in rendered.docs if doc["kind"] != "Secret"]
     for secret in rendered.find("Secret"):
-        for value in secret.get("data", {}).values():
-            if base64.b64decode(value).decode() in text:
-                report.add(f"the ConfigMap holds a value of Secret {secret['metadata']['name']}")
-    token_env = [e for e in container.get("env", []) if e["name"] == "HPS_SERVER__ADMIN_TOKEN"]
-    if token_env and "secretKeyRef" not in token_env[0].get("valueFrom", {}):
-        report.add("HPS_SERVER__ADMIN_TOKEN is not read from a Secret")
-    if bool(token_env) != (cfg.server.admin_token is not None):
-        report.add("the server's admin token does not follow the chart's adminToken values")
+        for encoded in secret.get("data", {}).values():
+            value = base64.b64decode(encoded).decode()
+            traces = {value, encoded, hashlib.sha256(value.encode()).hexdigest()}
+            for doc, dumped in others:
+                if any(trace in dumped for trace in traces):
+                    report.add(f"{doc['kind']} {doc['metadata']['name']} holds a value of Secret "
+                               f"{secret['metadata']['name']} (or its base64 or SHA-256)")
+    if any(e["name"] in ("HPS_SERVER__ADMIN_TOKEN", "HPS_ADMIN_TOKEN") for e in container.get("env", [])):
+        report.add("the admin token reaches the server as an environment variable, not a mounted file")
+    if (cfg.server.admin_token is not None) != (cfg.server.admin_token_file is not None):
+        report.add("the server's admin token does not come from its mounted file")
 
 
 def _check_policies(rendered: Rendered, container: dict[str, Any], report: Report) -> None:

@@ -31,7 +31,8 @@ def expected_schema(current: dict[str, Any]) -> dict[str, Any]:
     """``current`` with its ``$defs`` replaced by those generated from the config model."""
     updated = dict(current)
     updated["$defs"] = config_defs()
-    updated["properties"] = {**current["properties"], "config": {"$ref": "#/$defs/HPSConfig"}}
+    updated["properties"] = {**current["properties"], "config": {**current["properties"].get("config", {}),
+                                                                     "$ref": "#/$defs/HPSConfig"}}
     return updated
 
 

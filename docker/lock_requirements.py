@@ -1,9 +1,13 @@
-"""Write docker/requirements.lock: every runtime dependency of the CPU image pinned to one version and its sha256
-hashes, resolved by pip from pyproject.toml for the image's interpreter (CPython 3.11, Linux x86_64).
+"""Write the images' locks: every runtime dependency pinned to one version, with the sha256 of its file for each
+architecture (x86_64 and aarch64), resolved by pip from pyproject.toml for each image's interpreter.
 
-The image installs the lock with ``pip install --require-hashes``, so a rebuild gets the same packages; run
-``make lock`` after changing the dependencies in pyproject.toml (tests/deploy/test_docker.py checks the lock
-still satisfies them).
+- ``docker/requirements.lock``: the CPU image (Debian bookworm's CPython 3.11);
+- ``docker/requirements-cuda.lock``: the CUDA image (Ubuntu 24.04's CPython 3.12), with the ``gpu`` extra.
+
+The images install a lock with ``pip install --require-hashes``, so a rebuild gets the same packages on either
+architecture; run ``make lock`` after changing the dependencies in pyproject.toml (tests/deploy/test_docker.py
+checks each lock still satisfies them). A version is chosen on x86_64 and then pinned for aarch64, so both
+architectures get the same versions.
 """
 
 from __future__ import annotations
@@ -14,29 +18,49 @@ import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 DOCKER = Path(__file__).resolve().parent
 sys.path.insert(0, str(DOCKER))
 from pyproject_requirements import requirements  # noqa: E402
 
-LOCK = DOCKER / "requirements.lock"
 #: Build tools of the two local distributions (installed without build isolation, so pinned too).
 BUILD = ["setuptools>=77", "wheel"]
-#: Wanted by redis on Python < 3.11.3 (Debian bookworm's python3 is 3.11.2); pip's --python-version does not set the
-#: python_full_version marker, so it is asked for by name.
-OLD_311 = ["async-timeout"]
-TARGET = ["--python-version", "3.11", "--implementation", "cp", "--platform", "manylinux_2_28_x86_64",
-          "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux2014_x86_64", "--only-binary=:all:"]
+ARCHES = ("x86_64", "aarch64")
 
 
-def resolve(wanted: list[str]) -> list[dict]:
-    """pip's resolution of ``wanted`` for the image's platform: name, version, sha256 of each chosen file."""
+@dataclass(frozen=True)
+class Image:
+    """One image's lock: its file, interpreter, extras and the names it asks for besides pyproject's."""
+
+    lock: Path
+    python: str
+    extras: tuple[str, ...]
+    #: redis wants async-timeout on Python < 3.11.3 (bookworm's python3 is 3.11.2); pip's --python-version does not
+    #: set the python_full_version marker, so it is asked for by name.
+    also: tuple[str, ...] = ()
+
+
+IMAGES = (
+    Image(DOCKER / "requirements.lock", "3.11", ("otel",), ("async-timeout",)),
+    Image(DOCKER / "requirements-cuda.lock", "3.12", ("gpu", "otel")),
+)
+
+
+def _target(python: str, arch: str) -> list[str]:
+    platforms = [f"manylinux_2_{v}_{arch}" for v in (28, 17)] + [f"manylinux2014_{arch}"]
+    return ["--python-version", python, "--implementation", "cp", "--only-binary=:all:",
+            *[a for p in platforms for a in ("--platform", p)]]
+
+
+def resolve(wanted: list[str], python: str = "3.11", arch: str = "x86_64") -> list[dict]:
+    """pip's resolution of ``wanted`` for one platform: name, version, sha256 of each chosen file."""
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
         env = {k: v for k, v in os.environ.items() if k != "PIP_FIND_LINKS"}  # hashes of the index's files
         subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-                        "--report", str(report), "--target", str(Path(tmp) / "t"), *TARGET, *wanted],
+                        "--report", str(report), "--target", str(Path(tmp) / "t"), *_target(python, arch), *wanted],
                        check=True, env=env)
         installs = json.loads(report.read_text())["install"]
     pins = []
@@ -47,13 +71,27 @@ def resolve(wanted: list[str]) -> list[dict]:
     return sorted(pins, key=lambda p: p["name"])
 
 
+def lock(image: Image) -> list[str]:
+    """The lines of ``image``'s lock: ``name==version`` with one hash per distinct file over the architectures."""
+    wanted = requirements(str(DOCKER.parent / "pyproject.toml"), list(image.extras)) + BUILD + list(image.also)
+    first = resolve(wanted, image.python, ARCHES[0])
+    hashes = {p["name"]: [p["sha256"]] for p in first}
+    pinned = [f"{p['name']}=={p['version']}" for p in first]
+    for arch in ARCHES[1:]:
+        for p in resolve(pinned, image.python, arch):
+            if p["sha256"] not in hashes[p["name"]]:
+                hashes[p["name"]].append(p["sha256"])
+    return [pin + "".join(f" --hash=sha256:{h}" for h in hashes[p["name"]]) for pin, p in zip(pinned, first)]
+
+
 def main() -> int:
-    wanted = requirements(str(DOCKER.parent / "pyproject.toml"), []) + BUILD + OLD_311
-    lines = ["# Generated by docker/lock_requirements.py (make lock): the CPU image's dependencies, pinned with hashes.",
-             "# The image installs it with pip --require-hashes; hps-client and hps-service come from this repository."]
-    lines += [f"{p['name']}=={p['version']} --hash=sha256:{p['sha256']}" for p in resolve(wanted)]
-    LOCK.write_text("\n".join(lines) + "\n")
-    print(f"wrote {LOCK} ({len(lines) - 2} packages)")
+    for image in IMAGES:
+        lines = [f"# Generated by docker/lock_requirements.py (make lock): {image.lock.stem}, CPython {image.python}, "
+                 f"{' and '.join(ARCHES)}.",
+                 "# The image installs it with pip --require-hashes; hps-client and hps-service come from this repository."]
+        lines += lock(image)
+        image.lock.write_text("\n".join(lines) + "\n")
+        print(f"wrote {image.lock} ({len(lines) - 2} packages)")
     return 0
 
 

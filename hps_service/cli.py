@@ -187,17 +187,21 @@ def lookup(
     tls_ca: Path | None = typer.Option(None, "--tls-ca", help="PEM CA bundle that signed the server (turns TLS on)."),
     tls_cert: Path | None = typer.Option(None, "--tls-cert", help="PEM client certificate (mutual TLS)."),
     tls_key: Path | None = typer.Option(None, "--tls-key", help="PEM client private key (mutual TLS)."),
+    token_file: Path | None = typer.Option(None, "--token-file", envvar="HPS_TOKEN_FILE",
+                                           help="A file holding a read token (server.auth: token)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: model, table, dim, keys, vectors, "
                                                        "sources."),
 ) -> None:
     """Look keys up on a running server and print one row per key with the level that answered."""
     from hps_service.client import HPSClient
+    from hps_service.secret_files import SecretFileError, read_secret
 
     names = {1: "cache", 2: "volatile", 3: "persistent", 4: "default"}
     try:
+        token = read_secret(token_file, "--token-file") if token_file is not None else None
         client = HPSClient(target[0] if len(target) == 1 else target, timeout=timeout, retries=1, tls_ca=tls_ca,
-                           tls_cert=tls_cert, tls_key=tls_key)
-    except HPSError as exc:
+                           tls_cert=tls_cert, tls_key=tls_key, credentials=token)
+    except (SecretFileError, HPSError) as exc:
         _fail(str(exc))
     with client:
         try:

@@ -13,8 +13,6 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     SecretStr,
     ValidationError,
@@ -23,14 +21,11 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from hps_service.config_base import NAME_PATTERN, NAME_RE
+from hps_service.config_base import Section as _Section
+from hps_service.config_security import AuthMode, InternalListener, ReaderConfig, check_auth
 from hps_service.cpus import usable_cpus
-
-NAME_PATTERN = r"^[A-Za-z0-9_\-]{1,64}$"
-_NAME_RE = re.compile(NAME_PATTERN)
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+from hps_service.secret_files import load_secret_files
 
 
 class TLSConfig(_Section):
@@ -44,8 +39,27 @@ class TLSConfig(_Section):
 class LocalStoreConfig(_Section):
     """Colocated reads: the node's shared store at a fixed path that LocalClient processes of the pod map."""
 
-    enabled: bool = Field(False, description="keep the store at ``path`` (mode 0640) for LocalClient readers")
+    enabled: bool = Field(False, description="keep the store at ``path`` for LocalClient readers")
     path: Path = Field(Path("/dev/shm/hps"), description="directory of the shared store (memory-backed)")
+    group: str | int | None = Field(
+        None, description="the group (name or gid) of the colocated readers: the store is then 0750/0640 with that "
+        "group, and the gRPC socket 0660; unset: 0700/0600, readable by the server's user alone")
+
+
+class TracingConfig(_Section):
+    """OpenTelemetry spans of gRPC and REST calls, exported over OTLP/gRPC (needs the ``otel`` extra). Off by default,
+    and then nothing of it runs on a call: no interceptor, no middleware, no span, no request id."""
+
+    enabled: bool = False
+    endpoint: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(/.*)?$", description="OTLP/gRPC collector, e.g. http://otel-collector:4317 "
+        "(https:// for TLS); default OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else "
+        "http://localhost:4317. Headers (e.g. a vendor's key) come from OTEL_EXPORTER_OTLP_HEADERS, never the file")
+    service_name: str = Field("hps-service", min_length=1, max_length=128, description="the spans' service.name")
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="share of calls without a caller's trace decision that are traced; a "
+        "caller's sampled (or not) traceparent is always followed")
+    export_interval_s: float = Field(1.0, gt=0, le=60, description="a process exports its finished spans this often")
 
 
 class ServerConfig(_Section):
@@ -55,6 +69,18 @@ class ServerConfig(_Section):
     grpc_port: int = Field(8500, ge=0, le=65535)
     http_port: int = Field(8000, ge=0, le=65535)
     admin_token: SecretStr | None = None
+    admin_token_file: Path | None = Field(
+        None, description="a file holding the admin token (a mounted Secret; re-read when it changes)")
+    auth: AuthMode = Field(
+        "none", description="reads (gRPC lookups, REST reads): none, token (a bearer token of server.readers) or "
+        "mtls (the client certificate's identity, per server.readers); admin routes always need the admin token")
+    readers: list[ReaderConfig] = Field(default_factory=list, description="who may read which models")
+    audit_log: Path | None = Field(
+        None, description="also append the audit log (one JSON line per admin action) to this file")
+    expose_internal_on: list[InternalListener] = Field(
+        default_factory=lambda: ["http"], description="where /metrics, /docs, /v1/stats, /v1/jobs and "
+        "/v1/cache are served: the REST port (http) and/or the probe port (probe, server.probe_port); on the REST "
+        "port they need a read credential when server.auth is on")
     max_batch_keys: int = Field(65536, ge=1)
     max_tables_per_request: int = Field(64, ge=1)
     workers: int | None = Field(
@@ -93,16 +119,24 @@ class ServerConfig(_Section):
         "stream; 0: never")
     log_format: Literal["text", "json"] = Field(
         "text", description="stderr log lines as text, or one JSON object per line (librdkafka and uvicorn too)")
+    tracing: TracingConfig = Field(default_factory=lambda: TracingConfig())
     probe_port: int | None = Field(
         None, ge=0, le=65535, description="plaintext HTTP port answering only /healthz and /readyz, for probes that "
         "cannot speak (mutual) TLS; off when unset")
 
     @model_validator(mode="after")
     def _admin_token_alias(self) -> ServerConfig:
-        """``HPS_ADMIN_TOKEN`` sets the admin token when the config and ``HPS_SERVER__ADMIN_TOKEN`` do not."""
+        """``admin_token_file`` is read; else ``HPS_ADMIN_TOKEN`` sets the admin token when the config and
+        ``HPS_SERVER__ADMIN_TOKEN`` do not."""
+        load_secret_files(self, "server", "admin_token")
         alias = os.environ.get("HPS_ADMIN_TOKEN")
         if self.admin_token is None and alias:
             self.admin_token = SecretStr(alias)
+        return self
+
+    @model_validator(mode="after")
+    def _auth(self) -> ServerConfig:
+        check_auth(self)
         return self
 
     @model_validator(mode="after")
@@ -174,6 +208,7 @@ class VolatileConfig(_Section):
     nodes: list[str] = Field(default_factory=list, description="redis_cluster: host:port seeds")
     partitions: int = Field(64, ge=1, le=16384, description="redis_cluster: hashes per table")
     password: SecretStr | None = None
+    password_file: Path | None = Field(None, description="redis_cluster: a file holding the password")
     username: str | None = Field(None, description="redis_cluster: ACL user (Redis 6+) for AUTH with password")
     tls: bool = Field(False, description="redis_cluster: connect with TLS")
     ca_file: Path | None = Field(None, description="redis_cluster: PEM CA bundle that verifies the nodes (TLS)")
@@ -182,6 +217,7 @@ class VolatileConfig(_Section):
 
     @model_validator(mode="after")
     def _nodes_for_redis(self) -> VolatileConfig:
+        load_secret_files(self, "volatile", "password")
         if self.type == "redis_cluster":
             if not self.nodes:
                 raise ValueError("volatile.type redis_cluster needs at least one entry in volatile.nodes")
@@ -218,6 +254,18 @@ class PersistentConfig(_Section):
     snapshot_retain: int = Field(3, ge=1, description="newest snapshots kept in the store per model")
     snapshot_upload_bytes_per_s: int = Field(
         0, ge=0, description="bandwidth cap of a snapshot upload, so it leaves room for serving (0 = unlimited)")
+    s3_access_key_id: SecretStr | None = Field(None, description="snapshot store credentials; default: the AWS "
+                                               "environment (AWS_ACCESS_KEY_ID, IRSA, ...)")
+    s3_access_key_id_file: Path | None = None
+    s3_secret_access_key: SecretStr | None = None
+    s3_secret_access_key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _s3_secret_files(self) -> PersistentConfig:
+        load_secret_files(self, "persistent", "s3_access_key_id", "s3_secret_access_key")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise ValueError("persistent.s3_access_key_id and s3_secret_access_key go together")
+        return self
 
     @field_validator("snapshot_store")
     @classmethod
@@ -247,6 +295,15 @@ class UpdatesConfig(_Section):
         0.5, ge=0.0, description="a partition whose next message is past the offset expected is read again until "
         "the gap closes or stays this long (a broker may acknowledge a record before a fetch can see it; tansu does); "
         "0 = no check")
+    replication_factor: int = Field(
+        3, ge=1, le=32, description="copies of each partition of the update, dead-letter and registration topics "
+        "the server creates (capped at the brokers the cluster has, with a WARNING)")
+    min_insync_replicas: int = Field(
+        2, ge=1, le=32, description="min.insync.replicas of the topics the server creates (capped at "
+        "replication_factor - 1): with acks=all, an acknowledged update is on this many brokers")
+    log_check_interval_s: float = Field(
+        5.0, gt=0, description="how often the consumer asks the broker where each log starts and which topic it "
+        "is: a position below the start, or a topic deleted and created again, means updates were lost")
     kafka_config: dict[str, str | int | float | bool] = Field(
         default_factory=dict,
         description="extra librdkafka settings for every client, e.g. security.protocol, sasl.*, ssl.*",
@@ -254,10 +311,19 @@ class UpdatesConfig(_Section):
     sasl_username: str | None = Field(None, description="SASL user (sasl.username), e.g. from a Secret's env var")
     sasl_password: SecretStr | None = Field(
         None, description="SASL password (sasl.password): HPS_UPDATES__SASL_PASSWORD from a Secret, not the file")
+    sasl_password_file: Path | None = Field(None, description="a file holding the SASL password")
+    admin_key: SecretStr | None = Field(
+        None, description="HMAC key of the admin-only messages on the update topics (tombstone purges): they are "
+        "signed with it, and applied only with a good signature; unset, such messages are refused")
+    admin_key_file: Path | None = Field(None, description="a file holding updates.admin_key")
 
     @model_validator(mode="after")
     def _sasl_into_client_config(self) -> UpdatesConfig:
-        """SASL credentials given as their own keys (environment variables from a Secret) reach every client."""
+        """SASL credentials given as their own keys (environment variables or files from a Secret) reach every
+        client."""
+        load_secret_files(self, "updates", "sasl_password", "admin_key")
+        if self.admin_key is not None and len(self.admin_key.get_secret_value()) < 16:
+            raise ValueError("updates.admin_key needs at least 16 characters (an HMAC key)")
         if self.sasl_username is not None:
             self.kafka_config["sasl.username"] = self.sasl_username
         if self.sasl_password is not None:
@@ -414,4 +480,4 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> HPSConfig:
 
 def valid_name(name: str) -> bool:
     """Model and table names: letters, digits, '_' and '-', at most 64 characters."""
-    return bool(_NAME_RE.match(name))
+    return bool(NAME_RE.match(name))

@@ -12,6 +12,10 @@ the store when it acknowledges them: the next read sees them. When the server re
 dies, the client drops its mapping and sends whole lookups over the socket (waiting for the server to answer,
 within ``timeout``) until the new store is there, then maps it. Reads by a LocalClient are not counted in the
 server's statistics or in L1's LRU/LFU order (its mapping is read-only).
+
+The socket is the one the mapped store names (the server's ``server.uds_path``, by default
+``<local.path>/grpc.sock``); ``socket_path=`` overrides it. A socket that is not there, and never was since the
+client started, is an UnavailableError naming it at once (not a wait for the whole timeout).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from hps_client.channel import channel_options
+from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import InvalidArgumentError, UnavailableError
 from hps_client.wire import TableAnswer, as_error, as_keys, build_request, decode_answer
 from hps_service.engine.levels import CACHE, VOLATILE
@@ -64,15 +68,20 @@ class LocalClient:
     ``list_models``, ``close``), answered from the server's shared store where it can (see the module docstring)."""
 
     def __init__(self, path: str | Path = "/dev/shm/hps", timeout: float | None = 5.0, *,
-                 socket_path: str | Path | None = None, retries: int = 3, backoff_s: float = 0.05) -> None:
-        """``path``: the server's ``server.local.path``; ``socket_path``: its ``server.uds_path`` when that is not
-        ``<path>/grpc.sock``; ``timeout`` bounds each call that needs the server (misses, or all of it while no
-        store is mapped)."""
+                 socket_path: str | Path | None = None, retries: int = 3, backoff_s: float = 0.05,
+                 metadata: Metadata | None = None, interceptors: Sequence[Any] | None = None) -> None:
+        """``path``: the server's ``server.local.path``; ``socket_path``: its socket, when the store (which names
+        it) cannot be mapped; ``timeout`` bounds each call that needs the server (misses, or all of it while no
+        store is mapped); ``metadata`` and ``interceptors`` as in HPSClient, for the calls over the socket."""
         self.path = Path(path)
         self.timeout = timeout
+        self._fixed_socket = socket_path is not None
         self.socket_path = Path(socket_path) if socket_path is not None else self.path / SOCKET_NAME
-        self._channel = grpc.insecure_channel(f"unix:{self.socket_path}", options=channel_options(retries, backoff_s))
-        self._stub = pb_grpc.EmbeddingServiceStub(self._channel)
+        self.metadata = merge_metadata(metadata, None)
+        self._channel_options = channel_options(retries, backoff_s)
+        self._interceptors = tuple(interceptors or ())
+        self._socket_seen = False
+        self._channel, self._stub = self._open(self.socket_path)
         self._lock = threading.Lock()
         self._view: StoreView | None = None
         self._tables: dict[tuple[str, str], _Table] = {}
@@ -82,6 +91,34 @@ class LocalClient:
         self.remaps = 0  # times a new generation of the store was mapped (the server restarted)
         self._generation: int | None = None
         self._attach(first=True)
+
+    def _open(self, socket_path: Path) -> tuple[grpc.Channel, pb_grpc.EmbeddingServiceStub]:
+        channel = grpc.insecure_channel(f"unix:{socket_path}", options=self._channel_options)
+        if self._interceptors:
+            channel = grpc.intercept_channel(channel, *self._interceptors)
+        return channel, pb_grpc.EmbeddingServiceStub(channel)
+
+    def _follow_socket(self, view: StoreView) -> None:
+        """Call the server on the socket the store names (when the caller gave none). A serving store's socket is
+        known to be there: missing later, it is the server restarting."""
+        named = view.manifest.get("socket")
+        if not self._fixed_socket and named and Path(named) != self.socket_path:
+            old = self._channel
+            self.socket_path = Path(named)
+            self._channel, self._stub = self._open(self.socket_path)
+            old.close()
+        self._socket_seen = self._socket_seen or bool(named) or self.socket_path.is_socket()
+
+    def _server_stub(self) -> pb_grpc.EmbeddingServiceStub:
+        """The stub over the server's socket; UnavailableError naming the socket at once when it is not there and
+        never was (a wrong path, or no server): later, a missing socket is a server restarting, waited for."""
+        if not self._socket_seen:
+            if not self.socket_path.is_socket():
+                raise UnavailableError(
+                    f"no server socket at {self.socket_path}: is the server running with server.local enabled and "
+                    f"server.uds_path there (or pass socket_path=)?")
+            self._socket_seen = True
+        return self._stub
 
     # ---- the store ----------------------------------------------------------------------------
     def _attach(self, first: bool = False) -> None:
@@ -103,6 +140,7 @@ class LocalClient:
                 self.remaps += self._generation is not None and self._generation != view.generation
                 self._generation = view.generation
                 self._view, self._tables, self._manifest_gen = view, {}, view.manifest_gen
+                self._follow_socket(view)
 
     def _drop(self) -> None:
         with self._lock:
@@ -147,31 +185,31 @@ class LocalClient:
         return t
 
     # ---- lookups ------------------------------------------------------------------------------
-    def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None
-               ) -> np.ndarray:
+    def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
+               metadata: Metadata | None = None) -> np.ndarray:
         """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
-        return self.lookup_with_sources(model, table, keys, timeout).vectors
+        return self.lookup_with_sources(model, table, keys, timeout, metadata=metadata).vectors
 
     def lookup_with_sources(self, model: str, table: str, keys: np.ndarray | Sequence[int],
-                            timeout: float | None = None) -> TableAnswer:
+                            timeout: float | None = None, *, metadata: Metadata | None = None) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
         view = self._current()
         t = self._tables.get((model, table)) if view is not None else None
         if t is None or not model:  # not mapped yet (or a bad request): the general path says why
-            return self.lookup_many(model, {table: keys}, timeout)[table]
+            return self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table]
         keys = as_keys(keys)  # the usual call: one table already mapped
         if keys.shape[0] == 0:
-            return self.lookup_many(model, {table: keys}, timeout)[table]
+            return self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table]
         answer, miss = self._read_local(t, keys)
         if miss is not None:
             uniq, inverse = unique_with_inverse(keys[miss])
-            got = self._call(build_request(model, {table: uniq}), timeout)[table]
+            got = self._call(build_request(model, {table: uniq}), timeout, metadata)[table]
             answer.vectors[miss] = got.vectors[inverse]
             answer.sources[miss] = got.sources[inverse]
         return answer
 
     def lookup_many(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                    timeout: float | None = None) -> dict[str, TableAnswer]:
+                    timeout: float | None = None, *, metadata: Metadata | None = None) -> dict[str, TableAnswer]:
         """Several tables of one model: each table's hits read here, all their misses in one call to the server."""
         if not model:
             raise InvalidArgumentError("model name is empty")
@@ -193,7 +231,7 @@ class LocalClient:
                 uniq, inverse = unique_with_inverse(keys[miss])
                 missing[name], positions[name] = uniq, (miss, inverse)  # type: ignore[assignment]
         if missing:
-            fetched = self._call(build_request(model, missing), timeout)
+            fetched = self._call(build_request(model, missing), timeout, metadata)
             for name, where in positions.items():
                 got = fetched[name]
                 if where is None:
@@ -228,16 +266,19 @@ class LocalClient:
             miss = np.arange(n)
         return TableAnswer(out, sources), (miss if miss.shape[0] else None)
 
-    def _call(self, request: pb.LookupRequest, timeout: float | None) -> dict[str, TableAnswer]:
+    def _call(self, request: pb.LookupRequest, timeout: float | None,
+              metadata: Metadata | None) -> dict[str, TableAnswer]:
         """The server's answer over the Unix domain socket, waiting (within the timeout) while it is not there or
         not serving yet: the one server of a pod restarting (compiling, loading) is a wait, not an error."""
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        metadata = merge_metadata(self.metadata, metadata)
+        stub = self._server_stub()
         backoff = 0.05
         while True:
             left = None if deadline is None else max(deadline - time.monotonic(), 0.001)
             try:
-                response = self._stub.Lookup(request, timeout=left, wait_for_ready=True)
+                response = stub.Lookup(request, timeout=left, wait_for_ready=True, metadata=metadata)
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.UNAVAILABLE and (
                         deadline is None or time.monotonic() + backoff < deadline):
@@ -247,14 +288,16 @@ class LocalClient:
                 raise as_error(err) from None
             return {tv.table: decode_answer(tv) for tv in response.tables}
 
-    def list_models(self, timeout: float | None = None) -> dict[str, dict[str, int]]:
+    def list_models(self, timeout: float | None = None, *,
+                    metadata: Metadata | None = None) -> dict[str, dict[str, int]]:
         """``{model: {table: dim}}`` of the models the server serves."""
         view = self._current()
         if view is not None:
             return {m["name"]: {t["name"]: int(t["dim"]) for t in m["tables"]} for m in view.manifest["models"]}
         try:
-            response = self._stub.ListModels(pb.ListModelsRequest(), timeout=self.timeout if timeout is None
-                                             else timeout, wait_for_ready=True)
+            response = self._server_stub().ListModels(
+                pb.ListModelsRequest(), timeout=self.timeout if timeout is None else timeout, wait_for_ready=True,
+                metadata=merge_metadata(self.metadata, metadata))
         except grpc.RpcError as err:
             raise as_error(err) from None
         return {m.name: {t.name: t.dim for t in m.tables} for m in response.models}

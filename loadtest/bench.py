@@ -17,6 +17,8 @@
 10-11. A node (loadtest.bench_node): server CPU per all-hit call and keys/s vs the floor with as many processes
    (<= 1.25x, >= 0.8x), workers 1 vs the CPUs and vs a Redis Cluster of as many masters (>= 1.0x), PSS per worker
    count; colocated reads: LocalClient vs gRPC (>= 10x) vs the raw gather (>= 0.3x).
+12. Tracing (loadtest.bench_tracing): server CPU per all-hit call with server.tracing off vs the base commit's code
+   (no cost when off), and on (unsampled, every call sampled) vs off.
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -29,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -52,7 +53,7 @@ from hps_service.server.app import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.embedded import EmbeddedServer
 from loadtest.loadgen import RESULTS, LoadSpec, run_load
-from loadtest.report import write_json
+from loadtest.report import machine, write_json
 from loadtest.workload import KeySampler, load_keys
 
 MODEL, TABLE, DIM = "demo", "item", 64
@@ -90,19 +91,6 @@ def plan(quick: bool, table_sizes: str | None) -> Plan:
     if table_sizes:
         p = replace(p, table_sizes=tuple(int(s) for s in table_sizes.split(",") if s.strip()))
     return p
-
-
-def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
-    cpu = "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "python": platform.python_version(),
-            "platform": platform.platform(), "load_average_at_start": os.getloadavg()}
 
 
 # ---------------------------------------------------------------------------------------------- 1. L1
@@ -621,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
-                         "node")
+                         "node,tracing")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -685,6 +673,11 @@ def main(argv: list[str] | None = None) -> int:
             console.rule("10-11. a node's worker processes, colocated reads (loadtest.bench_node)")
             node_plan = bench_node.plan(args.quick, None, None, None)
             res["node"] = {"plan": asdict(node_plan), **bench_node.bench_nodes(node_plan, workdir, console)}
+        if "tracing" not in skip:
+            from loadtest import bench_tracing
+
+            console.rule("12. tracing off vs the base commit, and on (loadtest.bench_tracing)")
+            res["tracing"] = bench_tracing.run(args.quick, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
@@ -701,6 +694,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest import bench_node
 
         console.print(bench_node.table(res["node"]))
+    if res.get("tracing"):
+        from loadtest import bench_tracing
+
+        console.print(bench_tracing.table(res["tracing"]))
     prof = (res.get("grpc") or {}).get("profile")
     if prof and "by_category" in prof:
         console.print(f"server under gRPC load (py-spy --gil): GIL held {prof['gil_busy']:.0%} of the time; by part: " + ", ".join(

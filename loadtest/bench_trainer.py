@@ -66,7 +66,7 @@ def main() -> None:
         config.write_text(yaml.safe_dump({"updates": {"type": "disabled"}, "models": [{"name": "ctr", "tables": [
             {"name": f"C{i}", "dim": args.dim, "default": "hashed_random"} for i in range(1, 27)]}]}))
         common = ["--config", str(config), "--data", str(data), "--batch-size", str(args.batch_size),
-                  "--holdout-size", "20000", "--eval-every", "1000000", "--experts", str(args.experts),
+                  "--holdout", "last:20000", "--eval-every", "1000000", "--experts", str(args.experts),
                   "--no-progress", "--device", "cpu", "--threads", "1"]
         one, cpu_one = _run(1, common, work / "m1.json")
         many, cpu_many = _run(args.nproc, common, work / "mn.json")

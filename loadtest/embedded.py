@@ -23,10 +23,19 @@ EMBEDDED_CONFIG = REPO / "examples" / "embedded.yaml"
 HPS = [sys.executable, "-m", "hps_service.cli"]
 
 
-def _run(*args: str, timeout: float = 1800) -> None:
-    proc = subprocess.run([*HPS, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, check=False)
+def _run(*args: str, timeout: float = 1800, source: Path = REPO) -> None:
+    proc = subprocess.run([*HPS, *args], capture_output=True, text=True, timeout=timeout, cwd=source, check=False,
+                          env=source_env(source))
     if proc.returncode != 0:
         raise UnavailableError(f"hps {args[0]} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+
+
+def source_env(source: Path) -> dict[str, str]:
+    """The environment that runs ``hps`` from the tree ``source`` (another commit's code, e.g. the base a benchmark
+    compares with) ahead of this checkout's editable installs."""
+    if source == REPO:
+        return dict(os.environ)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(source), str(source / "clients" / "python")])}
 
 
 def synth_model(path: Path, rows: int, dim: int, seed: int = 0) -> Path:
@@ -40,7 +49,8 @@ class EmbeddedServer:
     """``hps serve`` on the embedded default config with one generated table, on free loopback ports.
 
     ``overrides`` are merged into the config's sections (e.g. ``{"cache": {"capacity": 1.0}}``);
-    ``table_dim`` replaces the dim of ``model.table`` in the config's model list.
+    ``table_dim`` replaces the dim of ``model.table`` in the config's model list; ``source``: the tree whose code
+    runs (``hps import`` and ``hps serve``), this checkout by default.
     """
 
     def __init__(
@@ -52,12 +62,14 @@ class EmbeddedServer:
         table: str = "item",
         overrides: dict[str, dict[str, Any]] | None = None,
         seed: int = 0,
+        source: Path = REPO,
     ) -> None:
         if rows < 1:
             raise InvalidArgumentError(f"rows must be >= 1, got {rows}")
         self.workdir = Path(workdir)
         self.rows, self.dim, self.model, self.table, self.seed = rows, table_dim, model, table, seed
         self.overrides = overrides or {}
+        self.source = source
         self.keys_file = self.workdir / f"{model}-{table}-{rows}x{table_dim}.npz"
         self.config_path = self.workdir / "config.yaml"
         self.log_path = self.workdir / "server.log"
@@ -94,7 +106,7 @@ class EmbeddedServer:
         synth_model(self.keys_file, self.rows, self.dim, self.seed)
         self.config_path.write_text(yaml.safe_dump(self._config()))
         _run("import", "--config", str(self.config_path), "--model", self.model, "--table", self.table,
-             "--if-empty", str(self.keys_file))
+             "--if-empty", str(self.keys_file), source=self.source)
         return self
 
     def start(self, timeout: float = 120.0, env: dict[str, str] | None = None) -> EmbeddedServer:
@@ -106,7 +118,7 @@ class EmbeddedServer:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [*HPS, "serve", "--config", str(self.config_path), "--log-level", "warning"],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **(env or {})},
+                stdout=log, stderr=subprocess.STDOUT, cwd=self.source, env={**source_env(self.source), **(env or {})},
             )
         try:
             wait_serving(self.target, timeout, self.proc)

@@ -4,6 +4,8 @@ client and server hit rates, a timeline; print it as a rich table, write it as J
 from __future__ import annotations
 
 import json
+import os
+import platform
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -186,3 +188,16 @@ def plot_hit_rate(report: dict[str, Any], path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    cpu = "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_gib, 1), "python": platform.python_version(),
+            "platform": platform.platform(), "load_average_at_start": os.getloadavg()}

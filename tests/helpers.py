@@ -60,17 +60,20 @@ class ServerProcess:
     Its output goes to a file beside the config (``log()`` reads it): a pipe nobody reads would fill up and block
     the server, its workers and every library that logs there."""
 
-    def __init__(self, config: Path, grpc_port: int, env: dict | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, config: Path, grpc_port: int, env: dict | None = None, host: str = "127.0.0.1",
+                 args: tuple[str, ...] = ()) -> None:
+        """``args``: more arguments of ``hps serve`` (e.g. ``("--log-level", "debug")``)."""
         self.config = config
         self.target = f"{host}:{grpc_port}"
         self.env = env or {}
+        self.args = args
         self.proc: subprocess.Popen | None = None
         self.log_path = Path(config).with_suffix(".log")
 
     def start(self, timeout: float = 60.0, serving: bool = True) -> ServerProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [*HPS, "serve", "--config", str(self.config)],
+                [*HPS, "serve", "--config", str(self.config), *self.args],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env},

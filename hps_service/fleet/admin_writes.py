@@ -11,7 +11,7 @@ import numpy as np
 
 from hps_service.config import DEFAULT_PARTITIONS, UpdatesConfig
 from hps_service.engine import LookupEngine
-from hps_service.errors import UnavailableError
+from hps_service.errors import FailedPreconditionError, UnavailableError
 from hps_service.updates import Publisher
 from hps_service.updates.consumer import UpdateConsumer
 from hps_service.updates.message import topic_name
@@ -38,7 +38,10 @@ class LogWriter:
         with self._lock:
             pub = self._publishers.get(model)
             if pub is None:
+                key = self.cfg.admin_key.get_secret_value() if self.cfg.admin_key is not None else None
                 pub = Publisher(self.cfg.brokers, model, topic_prefix=self.cfg.topic_prefix, partitions=self.partitions,
+                                replication_factor=self.cfg.replication_factor,
+                                min_insync_replicas=self.cfg.min_insync_replicas, admin_key=key,
                                 **{**connection_settings(self.cfg.kafka_config), "linger.ms": 0})
                 self._publishers[model] = pub
             return pub
@@ -75,8 +78,7 @@ class LogWriter:
             # read-your-writes: every write acknowledged before this delete is applied here before versions are read
             if self.consumer is None:
                 raise UnavailableError("this replica consumes no update topic; give the delete a version")
-            ends = {k: end - 1 for k, end in self.consumer.end_offsets(model).items() if end > 0}
-            if not self.consumer.wait_applied(ends, self.ack_timeout_s):
+            if not self.consumer.wait_applied_to_end(model, self.ack_timeout_s):
                 raise UnavailableError(f"this replica did not catch up with the update topic within "
                                        f"{self.ack_timeout_s:g} s; give the delete a version")
             versions = np.zeros(keys.shape[0], dtype=np.int64)
@@ -91,8 +93,15 @@ class LogWriter:
         pub.delete(table, keys, versions, deliveries=deliveries)
         return self._answer(model, pub, deliveries, int(keys.shape[0]), wait_applied)
 
+    def check_admin_messages(self) -> None:
+        """FailedPreconditionError unless admin-only messages can be published: replicas refuse them unsigned."""
+        if self.cfg.admin_key is None:
+            raise FailedPreconditionError("a tombstone purge goes through the update topic, and replicas apply it only "
+                                          "signed: set updates.admin_key (the same on every replica)")
+
     def purge_tombstones(self, model: str, table: str, below_version: int, wait_applied: bool) -> dict[str, Any]:
-        """Publish a purge of ``table``'s tombstones older than ``below_version`` to every partition."""
+        """Publish a purge of ``table``'s tombstones older than ``below_version`` to every partition, signed."""
+        self.check_admin_messages()
         self.engine.table(model, table)
         pub = self._publisher(model)
         deliveries = Deliveries()

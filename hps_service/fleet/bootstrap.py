@@ -4,6 +4,12 @@ before it opens the store; the update consumer then replays from the snapshot's 
 A snapshot whose files fail their checksums (or cannot be opened) is skipped with a log line and the next newest is
 tried; a model with no usable snapshot starts empty (its consumer replays the topic from the earliest offset).
 Progress (bytes restored of the total) is logged and shown by ``/readyz``.
+
+The state of each model's bootstrap is durable, in the store's metadata (``bootstrap:<model>``: pending, done, or
+none when it had no usable snapshot): the first snapshot placed carries every model's state (written into it before
+it is renamed into place), and each later model's turns done once its tables are adopted. A crash in the middle of
+a multi-model bootstrap thus leaves a store that says which models are unfinished: the next start bootstraps those
+again (after dropping whatever part of their tables an interrupted adopt left), instead of serving them empty.
 """
 
 from __future__ import annotations
@@ -65,6 +71,10 @@ class BootstrapProgress:
                 "bytes_total": self.bytes_total, "restored": dict(self.restored), "error": self.error}
 
 
+PENDING, DONE, NONE = "pending", "done", "none"
+_STATE_PREFIX = "bootstrap:"
+
+
 def store_is_empty(path: Path) -> bool:
     """True when ``path`` holds no RocksDB, or one without rows, tombstones or log positions."""
     if not (Path(path) / "CURRENT").exists():
@@ -78,22 +88,55 @@ def store_is_empty(path: Path) -> bool:
         tier.close()
 
 
+def bootstrap_states(path: Path) -> dict[str, str]:
+    """Each model's bootstrap state as the store at ``path`` records it (empty: no bootstrap made it)."""
+    if not (Path(path) / "CURRENT").exists():
+        return {}
+    tier = RocksDBTier(Path(path), block_cache_mb=8)
+    try:
+        return _states(tier)
+    finally:
+        tier.close()
+
+
+def _states(tier: RocksDBTier) -> dict[str, str]:
+    return {k[len(_STATE_PREFIX):]: v.decode() for k, v in tier.metadata(_STATE_PREFIX).items()}
+
+
+def _set_state(tier: RocksDBTier, model: str, state: str) -> None:
+    tier.set_metadata(_STATE_PREFIX + model, state.encode())
+
+
+def _to_bootstrap(path: Path, models: list[str]) -> list[str] | None:
+    """The models to bootstrap: all of them into an empty store, the unfinished ones of an interrupted bootstrap,
+    None when the store holds data and no bootstrap of it is unfinished."""
+    if store_is_empty(path):
+        return list(models)
+    unfinished = [m for m, state in bootstrap_states(path).items() if state == PENDING]
+    return [m for m in models if m in unfinished] or None
+
+
 def bootstrap(path: Path, bucket: SnapshotBucket, models: list[str], progress: BootstrapProgress) -> dict:
-    """Restore the newest usable snapshot of each of ``models`` into the empty store at ``path``; returns
-    ``{model: snapshot id or None}``. Does nothing (state ``not_needed``) when the store holds data. Raises
-    UnavailableError when the snapshot store cannot be listed (an empty start could then serve stale rows)."""
+    """Restore the newest usable snapshot of each of ``models`` into the empty store at ``path`` (or of the models
+    an interrupted bootstrap left unfinished); returns ``{model: snapshot id or None}``. Does nothing (state
+    ``not_needed``) when the store holds data. Raises UnavailableError when the snapshot store cannot be listed (an
+    empty start could then serve stale rows)."""
     path = Path(path)
     for leftover in path.parent.glob(f"{path.name}.restore-*"):  # a bootstrap that a crash interrupted
         shutil.rmtree(leftover, ignore_errors=True)
-    if not store_is_empty(path):
+    todo = _to_bootstrap(path, models)
+    if todo is None:
         progress.state = "not_needed"
         log.info("RocksDB at %s holds data: no bootstrap; updates resume from its stored positions", path)
         return {}
+    placed = (path / "CURRENT").exists()
+    if placed:
+        log.warning("RocksDB at %s: the bootstrap of %s did not finish before the last stop; bootstrapping %s "
+                    "again", path, ", ".join(todo), "it" if len(todo) == 1 else "them")
     started = time.monotonic()
     progress.state = "restoring"
-    placed = False
     try:
-        for model in models:
+        for i, model in enumerate(todo):
             progress.model = model
             progress.restored[model] = None
             for manifest in bucket.list(model):
@@ -111,21 +154,18 @@ def bootstrap(path: Path, bucket: SnapshotBucket, models: list[str], progress: B
                                 manifest["id"], exc)
                     continue
                 if not placed:
-                    shutil.rmtree(path, ignore_errors=True)
-                    tmp.rename(path)
+                    _place(path, tmp, {**dict.fromkeys(todo[:i], NONE), model: DONE,
+                                       **dict.fromkeys(todo[i + 1:], PENDING)})
                     placed = True
                 else:
-                    tier = RocksDBTier(path)
-                    try:
-                        tier.adopt(tmp)
-                    finally:
-                        tier.close()
-                        shutil.rmtree(tmp, ignore_errors=True)
+                    _adopt(path, tmp, model)
                 progress.restored[model] = manifest["id"]
                 break
             if progress.restored[model] is None:
                 log.warning("bootstrap of %s: no usable snapshot in %s; starting empty, replaying its topic from "
                             "the earliest offset", model, bucket.url)
+                if placed:
+                    _mark(path, model, NONE)
     except HPSError as exc:
         progress.state, progress.error = "failed", str(exc)
         raise
@@ -133,6 +173,40 @@ def bootstrap(path: Path, bucket: SnapshotBucket, models: list[str], progress: B
     log.info("bootstrap done in %.1f s: %s", time.monotonic() - started,
              ", ".join(f"{m} from {s or 'nothing'}" for m, s in progress.restored.items()))
     return dict(progress.restored)
+
+
+def _place(path: Path, tmp: Path, states: dict[str, str]) -> None:
+    """Make the downloaded snapshot at ``tmp`` the store, carrying every model's bootstrap state (one rename)."""
+    tier = RocksDBTier(tmp, block_cache_mb=8)
+    try:
+        for model, state in states.items():
+            _set_state(tier, model, state)
+    finally:
+        tier.close()
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+
+
+def _adopt(path: Path, tmp: Path, model: str) -> None:
+    """Merge the downloaded snapshot of ``model`` into the store (dropping first what of its tables an interrupted
+    adopt left), then mark the model done."""
+    tier = RocksDBTier(path)
+    try:
+        for table in [t for t in tier.tables() if t.startswith(f"{model}.")]:
+            tier.drop_table(table)
+        tier.adopt(tmp)
+        _set_state(tier, model, DONE)
+    finally:
+        tier.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _mark(path: Path, model: str, state: str) -> None:
+    tier = RocksDBTier(path, block_cache_mb=8)
+    try:
+        _set_state(tier, model, state)
+    finally:
+        tier.close()
 
 
 class _Unopenable(Exception):

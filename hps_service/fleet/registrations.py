@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Collection, Iterable
 
 from pydantic import ValidationError
 
@@ -46,3 +47,16 @@ def load_registrations(tier: Tier | None) -> list[ModelConfig]:
         except (ValueError, ValidationError) as exc:
             log.warning("ignoring the stored registration %s: %s", key, str(exc).replace("\n", " "))
     return out
+
+
+def sync_registrations(tier: Tier | None, configured: Collection[str], loaded: Iterable[ModelConfig]) -> None:
+    """Persist the loaded models the config does not define, and forget the stored ones no longer loaded."""
+    if tier is None:
+        return
+    loaded = {m.name: m for m in loaded}
+    for name, model in loaded.items():
+        if name not in configured:
+            save_registration(tier, model)
+    for model in load_registrations(tier):
+        if model.name not in loaded:
+            forget_registration(tier, model.name)

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
 from hps_service.fleet.positions import positions_to_json
@@ -20,6 +22,7 @@ from hps_service.fleet.registrations import registration_key
 from hps_service.fleet.store import Progress, SnapshotBucket
 from hps_service.tiers.base import table_id
 from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.updates.watermarks import topic_id_key
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +31,9 @@ class Snapshotter:
     """Uploads snapshots of the engine's models to ``bucket``; one at a time.
 
     ``sources_of(model)`` names the logs the model's rows come from (its update topics): only their positions go
-    into the snapshot, so a replica restored from it replays exactly what the snapshot lacks.
+    into the snapshot, so a replica restored from it replays exactly what the snapshot lacks, with the ids of those
+    topics (``log_ids``: a replica restores it only if the topic is still the same). ``refuse(model)`` says why the
+    model must not be snapshotted now (its rows miss updates the log lost), or None.
     """
 
     def __init__(
@@ -38,8 +43,10 @@ class Snapshotter:
         work_dir: Path,
         sources_of: Callable[[str], Iterable[str]],
         retain: int = 3,
+        refuse: Callable[[str], str | None] = lambda model: None,
     ) -> None:
         self.engine = engine
+        self.refuse = refuse
         self.bucket = bucket
         self.work_dir = Path(work_dir)
         self.sources_of = sources_of
@@ -56,19 +63,24 @@ class Snapshotter:
         tier = self.engine.persistent
         if not isinstance(tier, RocksDBTier):
             raise UnavailableError("snapshots need persistent.type rocksdb")
+        if reason := self.refuse(model):
+            raise UnavailableError(f"no snapshot of {model} now: its rows miss updates ({reason})")
         tables = {table_id(model, t.name): t for t in mc.tables}
+        sources = set(self.sources_of(model))
+        ids = {s: v.decode() for s in sources for v in tier.metadata(topic_id_key(s)).values()}
         with self._lock:
             started = time.monotonic()
             tmp = self.work_dir / f"upload-{model}-{uuid.uuid4().hex[:8]}"
             try:
-                info = tier.export(tmp, list(tables), set(self.sources_of(model)), [registration_key(model)])
+                info = tier.export(tmp, list(tables), sources,
+                                   [registration_key(model), *(topic_id_key(s) for s in sources)])
                 described = {
                     t.name: info["tables"].get(tid, {"dim": t.dim, "rows": 0, "tombstones": 0})
                     for tid, t in tables.items()
                 }
                 manifest = self.bucket.upload(
                     model, tmp,
-                    {"tables": described, "positions": positions_to_json(info["positions"]),
+                    {"tables": described, "positions": positions_to_json(info["positions"]), "log_ids": ids,
                      "model_config": mc.model_dump(mode="json")},
                     progress,
                 )
@@ -150,8 +162,10 @@ class RemoteSnapshots:
                     f"({'dim ' + str(loaded[name]) if name in loaded else 'no such table'})")
         return manifest
 
-    def restore(self, model: str, snapshot_id: str, job: Any) -> dict[str, Any]:
-        """Download the snapshot (checksums verified) beside the local checkpoints, then restore from it."""
+    def restore(self, model: str, snapshot_id: str, job: Any,
+                keys: Callable[[np.ndarray], np.ndarray] | None = None) -> dict[str, Any]:
+        """Download the snapshot (checksums verified) beside the local checkpoints, then restore from it (only the
+        rows of ``keys``, a mask of the keys to restore, when given)."""
         manifest = self.check_restorable(model, snapshot_id)
         path = self.local.root / snapshot_id
         if not path.is_dir():
@@ -160,4 +174,4 @@ class RemoteSnapshots:
             meta = {"id": snapshot_id, "model": model, "created_at": manifest["created_at"], "path": str(path),
                     "tables": {n: {"dim": t["dim"], "rows": t["rows"]} for n, t in manifest["tables"].items()}}
             (self.local.root / f"{snapshot_id}.json").write_text(json.dumps(meta))
-        return self.local.restore(model, snapshot_id, job)
+        return self.local.restore(model, snapshot_id, job, keys)

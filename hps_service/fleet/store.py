@@ -5,7 +5,9 @@ Layout under ``s3://BUCKET/PREFIX``: ``<model>/<snapshot id>/files/<file>`` for 
 ``<model>/<snapshot id>/manifest.json``, written after every file is uploaded. A snapshot without its manifest is
 never listed or restored, so an upload that dies half-way leaves nothing usable behind. Snapshot ids start with a
 UTC timestamp, so their order is their age. The endpoint and credentials come from the standard AWS environment
-(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, IRSA's web identity, ...).
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, IRSA's web identity, ...), or from ``persistent.s3_*`` keys (files of a
+mounted Secret). A manifest names only RocksDB files of its own directory (:mod:`hps_service.fleet.manifests`), and
+a download writes no more bytes per file than the manifest gives it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,17 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.config import PersistentConfig
+from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.fleet.fetch import fetch_exact
+from hps_service.fleet.manifests import (
+    MAX_MANIFEST_BYTES,
+    CorruptSnapshotError,
+    check_fits,
+    check_manifest_files,
+    file_target,
+    uploaded_files,
+)
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +56,8 @@ _HASH_CHUNK = 4 << 20
 #: (bytes done, bytes total) -> None; called as a transfer progresses.
 Progress = Callable[[int, int], None]
 
-
-class CorruptSnapshotError(HPSError):
-    """A snapshot's files do not match its manifest (missing, truncated, other bytes): it is never restored."""
+__all__ = ["MANIFEST", "CorruptSnapshotError", "Progress", "SnapshotBucket", "new_snapshot_id", "parse_store_url",
+           "sha256_file"]
 
 
 def parse_store_url(url: str) -> tuple[str, str]:
@@ -93,7 +105,10 @@ class _Counter:
 class SnapshotBucket:
     """The snapshots of every model under one ``s3://BUCKET/PREFIX``."""
 
-    def __init__(self, url: str, max_bandwidth: int = 0, client: Any = None) -> None:
+    def __init__(self, url: str, max_bandwidth: int = 0, client: Any = None, credentials: dict[str, str] | None = None
+                 ) -> None:
+        """``credentials``: boto3's ``aws_access_key_id`` and ``aws_secret_access_key``; default: the AWS
+        environment."""
         self.url = url
         self.bucket, self.prefix = parse_store_url(url)
         if client is None:
@@ -103,9 +118,19 @@ class SnapshotBucket:
                             retries={"max_attempts": 5, "mode": "standard"},
                             request_checksum_calculation="when_required",
                             response_checksum_validation="when_required")
-            client = boto3.client("s3", config=config)
+            client = boto3.client("s3", config=config, **(credentials or {}))
         self.client = client
         self.transfer = TransferConfig(max_bandwidth=max_bandwidth or None, use_threads=True, max_concurrency=4)
+
+    @classmethod
+    def from_config(cls, cfg: PersistentConfig) -> SnapshotBucket:
+        """The bucket of ``persistent.snapshot_store``, with ``persistent.s3_*`` credentials when given."""
+        assert cfg.snapshot_store is not None
+        credentials = None
+        if cfg.s3_access_key_id is not None and cfg.s3_secret_access_key is not None:
+            credentials = {"aws_access_key_id": cfg.s3_access_key_id.get_secret_value(),
+                           "aws_secret_access_key": cfg.s3_secret_access_key.get_secret_value()}
+        return cls(cfg.snapshot_store, cfg.snapshot_upload_bytes_per_s, credentials=credentials)
 
     # ---- keys -----------------------------------------------------------------------------------
     def _key(self, *parts: str) -> str:
@@ -127,9 +152,7 @@ class SnapshotBucket:
         """Upload every file under ``source`` with its SHA-256, then the manifest (``description`` plus the file
         list); returns the manifest. Nothing is listed as a snapshot until the manifest is written."""
         snapshot_id = new_snapshot_id()
-        # smallest first: the bulk of a snapshot (its largest SST files) goes last, the manifest after it
-        files = sorted((p for p in Path(source).rglob("*") if p.is_file() and p.name != "LOCK"),
-                       key=lambda p: (p.stat().st_size, p.as_posix()))
+        files = uploaded_files(Path(source))  # smallest first; the manifest goes after the largest
         entries = []
         for path in files:
             entries.append({"name": path.relative_to(source).as_posix(), "size": path.stat().st_size,
@@ -196,47 +219,56 @@ class SnapshotBucket:
     def manifest(self, model: str, snapshot_id: str) -> dict[str, Any]:
         """The manifest of one snapshot; NotFoundError without one, CorruptSnapshotError when unreadable."""
         self._check_id(snapshot_id)
-        body = self._call(f"manifest of {snapshot_id}", self.client.get_object, Bucket=self.bucket,
-                          Key=self._key(model, snapshot_id, MANIFEST))["Body"].read()
+        response = self._call(f"manifest of {snapshot_id}", self.client.get_object, Bucket=self.bucket,
+                              Key=self._key(model, snapshot_id, MANIFEST))
+        with response["Body"] as stream:
+            if int(response.get("ContentLength") or 0) > MAX_MANIFEST_BYTES:
+                body = b""
+            else:
+                body = stream.read(MAX_MANIFEST_BYTES + 1)
+        if not body or len(body) > MAX_MANIFEST_BYTES:
+            raise CorruptSnapshotError(f"manifest of {snapshot_id} is empty or larger than {MAX_MANIFEST_BYTES} bytes")
         try:
             manifest = json.loads(body)
             if manifest["id"] != snapshot_id or manifest["model"] != model or manifest["format"] > FORMAT:
                 raise ValueError("manifest names another snapshot, model or a newer format")
-            for entry in manifest["files"]:
-                if not isinstance(entry["size"], int) or len(entry["sha256"]) != 64 or ".." in entry["name"]:
-                    raise ValueError(f"bad file entry {entry!r}")
         except (ValueError, KeyError, TypeError) as exc:
             raise CorruptSnapshotError(f"manifest of {snapshot_id} is unreadable: {exc}") from None
+        check_manifest_files(manifest)
         return manifest
 
     def download(self, manifest: dict[str, Any], dest: Path, progress: Progress | None = None) -> None:
         """Fetch every file of ``manifest`` into ``dest`` (which must not exist) and check sizes and SHA-256;
-        CorruptSnapshotError (with ``dest`` removed) when a file is missing or differs."""
+        CorruptSnapshotError (with ``dest`` removed) when a file is missing or differs. The manifest is checked whole
+        first (names, count, sizes, free space): a refused one writes nothing, not even ``dest``."""
         dest = Path(dest)
         if dest.exists():
             raise InvalidArgumentError(f"download destination {dest} already exists")
+        files = check_manifest_files(manifest)
+        check_fits(manifest, dest)
+        targets = [file_target(dest, entry["name"]) for entry in files]
         counter = _Counter(total=int(manifest["bytes"]), report=progress)
         model, snapshot_id = manifest["model"], manifest["id"]
+        dest.mkdir(parents=True)
         try:
-            for entry in manifest["files"]:
-                target = dest / entry["name"]
-                target.parent.mkdir(parents=True, exist_ok=True)
-                key = self._key(model, snapshot_id, "files", entry["name"])
-                try:
-                    self._call(f"download of {key}", self.client.download_file, Bucket=self.bucket, Key=key,
-                               Filename=str(target), Config=self.transfer, Callback=counter.add)
-                except NotFoundError:
-                    raise CorruptSnapshotError(f"snapshot {snapshot_id} lacks its file {entry['name']}") from None
-                size = target.stat().st_size
-                if size != entry["size"]:
-                    raise CorruptSnapshotError(
-                        f"file {entry['name']} of snapshot {snapshot_id} has {size} bytes, the manifest says "
-                        f"{entry['size']}")
-                if sha256_file(target) != entry["sha256"]:
-                    raise CorruptSnapshotError(f"file {entry['name']} of snapshot {snapshot_id} fails its SHA-256")
+            with ThreadPoolExecutor(max_workers=4, thread_name_prefix="hps-download") as pool:
+                for entry, target in zip(files, targets, strict=True):
+                    key = self._key(model, snapshot_id, "files", entry["name"])
+                    fetch_exact(self.client, self.bucket, key, target, entry["size"], counter.add, pool)
+                    self._verify(snapshot_id, entry, target)
         except BaseException:
             shutil.rmtree(dest, ignore_errors=True)
             raise
+
+    @staticmethod
+    def _verify(snapshot_id: str, entry: dict[str, Any], target: Path) -> None:
+        """CorruptSnapshotError unless ``target`` has the entry's size and SHA-256."""
+        size = target.stat().st_size
+        if size != entry["size"]:
+            raise CorruptSnapshotError(
+                f"file {entry['name']} of snapshot {snapshot_id} has {size} bytes, the manifest says {entry['size']}")
+        if sha256_file(target) != entry["sha256"]:
+            raise CorruptSnapshotError(f"file {entry['name']} of snapshot {snapshot_id} fails its SHA-256")
 
     def _snapshot_ids(self, model: str) -> list[str]:
         """Ids of every snapshot prefix of ``model``, complete or not."""

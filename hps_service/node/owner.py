@@ -28,6 +28,7 @@ from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, ServedTable
 from hps_service.engine.promote import promote
+from hps_service.node.manifest_wait import wait_workers_serve
 from hps_service.node.shared_l1 import cache_entry
 from hps_service.node.supervisor import WorkerSupervisor, reserve_port
 from hps_service.node.worker_engine import KIND_ADMIT, KIND_PROMOTE
@@ -37,8 +38,10 @@ from hps_service.store import node_store as ns
 from hps_service.store.counters import REQ_LATENCY, REQ_STATUS, TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES
 from hps_service.store.l3_events import L3Announcer
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, NodeStore, TableSlot
+from hps_service.store.permissions import local_access
 from hps_service.store.queue import Record
 from hps_service.store.region import array_spec
+from hps_service.store.usage import resident_bytes
 from hps_service.tiers.factory import build_persistent, build_volatile
 
 log = logging.getLogger(__name__)
@@ -125,12 +128,14 @@ class OwnerEngine(LookupEngine):
             t.guard.mirror_to(slot.control, T_WRITE_GEN)
         self.publish()
         self._drop_slots(old)
+        wait_workers_serve(self.store, self.config.server.worker_processes(), f"model {model.name}")
 
     def unregister_model(self, name: str) -> None:
         old = set(self._slots_of(name))
         super().unregister_model(name)
         self.publish()
         self._drop_slots(old)
+        wait_workers_serve(self.store, self.config.server.worker_processes(), f"the unload of model {name}")
 
     def _slots_of(self, model: str) -> list[int]:
         with self._slot_lock:
@@ -238,7 +243,10 @@ class NodeCollector(Collector):
                                    "instances, all workers together", labels=["kind"])
         memory.add_metric(["memtables"], int(rows[:, ns.W_MEMTABLE_BYTES].sum()))
         memory.add_metric(["block_cache"], int(rows[:, ns.W_BLOCK_CACHE_BYTES].sum()))
-        yield from (states, restarts, dropped, memory)
+        shared = GaugeMetricFamily("hps_node_shared_memory_bytes", "memory the node's shared store (L1 and the hash "
+                                   "map, on /dev/shm) holds: counted in the pod's memory, not in any process's RSS")
+        shared.add_metric([], resident_bytes(self.owner.store.path))
+        yield from (states, restarts, dropped, memory, shared)
 
 
 class NodeGate(ServingGate):
@@ -268,7 +276,9 @@ class NodeOwner:
         local = cfg.local
         self.store = NodeStore(local.path if local.enabled else store_parent(), private=not local.enabled,
                                processes=self.workers + 1, workers=self.workers,
-                               ring_keys=config.persistent.change_ring_keys)
+                               ring_keys=config.persistent.change_ring_keys, access=local_access(local))
+        if (uds := cfg.local_socket()) is not None:  # where LocalClient readers send their misses
+            self.store.extra["socket"] = str(uds)
         WorkerSupervisor.prepare()
         self.wake = multiprocessing.get_context("forkserver").Semaphore(0)
         self.supervisor = WorkerSupervisor(config, self.store, self.wake, log_level)

@@ -26,6 +26,7 @@ from typing import Any
 
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
+from hps_service.sockets import bound_socket
 from hps_service.store import node_store as ns
 
 log = logging.getLogger(__name__)
@@ -42,24 +43,9 @@ def reserve_port(host: str, port: int) -> socket.socket:
     SO_REUSEPORT would also let this node join a port another server (another ``hps serve`` of this user) already
     serves, and the kernel would split the connections between the two; so the port is first bound without it,
     which fails while anything else holds it (SO_REUSEADDR only lets it past connections in TIME_WAIT)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     if port:
-        probe = socket.socket(family, socket.SOCK_STREAM)
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise UnavailableError(f"cannot bind gRPC to {host}:{port}: {exc.strerror}") from None
-        finally:
-            probe.close()
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise UnavailableError(f"cannot bind gRPC to {host}:{port}: {exc.strerror}") from None
-    return sock
+        bound_socket(host, port, "gRPC").close()
+    return bound_socket(host, port, "gRPC", socket.SO_REUSEPORT)
 
 
 class WorkerSupervisor:

@@ -28,8 +28,10 @@ from grpc_health.v1 import health, health_pb2
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
 from hps_service.heap import HeapTrimmer
+from hps_service.logs import setup_logging
 from hps_service.node.worker_engine import WorkerEngine
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.server.call_tracing import flush_spans
 from hps_service.server.grpc_server import build_grpc_server
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
 from hps_service.server.metrics import ServerMetrics
@@ -117,8 +119,8 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
     gc.freeze()  # the fork server's objects stay shared: the collector never writes to their pages
     faulthandler.enable()  # a crash leaves its Python stack in the log before the owner restarts the worker
     _die_with_parent()
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[worker {worker}]: %(message)s",
-                        stream=sys.stderr)
+    setup_logging(log_level, config.server.log_format,
+                  text_format=f"%(asctime)s %(levelname)s %(name)s[worker {worker}]: %(message)s")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the owner decides
@@ -132,7 +134,7 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
         health_servicer = FollowingHealth(view, engine, gate)
         shard_map = ShardMap.from_config(config.cluster)
         servicer = EmbeddingServicer(engine, config.server, gate, metrics, shard_map, _ClusterInfo(view, shard_map))
-        serving = build_grpc_server(config, servicer, health_servicer, reuseport=True)
+        serving = build_grpc_server(config, servicer, health_servicer, reuseport=True, role=f"worker-{worker}")
         server = serving.server
         address = f"{config.server.host}:{port}"
         tls = config.server.tls
@@ -156,6 +158,7 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
     engine.close()
     status[worker, ns.W_STATE] = ns.W_STOPPED
     log.debug("gRPC worker %d stopped", worker)
+    flush_spans()
     # Leave without interpreter teardown: the fork server's inherited state is not ours to finalise.
     sys.stdout.flush()
     sys.stderr.flush()

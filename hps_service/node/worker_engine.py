@@ -24,10 +24,11 @@ from hps_service.engine.table import ServedTable
 from hps_service.errors import NotFoundError
 from hps_service.node.reader_tiers import CaughtUpSecondary, SharedVolatile
 from hps_service.node.shared_l1 import SharedL1Reader
+from hps_service.store import layout
 from hps_service.store.changes import ChangeRing
 from hps_service.store.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES, ThreadRows
 from hps_service.store.l3_events import l3_events
-from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN
+from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, W_MANIFEST
 from hps_service.store.queue import record_bytes
 from hps_service.store.view import StoreView, TableView
 from hps_service.tiers.base import Tier, tier_health, tier_memory
@@ -89,6 +90,8 @@ class WorkerEngine:
         self._sync_lock = threading.Lock()
         self.dropped = 0
         self._ring_by_table: dict[str, ChangeRing] = {}
+        self._status = view.workers()[worker] if view.writable else None  # this worker's status row
+        self._loaded = -1  # the manifest generation self._tables were built from
         self.volatile: Tier | None = None
         if config.volatile.type == "hashmap":
             self.volatile = SharedVolatile(lambda: self.view)
@@ -109,10 +112,11 @@ class WorkerEngine:
         return self._ring_by_table
 
     def sync(self) -> None:
-        """Follow the owner's manifest if it changed (models registered or unloaded)."""
-        if self.view.changed():
+        """Follow the owner's manifest if it changed (models registered or unloaded). Compared with the manifest
+        the tables were built from (not the one last read): a lookup while another thread loads waits for it."""
+        if int(self.view.header[layout.H_MANIFEST]) != self._loaded:
             with self._sync_lock:
-                if self.view.changed():
+                if int(self.view.header[layout.H_MANIFEST]) != self._loaded:
                     self._load()
 
     def _load(self) -> None:
@@ -148,6 +152,9 @@ class WorkerEngine:
         if self.persistent is not None and any(tid not in self.persistent.tables() for tid in rings):
             self.persistent.reopen()
         self._models, self._tables = models, tables
+        self._loaded = view.manifest_gen
+        if self._status is not None:
+            self._status[W_MANIFEST] = self._loaded  # the owner waits for it before a registration returns
 
     # ---- lookups ------------------------------------------------------------------------------
     def table(self, model: str, table: str) -> WorkerTable:

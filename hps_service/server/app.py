@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 import numpy as np
-import uvicorn
 from grpc_health.v1 import health, health_pb2
 
+from hps_client.channel import ACCEPTING_SERVICE
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
@@ -25,35 +25,39 @@ from hps_service.engine import CacheFactory, LookupEngine, ServedTable
 from hps_service.errors import UnavailableError
 from hps_service.fleet.admin_writes import LogWriter
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
-from hps_service.fleet.registrations import forget_registration, load_registrations, save_registration
+from hps_service.fleet.registrations import load_registrations, sync_registrations
+from hps_service.fleet.services import FleetServices
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.fleet.store import SnapshotBucket
 from hps_service.heap import HeapTrimmer
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
     ServingGrpc,
     build_grpc_server,
     message_limits,
 )
 from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate
+from hps_service.server.http_listener import HttpListener
 from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
-from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_app, create_starting_app
+from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_starting_app
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.sharding import ShardMap
+from hps_service.store.permissions import local_access
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
-from hps_service.tls import grpc_server_credentials, uvicorn_ssl_options
+from hps_service.tls import grpc_server_credentials
 from hps_service.updates import UpdateConsumer
 from hps_service.updates.message import topic_name
+from hps_service.updates.readiness import update_consumer_not_ready
 from hps_service.warmup import warm_all
 
 if TYPE_CHECKING:
     from hps_service.node.owner import NodeOwner
 
 log = logging.getLogger(__name__)
-
 
 
 def build_engine(config: HPSConfig) -> LookupEngine:
@@ -106,22 +110,6 @@ def snapshots_root(config: HPSConfig) -> Path:
     return Path(config.persistent.path).parent / "snapshots"
 
 
-def update_consumer_not_ready(consumer: UpdateConsumer, model: str | None = None) -> str | None:
-    """The readiness reason of the update consumer (for one model, or all): no partitions yet, updates failing to
-    apply (nothing is stored meanwhile, so they are retried and replayed, but the served rows are going stale), a
-    stalled stream (messages waiting, none applied for ``updates.stall_after_s``), or not caught up with the update
-    log (at start, or after falling more than updates.max_lag_s behind)."""
-    if not consumer.ready:
-        reason = f"update consumer (group {consumer.group}) has no partitions yet"
-        return f"{reason}: {consumer.last_error}" if consumer.last_error else reason
-    if consumer.apply_error is not None:
-        return f"update consumer (group {consumer.group}) cannot apply updates: {consumer.apply_error}"
-    if consumer.stall.reason:
-        return consumer.stall.reason
-    behind = consumer.catching_up(model)
-    return f"update consumer (group {consumer.group}) {behind}" if behind else None
-
-
 class HPSServer:
     """One server process: the lookup engine behind gRPC (health checking, reflection) and the REST admin API."""
 
@@ -140,16 +128,16 @@ class HPSServer:
         self.readiness: list[ReadinessCheck] = []
         #: Extra /v1/stats sections, e.g. ``{"updates": consumer.stats}``.
         self.stats_sections: dict[str, Callable[[], dict]] = {}
-        self._http: uvicorn.Server | None = None
-        self._http_thread: threading.Thread | None = None
+        self._http: HttpListener | None = None
         self._served_models: set[str] = set()
         self._health_lock = threading.Lock()
         self._stopped = threading.Event()
         self.consumer: UpdateConsumer | None = None
         self._consumer_lock = threading.Lock()
-        self._ssl_options: dict = {}
         self.bootstrap = BootstrapProgress()
         self.snapshotter: Snapshotter | None = None
+        self.remote_snapshots: RemoteSnapshots | None = None
+        self.fleet: FleetServices | None = None
         self.log_writer: LogWriter | None = None
         self._app = SwitchableApp(create_starting_app(self.readiness_report))
         self._probes: ProbeServer | None = None
@@ -176,11 +164,12 @@ class HPSServer:
         self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         # TLS material is read before any tier opens, so a bad path fails fast and leaves nothing open.
         credentials = grpc_server_credentials(cfg.tls) if cfg.tls is not None else None
-        self._ssl_options = uvicorn_ssl_options(cfg.tls) if cfg.tls is not None else {}
-        self._start_http()  # liveness and readiness (with bootstrap progress) answer from here on
+        # liveness and readiness (with bootstrap progress) answer from here on
+        self._http = HttpListener(self._app, cfg.host, cfg.http_port, "REST port", cfg.tls)
+        self.http_port = self._http.port
         try:
             if cfg.probe_port is not None:
-                self._probes = ProbeServer(cfg.host, cfg.probe_port, self.readiness_report)
+                self._probes = ProbeServer(cfg.host, cfg.probe_port, self._app)
             if self.engine is None:
                 self._bootstrap()
                 if cfg.worker_processes() > 0:
@@ -189,8 +178,12 @@ class HPSServer:
                     self.engine = build_engine(self.config)
             self._start_grpc(credentials)
             self._make_snapshotter()
+            self.fleet = FleetServices(self.config, self.engine, self.models_changed, self._group())
+            self.readiness.append(self.fleet.not_ready)
+            self.stats_sections["registry"] = self.fleet.stats
             self._start_updates()  # first: an admin write answered before the log writer exists would bypass the log
-            self._app.target = create_app(self._admin_context())
+            self._app.target = admin_app(self._admin_context())
+            self.fleet.start()
             if self.snapshotter is not None:
                 self.snapshotter.start(self.config.persistent.snapshot_interval_s)
         except Exception:
@@ -242,8 +235,9 @@ class HPSServer:
         if uds is not None:
             self._bind_uds(server, uds)
         server.start()
-        if uds is not None:
-            uds.chmod(0o660)  # the group (the pod's inference containers) may connect, as it may map the store
+        if uds is not None:  # the colocated readers' group may connect, as it may map the store
+            access = local_access(cfg.local)
+            access.apply(uds, access.socket_mode)
         self._grpc = serving
         self.grpc_port = port
 
@@ -284,7 +278,7 @@ class HPSServer:
         pcfg = self.config.persistent
         if pcfg.type != "rocksdb" or pcfg.snapshot_store is None or pcfg.read_only:
             return
-        bucket = SnapshotBucket(pcfg.snapshot_store, pcfg.snapshot_upload_bytes_per_s)
+        bucket = SnapshotBucket.from_config(pcfg)
         bootstrap(Path(pcfg.path), bucket, [m.name for m in self.config.models], self.bootstrap)
 
     def _make_snapshotter(self) -> None:
@@ -295,14 +289,17 @@ class HPSServer:
             return
         prefix = self.config.updates.topic_prefix
         self.snapshotter = Snapshotter(
-            self.engine, SnapshotBucket(pcfg.snapshot_store, pcfg.snapshot_upload_bytes_per_s),
+            self.engine, SnapshotBucket.from_config(pcfg),
             snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
+            refuse=lambda model: self.consumer.lost_reason(model) if self.consumer is not None else None,
         )
 
     def _admin_context(self) -> AdminContext:
-        assert self.engine is not None and self.metrics is not None
+        assert self.engine is not None and self.metrics is not None and self.fleet is not None
         local = SnapshotStore(self.engine, snapshots_root(self.config))
-        snapshots = local if self.snapshotter is None else RemoteSnapshots(self.snapshotter, local)
+        if self.snapshotter is not None:
+            self.remote_snapshots = RemoteSnapshots(self.snapshotter, local)
+        snapshots = self.remote_snapshots or local
         return AdminContext(
             engine=self.engine,
             config=self.config,
@@ -312,7 +309,7 @@ class HPSServer:
             snapshots=snapshots,
             readiness=self.readiness_report,
             stats_sections=self.stats_sections,
-            on_models_changed=self.models_changed,
+            registrations=self.fleet.registrations,
             log_writer=lambda: self.log_writer,
             shard_map=self.shard_map,
             cluster_info=self.cluster_info,
@@ -322,7 +319,26 @@ class HPSServer:
     def not_ready(self, model: str | None = None) -> list[str]:
         """Why the server (or one model) must not receive traffic: starting, bootstrapping, draining, a tier down,
         no model, updates not caught up or failing, or a check in ``readiness``. Empty when ready."""
+        reasons = self.not_accepting(model)
+        if self.engine is None:
+            return reasons
+        for check in self.readiness:
+            if reason := check():
+                reasons.append(reason)
+        consumer = self.consumer
+        if consumer is not None and (reason := update_consumer_not_ready(consumer, model)) and reason not in reasons:
+            reasons.append(reason)
+        return reasons
+
+    def not_accepting(self, model: str | None = None) -> list[str]:
+        """Why the server would not answer a call now (gRPC health ``ACCEPTING_SERVICE``, which clients balance
+        on): starting, bootstrapping, draining, its persistent tier down, no model, or partitions that lost updates
+        (their rows can be older than acknowledged ones until bootstrapped again). Update lag is not a reason: it
+        hits every replica at once, and taking them all out of the clients' rotation would be an outage."""
         reasons = []
+        consumer = self.consumer
+        if consumer is not None and (lost := consumer.lost_reason(model)):
+            reasons.append(f"update consumer (group {consumer.group}) {lost}")
         if (restoring := self.bootstrap.describe()) is not None:
             reasons.append(restoring)
         if not self.gate.is_open:
@@ -339,12 +355,6 @@ class HPSServer:
             reasons.append("no model is loaded")
         elif model is not None and model not in loaded:
             reasons.append(f"model '{model}' is not loaded")
-        for check in self.readiness:
-            if reason := check():
-                reasons.append(reason)
-        consumer = self.consumer
-        if consumer is not None and (reason := update_consumer_not_ready(consumer, model)):
-            reasons.append(reason)
         return reasons
 
     def degraded(self) -> list[str]:
@@ -366,13 +376,15 @@ class HPSServer:
 
     def update_health(self) -> None:
         """gRPC health: service "" and EmbeddingService SERVING only when the server is ready, each loaded model when
-        it is (its updates caught up), NOT_SERVING for a model unloaded since."""
+        it is (its updates caught up), NOT_SERVING for a model unloaded since; ``ACCEPTING_SERVICE`` SERVING while
+        it takes calls (what clients balance on)."""
         if self.engine is None:
             return
         serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         with self._health_lock:
             overall = serving if not self.not_ready() else not_serving
-            statuses = {"": overall, pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name: overall}
+            statuses = {"": overall, pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name: overall,
+                        ACCEPTING_SERVICE: serving if not self.not_accepting() else not_serving}
             loaded = {m.name for m in self.engine.models()}
             for name in loaded:
                 statuses[name] = serving if not self.not_ready(name) else not_serving
@@ -415,8 +427,7 @@ class HPSServer:
         assert self.engine is not None
         if self.config.updates.type != "kafka" or not self.engine.models():
             return
-        ucfg = self.config.updates
-        group = ucfg.group or f"{ucfg.topic_prefix}.{socket.gethostname()}"
+        ucfg, group = self.config.updates, self._group()
         cluster = self.config.cluster
         consumer = UpdateConsumer(ucfg, self.engine, [m.name for m in self.engine.models()], group,
                                   partitions=cluster.partitions, shards=cluster.shards, shard=cluster.shard)
@@ -425,24 +436,22 @@ class HPSServer:
         self.log_writer = LogWriter(ucfg, self.engine, consumer, partitions=cluster.partitions)
         self.log_writer.prepare([m.name for m in self.engine.models()])
         self.stats_sections["updates"] = consumer.stats
+        if self.fleet is not None:
+            self.fleet.watch_losses(consumer, self.remote_snapshots)
         log.info("consuming updates from %s as group %s (shard %d of %d: partitions %s of %d)", ucfg.brokers, group,
                  cluster.shard, cluster.shards, self.shard_map.owned_partitions() if cluster.shards > 1 else "all",
                  cluster.partitions)
+
+    def _group(self) -> str:
+        """This replica's consumer group: updates.group, or one of its own per pod."""
+        return self.config.updates.group or f"{self.config.updates.topic_prefix}.{socket.gethostname()}"
 
     def models_changed(self) -> None:
         """After a model is registered or unloaded at runtime: stored registrations (models the config does not
         define survive a restart), health per model, and the update topics consumed."""
         assert self.engine is not None
-        persistent = self.engine.persistent
-        if persistent is not None and not self.config.persistent.read_only:
-            configured = {m.name for m in self.config.models}
-            loaded = {m.name: m for m in self.engine.models()}
-            for name, model in loaded.items():
-                if name not in configured:
-                    save_registration(persistent, model)
-            for model in load_registrations(persistent):
-                if model.name not in loaded:
-                    forget_registration(persistent, model.name)
+        if not self.config.persistent.read_only:
+            sync_registrations(self.engine.persistent, {m.name for m in self.config.models}, self.engine.models())
         self.update_health()
         with self._consumer_lock:
             names = [m.name for m in self.engine.models()]
@@ -450,31 +459,6 @@ class HPSServer:
                 self.consumer.follow(names)
             elif names:
                 self._start_updates()
-
-    def _start_http(self) -> None:
-        """Serve the REST port with uvicorn on its own thread and event loop (bound before this returns): the
-        starting app until :meth:`start` switches to the admin API."""
-        cfg = self.config.server
-        sock = socket.socket(socket.AF_INET6 if ":" in cfg.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((cfg.host, cfg.http_port))
-        except OSError as exc:
-            sock.close()
-            raise UnavailableError(f"cannot bind the REST port {cfg.host}:{cfg.http_port}: {exc}") from None
-        self.http_port = sock.getsockname()[1]
-        http = uvicorn.Server(
-            uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off", log_config=None,
-                           timeout_graceful_shutdown=5, **self._ssl_options)
-        )
-        thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, name="hps-http", daemon=True)
-        thread.start()
-        while not http.started:
-            if not thread.is_alive():
-                sock.close()
-                raise UnavailableError(f"the REST server on {cfg.host}:{self.http_port} failed to start")
-            thread.join(0.01)
-        self._http, self._http_thread = http, thread
 
     def stop(self, grace: float | None = None) -> None:
         """Say NOT_SERVING, answer lookups for a lame-duck moment, then refuse them and let in-flight ones finish
@@ -501,6 +485,8 @@ class HPSServer:
         if self._grpc is not None:
             self._grpc.drain_and_stop(self.gate, remaining(0.6))
         self.gate.close(DRAINING)
+        if self.fleet is not None:
+            self.fleet.stop(max(remaining(0.3), 0.5))
         if self.consumer is not None:
             self.consumer.close_timeout_s = min(self.consumer.close_timeout_s, max(remaining(0.5), 0.5))
             self.consumer.stop(timeout=max(remaining(0.8), 1.0), commit=True)
@@ -519,9 +505,8 @@ class HPSServer:
 
     def _stop_listeners(self, timeout: float = 0.5) -> None:
         """Close the REST and probe listeners."""
-        if self._http is not None and self._http_thread is not None:
-            self._http.should_exit = True
-            self._http_thread.join(max(timeout, 0.5))
+        if self._http is not None:
+            self._http.close(timeout)
         if self._probes is not None:
             self._probes.close()
             self._probes = None

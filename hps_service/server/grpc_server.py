@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from hps_service.config import HPSConfig, ServerConfig
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.server.call_tracing import grpc_tracing
 from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate, add_embedding_service
 
 _MiB = 1 << 20
@@ -123,20 +124,22 @@ class ServingGrpc:
         left = max(0.0, deadline - time.monotonic())
         self.server.stop(left).wait(left + 0.5)
 
-
 def build_grpc_server(
-    config: HPSConfig, servicer: EmbeddingServicer, health_servicer: health.HealthServicer, *, reuseport: bool = False
+    config: HPSConfig, servicer: EmbeddingServicer, health_servicer: health.HealthServicer, *, reuseport: bool = False,
+    role: str = "owner",
 ) -> ServingGrpc:
     """A thread-pool gRPC server with the EmbeddingService, health and reflection (no port bound yet), on its
     handler pool.
 
     ``reuseport``: let the node's worker processes bind one port together (SO_REUSEPORT; the kernel spreads the
-    connections over them)."""
+    connections over them). ``role``: the process (``owner``, ``worker-N``) its spans name, with tracing on; then the
+    servicer's lookups go through a :class:`~hps_service.server.tracing.TracedEngine` too."""
     cfg = config.server
     receive, send = message_limits(config)
     pool = HandlerPool(servicer.metrics.queue_wait, max_workers=cfg.grpc_threads(), thread_name_prefix="grpc")
     server = grpc.server(
         pool,
+        interceptors=grpc_tracing(servicer, role),
         maximum_concurrent_rpcs=cfg.max_concurrent_requests,
         options=[
             ("grpc.max_receive_message_length", receive),

@@ -11,27 +11,29 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from hps_client.attempts import PUSHBACK
 from hps_service.config import ServerConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import (
+    DeadlineExceededError,
     FailedPreconditionError,
     HPSError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_service.server.auth import Authenticator, Principal
+from hps_service.server.grpc_auth import grpc_principal
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.wire import ResponseBuffer, encode_lookup_response
 from hps_service.sharding import ShardMap
 
 log = logging.getLogger(__name__)
-
-
-class DeadlineExceededError(HPSError):
-    """The caller's deadline passed before the server began the work (gRPC DEADLINE_EXCEEDED)."""
 
 
 _STATUS = {
@@ -41,6 +43,8 @@ _STATUS = {
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     UnavailableError: grpc.StatusCode.UNAVAILABLE,
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -58,6 +62,10 @@ def check_deadline(context: grpc.ServicerContext) -> None:
     if remaining is not None and remaining <= 0:
         raise DeadlineExceededError(f"the deadline passed {-remaining * 1000:.1f} ms before the lookup began")
 
+
+#: gRPC's server pushback (gRFC A6) telling a client's retry policy not to retry: sent with the RESOURCE_EXHAUSTED
+#: of a request over a limit, so that only an overloaded server's (gRPC's own, at max_concurrent_requests) is retried.
+NO_RETRY = ((PUSHBACK, "-1"),)
 
 #: Why a server that received SIGTERM is not ready, and why it refuses lookups once its lame-duck moment is over.
 DRAINING = "the server is draining"
@@ -164,6 +172,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         self.metrics = metrics if metrics is not None else ServerMetrics(engine)
         self.shard_map = shard_map if shard_map is not None else ShardMap()
         self.cluster_info = cluster_info
+        #: None with server.auth none: the hot path then pays one attribute test for it.
+        self.auth = Authenticator(limits) if limits.auth != "none" else None
         self._local = threading.local()
 
     def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> bytes:
@@ -225,14 +235,20 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
 
     def _abort(self, context: grpc.ServicerContext, err: Exception) -> None:
         if isinstance(err, HPSError):
+            if isinstance(err, ResourceExhaustedError):  # a limit of the request: no replica would take it
+                context.set_trailing_metadata(NO_RETRY)
             context.abort(status_for(err), str(err))
         log.exception("unexpected error serving a lookup")
         context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
 
-    def _serve_one(self, method: str, request: pb.LookupRequest, context: grpc.ServicerContext) -> bytes:
-        """Check the deadline, answer, count and time the request; errors become status codes."""
+    def _serve_one(self, method: str, request: pb.LookupRequest, context: grpc.ServicerContext,
+                   principal: Principal | None = None) -> bytes:
+        """Check the caller (``principal``, else from ``context``) and the deadline, answer, count and time the
+        request; errors become status codes."""
         with self.metrics.observe(method) as status:
             try:
+                if self.auth is not None:
+                    self._allowed(request, context, principal)
                 return self.lookup(request, context)
             except Exception as err:  # translated to a status code, never a stack trace to the caller
                 status[0] = status_for(err).name if isinstance(err, HPSError) else grpc.StatusCode.INTERNAL.name
@@ -245,17 +261,43 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
     def StreamLookup(
         self, request_iterator: Iterator[pb.LookupRequest], context: grpc.ServicerContext
     ) -> Iterator[bytes]:
+        principal = None
+        if self.auth is not None:  # the stream's metadata and certificate are its own: resolved once
+            try:
+                principal = grpc_principal(self.auth, context)
+            except HPSError as err:
+                self._abort(context, err)
         for request in request_iterator:
-            yield self._serve_one("StreamLookup", request, context)
+            yield self._serve_one("StreamLookup", request, context, principal)
+
+    def _allowed(self, request: object, context: grpc.ServicerContext, principal: Principal | None) -> Principal:
+        """The caller, if ``server.auth`` admits it and it may read the request's model (when it names one)."""
+        assert self.auth is not None
+        principal = principal if principal is not None else grpc_principal(self.auth, context)
+        model = getattr(request, "model", "")
+        if model:
+            principal.check_model(model)
+        return principal
+
+    def _caller(self, request: object, context: grpc.ServicerContext) -> Principal | None:
+        """For the metadata calls: the caller (None with auth none), or the call aborted with the refusal."""
+        if isinstance(request, MalformedRequest):
+            self._abort(context, request.error())
+        if self.auth is None:
+            return None
+        try:
+            return self._allowed(request, context, None)
+        except HPSError as err:
+            self._abort(context, err)
+            raise  # unreachable: abort raises
 
     def ListModels(self, request: pb.ListModelsRequest, context: grpc.ServicerContext) -> pb.ListModelsResponse:
-        if isinstance(request, MalformedRequest):
-            self._abort(context, request.error())
-        return pb.ListModelsResponse(models=[_model_info(self.engine, m.name) for m in self.engine.models()])
+        caller = self._caller(request, context)
+        return pb.ListModelsResponse(models=[_model_info(self.engine, m.name) for m in self.engine.models()
+                                             if caller is None or caller.may_read(m.name)])
 
     def GetClusterInfo(self, request: pb.GetClusterInfoRequest, context: grpc.ServicerContext) -> pb.ClusterInfo:
-        if isinstance(request, MalformedRequest):
-            self._abort(context, request.error())
+        self._caller(request, context)
         if self.cluster_info is not None:
             return pb.ClusterInfo(**self.cluster_info())
         m = self.shard_map
@@ -263,9 +305,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
                               owned_partitions=m.owned_partitions(), ready=self.gate.is_open)
 
     def GetModel(self, request: pb.GetModelRequest, context: grpc.ServicerContext) -> pb.ModelInfo:
+        self._caller(request, context)
         try:
-            if isinstance(request, MalformedRequest):
-                raise request.error()
             return _model_info(self.engine, request.model)
         except Exception as err:
             self._abort(context, err)

@@ -1,55 +1,66 @@
-"""A plaintext HTTP listener for Kubernetes probes (``server.probe_port``): ``/healthz`` and ``/readyz`` only.
+"""Liveness and readiness, and the probe port that serves them to kubelet.
 
-kubelet cannot present a client certificate, so with (mutual) TLS on the REST and gRPC ports every probe would fail;
-this port answers the same readiness as ``/readyz`` and carries no data.
+``/healthz`` answers from the event loop with no work at all, and ``/readyz`` computes readiness on a thread of its
+own (a tier's health can mean a round trip to Redis): neither waits for FastAPI's thread pool, which lookups and
+body parsing may fill, nor for another request's JSON, so a loaded server is not killed by its liveness probe.
+
+The probe port (``server.probe_port``) is plain HTTP, for probes that cannot speak (mutual) TLS: it serves the same
+app as the REST port, marked as the probe listener, so it answers ``/healthz`` and ``/readyz`` and, when
+``server.expose_internal_on`` names it, ``/metrics``, ``/docs`` and the stats routes (then on it alone if the REST
+port is not named); rows and admin routes never.
 """
 
 from __future__ import annotations
 
-import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
-from hps_service.errors import UnavailableError
-from hps_service.server.rest import Readiness
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+
+from hps_service.server.gatekeeper import Listener
+from hps_service.server.http_listener import HttpListener
+from hps_service.server.problems import problem
+
+#: A readiness check: None when ready, else a short reason naming what is not.
+ReadinessCheck = Callable[[], "str | None"]
+#: What is not ready (empty when ready), and extra details for the /readyz body (e.g. bootstrap progress).
+Readiness = Callable[[], "tuple[list[str], dict[str, Any]]"]
+#: Threads that compute readiness, apart from FastAPI's pool.
+_READINESS_POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hps-readiness")
+
+
+def readiness_response(readiness: Readiness, models: Callable[[], list[str]]) -> JSONResponse:
+    """The /readyz answer: 200 with the models, or 503 naming what is not ready (and details such as bootstrap
+    progress)."""
+    not_ready, details = readiness()
+    if not_ready:
+        return problem(503, "not ready: " + "; ".join(not_ready), ready=False, not_ready=not_ready, **details)
+    return JSONResponse({"ready": True, "models": models(), **details})
+
+
+def add_probe_routes(app: FastAPI, readiness: Readiness, models: Callable[[], list[str]]) -> None:
+    """``/healthz`` and ``/readyz`` on ``app``, answered without FastAPI's thread pool."""
+
+    @app.get("/healthz", tags=["health"], summary="Liveness: the process answers")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["health"], summary="Readiness: caught up with the update log, tiers reachable, models "
+             "loaded", responses={503: {"description": "not ready; `not_ready` names what"}})
+    async def readyz() -> JSONResponse:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(_READINESS_POOL, readiness_response, readiness, models)
 
 
 class ProbeServer:
-    """Answers GET /healthz (200) and GET /readyz (200 or 503 with the reasons) on its own thread."""
+    """The probe port: ``app`` (the REST app, starting or full) as the ``probe`` listener, plain HTTP."""
 
-    def __init__(self, host: str, port: int, readiness: Readiness) -> None:
-        def respond(handler: BaseHTTPRequestHandler) -> None:
-            if handler.path == "/healthz":
-                code, body = 200, {"status": "ok"}
-            elif handler.path == "/readyz":
-                not_ready, details = readiness()
-                code = 503 if not_ready else 200
-                body = {"ready": not not_ready, "not_ready": not_ready, **details}
-            else:
-                code, body = 404, {"error": "only /healthz and /readyz are served on the probe port"}
-            data = json.dumps(body).encode()
-            handler.send_response(code)
-            handler.send_header("Content-Type", "application/json")
-            handler.send_header("Content-Length", str(len(data)))
-            handler.end_headers()
-            handler.wfile.write(data)
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802  (the stdlib's name)
-                respond(self)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
-        except OSError as exc:
-            raise UnavailableError(f"cannot bind the probe port {host}:{port}: {exc}") from None
-        self._server.daemon_threads = True
-        self.port = self._server.server_address[1]
-        self._thread = threading.Thread(target=self._server.serve_forever, name="hps-probes", daemon=True)
-        self._thread.start()
+    def __init__(self, host: str, port: int, app: Callable) -> None:
+        self._listener = HttpListener(Listener(app, "probe"), host, port, "probe port")
+        self.port = self._listener.port
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        self._listener.close()

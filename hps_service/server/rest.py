@@ -2,21 +2,21 @@
 
 Only protocol translation lives here: every endpoint calls the engine, the job runner or the snapshot store.
 Endpoints are plain ``def`` functions, so FastAPI runs them in its thread pool and a lookup never blocks the event
-loop. Mutating endpoints need ``Authorization: Bearer <server.admin_token>``. Errors are RFC 9457
+loop. The gatekeeper in front (:mod:`hps_service.server.gatekeeper`) admits each request, and bounds its body, per
+:mod:`hps_service.server.rest_access` before the body is read: mutating endpoints need ``Authorization: Bearer
+<server.admin_token>``, reads a reader's credential when ``server.auth`` is on. Errors are RFC 9457
 ``application/problem+json`` (``type``, ``title``, ``status``, ``detail``) with ``error`` (the same message) kept.
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import numpy as np
 from fastapi import Depends, FastAPI, Query, Request, Response, status
@@ -24,7 +24,6 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException
 
 from hps_service.config import HPSConfig, ModelConfig
@@ -34,27 +33,44 @@ from hps_service.errors import (
     HPSError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
+from hps_service.fleet.registry_log import ModelRegistrations
+from hps_service.server.audit import AuditLog
+from hps_service.server.auth import Authenticator
+from hps_service.server.docs import add_offline_docs
+from hps_service.server.gatekeeper import Gatekeeper, caller_of
 from hps_service.server.grpc_service import ServingGate, status_for
 from hps_service.server.jobs import JobRunner, import_job, persistent_rocksdb
 from hps_service.server.metrics import ServerMetrics
+from hps_service.server.probes import Readiness, ReadinessCheck, add_probe_routes
+from hps_service.server.problems import PROBLEM_JSON
+from hps_service.server.problems import problem as _error
+from hps_service.server.rest_access import BodyLimits
+from hps_service.server.rest_bodies import (
+    ImportRequest,
+    PurgeTombstonesRequest,
+    Wait,
+    body_schema,
+    json_body,
+    rows_bodies,
+)
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.sharding import ShardMap, WrongShardError
 
-log = logging.getLogger(__name__)
+__all__ = ["PROBLEM_JSON", "AdminContext", "ReadinessCheck", "SwitchableApp", "create_app", "create_starting_app"]
 
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
-#: A readiness check: None when ready, else a short reason naming what is not.
-ReadinessCheck = Callable[[], "str | None"]
-#: What is not ready (empty when ready), and extra details for the /readyz body (e.g. bootstrap progress).
-Readiness = Callable[[], "tuple[list[str], dict[str, Any]]"]
+log = logging.getLogger(__name__)
 
 _HTTP_STATUS: dict[type[HPSError], int] = {
     # first match wins: a key of another shard is a request for another server (Misdirected Request)
     WrongShardError: status.HTTP_421_MISDIRECTED_REQUEST,
     FailedPreconditionError: status.HTTP_409_CONFLICT,
+    UnauthenticatedError: status.HTTP_401_UNAUTHORIZED,
+    PermissionDeniedError: status.HTTP_403_FORBIDDEN,
     InvalidArgumentError: status.HTTP_400_BAD_REQUEST,
     NotFoundError: status.HTTP_404_NOT_FOUND,
     ResourceExhaustedError: 413,
@@ -89,11 +105,10 @@ class AdminContext:
     snapshots: SnapshotStore | Any
     #: What /readyz reports: the reasons the server is not ready and details (HPSServer.readiness).
     readiness: Readiness
+    #: Registers and unloads models (through the registration log in a fleet), keeping health and the consumer in step.
+    registrations: ModelRegistrations
     #: Extra sections of /v1/stats, e.g. ``{"updates": consumer.stats}``.
     stats_sections: dict[str, Callable[[], dict]] = field(default_factory=dict)
-    #: Called after a model is registered or unloaded (keeps gRPC health, the consumer and stored registrations
-    #: in sync).
-    on_models_changed: Callable[[], None] = lambda: None
     #: The keys this server answers; others are refused with 421 naming their shard.
     shard_map: ShardMap = field(default_factory=ShardMap)
     #: GET /v1/cluster (the fields of hps.v1.ClusterInfo); None: built from shard_map and readiness.
@@ -101,55 +116,6 @@ class AdminContext:
 
     #: With Kafka updates on: admin row writes go to the update topic (fleet.admin_writes.LogWriter).
     log_writer: Callable[[], Any] = lambda: None
-
-
-# ---- request bodies ------------------------------------------------------------------------------------
-class RowsPut(BaseModel):
-    """Rows to upsert: ``vectors[i]`` is the row of ``keys[i]``; a stored row with a newer version is kept."""
-
-    keys: list[Int64]
-    vectors: list[list[float]]
-    version: Int64 = 0
-
-
-class KeysBody(BaseModel):
-    keys: list[Int64]
-    version: Int64 | None = Field(
-        None, ge=0, description="with Kafka updates on: the tombstone version (default: the version this replica "
-        "holds for each key); without, deletes forget the keys whatever their version")
-
-
-#: ``?wait=applied`` also waits until this replica applied a write published to the update topic.
-Wait = Annotated[Literal["acknowledged", "applied"], Query(
-    description="with Kafka updates on, answer once the broker acknowledged the write (default) or once this "
-    "replica also applied it")]
-
-
-class LookupBody(BaseModel):
-    """Keys to look up, in the order the rows are wanted (duplicates allowed), up to server.max_batch_keys."""
-
-    keys: list[Int64] = Field(description="int64 keys", examples=[[1, 2, 3]])
-
-
-class PurgeTombstonesRequest(BaseModel):
-    below_version: int = Field(ge=0, le=2**63 - 1, description="tombstones older than this version are removed; it "
-                                                                "must be older than any update the log can still deliver")
-
-
-class ImportRequest(BaseModel):
-    path: str = Field(description="server-side HugeCTR sparse model directory or .npz with keys/vectors")
-    version: Int64 = 0
-
-
-PROBLEM_JSON = "application/problem+json"
-
-
-def _error(code: int, message: str, headers: dict[str, str] | None = None, **extra: Any) -> JSONResponse:
-    """An RFC 9457 problem (``type``, ``title``, ``status``, ``detail``) that also keeps ``error`` for callers
-    written against the earlier ``{"error": message}`` body; ``extra`` adds extension members."""
-    body = {"type": "about:blank", "title": HTTPStatus(code).phrase, "status": code, "detail": message,
-            "error": message, **extra}
-    return JSONResponse(body, status_code=code, headers=headers, media_type=PROBLEM_JSON)
 
 
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
@@ -191,80 +157,11 @@ def describe_model(engine: LookupEngine, name: str) -> dict[str, Any]:
     return {"name": mc.name, "tables": tables}
 
 
-class BodySizeLimit:
-    """ASGI middleware: a request body over ``max_bytes`` gets 413 before the endpoint sees it (declared by
-    Content-Length or counted while reading a chunked body), so one request cannot hold unbounded memory."""
-
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._too_large(send, int(declared))
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                await self.app(scope, _replay([message]), send)
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._too_large(send, size)
-                return
-            if not message.get("more_body", False):
-                break
-        body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        await self.app(scope, _replay([body], receive), send)
-
-    async def _too_large(self, send: Callable, size: int) -> None:
-        response = _error(413, f"request body of {size} bytes exceeds server.max_body_bytes={self.max_bytes}")
-        await send({"type": "http.response.start", "status": 413, "headers": response.raw_headers})
-        await send({"type": "http.response.body", "body": response.body})
-
-
-def _replay(messages: list[dict], then: Callable | None = None) -> Callable:
-    """An ASGI receive() that returns ``messages`` first, then defers to ``then`` (e.g. to see a disconnect)."""
-    pending = list(messages)
-
-    async def receive() -> dict:
-        if pending:
-            return pending.pop(0)
-        if then is not None:
-            return await then()
-        return {"type": "http.disconnect"}
-
-    return receive
-
-
-def readiness_response(readiness: Readiness, models: list[str]) -> JSONResponse:
-    """The /readyz answer: 200 with the models, or 503 naming what is not ready (and details such as bootstrap
-    progress)."""
-    not_ready, details = readiness()
-    if not_ready:
-        return _error(503, "not ready: " + "; ".join(not_ready), ready=False, not_ready=not_ready, **details)
-    return JSONResponse({"ready": True, "models": models, **details})
-
-
 def create_starting_app(readiness: Readiness) -> FastAPI:
     """What the REST port answers while the server starts (a bootstrap may take minutes): liveness, and readiness
     with its progress; every other path 503."""
     app = FastAPI(title="hps-service admin API (starting)", docs_url=None, redoc_url=None, openapi_url=None)
-
-    @app.get("/healthz")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    def readyz() -> JSONResponse:
-        return readiness_response(readiness, [])
+    add_probe_routes(app, readiness, list)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
     def starting(path: str) -> JSONResponse:
@@ -291,17 +188,26 @@ def create_app(ctx: AdminContext) -> FastAPI:
         version="1",
         description="Models, rows, import, snapshots, stats and cache control of one hps-service process. "
         "Mutating endpoints need `Authorization: Bearer <admin token>`.",
+        docs_url=None, redoc_url=None,  # served from packaged assets (offline clusters): hps_service.server.docs
     )
-    app.add_middleware(BodySizeLimit, max_bytes=ctx.config.server.max_body_bytes)
+    add_offline_docs(app)
+    cfg = ctx.config.server
+    auth = Authenticator(cfg)
+
+    def dim_of(model: str, table: str) -> int | None:
+        try:
+            return engine.table(model, table).dim
+        except HPSError:
+            return None
+
+    app.add_middleware(Gatekeeper, router=app.router, auth=auth, audit=AuditLog(cfg.audit_log),
+                       limits=BodyLimits(cfg.max_batch_keys, cfg.max_body_bytes, dim_of),
+                       internal_on=cfg.expose_internal_on)
+    bodies = rows_bodies(cfg.max_batch_keys)
 
     def require_admin(credentials: AdminCredentials) -> None:
-        token = ctx.config.server.admin_token
-        if token is None:
-            raise HTTPException(403, "the admin API is disabled: set server.admin_token or HPS_ADMIN_TOKEN")
-        if credentials is None:
-            raise HTTPException(401, "missing 'Authorization: Bearer <admin token>'", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(credentials.credentials.encode(), token.get_secret_value().encode()):
-            raise HTTPException(403, "invalid admin token")
+        """The gatekeeper has checked the token; checked again here, so no admin route runs without it."""
+        auth.admin(credentials.credentials if credentials is not None else None)
 
     admin = [Depends(require_admin)]
 
@@ -327,14 +233,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return _error(500, "internal error; see the server log")
 
     # ---- health -----------------------------------------------------------------------------------
-    @app.get("/healthz", tags=["health"], summary="Liveness: the process answers")
-    def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz", tags=["health"], summary="Readiness: caught up with the update log, tiers reachable, models "
-             "loaded", responses={503: {"description": "not ready; `not_ready` names what"}})
-    def readyz() -> JSONResponse:
-        return readiness_response(ctx.readiness, [m.name for m in engine.models()])
+    add_probe_routes(app, ctx.readiness, lambda: [m.name for m in engine.models()])
 
     @app.get("/v1/cluster", tags=["health"], summary="Shard map: shards, this shard, partitions per topic, readiness")
     def cluster() -> dict[str, Any]:
@@ -351,17 +250,18 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # ---- models -----------------------------------------------------------------------------------
-    @app.get("/v1/models", tags=["models"], summary="Loaded models")
-    def list_models() -> dict[str, Any]:
-        return {"models": [describe_model(engine, m.name) for m in engine.models()]}
+    @app.get("/v1/models", tags=["models"], summary="Loaded models (those the caller may read)")
+    def list_models(request: Request) -> dict[str, Any]:
+        caller = caller_of(request.state)
+        return {"models": [describe_model(engine, m.name) for m in engine.models()
+                           if caller is None or caller.may_read(m.name)]}
 
     @app.post("/v1/models", tags=["models"], status_code=201, dependencies=admin,
               summary="Register a model and its tables at runtime")
     def register_model(model: ModelConfig, replace: bool = False) -> dict[str, Any]:
         if not replace and any(m.name == model.name for m in engine.models()):
             raise HTTPException(409, f"model '{model.name}' is already loaded (pass replace=true to replace it)")
-        engine.register_model(model)
-        ctx.on_models_changed()
+        ctx.registrations.register(model)
         return describe_model(engine, model.name)
 
     @app.get("/v1/models/{model}", tags=["models"], summary="Describe a model: tables, dims, rows per tier")
@@ -371,8 +271,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.delete("/v1/models/{model}", tags=["models"], dependencies=admin,
                 summary="Unload a model (its rows stay stored)")
     def unload_model(model: str) -> dict[str, str]:
-        engine.unregister_model(model)
-        ctx.on_models_changed()
+        ctx.registrations.unload(model)
         return {"unloaded": model}
 
     # ---- rows -------------------------------------------------------------------------------------
@@ -409,12 +308,15 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return rows_of("RestGetEmbeddings", model, table, lambda: parse_keys(keys))
 
     @app.post(rows_path + ":lookup", tags=["rows"], response_class=Response, responses=lookup_responses,
-              summary="Rows of many keys (JSON body, up to server.max_batch_keys), and which level answered each")
-    def lookup_rows(model: str, table: str, body: LookupBody) -> Response:
+              summary="Rows of many keys (JSON body, up to server.max_batch_keys), and which level answered each",
+              openapi_extra=body_schema(bodies.lookup))
+    def lookup_rows(model: str, table: str, body: Any = json_body(bodies.lookup, cfg.max_batch_keys)) -> Response:
         return rows_of("RestLookupEmbeddings", model, table, lambda: np.array(body.keys, dtype=np.int64))
 
-    @app.put(rows_path, tags=["rows"], dependencies=admin, summary="Upsert rows (dim checked, NaN/inf rejected)")
-    def put_rows(model: str, table: str, body: RowsPut, wait: Wait = "acknowledged") -> dict[str, Any]:
+    @app.put(rows_path, tags=["rows"], dependencies=admin, summary="Upsert rows (dim checked, NaN/inf rejected)",
+             openapi_extra=body_schema(bodies.put))
+    def put_rows(model: str, table: str, body: Any = json_body(bodies.put, cfg.max_batch_keys),
+                 wait: Wait = "acknowledged") -> dict[str, Any]:
         n = len(body.keys)
         if n > ctx.config.server.max_batch_keys:
             raise ResourceExhaustedError(f"{n} rows exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
@@ -432,8 +334,10 @@ def create_app(ctx: AdminContext) -> FastAPI:
             return writer.put(model, table, keys, vectors, body.version, wait_applied=wait == "applied")
         return {"written": engine.apply_updates(model, table, keys, vectors, body.version)}
 
-    @app.delete(rows_path, tags=["rows"], dependencies=admin, summary="Delete rows from every tier")
-    def delete_rows(model: str, table: str, body: KeysBody, wait: Wait = "acknowledged") -> dict[str, Any]:
+    @app.delete(rows_path, tags=["rows"], dependencies=admin, summary="Delete rows from every tier",
+                openapi_extra=body_schema(bodies.delete))
+    def delete_rows(model: str, table: str, body: Any = json_body(bodies.delete, cfg.max_batch_keys),
+                    wait: Wait = "acknowledged") -> dict[str, Any]:
         if len(body.keys) > ctx.config.server.max_batch_keys:
             raise ResourceExhaustedError(
                 f"{len(body.keys)} keys exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
@@ -463,6 +367,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         engine.table(model, table)
         target = {"model": model, "table": table, "below_version": body.below_version}
         if (writer := ctx.log_writer()) is not None:
+            writer.check_admin_messages()  # refused now, not in the job: replicas would drop it unsigned
             job = ctx.jobs.submit("purge_tombstones", target, lambda job: writer.purge_tombstones(
                 model, table, body.below_version, wait_applied=wait == "applied"))
         else:

@@ -19,6 +19,7 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -118,8 +119,10 @@ class SnapshotStore:
                 )
         return meta
 
-    def restore(self, model: str, snapshot_id: str, job: Job) -> dict[str, Any]:
-        """Make the model's tables hold exactly the snapshot's rows (see the module docstring for the limits)."""
+    def restore(self, model: str, snapshot_id: str, job: Job,
+                keys: Callable[[np.ndarray], np.ndarray] | None = None) -> dict[str, Any]:
+        """Make the model's tables hold exactly the snapshot's rows (see the module docstring for the limits); with
+        ``keys`` (a mask of the keys to restore) only those keys' rows, the others left as they are."""
         meta = self.check_restorable(model, snapshot_id)
         live = persistent_rocksdb(self.engine, "restore")
         job.rows_total = int(sum(info["rows"] for info in meta["tables"].values()))
@@ -130,6 +133,8 @@ class SnapshotStore:
             for name in meta["tables"]:
                 tid = table_id(model, name)
                 snap_keys = src.scan_keys(tid, src.count(tid)) if tid in held else np.zeros(0, dtype=np.int64)
+                if keys is not None:
+                    snap_keys = snap_keys[keys(snap_keys)]
                 for start in range(0, snap_keys.shape[0], RESTORE_CHUNK):
                     chunk = snap_keys[start : start + RESTORE_CHUNK]
                     rows = src.get(tid, chunk)
@@ -142,6 +147,8 @@ class SnapshotStore:
                     self.engine.apply_updates(model, name, chunk, rows.vectors, rows.versions)
                     job.rows_done += int(chunk.shape[0])
                 live_keys = live.scan_keys(tid, live.count(tid) + RESTORE_CHUNK)
+                if keys is not None:
+                    live_keys = live_keys[keys(live_keys)]
                 extra = live_keys[~np.isin(live_keys, snap_keys)]
                 for start in range(0, extra.shape[0], RESTORE_CHUNK):
                     self.engine.apply_deletes(model, name, extra[start : start + RESTORE_CHUNK])

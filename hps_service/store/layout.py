@@ -15,6 +15,8 @@ import shutil
 import time
 from pathlib import Path
 
+from hps_service.store.permissions import StoreAccess
+
 #: Header fields (int64): magic, layout version, generation id, state, manifest generation, owner pid, and the
 #: owner's RocksDB announcements to its workers' secondary instances (:mod:`hps_service.store.l3_events`).
 H_MAGIC, H_LAYOUT, H_GENERATION, H_STATE, H_MANIFEST, H_OWNER_PID = 0, 1, 2, 3, 4, 5
@@ -45,15 +47,14 @@ def new_generation_id() -> int:
     return (time.time_ns() ^ (os.getpid() << 40)) & ((1 << 62) - 1) or 1
 
 
-def make_generation(root: Path, generation: int, dir_mode: int, file_mode: int) -> tuple[Path, int]:
+def make_generation(root: Path, generation: int, access: StoreAccess) -> tuple[Path, int]:
     """Create the directory of a new generation with its owner lock held; returns (directory, lock fd: closing it
     releases the lock). Built under a hidden name and renamed into place, so a sweep of dead generations never
     sees it before its lock is held."""
     building = root / f".new-{generation:016x}"
-    building.mkdir(mode=dir_mode)
-    os.chmod(building, dir_mode)
-    fd = os.open(building / LOCK, os.O_RDWR | os.O_CREAT, file_mode)
-    os.fchmod(fd, file_mode)
+    access.make_dirs(building)
+    fd = os.open(building / LOCK, os.O_RDWR | os.O_CREAT, access.file_mode)
+    access.apply_fd(fd, building / LOCK)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     final = generation_dir(root, generation)
     os.rename(building, final)

@@ -27,6 +27,7 @@ import numpy as np
 from hps_service.store import layout
 from hps_service.store.changes import RING_KEYS, ChangeRing
 from hps_service.store.counters import REQ_FIELDS, TABLE_FIELDS, THREAD_ROWS
+from hps_service.store.permissions import PRIVATE, StoreAccess
 from hps_service.store.queue import CTRL_LEN as QUEUE_CTRL_LEN
 from hps_service.store.queue import Ring
 from hps_service.store.region import NamedAllocator, Region, array_spec
@@ -39,12 +40,23 @@ TABLE_CTRL_LEN = 24
 #: Bytes of each worker's queue to the owner.
 QUEUE_BYTES = 8 << 20
 #: Worker status fields (int64, one 64-byte row per worker): its pid, its state, how often it was started; as the
-#: worker last reported them: its RocksDB secondary's memtable and block-cache bytes, and the admission records it
-#: dropped because its queue to the owner was full.
+#: worker last reported them: its RocksDB secondary's memtable and block-cache bytes, the admission records it
+#: dropped because its queue to the owner was full, and the manifest generation it serves (models and tables).
 W_PID, W_STATE, W_STARTS, W_MEMTABLE_BYTES, W_BLOCK_CACHE_BYTES, W_ADMISSIONS_DROPPED = 0, 1, 2, 3, 4, 5
+W_MANIFEST = 6
 W_FIELDS = 8
 #: Worker states.
 W_NONE, W_STARTING, W_READY, W_FAILED, W_STOPPED = 0, 1, 2, 3, 4
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
 
 
 @dataclass
@@ -62,25 +74,24 @@ class NodeStore:
     """One generation of the store, created and written by the owner."""
 
     def __init__(self, root: Path, *, private: bool, processes: int, workers: int,
-                 queue_bytes: int = QUEUE_BYTES, ring_keys: int = RING_KEYS) -> None:
+                 queue_bytes: int = QUEUE_BYTES, ring_keys: int = RING_KEYS, access: StoreAccess = PRIVATE) -> None:
         """``processes``: rows of the counter arrays (the owner is 0, worker ``i`` is ``i + 1``); ``ring_keys``: slots
-        of each table's change ring."""
+        of each table's change ring; ``access``: who may read the store beside the server's user (a private store is
+        the server's alone)."""
         self.ring_keys = ring_keys
         self.private = private
-        self.file_mode = 0o600 if private else 0o640
-        self.dir_mode = Region.dir_mode(self.file_mode)
+        self.access = access = PRIVATE if private else access
         root = Path(root)
         if private:
             layout.remove_dead_private_roots(root)
             root = root / f"{layout.PRIVATE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-            root.mkdir(mode=self.dir_mode)
-        else:
-            root.mkdir(parents=True, exist_ok=True)
-        os.chmod(root, self.dir_mode)
+            root.mkdir(mode=access.dir_mode)
+        access.make_dirs(root)
+        access.apply(root, access.dir_mode)
         self.root = root
         self.generation = layout.new_generation_id()
-        self.path, self._lock_fd = layout.make_generation(root, self.generation, self.dir_mode, self.file_mode)
-        self.region = Region(self.path, writable=True, mode=self.file_mode)
+        self.path, self._lock_fd = layout.make_generation(root, self.generation, access)
+        self.region = Region(self.path, writable=True, access=access)
         self.header = self.region.create(layout.HEADER, (layout.HEADER_LEN,), np.int64)
         self.header[layout.H_MAGIC] = layout.MAGIC
         self.header[layout.H_LAYOUT] = layout.LAYOUT_VERSION
@@ -181,11 +192,18 @@ class NodeStore:
     def write_json(self, name: str, data: Any) -> None:
         """Replace the small JSON file ``name`` of this generation whole (readers see the old or the new one)."""
         tmp = self.path / f".{name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.file_mode)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.access.file_mode)
         with os.fdopen(fd, "w") as f:
-            os.fchmod(f.fileno(), self.file_mode)
+            self.access.apply_fd(f.fileno(), tmp)
             json.dump(data, f)
         os.replace(tmp, self.path / name)
+
+    def workers_behind(self, count: int) -> list[int]:
+        """The ready workers (of the first ``count``) that do not serve the manifest published last yet."""
+        published = int(self.header[layout.H_MANIFEST])
+        rows = self.workers[:count]
+        return [i for i in range(count) if rows[i, W_STATE] == W_READY and rows[i, W_MANIFEST] < published
+                and _alive(int(rows[i, W_PID]))]
 
     def table_slots(self) -> dict[int, TableSlot]:
         with self._lock:

@@ -3,8 +3,8 @@
 The owner creates each array as a file (zero-filled and sparse: tmpfs backs a page only once it is written,
 so a table's capacity is address space, not memory) and maps it shared and writable; workers map the same
 files shared and writable (they write only their own counters and queues); colocated readers map them read-only.
-A file's permission bits decide who may map it: the owner's user writes, its group (the pod's inference
-containers) reads, nobody else gets in.
+A file's permission bits decide who may map it (:mod:`hps_service.store.permissions`): the owner's user writes,
+its colocated readers' group (``server.local.group``) reads, nobody else gets in.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from hps_service.errors import ResourceExhaustedError, UnavailableError
+from hps_service.store.permissions import PRIVATE, StoreAccess
 
 #: ``alloc(name, shape, dtype) -> zeroed array``: where a data structure puts one of its arrays.
 NamedAllocator = Callable[[str, tuple[int, ...], Any], np.ndarray]
@@ -43,23 +44,14 @@ def anonymous(_name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
 
 
 class Region:
-    """A directory of array files; ``mode`` is given to every file it creates (directories get the matching x bits)."""
+    """A directory of array files, each file and directory it creates made with ``access``'s modes and group."""
 
-    def __init__(self, path: Path, *, writable: bool, mode: int = 0o600) -> None:
+    def __init__(self, path: Path, *, writable: bool, access: StoreAccess = PRIVATE) -> None:
         self.path = Path(path)
         self.writable = writable
-        self.mode = mode
+        self.access = access
         #: Bytes of every array file created here (sparse: memory is used only as pages are written).
         self.reserved = 0
-
-    @staticmethod
-    def dir_mode(file_mode: int) -> int:
-        """Directory bits for files of ``file_mode``: whoever may read a file may also enter its directory."""
-        return file_mode | ((file_mode & 0o444) >> 2)
-
-    def make_dir(self, path: Path) -> None:
-        path.mkdir(parents=True, exist_ok=True)
-        os.chmod(path, self.dir_mode(self.mode))
 
     def create(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """A new zero-filled array file ``name`` (relative, ``/`` makes subdirectories), mapped writable."""
@@ -67,10 +59,10 @@ class Region:
         count = int(np.prod(shape, dtype=np.int64))
         nbytes = max(1, count * dtype.itemsize)
         path = self.path / name
-        self.make_dir(path.parent)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.mode)
+        self.access.make_dirs(path.parent)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.access.file_mode)
         try:
-            os.fchmod(fd, self.mode)  # whatever the umask
+            self.access.apply_fd(fd, path)  # whatever the umask
             try:
                 os.ftruncate(fd, nbytes)
                 region = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _MAP_NORESERVE)

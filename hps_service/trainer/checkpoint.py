@@ -2,7 +2,7 @@
 
 ``dense.pt`` (rank 0): the tower's weights and buffers (the expert bias among them), Adam and its schedule, the loss
 scaler. ``tables-rank<r>.safetensors``: the rows rank r owns with their Adagrad accumulators, last-use steps and
-publish flags. ``meta.json``: step, generation, data position, world size, table dims. A checkpoint is written in a
+publish flags, and its admission sketch. ``meta.json``: step, generation, data position, world size, table dims. A checkpoint is written in a
 hidden directory and renamed when complete, so a crash mid-write leaves the previous one as the newest. Loading
 reads every shard and keeps the rows the loading rank owns, so a run may resume on another number of processes.
 """
@@ -41,11 +41,15 @@ def staging_dir(directory: Path, step: int) -> Path:
     return directory / f".{checkpoint_name(step)}.partial"
 
 
-def write_tables(path: Path, rank: int, tables: Mapping[str, EmbeddingTable]) -> None:
-    """This rank's rows of every table, in one safetensors file."""
+def write_tables(
+    path: Path, rank: int, tables: Mapping[str, EmbeddingTable],
+    unacknowledged: Callable[[str], tuple[np.ndarray, np.ndarray]] | None = None,
+) -> None:
+    """This rank's rows of every table, in one safetensors file; ``unacknowledged(table)``: (keys, delete keys)
+    handed to a publish not yet acknowledged, stored as still to publish."""
     arrays: dict[str, np.ndarray] = {}
     for name, table in tables.items():
-        for field, arr in table.state().items():
+        for field, arr in table.state(unacknowledged(name) if unacknowledged else None).items():
             arrays[f"{name}/{field}"] = np.ascontiguousarray(arr)
     save_file(arrays, str(path / f"tables-rank{rank}.safetensors"))
 
@@ -91,6 +95,7 @@ def load_tables(
             if name in merged:
                 merged[name].setdefault(field, []).append(arr)
     for name, table in tables.items():
+        sketches = merged[name].pop("sketch", [])  # one per rank, of disjoint keys: they add up
         fields = {f: np.concatenate(parts) for f, parts in merged[name].items()}
         if "keys" not in fields:
             raise InvalidArgumentError(f"checkpoint {path} has no rows for table {name!r}")
@@ -98,4 +103,5 @@ def load_tables(
         state = {f: v[mask] for f, v in fields.items() if f != "deletes"}
         deletes = fields.get("deletes", np.zeros(0, dtype=np.int64))
         state["deletes"] = deletes[owns(deletes)] if owns is not None and deletes.size else deletes
+        state["sketches"] = sketches
         table.load_state(state)

@@ -7,6 +7,7 @@ gloo on the CPU, nccl on GPUs. Torch is imported only when a command runs, so th
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import typer
@@ -19,7 +20,33 @@ from hps_service.errors import HPSError, InvalidArgumentError
 CONFIG_OPTION = typer.Option(..., "--config", "-c", help="hps config YAML: the model's tables (names, dims) and "
                              "updates.brokers / updates.topic_prefix for publishing.")
 METRICS_OPTION = typer.Option(Path("var/train-metrics.json"), "--metrics-out", help="Where to write the metrics JSON.")
-DATA_OPTION = typer.Option(None, "--data", help="Training data file or directory (repeatable); Criteo TSV or Parquet.")
+DATA_OPTION = typer.Option(None, "--data", help="Training data (repeatable): Criteo TSV or Parquet files or "
+                           "directories, read once; dir:///path (with --follow: files trained as they land); or "
+                           "kafka://host:port/topic (Criteo lines or a Parquet batch per message, until stopped).")
+
+
+def _widths(text: str | None, option: str) -> tuple[int, ...] | None:
+    """``512,256,64`` -> (512, 256, 64)."""
+    if text is None:
+        return None
+    try:
+        widths = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise InvalidArgumentError(f"{option} takes comma-separated layer widths, e.g. 512,256,64; got {text!r}") from None
+    if not widths or min(widths) < 1:
+        raise InvalidArgumentError(f"{option}: every width must be >= 1, got {text!r}")
+    return widths
+
+
+def _holdout_last(text: str | None) -> int:
+    """``last:N`` -> N; ``none`` or nothing -> 0."""
+    if text is None or text == "none":
+        return 0
+    kind, _, count = text.partition(":")
+    if kind != "last" or not count.isdigit() or int(count) < 2:
+        raise InvalidArgumentError(f"--holdout takes last:N (N >= 2, the newest N rows of the data) or none, "
+                                   f"not {text!r}")
+    return int(count)
 
 
 def _data_format(data_format: str | None, data: list[str] | None) -> str:
@@ -27,7 +54,9 @@ def _data_format(data_format: str | None, data: list[str] | None) -> str:
         return data_format
     if not data:
         return "synthetic"
-    return "parquet" if all(str(p).endswith((".parquet", ".pq")) for p in data) else "criteo"
+    if all(str(p).endswith((".parquet", ".pq")) for p in data):
+        return "parquet"
+    return "criteo"
 
 
 def _init_distributed(device: str) -> str:
@@ -52,17 +81,39 @@ def _init_distributed(device: str) -> str:
 def train_command(
     config: Path = CONFIG_OPTION,
     steps: int | None = typer.Option(None, "--steps", min=1, help="Training steps (one global batch each); "
-                                     "default: 1000 on synthetic data, one pass over files."),
+                                     "default: 1000 on synthetic data, one pass over files, until stopped (SIGTERM) "
+                                     "on a stream. Given, the dense learning rate decays over them after warm-up."),
     model: str | None = typer.Option(None, "--model", "-m", help="Model to train; default: the config's first."),
     batch_size: int = typer.Option(1024, "--batch-size", min=1, help="Samples per step, over all processes."),
     data: list[str] | None = DATA_OPTION,
     data_format: str | None = typer.Option(None, "--data-format", help="synthetic, criteo (TSV) or parquet; "
                                            "default: synthetic without --data, else from the file names."),
-    eval_data: list[str] | None = typer.Option(None, "--eval-data", help="Held-out file(s); default: the first "
-                                               "--holdout-size rows of --data are held out."),
-    holdout_size: int = typer.Option(20000, "--holdout-size", min=2, help="Held-out samples per evaluation."),
+    follow: bool = typer.Option(False, "--follow", help="With --data dir:///path: keep training on files as they "
+                                "land (name order), until stopped."),
+    holdout: str | None = typer.Option(None, "--holdout", help="last:N: hold out the newest N rows of the files "
+                                       "(never trained) and evaluate on them; default: none (progressive "
+                                       "validation only)."),
+    eval_data: list[str] | None = typer.Option(None, "--eval-data", help="Held-out file(s), instead of --holdout."),
+    holdout_size: int = typer.Option(20000, "--holdout-size", min=2, help="Synthetic data: held-out samples per "
+                                     "evaluation (and --eval-data rows read)."),
+    progressive_window: int = typer.Option(100_000, "--progressive-window", min=2, help="Samples of the rolling "
+                                           "progressive AUC and log-loss (each scored before training on it)."),
+    kafka_group: str | None = typer.Option(None, "--kafka-group", help="kafka:// source: the consumer group its "
+                                           "offsets are committed to after each checkpoint (default "
+                                           "hps-trainer.<model>)."),
     max_rows_per_table: int = typer.Option(10_000_000, "--max-rows-per-table", min=1, help="Rows a table holds in "
                                            "one process; the coldest are evicted (published as deletes)."),
+    admit_after: int = typer.Option(1, "--admit-after", min=1, max=65535, help="An id gets a trained, published "
+                                    "row once seen this many times (count-min sketch); until then the default."),
+    expire_after_steps: int | None = typer.Option(None, "--expire-after-steps", min=1, help="Evict rows unused "
+                                                  "for this many steps (published as deletes)."),
+    bottom_mlp: str | None = typer.Option(None, "--bottom-mlp", help="Bottom MLP widths, e.g. 512,256,64; the "
+                                          "last is the interaction width (default: 32,<widest table dim>)."),
+    top_mlp: str | None = typer.Option(None, "--top-mlp", help="Top MLP hidden widths, e.g. 512,256 (default "
+                                       "64,32)."),
+    interaction: str = typer.Option("dot", "--interaction", help="dot (DLRM pairwise dots) or dcn (DCN-v2 cross "
+                                    "layers)."),
+    dcn_layers: int = typer.Option(2, "--dcn-layers", min=1, help="Cross layers of --interaction dcn."),
     cardinality: int = typer.Option(1000, "--cardinality", min=1, help="Synthetic data: ids per table."),
     num_dense: int = typer.Option(4, "--num-dense", min=1, help="Synthetic data: dense features per sample."),
     experts: int = typer.Option(4, "--experts", min=0, help="Routed experts of the MoE block; 0: no MoE block."),
@@ -93,6 +144,9 @@ def train_command(
     embedding_optimizer: str = typer.Option("adagrad", "--embedding-optimizer", help="adagrad (row-wise) or sgd."),
     embedding_lr: float = typer.Option(0.2, "--embedding-lr", help="Learning rate of the embedding tables."),
     dense_lr: float = typer.Option(1e-2, "--dense-lr", help="Adam learning rate of the dense part."),
+    warmup_steps: int = typer.Option(0, "--warmup-steps", min=0, help="Steps of linear warm-up of the dense "
+                                     "learning rate (default none); then constant, decaying only when --steps is "
+                                     "given."),
     device: str = typer.Option("auto", "--device", help="auto, cpu or cuda."),
     precision: str = typer.Option("fp32", "--precision", help="fp32, bf16 or fp16 (autocast for the dense part)."),
     publish: bool = typer.Option(True, "--publish/--no-publish", help="Publish changed rows to Kafka "
@@ -137,6 +191,7 @@ def train_command(
     if threads:
         torch.set_num_threads(threads)
     publisher = None
+    source = None
     rank = 0
     try:
         device = _init_distributed(device)
@@ -158,7 +213,10 @@ def train_command(
             "num_groups": num_groups, "group_topk": group_topk, "topk_scaling_factor": topk_scaling_factor,
         }
         spec = RunSpec(
-            data_format=fmt, data=tuple(data or ()), eval_data=tuple(eval_data or ()), holdout_rows=holdout_size,
+            data_format=fmt, data=tuple(data or ()), eval_data=tuple(eval_data or ()),
+            holdout_last=_holdout_last(holdout), follow=follow, kafka_group=kafka_group,
+            bottom_mlp=_widths(bottom_mlp, "--bottom-mlp"), top_mlp=_widths(top_mlp, "--top-mlp"),
+            interaction=interaction, dcn_layers=dcn_layers,
             cardinality=cardinality, num_dense=num_dense, experts=experts, top_k=top_k,
             expert_ffn_hidden=expert_hidden, shared_expert_hidden=shared_expert_hidden, moe=moe,
             max_rows_per_table=max_rows_per_table, seed=seed, drift_step=drift_step,
@@ -177,7 +235,8 @@ def train_command(
             publish_every_s=publish_every_s, eval_every=eval_every, holdout_size=holdout_size,
             generation=generation, progress=progress, device=device, precision=precision,  # type: ignore[arg-type]
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, export_dir=export_dir,
-            export_every=export_every,
+            export_every=export_every, warmup_steps=warmup_steps, progressive_window=progressive_window,
+            admit_after=admit_after, expire_after_steps=expire_after_steps,
         )
         target = brokers or (cfg.updates.brokers if cfg.updates.type == "kafka" else None)
         if publish and target:
@@ -187,8 +246,14 @@ def train_command(
                                   partitions=cfg.cluster.partitions, **cfg.updates.kafka_config)
         elif publish and rank == 0:
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
-        metrics = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,
-                          partitions=cfg.cluster.partitions).run(metrics_out)
+        trainer = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,
+                          partitions=cfg.cluster.partitions)
+        # SIGTERM: finish the step, publish, checkpoint (committing a Kafka source's offsets after it), exit 0
+        previous = signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop())
+        try:
+            metrics = trainer.run(metrics_out)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
         if dist.is_initialized():
             # every rank done before any tears its process group down: a rank that destroys it while another is
             # still in its last collective makes gloo abort that one ("terminate called without an active exception")
@@ -197,6 +262,8 @@ def train_command(
         console.print("[red]error:[/red] " + escape(str(exc)))
         raise typer.Exit(2) from None
     finally:
+        if source is not None:
+            source.close()
         if publisher is not None:
             publisher.close()
         if dist.is_initialized():
@@ -206,8 +273,13 @@ def train_command(
     final = metrics["final"]
     oracle = f" (oracle {final['oracle_auc']:.4f})" if final["oracle_auc"] is not None else ""
     mfu = f", MFU {metrics['mfu']:.1%}" if metrics["mfu"] is not None else ""
+    overall = metrics["progressive"]["overall"]["auc"]
+    quality = (f"{final['kind']} AUC {final['auc']:.4f}{oracle}, log-loss {final['log_loss']:.4f}"
+               if final["auc"] is not None else "no AUC yet (too few samples)")
+    progressive = f", progressive AUC {overall:.4f}" if overall is not None else ""
+    stopped = " (stopped)" if metrics["stopped"] else ""
     console.print(
-        f"AUC {final['auc']:.4f}{oracle}, log-loss {final['log_loss']:.4f}, {metrics['samples_per_s']:,.0f} "
+        f"{metrics['steps']} steps{stopped}, {quality}{progressive}, {metrics['samples_per_s']:,.0f} "
         f"samples/s on {metrics['world_size']} process(es), {metrics['model_flops_per_s'] / 1e9:.2f} GFLOP/s{mfu}, "
         f"{metrics['publishing']['rows_published']:,} rows published; metrics in {metrics_out}"
     )

@@ -5,6 +5,7 @@ empty. Files are read block by block with pyarrow, never whole. Features become 
 training and for serving:
 
 - ``I<n>``: ``log(1 + max(x, 0))`` (as in Facebook's DLRM), an empty field is 0.
+- ``timestamp`` (Parquet only, optional): the event time, a timestamp or integer Unix seconds.
 - ``C<n>`` as text (TSV, Parquet strings): the key is the 64-bit FNV-1a hash of the value's UTF-8 bytes (offset
   basis 0xcbf29ce484222325, prime 0x100000001b3), read as a signed int64; an empty or null field hashes the empty
   string. ``C<n>`` as Parquet integers: the value is the key.
@@ -14,7 +15,6 @@ The sparse fields are the model's tables of the same names (a model may use a su
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +27,7 @@ from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.data import Batch
 
 LABEL = "label"
+TIME = "timestamp"  # optional: when the sample happened (progressive validation reports AUC per day)
 DENSE_FIELDS = tuple(f"I{i}" for i in range(1, 14))
 SPARSE_FIELDS = tuple(f"C{i}" for i in range(1, 27))
 COLUMNS = (LABEL, *DENSE_FIELDS, *SPARSE_FIELDS)
@@ -112,7 +113,18 @@ def encode(table: object, sparse_fields: Sequence[str], require_label: bool = Tr
     if n and not np.isin(labels, (0.0, 1.0)).all():
         raise InvalidArgumentError("labels must be 0 or 1")
     sparse = {name: _column_keys(table.column(name)).reshape(n, 1) for name in sparse_fields}
-    return Batch(dense=dense, sparse=sparse, labels=labels.astype(np.float32, copy=False))
+    return Batch(dense=dense, sparse=sparse, labels=labels.astype(np.float32, copy=False),
+                 time=_event_times(table) if TIME in names else None)
+
+
+def _event_times(table: object) -> np.ndarray:
+    """The optional ``timestamp`` column as int64 Unix seconds (a timestamp type, or integer seconds)."""
+    import pyarrow as pa
+
+    col = table.column(TIME)
+    if pa.types.is_timestamp(col.type):
+        col = col.cast(pa.timestamp("s", tz=col.type.tz))
+    return col.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
 
 
 def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
@@ -130,18 +142,22 @@ def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
     return out
 
 
-def _tsv_batches(path: Path, block_rows: int) -> Iterator[object]:
+def tsv_options(block_rows: int) -> tuple[object, object, object]:
+    """pyarrow csv (read, parse, convert) options of the Criteo TSV layout: no header, tabs, no quoting."""
     import pyarrow as pa
     from pyarrow import csv
 
     types = {LABEL: pa.int8(), **{c: pa.float64() for c in DENSE_FIELDS}, **{c: pa.string() for c in SPARSE_FIELDS}}
-    reader = csv.open_csv(
-        path,
-        read_options=csv.ReadOptions(column_names=list(COLUMNS), block_size=max(1 << 16, block_rows * 200)),
-        parse_options=csv.ParseOptions(delimiter="\t", quote_char=False),
-        convert_options=csv.ConvertOptions(column_types=types, strings_can_be_null=True),
-    )
-    yield from reader
+    return (csv.ReadOptions(column_names=list(COLUMNS), block_size=max(1 << 16, block_rows * 200)),
+            csv.ParseOptions(delimiter="\t", quote_char=False),
+            csv.ConvertOptions(column_types=types, strings_can_be_null=True))
+
+
+def _tsv_batches(path: Path, block_rows: int) -> Iterator[object]:
+    from pyarrow import csv
+
+    read, parse, convert = tsv_options(block_rows)
+    yield from csv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
 
 
 def _parquet_batches(path: Path, block_rows: int, columns: list[str]) -> Iterator[object]:
@@ -167,7 +183,8 @@ class CriteoFiles:
                 f"table(s) {unknown} are not Criteo categorical fields: name the model's tables C1..C26"
             )
 
-    def _record_batches(self, block_rows: int) -> Iterator[object]:
+    def record_batches(self, block_rows: int) -> Iterator[object]:
+        """pyarrow record batches of about ``block_rows`` rows, file after file, with the columns the model reads."""
         columns = [LABEL, *DENSE_FIELDS, *self.sparse_fields]
         for path in self.paths:
             try:
@@ -175,7 +192,10 @@ class CriteoFiles:
                     for rb in _tsv_batches(path, block_rows):
                         yield rb.select(columns)
                 else:
-                    yield from _parquet_batches(path, block_rows, columns)
+                    import pyarrow.parquet as pq
+
+                    timed = TIME in pq.read_schema(path).names
+                    yield from _parquet_batches(path, block_rows, [*columns, TIME] if timed else columns)
             except (OSError, ValueError) as exc:  # pyarrow's parse errors are ValueError subclasses
                 raise InvalidArgumentError(f"cannot read {path} as {self.file_format}: {exc}") from None
 
@@ -188,7 +208,7 @@ class CriteoFiles:
         pending: list[object] = []
         held = 0
         to_skip = skip_rows
-        for rb in self._record_batches(max(batch_size, 4096)):
+        for rb in self.record_batches(max(batch_size, 4096)):
             if to_skip:
                 if rb.num_rows <= to_skip:
                     to_skip -= rb.num_rows
@@ -215,11 +235,22 @@ class CriteoFiles:
         """The first ``rows`` rows as one batch (fewer if the files are shorter)."""
         return next(iter(self.batches(rows)))
 
-    def count_batches(self, batch_size: int, skip_rows: int = 0) -> int | None:
-        """Batches a pass holds, from Parquet metadata; None for TSV (unknown without reading it)."""
-        if self.file_format != "parquet":
-            return None
-        import pyarrow.parquet as pq
+    def count_rows(self, exact: bool = True) -> int | None:
+        """Rows the files hold: from Parquet metadata, or (``exact``) a pass counting TSV lines; else None."""
+        if self.file_format == "parquet":
+            import pyarrow.parquet as pq
 
-        rows = sum(pq.ParquetFile(p).metadata.num_rows for p in self.paths) - skip_rows
-        return max(0, math.ceil(rows / batch_size))
+            return sum(pq.ParquetFile(p).metadata.num_rows for p in self.paths)
+        if not exact:
+            return None
+        return sum(_count_lines(p) for p in self.paths)
+
+
+def _count_lines(path: Path) -> int:
+    """Lines of a text file (a last line without a newline counts), read in 8 MiB blocks."""
+    count, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 23):
+            count += block.count(b"\n")
+            last = block[-1:]
+    return count + (last != b"\n")

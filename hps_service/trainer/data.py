@@ -92,6 +92,7 @@ class Batch:
     prob: np.ndarray | None = None  # (B,) float64, the true click probability where it is known
     cluster: np.ndarray | None = None  # (B,) int64, the hidden cluster that scored the sample
     step: int = -1
+    time: np.ndarray | None = None  # (B,) int64 Unix seconds of each sample, where the data carries a time
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
@@ -102,6 +103,23 @@ class Batch:
             dense=self.dense[index], sparse={k: v[index] for k, v in self.sparse.items()}, labels=self.labels[index],
             prob=None if self.prob is None else self.prob[index],
             cluster=None if self.cluster is None else self.cluster[index], step=self.step,
+            time=None if self.time is None else self.time[index],
+        )
+
+    @staticmethod
+    def concat(parts: list[Batch]) -> Batch:
+        """One batch of the samples of ``parts`` in order (an optional field is kept where every part has it)."""
+        if len(parts) == 1:
+            return parts[0]
+
+        def join(values: list[np.ndarray | None]) -> np.ndarray | None:
+            return None if any(v is None for v in values) else np.concatenate(values)
+
+        return Batch(
+            dense=np.concatenate([p.dense for p in parts]),
+            sparse={k: np.concatenate([p.sparse[k] for p in parts]) for k in parts[0].sparse},
+            labels=np.concatenate([p.labels for p in parts]), prob=join([p.prob for p in parts]),
+            cluster=join([p.cluster for p in parts]), time=join([p.time for p in parts]), step=parts[0].step,
         )
 
 

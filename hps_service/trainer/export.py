@@ -42,6 +42,7 @@ def config_from_dict(data: dict[str, Any]) -> DLRMConfig:
         tables=tuple(TableSpec(**t) for t in data["tables"]), num_dense=data["num_dense"],
         bottom_hidden=tuple(data["bottom_hidden"]), top_hidden=tuple(data["top_hidden"]),
         interaction_dim=data.get("interaction_dim"), moe=moe, moe_hidden=data["moe_hidden"],
+        interaction=data.get("interaction", "dot"), dcn_layers=data.get("dcn_layers", 2),
     )
 
 

@@ -1,8 +1,8 @@
 """DLRM whose embedding tables are the parameter server's tables, with an optional MoE block after the interaction.
 
 The model is split in two: ``DLRM.tables`` (one table per sparse field, named like the server's tables, keyed by any
-int64, summed over each sample's bag) and ``DenseTower`` (bottom MLP, pairwise dot interaction, MoE block, top
-MLP). Inference elsewhere fetches embedding rows from the server and runs only the dense tower:
+int64, summed over each sample's bag) and ``DenseTower`` (bottom MLP, an interaction: pairwise dots (DLRM) or
+DCN-v2 cross layers, MoE block, top MLP). Inference elsewhere fetches embedding rows from the server and runs only the dense tower:
 ``predict_from_rows`` (or ``hps_service.trainer.predictor.Predictor``, which loads an exported tower).
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.data import Batch
+from hps_service.trainer.interaction import CrossNetwork
 from hps_service.trainer.moe import MoEConfig, MoELayer, RoutingResult
 from hps_service.trainer.tables import EmbeddingTable
 
@@ -32,7 +34,11 @@ class TableSpec:
 
 @dataclass(frozen=True)
 class DLRMConfig:
-    """Layer sizes; ``interaction_dim`` defaults to the widest table (narrower tables get a projection)."""
+    """Layer sizes; ``interaction_dim`` defaults to the widest table (tables of another width get a projection).
+
+    ``interaction``: ``dot`` (DLRM: the bottom output and every pairwise dot of the F+1 vectors) or ``dcn``
+    (DCN-v2: ``dcn_layers`` full-rank cross layers over the F+1 vectors concatenated).
+    """
 
     tables: tuple[TableSpec, ...]
     num_dense: int
@@ -41,6 +47,8 @@ class DLRMConfig:
     interaction_dim: int | None = None
     moe: MoEConfig | None = None
     moe_hidden: int = 32
+    interaction: Literal["dot", "dcn"] = "dot"
+    dcn_layers: int = 2
 
     def __post_init__(self) -> None:
         if not self.tables:
@@ -55,6 +63,12 @@ class DLRMConfig:
             raise InvalidArgumentError(f"num_dense must be >= 1, got {self.num_dense}")
         if any(h < 1 for h in self.bottom_hidden + self.top_hidden) or self.moe_hidden < 1:
             raise InvalidArgumentError("layer sizes must be >= 1")
+        if self.interaction_dim is not None and self.interaction_dim < 1:
+            raise InvalidArgumentError(f"the interaction width must be >= 1, got {self.interaction_dim}")
+        if self.interaction not in ("dot", "dcn"):
+            raise InvalidArgumentError(f"--interaction must be dot or dcn, not {self.interaction!r}")
+        if self.dcn_layers < 1:
+            raise InvalidArgumentError(f"--dcn-layers must be >= 1, got {self.dcn_layers}")
 
     @property
     def table_names(self) -> tuple[str, ...]:
@@ -97,7 +111,12 @@ class DenseTower(nn.Module):
         rows, cols = torch.triu_indices(n_vec, n_vec, offset=1)
         self.register_buffer("pair_rows", rows, persistent=False)
         self.register_buffer("pair_cols", cols, persistent=False)
-        inter_out = d + rows.numel()
+        if config.interaction == "dcn":
+            self.cross: CrossNetwork | None = CrossNetwork(n_vec * d, config.dcn_layers)
+            inter_out = n_vec * d
+        else:
+            self.cross = None
+            inter_out = d + rows.numel()
         if config.moe is not None:
             self.moe_in = nn.Linear(inter_out, config.moe_hidden)
             self.moe = MoELayer(config.moe_hidden, config.moe)
@@ -112,8 +131,11 @@ class DenseTower(nn.Module):
         bottom = self.bottom(dense)
         vectors = [bottom] + [self.projections[name](pooled[name]) for name in self.config.table_names]
         stacked = torch.stack(vectors, dim=1)  # (B, F+1, d)
-        gram = torch.bmm(stacked, stacked.transpose(1, 2))
-        features = torch.cat([bottom, gram[:, self.pair_rows, self.pair_cols]], dim=1)
+        if self.cross is not None:
+            features = self.cross(stacked.flatten(1))
+        else:
+            gram = torch.bmm(stacked, stacked.transpose(1, 2))
+            features = torch.cat([bottom, gram[:, self.pair_rows, self.pair_cols]], dim=1)
         routing = None
         if self.moe is not None:
             hidden = F.relu(self.moe_in(features))
@@ -137,7 +159,8 @@ class DenseTower(nn.Module):
             if isinstance(module, nn.Linear) and module not in inside_moe:
                 flops += 2 * module.in_features * module.out_features
         n_vec = len(self.config.tables) + 1
-        flops += 2 * n_vec * n_vec * self.config.resolved_interaction_dim
+        if self.cross is None:  # the pairwise dots; cross layers are Linear layers, counted above
+            flops += 2 * n_vec * n_vec * self.config.resolved_interaction_dim
         if self.moe is not None:
             flops += self.moe.router_flops_per_token()
         return flops

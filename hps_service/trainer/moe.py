@@ -4,7 +4,8 @@ Router (``megatron/core/transformer/moe/router.py`` and ``moe_utils.py``): softm
 scores, group-limited top-k, a top-k scaling factor, the switch load-balancing aux loss and the sequence-level aux
 loss (DeepSeek-V2/V3), the router z-loss, aux-loss-free balancing with a per-expert bias (DeepSeek-V3:
 ``bias += rate * sign(mean load - load)`` after each step, sigmoid scores only), and a capacity factor that drops
-tokens by lowest probability or by position, optionally padding every expert to capacity. The aux losses count
+tokens by lowest probability or by position, optionally padding every expert to capacity, in training only:
+evaluation and serving (eval mode) route dropless, as Megatron Core's inference path does. The aux losses count
 tokens from the unbiased top-k of the scores, as Megatron does. Dispatcher: permute the tokens grouped by expert,
 run all experts as batched matmuls over stacked weights, unpermute with the routing probabilities as weights. A
 shared expert sees every token. The router runs in fp32 whatever the autocast.
@@ -279,7 +280,8 @@ class TopKRouter(nn.Module):
         with torch.autocast(hidden.device.type, enabled=False):
             logits = F.linear(hidden.float(), self.weight.float())
             probs, topk_map = topk_routing(logits, cfg, self.expert_bias)
-            probs, routing_map = apply_token_dropping(probs, topk_map, cfg)
+            # dropless outside training: a sample's score never depends on what else is in its batch
+            probs, routing_map = apply_token_dropping(probs, topk_map, cfg) if self.training else (probs, topk_map)
             aux_map, aux_scores = scores_for_aux_loss(logits, cfg)
             aux = logits.new_zeros(())
             if cfg.aux_loss_coeff > 0:

@@ -24,7 +24,8 @@ from hps_service.updates.topics import DEFAULT_PARTITIONS
 class Exchange(Protocol):
     """Rows for the distinct keys of a batch, and their gradients back to whoever owns them."""
 
-    def fetch(self, keys: Mapping[str, np.ndarray], step: int, train: bool) -> dict[str, np.ndarray]: ...
+    def fetch(self, keys: Mapping[str, np.ndarray], step: int, train: bool,
+              counts: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]: ...
 
     def push(self, grads: Mapping[str, torch.Tensor]) -> None: ...
 
@@ -36,12 +37,15 @@ class LocalExchange:
         self.tables = dict(tables)
         self._slots: dict[str, np.ndarray] = {}
 
-    def fetch(self, keys: Mapping[str, np.ndarray], step: int, train: bool) -> dict[str, np.ndarray]:
-        """Rows of each table's distinct ``keys``; with ``train`` missing rows are created (and kept for push)."""
+    def fetch(self, keys: Mapping[str, np.ndarray], step: int, train: bool,
+              counts: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Rows of each table's distinct ``keys`` (seen ``counts`` times); with ``train`` missing rows of admitted
+        ids are created (and kept for push)."""
         out = {}
         for name, k in keys.items():
             if train:
-                self._slots[name], out[name] = self.tables[name].fetch_for_training(k, step)
+                self._slots[name], out[name] = self.tables[name].fetch_for_training(
+                    k, step, counts[name] if counts is not None else None)
             else:
                 out[name] = self.tables[name].read(k)
         return out
@@ -80,8 +84,10 @@ class AllToAllExchange:
                                group=self.group)
         return out.cpu().numpy()
 
-    def fetch(self, keys: Mapping[str, np.ndarray], step: int, train: bool) -> dict[str, np.ndarray]:
-        """Rows of each table's distinct ``keys`` from their owners (every rank must call this together)."""
+    def fetch(self, keys: Mapping[str, np.ndarray], step: int, train: bool,
+              counts: Mapping[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """Rows of each table's distinct ``keys`` from their owners (every rank must call this together). For
+        admission an owner counts an id once per rank whose share of the batch holds it (``counts`` unused)."""
         world, names = self.world, self.names
         counts = np.zeros((world, len(names)), dtype=np.int64)  # [dest, table]
         orders, grouped = [], []
@@ -107,9 +113,9 @@ class AllToAllExchange:
         for t, name in enumerate(names):
             parts = [recv_keys[offsets[s * len(names) + t]:offsets[s * len(names) + t + 1]] for s in range(world)]
             all_keys = np.concatenate(parts)
-            unique, inverse = np.unique(all_keys, return_inverse=True)
+            unique, inverse, asking = np.unique(all_keys, return_inverse=True, return_counts=True)
             if train:
-                slots, rows = self.tables[name].fetch_for_training(unique, step)
+                slots, rows = self.tables[name].fetch_for_training(unique, step, asking)
                 owned[name] = (slots, inverse)
             else:
                 rows = self.tables[name].read(unique)

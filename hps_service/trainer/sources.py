@@ -1,21 +1,27 @@
 """Where training batches come from: the planted teacher (known oracle) or Criteo-format files, both resumable.
 
 A source yields, for one data-parallel rank, its share of each global batch with the position after it (synthetic:
-the step; files: rows consumed) and the global batch's size (files encode only the rank's rows), and a held-out
-batch for evaluation (files: ``--eval-data``, or the first rows of the training data, which training then
-skips).
+the step; files: rows consumed; streams: a JSON-able dict) and the global batch's size (files encode only the
+rank's rows); a stream yields ``(None, position, 0)`` while it waits for data, so the trainer can publish on time,
+and returns once ``stop`` is set. A held-out batch for evaluation is the newest data: the last rows of the files
+(``--holdout last:N``, never trained), a separate file (``--eval-data``), or fresh teacher samples; a source
+without one answers None and progressive validation is the measure. Streams (``kafka://``, ``dir://`` with
+``--follow``) live in ``stream_sources``.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.criteo import DENSE_FIELDS, CriteoFiles, encode
 from hps_service.trainer.data import Batch, DriftSpec, PlantedTeacherData
+
+BatchItem = tuple[Batch | None, Any, int]
 
 
 class DataSource(Protocol):
@@ -23,23 +29,46 @@ class DataSource(Protocol):
 
     num_dense: int
     drift: DriftSpec | None
+    bounded: bool  # False: a stream that trains until stopped
 
-    def batches(self, batch_size: int, position: int, rank: int = 0, world: int = 1
-                ) -> Iterator[tuple[Batch, int, int]]: ...
+    def batches(self, batch_size: int, position: Any, rank: int = 0, world: int = 1,
+                stop: threading.Event | None = None) -> Iterator[BatchItem]: ...
 
-    def holdout(self, size: int, step: int) -> Batch: ...
+    def holdout(self, size: int, step: int) -> Batch | None: ...
 
-    def total_steps(self, batch_size: int, position: int) -> int | None: ...
+    def total_steps(self, batch_size: int, position: Any) -> int | None: ...
+
+    def commit(self, position: Any) -> None:
+        """Called once a checkpoint holding ``position`` is complete (a Kafka source commits its offsets)."""
+
+    def close(self) -> None: ...
 
     def describe(self) -> dict: ...
 
 
+class SourceBase:
+    """What a source without a held-out set, a known length or input offsets answers."""
+
+    def holdout(self, size: int, step: int) -> Batch | None:
+        return None
+
+    def total_steps(self, batch_size: int, position: Any) -> int | None:
+        return None
+
+    def commit(self, position: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @dataclass
-class SyntheticSource:
+class SyntheticSource(SourceBase):
     """The planted teacher: batch ``step`` is a pure function of (seed, step); its oracle is known."""
 
     data: PlantedTeacherData
-    _holdouts: dict[bool, Batch] = field(default_factory=dict)
+    _holdouts: dict[tuple[bool, int], Batch] = field(default_factory=dict)
+    bounded: bool = True
 
     @property
     def num_dense(self) -> int:
@@ -49,70 +78,92 @@ class SyntheticSource:
     def drift(self) -> DriftSpec | None:
         return self.data.config.drift
 
-    def batches(self, batch_size: int, position: int, rank: int = 0, world: int = 1
-                ) -> Iterator[tuple[Batch, int, int]]:
-        step = position
+    def batches(self, batch_size: int, position: Any, rank: int = 0, world: int = 1,
+                stop: threading.Event | None = None) -> Iterator[BatchItem]:
+        step = int(position or 0)
         while True:
             batch = self.data.batch(step, batch_size)
             yield batch.rows(shard_rows(batch_size, rank, world)), step + 1, batch_size
             step += 1
 
     def holdout(self, size: int, step: int) -> Batch:
-        """The held-out set labelled by the teacher in force at ``step`` (cached per drift phase)."""
-        phase = self.drift is not None and step >= self.drift.step
-        if phase not in self._holdouts:
-            self._holdouts[phase] = self.data.holdout(size, at_step=step)
-        return self._holdouts[phase]
-
-    def total_steps(self, batch_size: int, position: int) -> int | None:
-        return None
+        """``size`` held-out samples labelled by the teacher in force at ``step`` (cached per drift phase and size)."""
+        key = (self.drift is not None and step >= self.drift.step, size)
+        if key not in self._holdouts:
+            self._holdouts[key] = self.data.holdout(size, at_step=step)
+        return self._holdouts[key]
 
     def describe(self) -> dict:
         return {"format": "synthetic", "seed": self.data.config.seed}
 
 
 @dataclass
-class FileSource:
-    """Criteo-format files read as a stream; the first ``holdout_rows`` rows are held out unless ``eval_files``."""
+class FileSource(SourceBase):
+    """Criteo-format files read as a stream, in order; ``holdout_last`` rows at their end are held out (never
+    trained), or ``eval_files`` are the held-out set."""
 
     files: CriteoFiles
-    holdout_rows: int
+    holdout_last: int = 0
     eval_files: CriteoFiles | None = None
     drift: DriftSpec | None = None
+    bounded: bool = True
     _holdout: Batch | None = None
+    _rows: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.holdout_last and self.eval_files is not None:
+            raise InvalidArgumentError("--holdout last:N and --eval-data are two held-out sets: give one")
 
     @property
     def num_dense(self) -> int:
         return len(DENSE_FIELDS)
 
-    @property
-    def _skip(self) -> int:
-        return 0 if self.eval_files is not None else self.holdout_rows
+    def _train_rows(self) -> int | None:
+        """Rows trained on: all but the held-out tail (counted once: Parquet metadata, or a pass over TSV lines)."""
+        if not self.holdout_last:
+            return None
+        if self._rows is None:
+            self._rows = self.files.count_rows()
+            if self._rows <= self.holdout_last:
+                raise InvalidArgumentError(f"--holdout last:{self.holdout_last} holds back all {self._rows} rows of "
+                                           "the data: nothing is left to train on")
+        return self._rows - self.holdout_last
 
-    def batches(self, batch_size: int, position: int, rank: int = 0, world: int = 1
-                ) -> Iterator[tuple[Batch, int, int]]:
-        rows = position
-        for table in self.files.tables(batch_size, skip_rows=self._skip + position):
+    def batches(self, batch_size: int, position: Any, rank: int = 0, world: int = 1,
+                stop: threading.Event | None = None) -> Iterator[BatchItem]:
+        rows = int(position or 0)
+        end = self._train_rows()
+        for table in self.files.tables(batch_size, skip_rows=rows):
+            if end is not None:
+                if rows >= end:
+                    return
+                table = table.slice(0, min(table.num_rows, end - rows))
             n = table.num_rows
             rows += n
             part = shard_rows(n, rank, world)
             yield encode(table.slice(part.start, part.stop - part.start), self.files.sparse_fields), rows, n
 
-    def holdout(self, size: int, step: int) -> Batch:
+    def holdout(self, size: int, step: int) -> Batch | None:
+        """The held-out rows: the files' last ``holdout_last`` rows, or the eval files' first ``size``."""
         if self._holdout is None:
-            source = self.eval_files or self.files
-            self._holdout = source.head(min(size, self.holdout_rows) if self.eval_files is None else size)
+            if self.eval_files is not None:
+                self._holdout = self.eval_files.head(size)
+            elif self.holdout_last:
+                start = self._train_rows()
+                self._holdout = next(iter(self.files.batches(self.holdout_last, skip_rows=start)))
+            else:
+                return None
             if len(self._holdout) < 2:
                 raise InvalidArgumentError("the held-out data has fewer than 2 rows")
         return self._holdout
 
-    def total_steps(self, batch_size: int, position: int) -> int | None:
-        count = self.files.count_batches(batch_size, self._skip + position)
-        return None if count is None else count
+    def total_steps(self, batch_size: int, position: Any) -> int | None:
+        rows = self._train_rows() if self.holdout_last else self.files.count_rows(exact=False)
+        return None if rows is None else max(0, math.ceil((rows - int(position or 0)) / batch_size))
 
     def describe(self) -> dict:
         return {"format": self.files.file_format, "files": [str(p) for p in self.files.paths],
-                "holdout_rows": self.holdout_rows, "eval_files": [str(p) for p in self.eval_files.paths]
+                "holdout_last": self.holdout_last, "eval_files": [str(p) for p in self.eval_files.paths]
                 if self.eval_files else None}
 
 

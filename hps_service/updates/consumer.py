@@ -10,9 +10,10 @@ a group join waits about half of ``session.timeout.ms``; assign() starts in mill
 group, so assign() loses nothing.
 
 Caught up: at assignment the consumer notes each partition's end offset; a model is caught up once every one of its
-partitions is applied up to there. Afterwards the age of the oldest unapplied update is tracked (from when the
-partition's end offset was first seen past it); beyond ``updates.max_lag_s`` the model must catch up again, to the
-end offsets seen at that moment.
+partitions is applied up to there, as its fetch responses confirm the end (:mod:`hps_service.updates.catch_up`).
+Afterwards the age of the oldest unapplied update is tracked; beyond ``updates.max_lag_s`` the model must catch up
+again. A partition that lost updates (its position below the log's start, its topic created again) is never
+skipped: it is stopped and the model is not ready (:mod:`hps_service.updates.watermarks`).
 
 An offset is stored (and committed) only once every message before it in its partition was applied, or dead-lettered on its
 own (it is malformed, or does not fit the loaded model). A message of a model that is not loaded (unloaded, or
@@ -25,14 +26,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from confluent_kafka import (
-    OFFSET_BEGINNING,
     Consumer,
     KafkaError,
     KafkaException,
@@ -44,10 +43,14 @@ from confluent_kafka.admin import AdminClient
 from hps_service.config import UpdatesConfig
 from hps_service.engine import LookupEngine, TableChange
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.updates.admin_signature import AdminMessages
 from hps_service.updates.batch import TableBatch, table_change
+from hps_service.updates.catch_up import CatchUp
+from hps_service.updates.commits import OffsetCommits
 from hps_service.updates.dead_letters import DeadLetters
 from hps_service.updates.gaps import OffsetGaps
 from hps_service.updates.kafka_log import KAFKA_LOG, with_logging
+from hps_service.updates.log_losses import LogLosses
 from hps_service.updates.message import (
     DecodedUpdate,
     MalformedUpdateError,
@@ -56,15 +59,17 @@ from hps_service.updates.message import (
     topic_name,
 )
 from hps_service.updates.metrics import FreshnessStats
-from hps_service.updates.stall import BrokerOffsets, StallDetector
+from hps_service.updates.stall import StallDetector
 from hps_service.updates.topics import DEFAULT_PARTITIONS, ensure_topic
+from hps_service.updates.watermarks import LOG_GAPS, BrokerLogs, LogLedger, LogWatch, LostLog, check_start
 
 log = logging.getLogger(__name__)
 
 _CONSUMER_DEFAULTS: dict[str, Any] = {
     "enable.auto.commit": False,
     "enable.auto.offset.store": False,
-    "auto.offset.reset": "earliest",
+    # An offset out of range is reported, never reset: below the log's start it means lost updates (see watermarks).
+    "auto.offset.reset": "error",
     "enable.partition.eof": False,
     # Latency: the broker answers a fetch after at most 10 ms even when it has nothing new.
     "fetch.wait.max.ms": 10,
@@ -89,7 +94,7 @@ class _Applied:
     unloaded: set[str] = field(default_factory=set)
 
 
-class UpdateConsumer:
+class UpdateConsumer(LogLosses, OffsetCommits):
     """Applies the update topics of ``models`` to ``engine`` in a background thread; see the module docstring.
 
     ``ready`` turns True once every partition is assigned at a known offset, so nothing published afterwards
@@ -148,6 +153,8 @@ class UpdateConsumer:
             "logger": KAFKA_LOG,
         }
         self.metrics = FreshnessStats()
+        self.metrics.expect(models)
+        self.admin_messages = AdminMessages(cfg.admin_key)
         self._consumer: Consumer | None = None
         self._dlq: DeadLetters | None = None
         self._thread: threading.Thread | None = None
@@ -162,23 +169,27 @@ class UpdateConsumer:
         self._applied: dict[tuple[str, int], int] = {}  # next offset to read, per partition, applied to the engine
         #: Partitions parked at the offset of the first message whose model was not loaded (see the module doc).
         self._parked: dict[tuple[str, int], int] = {}
-        self._applied_cond = threading.Condition()
-        #: Per partition: the end offset to apply up to before it counts as caught up (absent once it is).
-        self._targets: dict[tuple[str, int], int] = {}
-        #: Per partition: (end offset, when first seen) in increasing order, to date the oldest unapplied update.
-        self._seen_ends: dict[tuple[str, int], deque[tuple[int, float]]] = {}
-        #: Per partition: age in seconds of its oldest unapplied update, as of the last lag refresh.
-        self._unapplied_age: dict[tuple[str, int], float] = {}
-        self.max_lag_s = cfg.max_lag_s
-        self._lagged_s: float | None = None  # the age that sent the replica back to catching up, for /readyz
+        #: Catch-up targets, confirmed log ends and lag per partition.
+        self.catch_up = CatchUp(cfg.max_lag_s)
+        self._applied_cond = self.catch_up.cond
+        #: Where the logs start and end and which topics they are; partitions that lost updates (stopped, durable).
+        self.logs = BrokerLogs(self._client_config)
+        self.ledger = LogLedger(engine.persistent)
+        self._lost: dict[tuple[str, int], LostLog] = {}
+        self._recovering: dict[tuple[str, int], int] = {}  # partitions bootstrapped again, to resume there
+        self._past_end_seen: dict[tuple[str, int], int] = {}
+        self.log_watch = LogWatch(self.logs, self.ledger, self._positions, cfg.log_check_interval_s, group)
+        self._replication = {"replication_factor": cfg.replication_factor,
+                             "min_insync_replicas": cfg.min_insync_replicas}
         self._committed: dict[tuple[str, int], int] = {}
         self._commit_in_flight_since: float | None = None
         self._last_commit = 0.0
         self._last_lag_refresh = 0.0
         self.last_error: str | None = None
+        #: Unexpected errors the consumer thread survived (each batch then read again from what was applied).
+        self.errors = 0
         #: Why the current batch cannot be applied (a tier write fails); None once it is applied.
         self.apply_error: str | None = None
-        self._broker_offsets = BrokerOffsets(self._client_config, 10.0)
         #: Where each partition's next message must be; a gap is read again before it is skipped.
         self.gaps = OffsetGaps(cfg.offset_gap_recheck_s)
         #: Flags a stalled stream: messages waiting and none applied for ``cfg.stall_after_s``.
@@ -200,19 +211,14 @@ class UpdateConsumer:
 
     def catching_up(self, model: str | None = None) -> str | None:
         """Why ``model`` (every model with None) is not caught up, or None when it is: not assigned yet, partitions
-        not yet applied up to their end offsets, or an unapplied update older than ``max_lag_s``."""
+        that lost updates, partitions not yet applied up to their end offsets, or an unapplied update older than
+        ``max_lag_s``."""
         if not self.ready:
             return "update consumer has no partitions yet"
-        topics = set(self.topics) if model is None else {t for t, m in self.topics.items() if m == model}
-        targets = {k: v for k, v in self._targets.items() if k[0] in topics}
-        if targets:
-            behind = sum(max(0, end - self._applied.get(k, 0)) for k, end in targets.items())
-            if self._lagged_s is not None:
-                return (f"fell behind: an unapplied update was {self._lagged_s:.0f} s old (updates.max_lag_s="
-                        f"{self.max_lag_s:g}); catching up, {len(targets)} partition(s), {behind} messages to go")
-            return (f"catching up: {len(targets)} partition(s) not yet applied up to the end offsets seen at "
-                    f"assignment ({behind} messages to go)")
-        return None
+        if lost := self.lost_reason(model):
+            return lost
+        topics = self._topics_of(model)
+        return self.catch_up.reason({p for p in self.catch_up.targets if p[0] in topics}, self._applied)
 
     def caught_up(self, model: str | None = None) -> bool:
         """Whether every partition of ``model`` (of every model with None) is applied up to its target."""
@@ -234,7 +240,7 @@ class UpdateConsumer:
         if not self.ready:
             raise UnavailableError("the update consumer has no partitions yet")
         keys = [(tp.topic, tp.partition) for tp in list(self._assignment) if self.topics.get(tp.topic) == model]
-        out = self._broker_offsets.query(keys, latest=True)
+        out = self.logs.ends(keys)
         if len(out) != len(keys):
             raise UnavailableError(f"the broker did not answer the end offsets of {model}'s partitions")
         return out
@@ -259,6 +265,7 @@ class UpdateConsumer:
         self._thread = threading.Thread(target=self._run, name=f"hps-updates-{self.group}", daemon=True)
         self._thread.start()
         self.stall.start()
+        self.log_watch.start()
 
     def stop(self, timeout: float = 30.0, commit: bool = True) -> None:
         """Stop the thread; with ``commit`` the offsets of everything applied are committed first, then close."""
@@ -269,6 +276,7 @@ class UpdateConsumer:
             if self._thread.is_alive():
                 log.warning("update consumer %s did not stop within %.1fs", self.group, timeout)
         self.stall.stop()
+        self.log_watch.stop()
 
     def follow(self, models: Sequence[str]) -> None:
         """Consume the update topics of exactly ``models`` from now on (models registered or unloaded at runtime).
@@ -277,6 +285,7 @@ class UpdateConsumer:
         with their offsets committed up to what was applied, so loading it again resumes where it stopped
         instead of dead-lettering its updates while it is away. The consumer thread makes the change.
         """
+        self.metrics.expect(models)
         with self._follow_lock:
             self._wanted = {topic_name(m, self.cfg.topic_prefix): m for m in models}
 
@@ -292,10 +301,12 @@ class UpdateConsumer:
             parked_offsets={f"{t}[{p}]": o for (t, p), o in sorted(dict(self._parked).items())},
             last_error=self.last_error,
             apply_error=self.apply_error,
+            errors=self.errors,
             stall=self.stall.snapshot(),
             caught_up=self.caught_up(),
-            catching_up_partitions=len(self._targets),
-            oldest_unapplied_s=max(self._unapplied_age.values(), default=0.0),
+            catching_up_partitions=len(self.catch_up.targets),
+            oldest_unapplied_s=max(self.catch_up.unapplied_age.values(), default=0.0),
+            lost_partitions={f"{t}[{p}]": x.describe() for (t, p), x in sorted(self.lost().items())},
             positions_stored=self.engine.stores_positions,
             **self.gaps.stats(),
         )
@@ -315,13 +326,23 @@ class UpdateConsumer:
                 self._close_clients(commit=False)
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+        backoff = 0.1
         try:
             while not self._stopping.is_set():
-                self._poll_once()
-        except Exception:
-            log.exception("update consumer %s stopped on an unexpected error", self.group)
-            self.last_error = "consumer thread crashed; see log"
-            raise
+                try:
+                    self._poll_once()
+                    backoff = 0.1
+                except Exception as exc:  # noqa: BLE001  (survive anything: read again what was not applied)
+                    self.errors += 1
+                    self.last_error = f"unexpected error, batch read again: {exc!r}"
+                    log.exception("update consumer %s: unexpected error; reading again from what was applied, "
+                                  "in %.1fs", self.group, backoff)
+                    self._stopping.wait(backoff)
+                    backoff = min(backoff * 2, 5.0)
+                    try:
+                        self._reassign(self._positions())
+                    except KafkaException as again:  # the next round's error says more
+                        log.warning("update consumer %s: cannot read again yet: %s", self.group, again)
         finally:
             self._close_clients(commit=self._commit_on_stop)
 
@@ -344,51 +365,64 @@ class UpdateConsumer:
 
     def _starting_positions(self, consumer: Consumer, topics: list[str]) -> list[TopicPartition]:
         """The partitions of ``topics`` (created if missing, with their DLQs), each at the position stored with the
-        rows, or the earliest offset where the store holds none; notes each one's end offset to catch up to."""
+        rows, or the log's start where the store holds none; partitions that lost updates are left out."""
         admin = AdminClient(self._client_config)
         partitions: dict[str, int] = {}
         for topic in topics:
-            partitions[topic] = n = ensure_topic(admin, topic, self.partitions)
+            partitions[topic] = n = ensure_topic(admin, topic, self.partitions, **self._replication)
             self.topic_partitions[topic] = n
             if n != self.partitions and self.shards > 1:
                 raise FailedPreconditionError(
                     f"topic {topic} has {n} partitions but cluster.partitions is {self.partitions}: a shard owns "
                     f"partition % {self.shards} == {self.shard}, so every update topic must have exactly P partitions"
                 )
-            ensure_topic(admin, dlq_topic_name(topic), 1)
+            ensure_topic(admin, dlq_topic_name(topic), 1, **self._replication)
         stored = self.engine.positions()
         keys = [(t, p) for t, count in partitions.items() for p in self.assigned_partitions(t, count)]
-        highs = self._broker_offsets.query(keys, latest=True)  # one ListOffsets request, not one per partition
-        lows = self._broker_offsets.query(keys, latest=False)
+        # where this consumer stopped applying a topic it follows again, else the stored position
+        return self._plan({k: max(stored.get(k, -1), self._applied.get(k, -1)) for k in keys})
+
+    def _plan(self, wanted: dict[tuple[str, int], int]) -> list[TopicPartition]:
+        """Where each partition of ``wanted`` (partition -> the next offset its rows need; negative: none stored)
+        starts, after checking it against its log's start and topic id (see watermarks); notes each one's end to
+        catch up to. Returns the assignment; partitions that lost updates are stopped instead."""
+        keys = list(wanted)
+        highs, lows = self.logs.ends(keys), self.logs.starts(keys)  # one ListOffsets request each
         missing = [k for k in keys if k not in highs or k not in lows]
         if missing:
             raise UnavailableError(f"the broker did not answer the offsets of {len(missing)} partition(s), e.g. "
                                    f"{missing[0][0]}[{missing[0][1]}]")
-        assignment = []
-        now = time.monotonic()
-        for key in keys:
-            # where this consumer stopped applying a topic it follows again, else the stored position
-            start = max(stored.get(key, OFFSET_BEGINNING), self._applied.get(key, OFFSET_BEGINNING))
-            high = highs[key]
-            # A position past the end the broker reports means the topic is not the one the rows were applied from
-            # (recreated, or a broker that lost records; tansu also reports the base offset of its last record batch
-            # + 1 as the end): read it again from its first offset, which versioned writes make harmless.
-            begin = start if 0 <= start <= high else lows[key]
-            if 0 <= high < start:
-                log.warning("update consumer %s: %s[%d] is stored at offset %d but the broker's end offset is %d; "
-                            "reading it again from offset %d", self.group, key[0], key[1], start, high, begin)
-            if high > begin:
-                self._targets[key] = high
-            else:
-                self._targets.pop(key, None)
-            self._seen_ends[key] = deque([(high, now)])
+        ids = self.logs.topic_ids({t for t, _ in keys})
+        known = {t: self.ledger.topic_id(t) for t in ids}
+        recorded = self.ledger.lost({t for t, _ in keys})
+        assignment, losses, unpositioned = [], [], {}
+        for key, start in wanted.items():
+            LOG_GAPS.labels(key[0], str(key[1]))  # at 0 from the first assignment on
+            recreated = known.get(key[0]) not in (None, ids.get(key[0]))
+            lost = recorded.get(key) or check_start(key, start, lows[key], recreated)
+            if lost is not None:
+                losses.append(lost)
+                continue
+            begin = start if start >= 0 and not recreated else lows[key]
+            if start < 0 or recreated:
+                unpositioned[key] = begin
+            self.catch_up.assigned(key, begin, highs[key])
             assignment.append(TopicPartition(key[0], key[1], begin))
             self._start_offsets[key] = begin
             self.gaps.expect(key, begin)
+        self._lose(losses)
+        for topic, topic_id in ids.items():  # after the losses are recorded: a crash in between finds them again
+            self.ledger.set_topic_id(topic, topic_id)
+        if unpositioned and self.engine.stores_positions:  # stored from now on, so a later loss is found
+            self.engine.apply_changes([], unpositioned)
+        if late := {k: o for k, o in unpositioned.items() if o > 0}:
+            log.warning("update consumer %s: no position stored for %s; starting at the log's start: the updates "
+                        "before it were deleted from the log before this replica read them", self.group,
+                        ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(late.items())))
         if assignment:
-            log.info("update consumer %s: %d partition(s) of %s start at %s; %d to catch up", self.group,
-                     len(assignment), ", ".join(sorted(partitions)),
-                     "their stored positions" if stored else "the earliest offset", len(self._targets))
+            log.info("update consumer %s: %d partition(s) of %s start at their stored positions or the log's "
+                     "start; %d to catch up", self.group, len(assignment), ", ".join(sorted({t for t, _ in keys})),
+                     len(self.catch_up.targets))
         return assignment
 
     def assigned_partitions(self, topic: str, count: int) -> list[int]:
@@ -412,8 +446,9 @@ class UpdateConsumer:
             self._assignment = [tp for tp in self._assignment if tp.topic not in dropped]
             self.topics = {t: m for t, m in self.topics.items() if t not in dropped}  # replaced: stats() reads it
             self.metrics.forget_partitions([(tp.topic, tp.partition) for tp in gone])
-            self._forget_targets([(tp.topic, tp.partition) for tp in gone])
+            self.catch_up.forget([(tp.topic, tp.partition) for tp in gone])
             self.gaps.forget((tp.topic, tp.partition) for tp in gone)
+            self._lost = {p: x for p, x in self._lost.items() if p[0] not in dropped}  # the ledger keeps them
         if added:
             try:
                 assignment = self._starting_positions(self._consumer, added)
@@ -436,6 +471,9 @@ class UpdateConsumer:
             self._follow_changes()
         if self._parked:
             self._resume_parked()
+        self._take_losses(self.log_watch.take())
+        if self._recovering:
+            self._recover()
         msgs = self._next_batch()
         if msgs:
             self.stall.received()
@@ -479,7 +517,9 @@ class UpdateConsumer:
         for msg in msgs:
             err = msg.error()
             if err is not None:
-                if err.code() != KafkaError._PARTITION_EOF:
+                if err.code() == KafkaError._AUTO_OFFSET_RESET and msg.topic() in self.topics:
+                    self._out_of_range((msg.topic(), msg.partition()))
+                elif err.code() != KafkaError._PARTITION_EOF:
                     self.last_error = err.str()
                     log.warning("update consumer %s: %s", self.group, err.str())
                 continue
@@ -498,6 +538,7 @@ class UpdateConsumer:
                 if model not in loaded:
                     raise ModelUnloadedError(model)
                 upd = self._validated(model, msg.value())
+                self.admin_messages.check(model, upd, msg.value(), msg.headers())
             except ModelUnloadedError:
                 park[part] = msg.offset()
                 continue
@@ -530,14 +571,10 @@ class UpdateConsumer:
             self.metrics.record_lags(np.maximum(lags, 0.0), model)
         self.metrics.messages_total += sum(len(stamps) for stamps in produced_at.values())
         self.metrics.batches_total += 1
+        fetched = {k: self._fetched_high(k) for k in offsets}
         with self._applied_cond:
             self._applied.update(offsets)
-            for key, offset in offsets.items():
-                if key in self._targets and offset >= self._targets[key]:
-                    del self._targets[key]
-            if not self._targets:
-                self._lagged_s = None
-            self._applied_cond.notify_all()
+            self.catch_up.advance(offsets, fetched)
         if park:
             self._park(park)
         for (topic, partition), offset in reread.items():
@@ -551,7 +588,7 @@ class UpdateConsumer:
         self._consumer.incremental_unassign(gone)
         self._assignment = [tp for tp in self._assignment if (tp.topic, tp.partition) not in parts]
         self._parked.update(parts)
-        self._forget_targets(list(parts))
+        self.catch_up.forget(list(parts))
         self.gaps.forget(parts)
         log.warning("update consumer %s: model %s is not loaded; %s parked until it is", self.group,
                     ", ".join(sorted({self.topics.get(t, t) for t, _ in parts})),
@@ -591,14 +628,6 @@ class UpdateConsumer:
             if not any(m.name == model for m in self.engine.models()):
                 raise ModelUnloadedError(model) from None
             raise MalformedUpdateError(str(exc)) from None
-
-    def _forget_targets(self, parts: list[tuple[str, int]]) -> None:
-        """Partitions no longer read (dropped or parked) no longer count for catching up or lag."""
-        with self._applied_cond:
-            for key in parts:
-                self._targets.pop(key, None)
-                self._seen_ends.pop(key, None)
-                self._unapplied_age.pop(key, None)
 
     def _changes(self, groups: dict[tuple[str, str], TableBatch], done: _Applied) -> list[TableChange]:
         """One change per table. A change the engine refuses is checked message by message, and only the messages
@@ -652,12 +681,16 @@ class UpdateConsumer:
                 else:
                     self.engine.apply_changes(changes, positions)
                 break
-            except NotFoundError:
+            except (NotFoundError, InvalidArgumentError) as exc:
+                # validated a moment ago: a model was unloaded or replaced meanwhile; its partitions are parked at
+                # this batch and read again (and checked again) once it is loaded
                 loaded = {m.name for m in self.engine.models()}
                 gone = {c.model for c in changes} | {m for m, _ in purges}
-                if not gone - loaded:
+                if not gone:
                     raise
-                done.unloaded |= gone - loaded
+                done.unloaded |= (gone - loaded) or gone
+                log.warning("update consumer %s: %s changed under a batch (%s); reading it again", self.group,
+                            ", ".join(sorted(gone)), exc)
             except Exception as exc:  # noqa: BLE001  (a tier is down: retry the same rows, store nothing)
                 self.metrics.apply_failures += 1
                 tables = ", ".join(f"{c.model}.{c.table}" for c in changes) or "positions"
@@ -678,7 +711,7 @@ class UpdateConsumer:
             )
         return done
 
-    # ---- dead letters, commits, lag -----------------------------------------------------------
+    # ---- dead letters, lag --------------------------------------------------------------------
     def _dead_letter(self, msg: Message, model: str, reason: str) -> None:
         assert self._dlq is not None
         self.metrics.record_malformed(model)
@@ -691,99 +724,31 @@ class UpdateConsumer:
     def _on_dead_letter_error(self, text: str) -> None:
         self.last_error = text
 
-    def _commit(self) -> None:
-        """Start an async commit of the applied offsets ahead of the committed ones (once dead letters landed)."""
-        assert self._consumer is not None and self._dlq is not None
-        self._last_commit = time.monotonic()
-        in_flight = self._commit_in_flight_since
-        if in_flight is not None and self._last_commit - in_flight < 5.0:
-            return
-        todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
-        if not todo:
-            return
-        if not self._dlq.flush(0):
-            return  # dead letters not yet acknowledged: committing past them could lose them
-        try:
-            self._commit_in_flight_since = self._last_commit
-            self._consumer.commit(offsets=todo, asynchronous=True)
-        except KafkaException as exc:
-            self._commit_in_flight_since = None
-            self.metrics.commit_failures += 1
-            self.last_error = f"commit failed: {exc}"
-            log.warning("update consumer %s: %s", self.group, self.last_error)
-
-    def _on_commit(self, err: KafkaError | None, partitions: list[TopicPartition]) -> None:
-        self._commit_in_flight_since = None
-        if err is not None:
-            self.metrics.commit_failures += 1
-            self.last_error = f"commit failed: {err}"
-            return
-        for tp in partitions or []:
-            if tp.error is None and tp.offset >= 0:
-                key = (tp.topic, tp.partition)
-                self._committed[key] = max(self._committed.get(key, -1), tp.offset)
-
     def _on_client_error(self, err: KafkaError) -> None:
         self.last_error = err.str()
         log.debug("update consumer %s: client error %s", self.group, err.str())
 
     def _refresh_consumer_lag(self) -> None:
-        """Messages behind per partition, and how old the oldest unapplied update is: the first time this consumer saw
-        the partition's end offset pass it (a lower bound, to the refresh interval). A model whose oldest unapplied
-        update is older than ``max_lag_s`` has to catch up again, to the end offsets seen now."""
-        assert self._consumer is not None
-        now = time.monotonic()
-        ages: dict[tuple[str, int], float] = {}
-        ends: dict[tuple[str, int], int] = {}
-        for tp in self._assignment:
-            try:
-                low, high = self._consumer.get_watermark_offsets(tp, cached=True)
-            except KafkaException:
-                continue
-            if high < 0:
-                continue
-            key = (tp.topic, tp.partition)
-            start = self._start_offsets.get(key, OFFSET_BEGINNING)
-            done = self._applied.get(key, start if start >= 0 else max(low, 0))
-            self.metrics.record_consumer_lag(tp.topic, tp.partition, max(0, high - done))
-            seen = self._seen_ends.setdefault(key, deque())
-            if not seen or high > seen[-1][0]:
-                seen.append((high, now))
-            while seen and seen[0][0] <= done:
-                seen.popleft()
-            ages[key] = now - seen[0][1] if seen and high > done else 0.0
-            ends[key] = high
-        self._unapplied_age = ages
-        if self.max_lag_s <= 0:
-            return
-        late = {self.topics.get(k[0]) for k, age in ages.items() if age > self.max_lag_s and k not in self._targets}
-        for model in late - {None}:
-            behind = {k: ends[k] for k in ends if self.topics.get(k[0]) == model and ends[k] > self._applied.get(k, 0)}
-            oldest = max(ages[k] for k in behind) if behind else 0.0
+        """Messages behind per partition and the age of the oldest unapplied update (:meth:`CatchUp.refresh`), from
+        the high watermarks of the fetch responses; a partition whose position is past its log's end is handled."""
+        positions = self._positions()
+        highs = {k: self._fetched_high(k) for k in positions}
+        highs = {k: h for k, h in highs.items() if h >= 0}
+        beyond = self._beyond_end(highs, positions)
+        highs = {k: h for k, h in highs.items() if k not in beyond}
+        for (topic, partition), high in highs.items():
+            self.metrics.record_consumer_lag(topic, partition, high - positions[(topic, partition)])
+        for model, (oldest, behind) in self.catch_up.refresh(highs, positions, self.topics).items():
             log.warning("update consumer %s: the oldest unapplied update of %s is %.0f s old (updates.max_lag_s=%g); "
-                        "not ready until %d partition(s) catch up", self.group, model, oldest, self.max_lag_s,
-                        len(behind))
-            with self._applied_cond:
-                self._targets.update(behind)
-                self._lagged_s = oldest
+                        "not ready until %d partition(s) catch up", self.group, model, oldest, self.catch_up.max_lag_s,
+                        behind)
 
-    def _final_commit(self, timeout_s: float) -> None:
-        """Commit everything applied, waiting at most ``timeout_s`` (a frozen broker must not block stop())."""
-        assert self._consumer is not None and self._dlq is not None
-        deadline = time.monotonic() + timeout_s
-        self._consumer.pause(self._assignment)  # nothing more is fetched while we wait for the commit
-        if not self._dlq.flush(timeout_s / 2):
-            log.warning("update consumer %s: dead letters undelivered; offsets left uncommitted", self.group)
-            return
-        todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
-        if not todo:
-            return
-        self._consumer.commit(offsets=todo, asynchronous=True)
-        while time.monotonic() < deadline:
-            if all(self._committed.get((tp.topic, tp.partition), -1) >= tp.offset for tp in todo):
-                return
-            self._consumer.poll(0.05)  # serves the commit callback
-        log.warning("update consumer %s: final commit not confirmed within %.1fs", self.group, timeout_s)
+    def _fetched_high(self, part: tuple[str, int]) -> int:
+        """The high watermark of the latest fetch response of ``part`` (negative while there is none)."""
+        try:
+            return self._consumer.get_watermark_offsets(TopicPartition(*part), cached=True)[1]
+        except KafkaException:
+            return -1
 
     def _close_clients(self, commit: bool) -> None:
         if self._consumer is not None:

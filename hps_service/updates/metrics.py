@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
@@ -54,6 +55,13 @@ class FreshnessStats:
         self.commit_failures = 0
         self.apply_failures = 0
         self.reconnects = 0
+
+    @staticmethod
+    def expect(models: Sequence[str]) -> None:
+        """Export the per-model counters at 0 for ``models`` before anything happens to them, so a dashboard's
+        rate() sees their first increment and shows 0, not No data, while nothing is malformed."""
+        for model in models:
+            MALFORMED.labels(model)
 
     def record_lags(self, lags_s: np.ndarray, model: str) -> None:
         """Record end-to-end lag samples (seconds) of ``model``, one per applied message."""

@@ -13,10 +13,17 @@ from confluent_kafka.admin import AdminClient
 
 from hps_service.config import valid_name
 from hps_service.errors import InvalidArgumentError, UnavailableError
+from hps_service.updates.admin_signature import HEADER as SIGNATURE_HEADER
+from hps_service.updates.admin_signature import sign
 from hps_service.updates.kafka_log import with_logging
 from hps_service.updates.message import MAX_MESSAGE_BYTES, encode_update, rows_per_message, topic_name
 from hps_service.updates.partitioning import group_by_partition, partition_of
-from hps_service.updates.topics import DEFAULT_PARTITIONS, ensure_topic
+from hps_service.updates.topics import (
+    DEFAULT_MIN_INSYNC_REPLICAS,
+    DEFAULT_PARTITIONS,
+    DEFAULT_REPLICATION_FACTOR,
+    ensure_topic,
+)
 
 _PRODUCER_DEFAULTS: dict[str, Any] = {
     "enable.idempotence": True,
@@ -74,18 +81,25 @@ class Publisher:
         *,
         partitions: int = DEFAULT_PARTITIONS,
         metadata_timeout_s: float = 10.0,
+        replication_factor: int = DEFAULT_REPLICATION_FACTOR,
+        min_insync_replicas: int = DEFAULT_MIN_INSYNC_REPLICAS,
+        admin_key: str | None = None,
         **producer_config: Any,
     ) -> None:
+        """``admin_key``: updates.admin_key, which signs the admin-only messages (tombstone purges); replicas refuse
+        them unsigned."""
         if not valid_name(model):
             raise InvalidArgumentError(f"model name {model!r} is not valid (letters, digits, '_' and '-', <= 64)")
         if not brokers:
             raise InvalidArgumentError("brokers must be a non-empty 'host:port[,host:port]' string")
         self.model = model
+        self._admin_key = admin_key
         self.topic = topic_name(model, topic_prefix)
         self._conf = with_logging({**_PRODUCER_DEFAULTS, **producer_config, "bootstrap.servers": brokers})
         self._producer = Producer(self._conf)
         admin = AdminClient(with_logging({**connection_settings(producer_config), "bootstrap.servers": brokers}))
-        self.partitions = ensure_topic(admin, self.topic, partitions, timeout_s=metadata_timeout_s)
+        self.partitions = ensure_topic(admin, self.topic, partitions, timeout_s=metadata_timeout_s,
+                                       replication_factor=replication_factor, min_insync_replicas=min_insync_replicas)
         self._errors: list[str] = []
         self._fatal: list[str] = []  # fatal producer errors: the producer must be replaced before the next send
         self._lock = threading.Lock()
@@ -134,8 +148,9 @@ class Publisher:
         none = np.empty(0, dtype=np.int64)
         payload = encode_update(self.model, table, none, np.empty((0, 0), dtype=np.float32), none,
                                 purge_tombstones_below=int(below))
+        headers = [(SIGNATURE_HEADER, sign(self._admin_key, payload))] if self._admin_key is not None else None
         for p in range(self.partitions):
-            self._produce(p, payload, deliveries)
+            self._produce(p, payload, deliveries, headers)
         self.messages_sent += self.partitions
         return self.partitions
 
@@ -202,11 +217,12 @@ class Publisher:
         self.rows_sent += len(keys)
         return sent
 
-    def _produce(self, partition: int, payload: bytes, deliveries: Deliveries | None = None) -> None:
+    def _produce(self, partition: int, payload: bytes, deliveries: Deliveries | None = None,
+                 headers: list[tuple[str, bytes]] | None = None) -> None:
         deadline = time.monotonic() + 60.0
         while True:
             try:
-                self._producer.produce(self.topic, value=payload, partition=partition,
+                self._producer.produce(self.topic, value=payload, partition=partition, headers=headers,
                                        on_delivery=deliveries if deliveries is not None else self._on_delivery)
                 if deliveries is not None:
                     deliveries.sent()

@@ -1,5 +1,5 @@
-"""How hps-client builds its channel: the service config (round_robin, the UNAVAILABLE retry policy), the options a
-caller adds or overrides, and the one target a list of replicas becomes."""
+"""How hps-client builds its channel: the service config (round_robin, health checking on the accepting service, the
+retry policy), the options a caller adds or overrides, and the one target a list of replicas becomes."""
 
 from __future__ import annotations
 
@@ -7,16 +7,19 @@ import json
 
 import pytest
 
-from hps_client import InvalidArgumentError, channel_options, channel_target, service_config
+from hps_client import ACCEPTING_SERVICE, InvalidArgumentError, channel_options, channel_target, service_config
 
 
-def test_service_config_balances_and_retries_unavailable_only() -> None:
+def test_service_config_balances_health_checks_and_retries() -> None:
     config = json.loads(service_config(retries=3, backoff_s=0.05))
     assert config["loadBalancingConfig"] == [{"round_robin": {}}]
+    assert config["healthCheckConfig"] == {"serviceName": ACCEPTING_SERVICE}
+    assert "healthCheckConfig" not in json.loads(service_config(health_check=False))
     (method,) = config["methodConfig"]
     assert {"service": "hps.v1.EmbeddingService"} in method["name"]
     policy = method["retryPolicy"]
-    assert policy["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED"] and policy["maxAttempts"] == 4
+    assert policy["retryableStatusCodes"] == ["UNAVAILABLE", "CANCELLED", "RESOURCE_EXHAUSTED"]
+    assert policy["maxAttempts"] == 4
     assert policy["initialBackoff"] == "0.050s"
     assert json.loads(service_config(retries=9))["methodConfig"][0]["retryPolicy"]["maxAttempts"] == 5  # gRPC's cap
     assert "retryPolicy" not in json.loads(service_config(retries=0))["methodConfig"][0]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import hashlib
 import importlib.util
 import json
 import sys
@@ -18,8 +19,6 @@ from types import ModuleType
 import helm_python
 import pytest
 import yaml
-
-from hps_service.config import HPSConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -99,7 +98,72 @@ def test_helm_template_renders_the_same_every_time() -> None:
     assert cfg.server.admin_token is not None and cfg.server.admin_token.get_secret_value() == "s3cret-token-from-values"
     assert "s3cret" not in r.one("ConfigMap")["data"]["config.yaml"]
     annotations = r.one("StatefulSet")["spec"]["template"]["metadata"]["annotations"]
-    assert "checksum/admin-token" in annotations and "s3cret" not in json.dumps(annotations)
+    assert list(annotations) == ["checksum/config"]  # of the ConfigMap's config alone, which holds no secret
+
+
+SECRETS = {"adminToken": {"value": "s3cret-admin-token-in-values"},
+           "auth": {"mode": "token", "readers": [{"name": "ranker", "models": ["demo"]}],
+                    "existingSecret": "hps-read-tokens"},
+           "tls": {"existingSecret": "hps-tls", "clientAuth": True},
+           "kafka": {"enabled": True, "brokers": ["kafka:9092"], "adminKey": {"existingSecret": "hps-admin-key"},
+                     "sasl": {"existingSecret": "kafka-scram"}},
+           "redisCluster": {"enabled": True, "nodes": ["redis:7000"], "existingSecret": "redis-pass"}}
+
+
+def _traces(secret: str) -> set[str]:
+    """A secret as a manifest could leak it: itself, base64, and its common hashes."""
+    raw = secret.encode()
+    return {secret, base64.b64encode(raw).decode(), *(hashlib.new(h, raw).hexdigest()
+                                                      for h in ("sha256", "sha1", "md5", "sha512"))}
+
+
+def test_a_rendered_chart_holds_no_secret_and_no_hash_of_one() -> None:
+    """Every secret the server gets reaches it as a mounted file (or an env secretKeyRef): no manifest but the chart's
+    own Secret holds its value, its base64 or a hash of it; the token is no annotation (a rotated Secret takes effect
+    through the file, without a restart)."""
+    r = check_chart.render(SECRETS)
+    report = check_chart.Report("secrets")
+    check_chart.check_consistency(r, report)
+    assert report.problems == []
+    leaks = [doc["kind"] for doc in r.docs if doc["kind"] != "Secret"
+             for trace in _traces("s3cret-admin-token-in-values") if trace in json.dumps(doc)]
+    assert leaks == []
+    cfg = check_chart.server_config(r, "hps-0")
+    assert cfg.server.admin_token.get_secret_value() == "s3cret-admin-token-in-values"
+    assert cfg.server.auth == "token" and cfg.server.readers[0].name == "ranker"
+    assert cfg.server.readers[0].token.get_secret_value() == "existing-secret:hps-read-tokens/ranker"
+    assert cfg.updates.admin_key.get_secret_value() == "existing-secret:hps-admin-key/admin-key"
+    written = yaml.safe_load(r.one("ConfigMap")["data"]["config.yaml"])  # paths only
+    assert written["server"]["admin_token_file"] == "/etc/hps/secrets/admin-token"
+    assert written["server"]["readers"][0]["token_file"] == "/etc/hps/secrets/readers/ranker"
+    assert written["updates"]["admin_key_file"] == "/etc/hps/secrets/admin-key"
+    assert written["server"]["tls"] == {"cert_file": "/etc/hps/tls/tls.crt", "key_file": "/etc/hps/tls/tls.key",
+                                        "client_ca_file": "/etc/hps/tls/ca.crt"}
+    pod = r.one("StatefulSet")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"] == {"secretName": "hps-tls", "defaultMode": 0o440}
+    assert [src["secret"]["name"] for src in volumes["secrets"]["projected"]["sources"]] == [
+        "hps-admin", "hps-read-tokens", "hps-admin-key"]
+    env = {e["name"] for e in pod["containers"][0]["env"]}
+    assert not env & {"HPS_SERVER__ADMIN_TOKEN", "HPS_ADMIN_TOKEN", "HPS_UPDATES__ADMIN_KEY"}
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["secrets"]["readOnly"] and mounts["tls"]["readOnly"]
+    assert _container(r)["readinessProbe"]["httpGet"]["port"] == "probe"  # TLS from the Secret: probes go plaintext
+
+
+def test_sidecars_run_as_another_user_by_default() -> None:
+    """A sidecar may read the store (the pod's fsGroup) but runs as another user than the server's, so it can neither
+    write the store nor bind the server's ports beside it; its own securityContext still wins field by field."""
+    r = check_chart.render({"sidecars": [{"name": "plain", "image": "busybox"},
+                                         {"name": "own", "image": "busybox", "securityContext": {"runAsUser": 20000}}],
+                            "config": {"server": {"local": {"enabled": True}}}})
+    pod = r.one("StatefulSet")["spec"]["template"]["spec"]
+    server_uid = pod["securityContext"]["runAsUser"]
+    users = {c["name"]: c["securityContext"].get("runAsUser", server_uid) for c in pod["containers"]}  # effective
+    assert users == {"hps": server_uid, "plain": 10002, "own": 20000} and server_uid == 10001
+    assert pod["containers"][1]["securityContext"]["allowPrivilegeEscalation"] is False
+    cfg = check_chart.server_config(r, "hps-0")
+    assert cfg.server.local.group == pod["securityContext"]["fsGroup"]  # readable by the group, writable by none
 
 
 @pytest.mark.parametrize("config,where", [
@@ -175,15 +239,19 @@ def test_all_features_example(rendered: dict) -> None:
     assert {"name": "data", "emptyDir": {}} in pod["volumes"]
     init = pod["initContainers"][0]
     assert "hps import --config /etc/hps/config.yaml" in init["args"][0] and "--if-empty" in init["args"][0]
-    assert not r.find("Secret")  # the admin token comes from the existing Secret
-    token_ref = next(e for e in pod["containers"][0]["env"] if e["name"] == "HPS_SERVER__ADMIN_TOKEN")
-    assert token_ref["valueFrom"]["secretKeyRef"] == {"name": "hps-admin-token", "key": "token"}
+    assert not r.find("Secret")  # the admin token comes from the existing Secret, as a mounted file
+    sources = next(v for v in pod["volumes"] if v["name"] == "secrets")["projected"]["sources"]
+    assert sources[0]["secret"] == {"name": "hps-admin-token", "items": [{"key": "token", "path": "admin-token"}]}
     policy = r.one("NetworkPolicy")
     egress_ports = {p["port"] for rule in policy["spec"]["egress"] for p in rule["ports"]}
     assert egress_ports == {53, 7000, 7001, 9092, 9093}
     assert r.one("PodDisruptionBudget")["spec"] == {
         "minAvailable": 1, "selector": r.one("PodDisruptionBudget")["spec"]["selector"]}
     cfg = check_chart.server_config(r, "hps-full-0")
+    assert cfg.server.admin_token.get_secret_value() == "existing-secret:hps-admin-token/token"
+    assert [(rd.name, rd.models) for rd in cfg.server.readers] == [("ranker", ["demo"]), ("prometheus", ["*"])]
+    assert cfg.updates.admin_key.get_secret_value() == "existing-secret:hps-admin-key/key"
+    assert r.one("ServiceMonitor")["spec"]["endpoints"][0]["authorization"]["credentials"]["key"] == "prometheus"
     assert cfg.cache.refresh_interval_s == 60.0  # extraEnv reaches the server
     assert cfg.updates.group == "hps-full.hps-full-0"
     container = pod["containers"][0]
@@ -215,8 +283,8 @@ def test_all_features_example(rendered: dict) -> None:
 
 def test_config_map_is_a_valid_server_config_file(rendered: dict) -> None:
     for r in rendered.values():
-        data = yaml.safe_load(r.one("ConfigMap")["data"]["config.yaml"])
-        HPSConfig(**data)  # valid on its own, before any environment override
+        sts = r.find("StatefulSet")[0]["metadata"]["name"]
+        check_chart.server_config(r, f"{sts}-0", environment=False)  # valid before any environment override
 
 
 def test_values_schema_matches_the_config_model() -> None:
@@ -232,6 +300,7 @@ def test_values_schema_matches_the_config_model() -> None:
     ({"kafka": {"enabled": True}}, "brokers"),
     ({"redisCluster": {"enabled": True, "nodes": ["no-port"]}}, "nodes"),
     ({"replicas": 3}, "replicas"),
+    ({"gpu": {"enabled": True, "count": 2}}, "count"),  # one device per pod: a second would sit idle
 ])
 def test_schema_rejects_bad_values(values: dict, complaint: str) -> None:
     with pytest.raises(helm_python.HelmError) as exc:

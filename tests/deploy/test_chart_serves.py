@@ -1,5 +1,6 @@
 """The chart's rendered config and pod environment, run by the real `hps serve`: the ports its probes and the
-image HEALTHCHECK ask are the ones the server opens, and SIGTERM ends it inside the pod's grace period.
+image HEALTHCHECK ask are the ones the server opens, the `helm test` pod's lookup passes against it, and SIGTERM
+ends it inside the pod's grace period.
 
 Only what a kubelet would differ in is overridden: loopback instead of 0.0.0.0, free ports instead of the
 fixed ones (the same keys the probes read), and a temporary directory for the data volume.
@@ -18,7 +19,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.deploy.test_chart import check_chart
-from tests.helpers import ServerProcess, free_port
+from tests.deploy.test_chart_ops import hook_command
+from tests.helpers import HPS, ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,6 +60,15 @@ def test_rendered_chart_config_serves_on_the_probed_ports(tmp_path: Path) -> Non
             assert rsp.status == 200
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics", timeout=5) as rsp:
             assert b"hps_lookup_latency_seconds" in rsp.read()
+
+        # `helm test`: the hook pod's own command, pointed at this server instead of the release's Service.
+        command = hook_command(rendered)
+        target = command.index("--target") + 1
+        command = [*HPS, *command[1:target], f"127.0.0.1:{grpc_port}", *command[target + 1:]]
+        looked = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False, cwd=REPO)
+        assert looked.returncode == 0, looked.stderr
+        assert [line.split(" ")[:2] for line in looked.stdout.splitlines()] == [["1", "[default]"], ["2", "[default]"],
+                                                                              ["3", "[default]"]]
 
         # SIGTERM (after the preStop sleep) must end the server inside the rest of the grace period.
         budget = pod["terminationGracePeriodSeconds"] - int(container["lifecycle"]["preStop"]["exec"]["command"][1])

@@ -107,3 +107,20 @@ def test_every_metric_is_exported_by_the_server(dashboard: dict) -> None:
 ])
 def test_dashboard_shows(dashboard: dict, needle: str, what: str) -> None:
     assert any(needle in e for e in _exprs(dashboard)), f"no panel shows {what}"
+
+
+def test_error_panel_counts_what_the_alert_counts(dashboard: dict) -> None:
+    """The Errors stat divides the statuses of the chart's HPSLookupErrorRatioHigh (metrics.prometheusRule.
+    errorStatuses) by all lookups; both sides fall back to 0 when no series exists yet (no "No data")."""
+    import yaml
+
+    values = yaml.safe_load((REPO / "deploy" / "helm" / "hps" / "values.yaml").read_text())
+    statuses = values["metrics"]["prometheusRule"]["errorStatuses"]
+    (errors,) = [p for p in _panels(dashboard) if p["title"] == "Errors"]
+    expr = errors["targets"][0]["expr"]
+    assert f'status=~"{statuses}"' in expr and expr.count("or vector(0)") == 2
+    memory = next(p for p in _panels(dashboard) if p["title"].startswith("Memory"))
+    exprs = [t["expr"] for t in memory["targets"]]
+    assert "container_memory_working_set_bytes" in exprs[0] and "hps_node_shared_memory_bytes" in exprs[1]
+    (axis,) = memory["fieldConfig"]["overrides"]
+    assert axis["matcher"]["options"] == "B" and {"id": "custom.axisPlacement", "value": "right"} in axis["properties"]

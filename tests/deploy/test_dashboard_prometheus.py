@@ -1,7 +1,10 @@
-"""The Grafana dashboard against a real Prometheus: it scrapes a real `hps serve` while lookups (a few of them
-failing) and Kafka updates (one malformed) flow, then every panel query of deploy/grafana/hps-dashboard.json runs
-through Prometheus's HTTP API with Grafana's variables substituted, and each must return data. The live /metrics
-passes `promtool check metrics`."""
+"""The Grafana dashboard against a real Prometheus: it scrapes a real `hps serve` (and the working set of its
+container, as cAdvisor exports it) while lookups and Kafka updates flow, and every panel query of
+deploy/grafana/hps-dashboard.json runs through Prometheus's HTTP API with Grafana's variables substituted: first on
+a healthy system (nothing failed: every panel shows 0 rather than No data), then after faults (a malformed update,
+callers' NOT_FOUND mistakes), when each must return data again, the malformed panel counting the message and the
+Errors panel still 0 (it counts what the error alert counts, not callers' mistakes). The live /metrics passes
+`promtool check metrics`."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -19,6 +23,7 @@ from hps_service.client import HPSClient
 from hps_service.errors import HPSError, NotFoundError
 from hps_service.updates import Publisher, make_version
 from hps_service.updates.message import topic_name
+from tests.fixtures.cadvisor import cadvisor_exporter
 from tests.fixtures.prometheus import promtool, running_prometheus
 from tests.helpers import REPO, ServerProcess, free_port, write_config
 
@@ -40,8 +45,9 @@ def panel_queries() -> list[tuple[str, str]]:
             for p in dashboard["panels"] if p["type"] != "row" for t in p["targets"]]
 
 
-def _traffic(client: HPSClient, publisher: Publisher, stop: threading.Event, errors: list[str]) -> None:
-    """Updates every 0.2 s, lookups, and one NOT_FOUND per round (a caller's mistake, for the error panels)."""
+def _traffic(client: HPSClient, publisher: Publisher, stop: threading.Event, errors: list[str],
+             mistakes: threading.Event) -> None:
+    """Updates every 0.2 s, lookups, and once ``mistakes`` is set one NOT_FOUND per round (a caller's mistake)."""
     keys = np.arange(1, 501, dtype=np.int64)
     step = 0
     while not stop.is_set():
@@ -51,10 +57,11 @@ def _traffic(client: HPSClient, publisher: Publisher, stop: threading.Event, err
             publisher.flush(10)
             for i in range(10):
                 client.lookup(MODEL, "item", keys[(i * 50) % 500:(i * 50) % 500 + 64])
-            try:
-                client.lookup(MODEL, "missing", [1])
-            except NotFoundError:
-                pass
+            if mistakes.is_set():
+                try:
+                    client.lookup(MODEL, "missing", [1])
+                except NotFoundError:
+                    pass
         except HPSError as exc:  # a slow moment of a loaded machine: noted, the traffic goes on
             errors.append(repr(exc))
         stop.wait(0.2)
@@ -71,34 +78,28 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(kafka_broker, tmp
         "models": [{"name": MODEL, "tables": [{"name": "item", "dim": DIM}]}],
     })
     publisher = Publisher(kafka_broker.bootstrap, MODEL, topic_prefix=PREFIX)
-    stop = threading.Event()
+    stop, mistakes = threading.Event(), threading.Event()
     errors: list[str] = []
     with ServerProcess(cfg, grpc_port) as srv, HPSClient(srv.target, timeout=30) as client, \
-            running_prometheus(tmp_path, [f"127.0.0.1:{http_port}"], LABELS) as prom:
-        raw = Producer({"bootstrap.servers": kafka_broker.bootstrap})
-        raw.produce(topic_name(MODEL, PREFIX), b"not an update message", key=b"\0" * 8)
-        raw.flush(10)
-        traffic = threading.Thread(target=_traffic, args=(client, publisher, stop, errors), daemon=True)
+            cadvisor_exporter(srv.proc.pid) as cadvisor, \
+            running_prometheus(tmp_path, [f"127.0.0.1:{http_port}", cadvisor], LABELS) as prom:
+        traffic = threading.Thread(target=_traffic, args=(client, publisher, stop, errors, mistakes), daemon=True)
         traffic.start()
         try:
             metrics = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=10).text
             checked = subprocess.run([promtool(), "check", "metrics"], input=metrics, capture_output=True,
                                      text=True, timeout=60)
             assert checked.returncode == 0, checked.stdout + checked.stderr
-            missing: dict[str, str] = {}
-            deadline = time.monotonic() + 60
             queries = panel_queries()
             assert len(queries) >= 30
-            while True:
-                missing = {}
-                for title, query in queries:
-                    r = httpx.get(f"{prom}/api/v1/query", params={"query": query}, timeout=10).json()
-                    assert r["status"] == "success", (title, query, r)
-                    if not r["data"]["result"]:
-                        missing[title] = query
-                if not missing or time.monotonic() > deadline:
-                    break
-                time.sleep(1.0)
+            healthy = _answered(prom, queries)
+            assert healthy["missing"] == {}, f"panels without data on a healthy system: {healthy['missing']}"
+            assert healthy["values"]["Errors [A]"] == 0 and healthy["values"]["Malformed updates/s [A]"] == 0
+            raw = Producer({"bootstrap.servers": kafka_broker.bootstrap})
+            raw.produce(topic_name(MODEL, PREFIX), b"not an update message", key=b"\0" * 8)
+            raw.flush(10)
+            mistakes.set()
+            faults = _answered(prom, queries, until=lambda v: v["Malformed updates/s [A]"] > 0)
             for variable in ("namespace", "pod", "model"):
                 values = httpx.get(f"{prom}/api/v1/label/{variable}/values",
                                    params={"match[]": "hps_tier_hits_total"}, timeout=10).json()["data"]
@@ -107,6 +108,28 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(kafka_broker, tmp
             stop.set()
             traffic.join(30)
             publisher.close()
-    print(f"\n{len(queries)} panel queries answered with data; traffic errors: {errors[:3]}")
-    assert missing == {}, f"panel queries without data: {json.dumps(missing, indent=1)}"
+    print(f"\n{len(queries)} panel queries answered with data, healthy and after faults; traffic errors: {errors[:3]}")
+    assert faults["missing"] == {}, f"panel queries without data: {json.dumps(faults['missing'], indent=1)}"
+    assert faults["values"]["Malformed updates/s [A]"] > 0
+    assert faults["values"]["Errors [A]"] == 0, "NOT_FOUND (a caller's mistake) counted as a server error"
+    assert faults["values"]["Memory by pod: working set and shared store [A]"] > 0
+    assert faults["values"]["Memory by pod: working set and shared store [B]"] > 0
     assert 'hps_build_info{version="' in metrics
+
+
+def _answered(prom: str, queries: list[tuple[str, str]], until: Any = None, timeout: float = 60) -> dict[str, Any]:
+    """Run every query until each returns data (and ``until(values)`` holds), or ``timeout``; the queries still
+    without data and the largest value of each."""
+    deadline = time.monotonic() + timeout
+    while True:
+        missing, values = {}, {}
+        for title, query in queries:
+            r = httpx.get(f"{prom}/api/v1/query", params={"query": query}, timeout=10).json()
+            assert r["status"] == "success", (title, query, r)
+            if r["data"]["result"]:
+                values[title] = max(float(series["value"][1]) for series in r["data"]["result"])
+            else:
+                missing[title] = query
+        if (not missing and (until is None or until(values))) or time.monotonic() > deadline:
+            return {"missing": missing, "values": values}
+        time.sleep(1.0)

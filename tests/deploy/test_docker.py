@@ -233,10 +233,20 @@ def test_image_ports_and_config_match_the_server(dockerfile) -> None:
     assert str(cfg.persistent.path).startswith("/var/lib/hps/") and "chown -R hps:hps /var/lib/hps" in runs
 
 
-def test_cuda_image_installs_the_gpu_extra() -> None:
+def test_cuda_image_installs_the_gpu_extra_from_its_lock() -> None:
     _, stages = parse_dockerfile(REPO / "docker" / "Dockerfile.cuda")
-    extras = [i.args for i in stages[0].all("ARG") if i.args.startswith("EXTRAS=")]
-    assert extras == ['EXTRAS="gpu"']
+    assert "docker/requirements-cuda.lock" in " ".join(i.args for i in stages[0].all("COPY"))
+    assert "--require-hashes" in " ".join(i.args for i in stages[0].all("RUN"))
+    sys.path.insert(0, str(REPO / "docker"))
+    try:
+        from lock_requirements import IMAGES
+    finally:
+        sys.path.pop(0)
+    cuda = next(image for image in IMAGES if image.lock.name == "requirements-cuda.lock")
+    assert cuda.extras == ("gpu", "otel") and cuda.python == "3.12"  # Ubuntu 24.04's python3, as the CUDA base
+    for image in IMAGES:  # server.tracing works in either image: the otel extra is locked in both
+        assert "otel" in image.extras
+        assert re.search(r"^opentelemetry-sdk==", image.lock.read_text(), re.M), image.lock
     out = subprocess.run([sys.executable, str(REPO / "docker/pyproject_requirements.py"),
                           str(REPO / "pyproject.toml"), "gpu"], capture_output=True, text=True, check=True)
     assert any(line.startswith("cupy-cuda12x") for line in out.stdout.splitlines())
@@ -290,9 +300,11 @@ def test_healthcheck_fails_when_nothing_listens() -> None:
     assert result.returncode == 1
 
 
-def test_lock_pins_every_dependency_with_hashes() -> None:
-    """docker/requirements.lock (installed with --require-hashes) satisfies pyproject.toml's dependencies and pins
-    each package once, to one version, with its sha256: a stale lock after a dependency change fails here."""
+@pytest.mark.parametrize("lock,extras", [("requirements.lock", []), ("requirements-cuda.lock", ["gpu"])])
+def test_lock_pins_every_dependency_with_hashes(lock: str, extras: list[str]) -> None:
+    """Each image's lock (installed with --require-hashes) satisfies pyproject.toml's dependencies (and the CUDA
+    image's extra) and pins each package once, to one version, with the sha256 of its file for x86_64 and for
+    aarch64 (a compiled package has two): a stale lock after a dependency change fails here."""
     from packaging.requirements import Requirement
 
     sys.path.insert(0, str(REPO / "docker"))
@@ -301,22 +313,25 @@ def test_lock_pins_every_dependency_with_hashes() -> None:
     finally:
         sys.path.pop(0)
     pins: dict[str, str] = {}
-    for line in (REPO / "docker" / "requirements.lock").read_text().splitlines():
+    hashes: dict[str, list[str]] = {}
+    for line in (REPO / "docker" / lock).read_text().splitlines():
         if not line or line.startswith("#"):
             continue
-        spec, _, hashes = line.partition(" --hash=sha256:")
+        spec, *files = line.split(" --hash=sha256:")
         name, _, version = spec.partition("==")
-        assert version and re.fullmatch(r"[0-9a-f]{64}", hashes), line
+        assert version and files and all(re.fullmatch(r"[0-9a-f]{64}", h) for h in files), line
         assert name not in pins, f"{name} pinned twice"
-        pins[name] = version
-    for dep in requirements(str(REPO / "pyproject.toml"), []):
+        pins[name], hashes[name] = version, files
+    for dep in requirements(str(REPO / "pyproject.toml"), extras):
         req = Requirement(dep)
         name = req.name.lower().replace("_", "-")
-        assert name in pins, f"{dep} is not in docker/requirements.lock: run `make lock`"
+        assert name in pins, f"{dep} is not in docker/{lock}: run `make lock`"
         assert req.specifier.contains(pins[name], prereleases=True), f"lock pins {name}=={pins[name]}, wants {dep}"
-        for extra in req.extras:  # redis[hiredis]
+        for extra in req.extras & {"hiredis"}:  # redis[hiredis]: the extra is a package
             assert extra in pins, f"{dep}: extra {extra} not locked"
     assert "hps-client" not in pins and "setuptools" in pins  # local distributions are built without isolation
+    for compiled in ("numpy", "grpcio", "rocksdict", "numba"):  # a wheel per architecture
+        assert len(set(hashes[compiled])) == 2, f"{compiled}: {hashes[compiled]}"
 
 
 def test_images_compile_the_kernels_at_build_time_for_any_cpu(dockerfile) -> None:

@@ -8,22 +8,16 @@ from pathlib import Path
 import pytest
 
 from hps_service.errors import NotFoundError
-from hps_service.fleet.store import CorruptSnapshotError, SnapshotBucket
-
-
-@pytest.fixture
-def bucket(s3_server, monkeypatch):
-    for k, v in s3_server.env.items():
-        monkeypatch.setenv(k, v)
-    return SnapshotBucket(f"s3://{s3_server.new_bucket()}/fleet/a")
+from hps_service.fleet.store import CorruptSnapshotError
 
 
 def _files(root: Path) -> Path:
-    (root / "sub").mkdir(parents=True)
+    root.mkdir(parents=True)
     (root / "000001.sst").write_bytes(os.urandom(300_000))
     (root / "CURRENT").write_bytes(b"MANIFEST-000001\n")
-    (root / "sub" / "x").write_bytes(b"")
+    (root / "IDENTITY").write_bytes(b"")
     (root / "LOCK").write_bytes(b"")
+    (root / "LOG").write_bytes(b"RocksDB's info log")
     return root
 
 
@@ -31,7 +25,8 @@ def test_upload_list_download_round_trip(bucket, tmp_path):
     src = _files(tmp_path / "src")
     seen = []
     manifest = bucket.upload("m", src, {"tables": {"t": {"dim": 4, "rows": 1}}}, lambda d, t: seen.append((d, t)))
-    assert [e["name"] for e in manifest["files"]] == ["sub/x", "CURRENT", "000001.sst"]  # smallest first, no LOCK
+    # smallest first, no LOCK and no info LOG
+    assert [e["name"] for e in manifest["files"]] == ["IDENTITY", "CURRENT", "000001.sst"]
     assert seen[-1] == (manifest["bytes"], manifest["bytes"])
     assert [m["id"] for m in bucket.list("m")] == [manifest["id"]]
     assert bucket.list("other") == []

@@ -1,6 +1,7 @@
 """Hypothesis fuzz of the gRPC API of a real `hps serve` process: random key bytes, empty and oversized batches,
-unknown names, many tables per request, raw bytes that are no protobuf, oversized messages. Every answer is OK or a
-client error (never INTERNAL/UNKNOWN), the server keeps serving, and its memory stays bounded."""
+unknown names, many tables per request, raw bytes that are no protobuf, oversized messages, and requests exactly at
+and one past each limit (keys, tables, message bytes). Every answer is OK or a client error (never INTERNAL/UNKNOWN),
+the server keeps serving, and its memory stays bounded."""
 
 from __future__ import annotations
 
@@ -149,3 +150,39 @@ def test_limits_and_memory(fuzzed: Fuzzed) -> None:
     print(f"\nserver RSS over 10 rounds of 64 MiB refusals: {samples[0] / 2**20:.0f} -> {samples[-1] / 2**20:.0f} MiB")
     assert growth < 64 << 20, f"RSS grew by {growth / 2**20:.0f} MiB"
     assert fuzzed.server.proc.poll() is None
+
+
+def _sized(total: int) -> pb.LookupRequest:
+    """A request of exactly ``total`` serialized bytes: one table of whole int64 keys, the model name padding the
+    rest (the batch limit refuses it before the name is looked at)."""
+    for pad in range(64):
+        keys = (total - pad - 16) // 8 * 8
+        request = pb.LookupRequest(model="demo" + "x" * pad, tables=[pb.TableKeys(table="item", keys=b"\0" * keys)])
+        if request.ByteSize() == total:
+            return request
+    raise AssertionError(f"no request of {total} bytes")
+
+
+def test_requests_at_and_one_past_each_limit(fuzzed: Fuzzed) -> None:
+    """At a limit the request is taken (or refused by the next limit inside, naming it); one past, refused naming
+    the limit it broke: keys (server.max_batch_keys), tables (server.max_tables_per_request), bytes
+    (server.max_message_bytes, refused by the transport before parsing)."""
+    def keys(n: int) -> pb.TableKeys:
+        return pb.TableKeys(table="item", keys=np.arange(n, dtype="<i8").tobytes())
+
+    at_keys = pb.LookupRequest(model="demo", tables=[keys(MAX_KEYS)])
+    assert fuzzed.stub.Lookup(at_keys, timeout=30).tables[0].count == MAX_KEYS
+    at_tables = pb.LookupRequest(model="demo", tables=[keys(MAX_KEYS // MAX_TABLES)] * MAX_TABLES)
+    assert [t.count for t in fuzzed.stub.Lookup(at_tables, timeout=30).tables] == [MAX_KEYS // MAX_TABLES] * MAX_TABLES
+    over = {
+        "max_batch_keys": pb.LookupRequest(model="demo", tables=[keys(MAX_KEYS // 2), keys(MAX_KEYS // 2 + 1)]),
+        "max_tables_per_request": pb.LookupRequest(model="demo", tables=[keys(1)] * (MAX_TABLES + 1)),
+        # exactly max_message_bytes passes the transport, and its 32k keys are over the batch limit
+        "max_batch_keys=": _sized(MAX_MESSAGE),
+        "larger than max": _sized(MAX_MESSAGE + 1),
+    }
+    for limit, request in over.items():
+        with pytest.raises(grpc.RpcError) as refused:
+            fuzzed.stub.Lookup(request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
+        assert limit in refused.value.details(), (limit, refused.value.details())

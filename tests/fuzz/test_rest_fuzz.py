@@ -1,6 +1,6 @@
 """Fuzz of the REST admin API of a real `hps serve` process: rows with NaN/inf/huge values, wrong dims, keys out of
-int64, odd names, bodies over server.max_body_bytes (declared and chunked). Never a 5xx; stored rows read back
-exactly; the server's memory stays bounded."""
+int64, odd names, bodies over server.max_body_bytes (declared and chunked), and bodies exactly at and one byte or
+one key past each route's bound. Never a 5xx; stored rows read back exactly; the server's memory stays bounded."""
 
 from __future__ import annotations
 
@@ -103,3 +103,40 @@ def test_body_limit_declared_and_chunked(rest) -> None:
     print(f"\nREST 413s: server RSS {samples[0] / 2**20:.0f} -> {samples[-1] / 2**20:.0f} MiB")
     assert growth < 32 << 20
     assert not math.isnan(growth)
+
+
+def _padded(body: bytes, size: int) -> bytes:
+    """``body`` grown to ``size`` bytes by whitespace after it (still the same JSON)."""
+    assert len(body) <= size, (len(body), size)
+    return body + b" " * (size - len(body))
+
+
+def test_bodies_at_and_past_each_routes_bound(rest) -> None:
+    """A lookup, a put and a delete of server.max_batch_keys keys (rows) in their longest JSON are taken, and so is
+    each padded to its route's byte bound exactly; one byte more, or one key more, is 413 naming the bound."""
+    client, _ = rest
+    from hps_service.server.rest_bodies import keys_body_bytes, rows_body_bytes
+
+    n = 1024  # the fixture's server.max_batch_keys
+    path = "/v1/models/demo/tables/item/embeddings"
+    longest_key, longest_float = -(2**63), -1.1754943508222875e-38  # 20 and 23 characters
+    lookup = json.dumps({"keys": [longest_key] * n}).encode()
+    put = json.dumps({"keys": [longest_key + i for i in range(n)], "vectors": [[longest_float] * DIM] * n,
+                      "version": 2**63 - 1}).encode()
+    delete = json.dumps({"keys": [longest_key] * n, "version": 2**63 - 1}).encode()
+    cases = [("POST", path + ":lookup", lookup, keys_body_bytes(n), {}),
+             ("PUT", path, put, rows_body_bytes(n, DIM), AUTH),
+             ("DELETE", path, delete, keys_body_bytes(n), AUTH)]
+    for method, url, body, bound, headers in cases:
+        headers = {**headers, "Content-Type": "application/json"}
+        for sent in (body, _padded(body, bound)):
+            r = client.request(method, url, content=sent, headers=headers)
+            assert r.status_code == 200, (method, len(sent), r.text[:300])
+        r = client.request(method, url, content=_padded(body, bound + 1), headers=headers)
+        assert r.status_code == 413 and f"exceeds the {bound} bytes allowed" in r.json()["error"], (method, r.text)
+        one_more = json.loads(body)
+        one_more["keys"].append(1)
+        if "vectors" in one_more:
+            one_more["vectors"].append([1.0] * DIM)
+        r = client.request(method, url, content=json.dumps(one_more), headers=headers)
+        assert r.status_code == 413 and "server.max_batch_keys=1024" in r.json()["error"], (method, r.text)

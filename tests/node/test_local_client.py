@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from hps_service.client import HPSClient
+from hps_service.errors import UnavailableError
 from hps_service.importer import synthesize_model
 from hps_service.local import LocalClient
 from hps_service.tiers.rocksdb import RocksDBTier
@@ -42,8 +43,10 @@ class LocalServer:
         self.workdir, self.store = workdir, store
         self.grpc_port, self.http_port = free_port(), free_port()
         config = {
+            # the socket elsewhere than <store>/grpc.sock: every LocalClient here learns it from the store
             "server": {"grpc_port": self.grpc_port, "http_port": self.http_port, "admin_token": TOKEN, "workers": 2,
-                       "grace_period_s": 5, "local": {"enabled": True, "path": str(store)}},
+                       "grace_period_s": 5, "local": {"enabled": True, "path": str(store)},
+                       "uds_path": str(workdir / f"{store.name}.sock")},
             # L1 smaller than the table (the warm start drops rows once sets fill, so admission then asks for 15
             # recent misses: nothing the test does moves rows into L1), the hash map holds every row
             "cache": {"backend": "numpy", "capacity": 16384, "admit_after_misses": 15},
@@ -198,3 +201,15 @@ def test_a_restart_under_a_reading_loop_raises_nothing_and_rows_stay_right(tmp_p
         local.close()
     assert not errors, errors[:3]
     assert local.remaps >= 1 and reads[0] > 0
+
+
+def test_a_socket_that_is_not_there_is_named_at_once(tmp_path: Path) -> None:
+    """No store to learn the socket from and nothing at the default one: the first call that needs the server fails
+    at once with UnavailableError naming the socket, instead of waiting out its timeout."""
+    with LocalClient(tmp_path / "no-store", timeout=60) as local:
+        started = time.monotonic()
+        with pytest.raises(UnavailableError, match=str(tmp_path / "no-store" / "grpc.sock")):
+            local.lookup("m", "item", [1, 2])
+        with pytest.raises(UnavailableError, match="socket_path"):
+            local.list_models()
+        assert time.monotonic() - started < 5

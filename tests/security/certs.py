@@ -26,6 +26,9 @@ class PKI:
     other_ca: Path
     other_client_cert: Path
     other_client_key: Path
+    #: Signed by ``ca`` for a name no server.readers entry has (mTLS: known to the CA, not allowed to read).
+    stranger_cert: Path
+    stranger_key: Path
 
 
 def _name(cn: str) -> x509.Name:
@@ -84,6 +87,7 @@ def make_pki(directory: Path) -> PKI:
     client, client_key = _leaf("hps-client", ca, ca_key, server=False)
     other, other_key = _ca("other-ca")
     intruder, intruder_key = _leaf("intruder", other, other_key, server=False)
+    stranger, stranger_key = _leaf("stranger", ca, ca_key, server=False)
     d = directory
     return PKI(
         ca=_write_cert(ca, d / "ca.pem"),
@@ -94,4 +98,6 @@ def make_pki(directory: Path) -> PKI:
         other_ca=_write_cert(other, d / "other-ca.pem"),
         other_client_cert=_write_cert(intruder, d / "intruder.pem"),
         other_client_key=_write_key(intruder_key, d / "intruder.key"),
+        stranger_cert=_write_cert(stranger, d / "stranger.pem"),
+        stranger_key=_write_key(stranger_key, d / "stranger.key"),
     )

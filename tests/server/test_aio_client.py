@@ -12,8 +12,9 @@ import httpx
 import numpy as np
 import pytest
 
+from hps_client import DeadlineExceededError
 from hps_service.aio_client import AsyncHPSClient
-from hps_service.client import HPSClient, LookupError_, build_request
+from hps_service.client import HPSClient, build_request
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.app import HPSServer
@@ -110,8 +111,9 @@ def test_per_call_timeout(tmp_path: Path) -> None:
 
         async def main() -> None:
             async with AsyncHPSClient(target(srv), timeout=30) as client:
-                with pytest.raises(LookupError_, match="DEADLINE_EXCEEDED"):
+                with pytest.raises(DeadlineExceededError, match="DEADLINE_EXCEEDED") as raised:
                     await client.lookup("demo", "item", KEYS, timeout=0.3)
+                assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and isinstance(raised.value, TimeoutError)
                 stream.close()
                 assert (await client.lookup("demo", "item", KEYS)).shape == (KEYS.shape[0], ITEM_DIM)
 
@@ -120,9 +122,11 @@ def test_per_call_timeout(tmp_path: Path) -> None:
 
 def test_a_draining_replica_answers_unavailable_and_calls_go_to_the_other(replicas: list[HPSServer]) -> None:
     """A draining server refuses with UNAVAILABLE (never CANCELLED); the channel's retry policy sends the call to
-    the other replica, so both clients get every answer. Alone, the draining one's refusal reaches the caller."""
+    the other replica, so both clients get every answer. Alone, the draining one is left by the client's health
+    check (its accepting service says NOT_SERVING) and the caller is told no replica accepts calls."""
     live, draining = replicas
     draining.gate.close("the server is draining")
+    draining.update_health()  # what its health loop does within 0.2 s
     with grpc.insecure_channel(target(draining)) as channel, pytest.raises(grpc.RpcError) as refused:
         pb_grpc.EmbeddingServiceStub(channel).Lookup(build_request("demo", {"item": KEYS}), timeout=10)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "draining" in refused.value.details()
@@ -138,6 +142,6 @@ def test_a_draining_replica_answers_unavailable_and_calls_go_to_the_other(replic
 
     asyncio.run(main())
     assert _lookups_served(live) - before == 16
-    with HPSClient(target(draining), retries=1, backoff_s=0.01) as client, pytest.raises(UnavailableError,
-                                                                                         match="draining"):
+    with HPSClient(target(draining), retries=1, backoff_s=0.01) as client, pytest.raises(
+            UnavailableError, match="no replica is accepting calls"):
         client.lookup("demo", "item", KEYS)

@@ -18,11 +18,15 @@ import pytest
 from hps_service.cpus import affinity_cpus, cgroup_cpu_limit, usable_cpus
 from hps_service.store.changes import ChangeRing
 from hps_service.store.counters import REQ_FIELDS, STATUS_INDEX, RequestCounters, new_counters, request_totals
+from hps_service.store.node_store import NodeStore
+from hps_service.store.permissions import PRIVATE, StoreAccess
 from hps_service.store.queue import CTRL_LEN, Ring, record_bytes
 from hps_service.store.region import Region
 
 #: The interpreter a probe runs under as another user (the project's virtualenv may be private to its owner).
 SYSTEM_PYTHON = "/usr/bin/python3"
+#: The colocated readers' group (server.local.group): one of no user here when root may give files to it.
+READERS_GID = 23456 if os.geteuid() == 0 else os.getgid()
 
 
 def _ring(tmp_path: Path, size: int = 4096) -> Ring:
@@ -101,15 +105,47 @@ def test_counters_of_many_threads_and_processes_add_up(tmp_path: Path) -> None:
     assert keys_cumulative[-1] == 6 * calls and keys_sum == 6 * calls * 1024
 
 
-def test_store_files_are_readable_by_the_group_only(tmp_path: Path) -> None:
-    region = Region(tmp_path / "s", writable=True, mode=0o640)
-    region.create("tables/1/rows", (4, 4), np.float32)
-    assert stat.S_IMODE(os.stat(region.path / "tables/1/rows").st_mode) == 0o640
-    assert stat.S_IMODE(os.stat(region.path / "tables/1").st_mode) == 0o750
-    private = Region(tmp_path / "p", writable=True, mode=0o600)
-    private.create("x", (1,), np.int64)
-    assert stat.S_IMODE(os.stat(private.path / "x").st_mode) == 0o600
-    assert stat.S_IMODE(os.stat(private.path).st_mode) == 0o700
+def _modes(root: Path) -> dict[str, tuple[int, int]]:
+    """(permission bits, gid) of every file and directory under ``root`` (links left out), ``root`` included."""
+    paths = [root, *(p for p in root.rglob("*") if not p.is_symlink())]
+    return {p.relative_to(root).as_posix(): (stat.S_IMODE(p.stat().st_mode), p.stat().st_gid) for p in paths}
+
+
+@pytest.fixture
+def usual_umask() -> Iterator[None]:
+    """The usual umask (022), under which a directory made without explicit bits is 0755."""
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_store_files_and_every_directory_are_the_users_or_the_readers_group_only(tmp_path: Path, usual_umask) -> None:
+    """0600/0700 by default, 0640/0750 with the readers' group (server.local.group): the intermediate directories
+    too (they were 0755, from the umask)."""
+    shared = Region(tmp_path / "s", writable=True, access=StoreAccess(READERS_GID))
+    shared.create("tables/1/rows", (4, 4), np.float32)
+    assert _modes(tmp_path / "s") == {".": (0o750, READERS_GID), "tables": (0o750, READERS_GID),
+                                      "tables/1": (0o750, READERS_GID), "tables/1/rows": (0o640, READERS_GID)}
+    private = Region(tmp_path / "p", writable=True, access=PRIVATE)
+    private.create("a/b/x", (1,), np.int64)
+    assert {bits for bits, _ in _modes(tmp_path / "p").values()} == {0o700, 0o600}
+    assert _modes(tmp_path / "p")["a/b/x"][0] == 0o600
+
+
+@pytest.mark.parametrize("access", [PRIVATE, StoreAccess(READERS_GID)], ids=["private", "readers-group"])
+def test_a_node_store_is_made_with_its_access_throughout(tmp_path: Path, access: StoreAccess, usual_umask) -> None:
+    root = tmp_path / "shm" / "hps"  # neither exists: both are made by the store
+    store = NodeStore(root, private=False, processes=2, workers=1, access=access)
+    try:
+        store.new_table("m", "t", 4, "zeros")
+        store.publish([], {})
+        modes = _modes(tmp_path / "shm")
+        dirs = {k for k, _ in modes.items() if (tmp_path / "shm" / k).is_dir()}
+        assert {modes[k] for k in dirs} == {(access.dir_mode, access.gid or os.getgid())}
+        assert {v for k, v in modes.items() if k not in dirs} == {(access.file_mode, access.gid or os.getgid())}
+        assert len(modes) > 10
+    finally:
+        store.close()
 
 
 @pytest.fixture
@@ -124,12 +160,13 @@ def open_dir() -> Iterator[Path]:
 @pytest.mark.skipif(os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK),
                     reason="switching to another user needs root, and a Python that user may run")
 def test_another_user_cannot_map_the_store_but_the_group_can(open_dir: Path) -> None:
-    region = Region(open_dir / "s", writable=True, mode=0o640)
+    region = Region(open_dir / "s", writable=True, access=StoreAccess(READERS_GID))
     region.create("rows", (4, 4), np.float32)
     probe = ("import mmap, sys\nf = open(sys.argv[1], 'rb')\nmmap.mmap(f.fileno(), 64, prot=mmap.PROT_READ)\n"
              "print('mapped')")
     path = str(region.path / "rows")
     gid = os.stat(path).st_gid
+    assert gid == READERS_GID
 
     def as_nobody(*groups: int) -> subprocess.CompletedProcess:
         def drop() -> None:

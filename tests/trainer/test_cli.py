@@ -37,7 +37,7 @@ def test_train_on_criteo_files_checkpoints_exports_and_resumes(tmp_path: Path) -
     tsv = write_tsv(tmp_path / "day_0.tsv", cols)
     config = criteo_config(tmp_path / "ctr.yaml", fields=6)
     out = tmp_path / "metrics.json"
-    args = ["train", "--config", str(config), "--data", str(tsv), "--batch-size", "500", "--holdout-size", "1000",
+    args = ["train", "--config", str(config), "--data", str(tsv), "--batch-size", "500", "--holdout", "last:1000",
             "--eval-every", "5", "--no-progress", "--metrics-out", str(out), "--max-rows-per-table", "150",
             "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "4", "--export-dir",
             str(tmp_path / "export"), "--export-every", "5", "--precision", "bf16", "--device", "cpu",
@@ -51,7 +51,7 @@ def test_train_on_criteo_files_checkpoints_exports_and_resumes(tmp_path: Path) -
     assert metrics["tables"]["C1"]["rows"] <= 150 and metrics["tables"]["C1"]["evictions"] > 0
     assert [Path(p).name for p in metrics["checkpoints"]] == ["step-000000000004", "step-000000000006"]
     assert len(metrics["exports"]) == 2 and len(metrics["moe"]["load_over_time"]) == 2
-    # run on to the end of the file (one pass: 5000 training rows after the 1000 held out)
+    # run on to the end of the file (one pass: the 5000 training rows before the last 1000, held out)
     result = CliRunner().invoke(_app(), [*args, "--resume"])
     assert result.exit_code == 0, result.output
     metrics = json.loads(out.read_text())
@@ -96,6 +96,13 @@ def test_train_on_synthetic_data_measures_drift(tmp_path: Path) -> None:
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--precision", "fp8"], "precision"),
         (["--batch-size", "0"], "batch-size"),
+        (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the 2 --experts"),
+        (["--interaction", "fm"], "--interaction must be dot or dcn"),
+        (["--bottom-mlp", "64,x"], "comma-separated layer widths"),
+        (["--holdout", "first:10"], "--holdout takes last:N"),
+        (["--data", "kafka://127.0.0.1:1/t", "--holdout", "last:10"], "progressive validation"),
+        (["--data", "kafka://nowhere"], "expected kafka://"),
+        (["--follow", "--data", "{tsv}", "--data", "{tsv}"], "--follow needs one --data"),
     ],
 )
 def test_train_errors_exit_2_with_a_message(tmp_path: Path, extra: list[str], message: str) -> None:
@@ -112,3 +119,16 @@ def test_predict_errors_exit_2_with_a_message(tmp_path: Path) -> None:
     tsv = write_tsv(tmp_path / "x.tsv", make_rows(10))
     result = CliRunner().invoke(_app(), ["predict", "--export-dir", str(tmp_path / "none"), "--data", str(tsv)])
     assert result.exit_code == 2 and "no exported model" in result.output, result.output
+
+
+def test_resuming_with_another_shape_is_one_error_line(tmp_path: Path) -> None:
+    config = tmp_path / "hps.yaml"
+    config.write_text(CONFIG)
+    args = ["train", "--config", str(config), "--steps", "2", "--batch-size", "64", "--no-progress", "--experts",
+            "0", "--checkpoint-dir", str(tmp_path / "ckpt"), "--metrics-out", str(tmp_path / "m.json")]
+    assert CliRunner().invoke(_app(), args).exit_code == 0
+    result = CliRunner().invoke(_app(), [*args, "--resume", "--top-mlp", "16", "--interaction", "dcn"])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert lines[-1].startswith("error:") and "another model shape" in result.output, result.output
+    assert "interaction: checkpoint 'dot', this run 'dcn'" in result.output and "Traceback" not in result.output

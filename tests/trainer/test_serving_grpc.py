@@ -38,7 +38,9 @@ FIELDS = 6
 def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_broker, tmp_path: Path) -> None:
     model = f"g{uuid.uuid4().hex[:8]}"
     grpc_port, http_port = free_port(), free_port()
-    tsv = write_tsv(tmp_path / "day_0.tsv", make_rows(4000, seed=5, fields=FIELDS))
+    rows = make_rows(4000, seed=5, fields=FIELDS)
+    tsv = write_tsv(tmp_path / "day_0.tsv", {k: v[:3000] for k, v in rows.items()})
+    later = write_tsv(tmp_path / "day_1.tsv", {k: v[3000:] for k, v in rows.items()})  # newer: held out
     store = Path(tempfile.mkdtemp(prefix="hps-trainer-store-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     cfg_path = criteo_config(tmp_path / "c.yaml", fields=FIELDS, brokers=kafka_broker.bootstrap, model=model, extra={
         "server": {"grpc_port": grpc_port, "http_port": http_port, "local": {"enabled": True, "path": str(store)}},
@@ -46,7 +48,7 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
         "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
     })
     cfg = load_config(cfg_path)
-    dlrm, source = build_run(cfg.models[0], RunSpec(data_format="criteo", data=(str(tsv),), holdout_rows=1000,
+    dlrm, source = build_run(cfg.models[0], RunSpec(data_format="criteo", data=(str(tsv),), eval_data=(str(later),),
                                                     seed=3, max_rows_per_table=150))  # 200 ids: evictions
     export = tmp_path / "export"
     publisher = Publisher(kafka_broker.bootstrap, model, "hps")
@@ -75,11 +77,11 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
         with Predictor(export, srv.target) as predictor:
             assert predictor.version == metrics["publishing"]["last_version"] and unseen.any()
             got = predictor.predict(batch)
-            raw = next(source.files.tables(1000)).drop(["label"])  # the same rows as they are in the file
+            raw = next(source.eval_files.tables(1000)).drop(["label"])  # the same rows as they are in the file
             assert np.array_equal(predictor.predict_raw(raw), got)
         print("max |served - trainer| prediction difference", float(np.max(np.abs(got - expected))))
         assert float(np.max(np.abs(got - expected))) <= 1e-5
-        result = run_hps("predict", "--export-dir", str(export), "--target", srv.target, "--data", str(tsv),
+        result = run_hps("predict", "--export-dir", str(export), "--target", srv.target, "--data", str(later),
                          "--limit", "1000")
         assert result.returncode == 0, result.stderr
         printed = re.search(r"rows 1000\s+AUC (\S+)\s+log-loss (\S+)", result.stdout)
@@ -91,7 +93,7 @@ def test_a_criteo_file_trained_published_exported_and_scored_over_grpc(kafka_bro
             assert local.mapped
             np.testing.assert_allclose(colocated.predict(batch), got, atol=1e-6)
         example = subprocess.run([sys.executable, str(REPO / "examples" / "local_inference.py"), "--store",
-                                  str(store), "--export-dir", str(export), "--data", str(tsv), "--limit", "1000",
+                                  str(store), "--export-dir", str(export), "--data", str(later), "--limit", "1000",
                                   "--batch-size", "4096"],
                                  capture_output=True, text=True, timeout=300, cwd=REPO)
         assert example.returncode == 0, example.stderr

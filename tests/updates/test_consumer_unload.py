@@ -106,3 +106,59 @@ def test_a_model_unloaded_while_its_batch_is_applied_loses_nothing(
     assert wait_until(lambda: all_served(engine, model_name, keys, 1), timeout=20), consumer.stats()
     assert consumer.stats()["malformed"] == {}
     assert consumer.stats()["parked_offsets"] == {}
+
+
+def test_a_model_replaced_mid_batch_parks_its_partitions_and_the_consumer_lives(
+    kafka_broker, engine, model_name, consumer
+) -> None:
+    """The model is replaced (unloaded and registered again) while the engine applies a validated batch: the engine
+    raises NotFoundError for a model that is loaded again by the time the consumer looks (issue 27, defect 6).
+    Before: the consumer thread re-raised it and died for good; nothing more was applied."""
+    replaced = threading.Event()
+    real = engine.apply_changes
+
+    def replace_then_apply(changes, *args):  # a seam at the engine call: the replacement lands mid-call
+        if threading.current_thread() is consumer._thread and changes and not replaced.is_set():
+            engine.unregister_model(changes[0].model)
+            try:
+                return real(changes, *args)
+            finally:
+                engine.register_model(model_config(model_name))
+                replaced.set()
+        return real(changes, *args)
+
+    engine.apply_changes = replace_then_apply
+    pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
+    keys = np.arange(800, dtype=np.int64)
+    for lo in range(0, 800, 100):
+        pub.publish(TABLE, keys[lo : lo + 100], rows_for(keys[lo : lo + 100], 1), 1)
+    pub.flush()
+    assert replaced.wait(PATIENCE_S)
+    assert wait_until(lambda: all_served(engine, model_name, keys, 1), timeout=20), consumer.stats()
+    assert consumer._thread.is_alive() and consumer.stats()["parked_offsets"] == {}
+    assert consumer.stats()["malformed"] == {}
+
+
+def test_the_consumer_survives_an_unexpected_engine_error_and_reads_the_batch_again(
+    kafka_broker, engine, model_name, consumer
+) -> None:
+    """An error nobody expected (here from the engine's check of a batch) is logged and survived: the batch is read
+    again from what was applied, and nothing is lost. Before: the consumer thread died for good."""
+    failed = threading.Event()
+    real = engine.check_change
+
+    def fail_once(change):
+        if not failed.is_set():
+            failed.set()
+            raise RuntimeError("an engine bug")
+        return real(change)
+
+    engine.check_change = fail_once
+    pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4)
+    keys = np.arange(400, dtype=np.int64)
+    pub.publish(TABLE, keys, rows_for(keys, 2), 2)
+    pub.flush()
+    assert failed.wait(PATIENCE_S)
+    assert wait_until(lambda: all_served(engine, model_name, keys, 2), timeout=20), consumer.stats()
+    stats = consumer.stats()
+    assert consumer._thread.is_alive() and stats["errors"] == 1 and "an engine bug" in stats["last_error"], stats

@@ -15,7 +15,9 @@ from typing import Any, Self
 import grpc
 import numpy as np
 
-from hps_client.channel import channel_options
+from hps_client.attempts import HedgingPolicy, call_hedged_async, retry_elsewhere
+from hps_client.call_auth import read_credentials
+from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import FailedPreconditionError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
@@ -56,14 +58,24 @@ class AsyncHPSClient:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         tls: bool = False,
+        metadata: Metadata | None = None,
+        interceptors: Sequence[Any] | None = None,
+        hedging: HedgingPolicy | Mapping[str, Any] | None = None,
+        health_check: bool = True,
+        credentials: str | grpc.CallCredentials | None = None,
     ) -> None:
-        """Targets, retry, channel and TLS options as in HPSClient."""
+        """Targets, retry, channel, TLS, metadata, hedging, health-check options and ``credentials`` as in HPSClient;
+        ``interceptors`` are grpc.aio client interceptors (e.g. OpenTelemetry's ``aio_client_interceptors()``)."""
         self._credentials = channel_credentials(tls_ca, tls_cert, tls_key, tls)
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         self.target = whole_target(self.targets)
         self.timeout = timeout
         self.retries = retries
-        self._options = channel_options(retries, backoff_s, options)
+        token, self._call_credentials = read_credentials(credentials)
+        self.metadata = merge_metadata(token, metadata)
+        self.hedging = HedgingPolicy.parse(hedging) if hedging is not None else None
+        self._interceptors = list(interceptors or ()) or None
+        self._options = channel_options(retries, backoff_s, options, health_check=health_check)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._routes: ShardRoutes | None = None
         self._unsharded = False
@@ -71,11 +83,17 @@ class AsyncHPSClient:
         self._learning: asyncio.Lock | None = None  # one coroutine learns the shard map at a time
 
     # ---- channels -----------------------------------------------------------------------------------------
+    def _auth(self, metadata: Metadata | None) -> dict[str, Any]:
+        """The keyword arguments that carry a call's metadata and the client's call credentials."""
+        return {"metadata": metadata, "credentials": self._call_credentials}
+
     def _open(self, target: str) -> pb_grpc.EmbeddingServiceStub:
         channel = self._channels.get(target)
         if channel is None:
-            channel = (grpc.aio.secure_channel(target, self._credentials, options=self._options)
-                       if self._credentials is not None else grpc.aio.insecure_channel(target, options=self._options))
+            channel = (grpc.aio.secure_channel(target, self._credentials, options=self._options,
+                                               interceptors=self._interceptors)
+                       if self._credentials is not None
+                       else grpc.aio.insecure_channel(target, options=self._options, interceptors=self._interceptors))
             self._channels[target] = channel
         return pb_grpc.EmbeddingServiceStub(channel)
 
@@ -92,18 +110,20 @@ class AsyncHPSClient:
             raise UnavailableError(f"none of the targets {', '.join(self.targets)} answered")
         return stubs[0]
 
-    async def _call(self, method: str, request: object, timeout: float | None) -> Any:
+    async def _call(self, method: str, request: object, timeout: float | None, metadata: Metadata | None) -> Any:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return await getattr(await self._any_stub(deadline), method)(request, timeout=remaining(deadline))
+            return await getattr(await self._any_stub(deadline), method)(
+                request, timeout=remaining(deadline), **self._auth(merge_metadata(self.metadata, metadata)))
         except grpc.aio.AioRpcError as err:
             raise as_error(err) from None
 
     # ---- the shard map ------------------------------------------------------------------------------------
-    async def cluster_info(self, timeout: float | None = None) -> dict[str, Any]:
+    async def cluster_info(self, timeout: float | None = None, *,
+                           metadata: Metadata | None = None) -> dict[str, Any]:
         """GetClusterInfo of one target: shards, its shard, partitions, readiness (as a dict)."""
-        info = await self._call("GetClusterInfo", CLUSTER_INFO, timeout)
+        info = await self._call("GetClusterInfo", CLUSTER_INFO, timeout, metadata)
         return {"shards": info.shards, "shard": info.shard, "partitions": info.partitions,
                 "partitioner": info.partitioner, "owned_partitions": list(info.owned_partitions),
                 "topic_partitions": dict(info.topic_partitions), "ready": info.ready,
@@ -126,7 +146,8 @@ class AsyncHPSClient:
         stub = self._get_stub()
         if stub is not None:
             try:
-                info = await stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+                info = await stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
+                                                 **self._auth(self.metadata))
             except grpc.aio.AioRpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     self._unsharded = True
@@ -134,8 +155,8 @@ class AsyncHPSClient:
             if info.shards <= 1:
                 self._unsharded = True
                 return None
-        probes = [self._open(t).GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
-                  for t in self.targets]
+        probes = [self._open(t).GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
+                                               **self._auth(self.metadata)) for t in self.targets]
         answers = await asyncio.gather(*probes, return_exceptions=True)
         infos = {i: a for i, a in enumerate(answers) if isinstance(a, pb.ClusterInfo)}
         errors = {i: a for i, a in enumerate(answers) if not isinstance(a, pb.ClusterInfo)}
@@ -167,7 +188,8 @@ class AsyncHPSClient:
     async def _watch(self, i: int) -> None:
         """Add target ``i`` (down when first asked) to its shard's routes as soon as it answers."""
         try:
-            info = await self._open(self.targets[i]).GetClusterInfo(CLUSTER_INFO, wait_for_ready=True)
+            info = await self._open(self.targets[i]).GetClusterInfo(CLUSTER_INFO, wait_for_ready=True,
+                                                                    **self._auth(self.metadata))
         except grpc.aio.AioRpcError:
             return
         finally:
@@ -182,39 +204,41 @@ class AsyncHPSClient:
 
     # ---- lookups ------------------------------------------------------------------------------------------
     async def lookup(
-        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None
+        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> np.ndarray:
         """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
-        return (await self.lookup_with_sources(model, table, keys, timeout)).vectors
+        return (await self.lookup_with_sources(model, table, keys, timeout, metadata=metadata)).vectors
 
     async def lookup_with_sources(
-        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None
+        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
-        return (await self.lookup_many(model, {table: keys}, timeout))[table]
+        return (await self.lookup_many(model, {table: keys}, timeout, metadata=metadata))[table]
 
     async def lookup_many(
-        self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None
+        self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``."""
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        md = merge_metadata(self.metadata, metadata)
         for attempt in range(2):
             try:
                 routes = await self._learn(deadline)
                 if routes is None:
                     stub = self._get_stub()
                     assert stub is not None
-                    try:
-                        response = await stub.Lookup(build_request(model, tables), timeout=remaining(deadline))
-                    except grpc.aio.AioRpcError as err:
-                        raise as_error(err) from None
+                    response = await self._lookup_unsharded(stub, build_request(model, tables), deadline, md)
                     return {tv.table: decode_answer(tv) for tv in response.tables}
                 split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
                 total = sum(split.sizes)
                 if len(split.parts) == 1:
-                    return split.merge([await self._answer(routes, split.parts[0], deadline, total)])
-                tasks = [asyncio.ensure_future(self._answer(routes, part, deadline, total)) for part in split.parts]
+                    return split.merge([await self._answer(routes, split.parts[0], deadline, total, md)])
+                tasks = [asyncio.ensure_future(self._answer(routes, part, deadline, total, md))
+                         for part in split.parts]
                 try:
                     responses = await asyncio.gather(*tasks)
                 finally:
@@ -227,23 +251,36 @@ class AsyncHPSClient:
                 self._forget()  # a server refused keys of another shard: the fleet changed; learn it again
         raise AssertionError("unreachable")
 
+    async def _lookup_unsharded(self, stub: pb_grpc.EmbeddingServiceStub, request: pb.LookupRequest,
+                         deadline: float | None, metadata: Metadata | None) -> pb.LookupResponse:
+        """One Lookup over the channel of every replica, hedged when the client has a policy."""
+        try:
+            if self.hedging is None:
+                return await stub.Lookup(request, timeout=remaining(deadline), **self._auth(metadata))
+            return await call_hedged_async(
+                lambda: stub.Lookup(request, timeout=remaining(deadline), **self._auth(metadata)), self.hedging, deadline)
+        except grpc.aio.AioRpcError as err:
+            raise as_error(err) from None
+
     async def _answer(self, routes: ShardRoutes, part: ShardPart, deadline: float | None,
-                      total: int) -> pb.LookupResponse:
-        """The part's answer from the shard's channels in turn; UnavailableError naming the shard when none does."""
+                      total: int, metadata: Metadata | None) -> pb.LookupResponse:
+        """The part's answer from the shard's channels in turn (after UNAVAILABLE, or an overloaded replica's
+        RESOURCE_EXHAUSTED); UnavailableError naming the shard when none does."""
         detail = "none of the client's targets serves this shard"
         for stub in routes.stubs_from(part.shard):
             try:
-                return await stub.Lookup(part.request, timeout=remaining(deadline))
+                return await stub.Lookup(part.request, timeout=remaining(deadline), **self._auth(metadata))
             except grpc.aio.AioRpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                if not retry_elsewhere(err):
                     raise shard_error(part.shard, routes.shape, err) from None
                 detail = f"{err.code().name}: {err.details()}"
         raise shard_unavailable(part.shard, routes.shape, part.keys, total, routes.targets.get(part.shard, []),
                                 detail)
 
-    async def list_models(self, timeout: float | None = None) -> dict[str, dict[str, int]]:
+    async def list_models(self, timeout: float | None = None, *,
+                          metadata: Metadata | None = None) -> dict[str, dict[str, int]]:
         """``{model: {table: dim}}`` of the models the server serves."""
-        response = await self._call("ListModels", pb.ListModelsRequest(), timeout)
+        response = await self._call("ListModels", pb.ListModelsRequest(), timeout, metadata)
         return {m.name: {t.name: t.dim for t in m.tables} for m in response.models}
 
     async def close(self) -> None:

@@ -1,11 +1,19 @@
 """How a client channel is built, the gRPC-native way: the service config carries the load-balancing policy
-(``round_robin`` over every address a target resolves to) and the retry policy (UNAVAILABLE and CANCELLED are
-retried, on another replica when there is one, within the call's one overall deadline); keepalive finds dead
-connections; callers can add or override any channel option.
+(``round_robin`` over every address a target resolves to), client-side health checking (a replica leaves the
+rotation the moment its ``accepting`` health service says NOT_SERVING) and the retry policy (UNAVAILABLE,
+CANCELLED and RESOURCE_EXHAUSTED are retried, on another replica when there is one, within the call's one overall
+deadline); keepalive finds dead connections; callers can add or override any channel option.
 
 Every method the policy covers is a read, so a retry is always safe. CANCELLED is retried because a Python gRPC
 server cancels the calls still waiting for a handler thread when it stops (grpc/grpc#41785): under load, a replica
 that drains answers some calls CANCELLED instead of UNAVAILABLE. A call the caller cancelled is never retried.
+RESOURCE_EXHAUSTED is retried because an overloaded replica (its ``server.max_concurrent_requests`` reached) says
+so; a request over a limit of the server (too many keys or tables) is answered with gRPC's retry pushback
+``grpc-retry-pushback-ms: -1`` beside it, which tells the client not to retry.
+
+The health service a client watches, :data:`ACCEPTING_SERVICE`, means "this replica takes calls": not starting,
+bootstrapping or draining, warm, its tiers reachable. It does not follow update lag (the *ready* services and
+``/readyz`` do, for probes): a broker outage that leaves every replica behind must not empty the rotation.
 """
 
 from __future__ import annotations
@@ -20,6 +28,10 @@ from hps_client.errors import InvalidArgumentError, UnavailableError
 
 #: The services whose calls the retry policy covers.
 SERVICES = ("hps.v1.EmbeddingService", "grpc.health.v1.Health")
+#: The gRPC health service name a server answers SERVING under while it accepts calls (see the module docstring).
+ACCEPTING_SERVICE = "hps.v1.EmbeddingService/accepting"
+#: The status codes the retry policy retries.
+RETRYABLE_CODES = ("UNAVAILABLE", "CANCELLED", "RESOURCE_EXHAUSTED")
 #: gRPC caps a retry policy at 5 attempts.
 MAX_ATTEMPTS = 5
 #: Message size and retry limits without the service config: what a load generator that counts every failure uses.
@@ -31,10 +43,10 @@ BARE_OPTIONS: list[tuple[str, Any]] = [
 
 
 def service_config(retries: int = 3, backoff_s: float = 0.05, max_backoff_s: float = 1.0,
-                   load_balancing: str = "round_robin") -> str:
-    """The channel's service config (JSON): ``load_balancing`` over the resolved addresses and, with ``retries``
-    > 0, a retry policy for UNAVAILABLE and CANCELLED of ``retries + 1`` attempts (at most 5) with exponential
-    backoff."""
+                   load_balancing: str = "round_robin", health_check: bool = True) -> str:
+    """The channel's service config (JSON): ``load_balancing`` over the resolved addresses, with ``health_check``
+    client-side health checking on :data:`ACCEPTING_SERVICE`, and with ``retries`` > 0 a retry policy for
+    :data:`RETRYABLE_CODES` of ``retries + 1`` attempts (at most 5) with exponential backoff."""
     if retries < 0 or backoff_s < 0:
         raise InvalidArgumentError("retries and backoff_s must be >= 0")
     method: dict[str, Any] = {"name": [{"service": s} for s in SERVICES]}
@@ -44,19 +56,25 @@ def service_config(retries: int = 3, backoff_s: float = 0.05, max_backoff_s: flo
             "initialBackoff": f"{max(backoff_s, 0.001):.3f}s",
             "maxBackoff": f"{max(max_backoff_s, backoff_s, 0.001):.3f}s",
             "backoffMultiplier": 2,
-            "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
+            "retryableStatusCodes": list(RETRYABLE_CODES),
         }
-    return json.dumps({"loadBalancingConfig": [{load_balancing: {}}], "methodConfig": [method]})
+    config: dict[str, Any] = {"loadBalancingConfig": [{load_balancing: {}}], "methodConfig": [method]}
+    if health_check:
+        config["healthCheckConfig"] = {"serviceName": ACCEPTING_SERVICE}
+    return json.dumps(config)
 
 
 def channel_options(retries: int = 3, backoff_s: float = 0.05,
-                    options: Sequence[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:
-    """The default channel options with the caller's ``options`` applied over them (same key: the caller's wins)."""
+                    options: Sequence[tuple[str, Any]] | None = None, *,
+                    health_check: bool = True) -> list[tuple[str, Any]]:
+    """The default channel options with the caller's ``options`` applied over them (same key: the caller's wins);
+    ``health_check=False`` leaves client-side health checking off (servers older than hps-service 0.2 do not
+    answer :data:`ACCEPTING_SERVICE`)."""
     merged: dict[str, Any] = {
         "grpc.max_receive_message_length": -1,
         "grpc.max_send_message_length": -1,
         "grpc.enable_retries": 1,
-        "grpc.service_config": service_config(retries, backoff_s),
+        "grpc.service_config": service_config(retries, backoff_s, health_check=health_check),
         # A retried request must be kept until the call commits: room for the largest batch (65,536 keys = 512 KiB).
         "grpc.per_rpc_retry_buffer_size": 8 << 20,
         # Keepalive: a ping every 30 s (the server permits one every 10 s), the connection dropped when no answer
@@ -77,6 +95,21 @@ def channel_options(retries: int = 3, backoff_s: float = 0.05,
     for key, value in options or ():
         merged[key] = value
     return list(merged.items())
+
+
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
+def merge_metadata(client: Metadata | None, call: Metadata | None) -> tuple[tuple[str, str | bytes], ...] | None:
+    """The metadata of one call: the client's (sent on every call) followed by the call's own; None when neither
+    gives any. Keys must be lower case (gRPC's rule); InvalidArgumentError names one that is not."""
+    if not client and not call:
+        return None
+    merged = (*(client or ()), *(call or ()))
+    for key, _ in merged:
+        if not isinstance(key, str) or key != key.lower() or not key:
+            raise InvalidArgumentError(f"metadata key {key!r} must be a non-empty lower-case string")
+    return tuple(merged)
 
 
 def _split_host_port(target: str) -> tuple[str, str]:

@@ -18,7 +18,9 @@ from typing import Any
 import grpc
 import numpy as np
 
-from hps_client.channel import channel_options
+from hps_client.attempts import HedgingPolicy, call_hedged, retry_elsewhere
+from hps_client.call_auth import read_credentials
+from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
@@ -55,6 +57,14 @@ class HPSClient:
 
     ``HPSClient("local:///dev/shm/hps")`` gives a ``hps_service.local.LocalClient`` instead: an inference process in
     the server's pod reading its shared store (needs the ``hps-service`` package, not only this client).
+
+    ``metadata`` is sent on every call (e.g. a token), after which each call's own ``metadata=`` follows;
+    ``interceptors`` (``grpc.UnaryUnaryClientInterceptor`` and friends) wrap every channel. For tracing, OpenTelemetry's
+    ``GrpcInstrumentorClient().instrument()`` instruments every channel the client opens (it sends the W3C
+    ``traceparent``; it reads the global tracer provider); its ``client_interceptor()`` is not a gRPC interceptor and
+    cannot be passed here. ``hedging`` (a
+    :class:`HedgingPolicy` or gRPC's ``hedgingPolicy`` dict) sends a second copy of a slow unsharded lookup to
+    another replica (see :mod:`hps_client.attempts`).
     """
 
     def __new__(cls, targets: str | Iterable[str] = "", *args: Any, **kwargs: Any) -> Any:
@@ -65,7 +75,8 @@ class HPSClient:
                 raise InvalidArgumentError(f"{targets}: colocated reads need the hps-service package "
                                            f"(pip install hps-service), not only hps-client") from None
             timeout = kwargs.get("timeout", args[0] if args else 5.0)
-            return LocalClient(targets[len(LOCAL_SCHEME):] or "/dev/shm/hps", timeout)
+            passed = {k: kwargs[k] for k in ("metadata", "interceptors") if kwargs.get(k) is not None}
+            return LocalClient(targets[len(LOCAL_SCHEME):] or "/dev/shm/hps", timeout, **passed)
         return super().__new__(cls)
 
     def __init__(
@@ -80,17 +91,29 @@ class HPSClient:
         tls_cert: str | Path | None = None,
         tls_key: str | Path | None = None,
         tls: bool = False,
+        metadata: Metadata | None = None,
+        interceptors: Sequence[Any] | None = None,
+        hedging: HedgingPolicy | Mapping[str, Any] | None = None,
+        health_check: bool = True,
+        credentials: str | grpc.CallCredentials | None = None,
     ) -> None:
         """``targets``: a gRPC target (``host:port``, ``dns:///name:port``) or a list of them: ``host:port``
         replicas, or for a sharded fleet the replicas or ``dns:///`` names of its shards, in any order.
         ``retries`` (at most 4) and ``backoff_s`` shape the retry policy; ``options`` adds or overrides channel
         options. ``tls_ca`` (or ``tls=True`` for the system roots) turns TLS on; ``tls_cert``/``tls_key`` add a
-        client certificate for servers that require mutual TLS."""
+        client certificate for servers that require mutual TLS. ``metadata``, ``interceptors`` and ``hedging``: see
+        the class; ``health_check=False`` for servers older than 0.2 (no ``accepting`` health service).
+        ``credentials``: for ``server.auth: token``, a read token (sent as ``authorization: Bearer`` metadata on
+        every call) or gRPC call credentials (which gRPC sends over TLS only)."""
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         self.target = whole_target(self.targets)
         self.timeout = timeout
         self.retries = retries
-        self._options = channel_options(retries, backoff_s, options)
+        token, self._call_credentials = read_credentials(credentials)
+        self.metadata = merge_metadata(token, metadata)
+        self.hedging = HedgingPolicy.parse(hedging) if hedging is not None else None
+        self._interceptors = tuple(interceptors or ())
+        self._options = channel_options(retries, backoff_s, options, health_check=health_check)
         self._creds = channel_credentials(tls_ca, tls_cert, tls_key, tls)
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.RLock()
@@ -106,6 +129,10 @@ class HPSClient:
         self._closed = False
 
     # ---- channels -----------------------------------------------------------------------------------------
+    def _auth(self, metadata: Metadata | None) -> dict[str, Any]:
+        """The keyword arguments that carry a call's metadata and the client's call credentials."""
+        return {"metadata": metadata, "credentials": self._call_credentials}
+
     def _open(self, target: str) -> pb_grpc.EmbeddingServiceStub:
         """A stub over the channel of ``target`` (one channel per distinct target, kept until close)."""
         with self._lock:
@@ -113,6 +140,8 @@ class HPSClient:
             if channel is None:
                 channel = (grpc.secure_channel(target, self._creds, options=self._options) if self._creds is not None
                            else grpc.insecure_channel(target, options=self._options))
+                if self._interceptors:
+                    channel = grpc.intercept_channel(channel, *self._interceptors)
                 self._channels[target] = channel
         return pb_grpc.EmbeddingServiceStub(channel)
 
@@ -125,11 +154,12 @@ class HPSClient:
             raise UnavailableError(f"none of the targets {', '.join(self.targets)} answered")
         return stubs[0]
 
-    def _call(self, method: str, request: object, timeout: float | None) -> Any:
+    def _call(self, method: str, request: object, timeout: float | None, metadata: Metadata | None) -> Any:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return getattr(self._any_stub(deadline), method)(request, timeout=remaining(deadline))
+            return getattr(self._any_stub(deadline), method)(request, timeout=remaining(deadline),
+                                                            **self._auth(merge_metadata(self.metadata, metadata)))
         except grpc.RpcError as err:
             raise as_error(err) from None
 
@@ -145,9 +175,9 @@ class HPSClient:
             raise UnavailableError(f"no replica of {self.target} reachable within {timeout} s") from None
 
     # ---- the shard map ------------------------------------------------------------------------------------
-    def cluster_info(self, timeout: float | None = None) -> dict[str, Any]:
+    def cluster_info(self, timeout: float | None = None, *, metadata: Metadata | None = None) -> dict[str, Any]:
         """GetClusterInfo of one target: shards, its shard, partitions, readiness (as a dict)."""
-        info = self._call("GetClusterInfo", CLUSTER_INFO, timeout)
+        info = self._call("GetClusterInfo", CLUSTER_INFO, timeout, metadata)
         return {"shards": info.shards, "shard": info.shard, "partitions": info.partitions,
                 "partitioner": info.partitioner, "owned_partitions": list(info.owned_partitions),
                 "topic_partitions": dict(info.topic_partitions), "ready": info.ready,
@@ -168,7 +198,8 @@ class HPSClient:
                 return self._routes
             if self._stub is not None:
                 try:
-                    info = self._stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
+                    info = self._stub.GetClusterInfo(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
+                                                     **self._auth(self.metadata))
                 except grpc.RpcError as err:
                     if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a server from before shards
                         self._unsharded = True
@@ -181,8 +212,8 @@ class HPSClient:
     def _learn_targets(self, deadline: float | None) -> ShardRoutes | None:
         """Ask every target its shard (concurrently) and build one channel per shard."""
         stubs = {i: pb_grpc.EmbeddingServiceStub(self._probe_channel(t)) for i, t in enumerate(self.targets)}
-        futures = {i: s.GetClusterInfo.future(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S))
-                   for i, s in stubs.items()}
+        futures = {i: s.GetClusterInfo.future(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
+                                              **self._auth(self.metadata)) for i, s in stubs.items()}
         infos: dict[int, pb.ClusterInfo] = {}
         errors: dict[int, str] = {}
         for i, fut in futures.items():
@@ -222,7 +253,7 @@ class HPSClient:
     def _watch(self, i: int) -> None:
         """Learn the shard of target ``i`` (down when first asked) as soon as it answers."""
         stub = pb_grpc.EmbeddingServiceStub(self._probe_channel(self.targets[i]))
-        fut = stub.GetClusterInfo.future(CLUSTER_INFO, wait_for_ready=True)
+        fut = stub.GetClusterInfo.future(CLUSTER_INFO, wait_for_ready=True, **self._auth(self.metadata))
 
         def done(f: grpc.Future) -> None:
             if f.cancelled() or f.exception() is not None:
@@ -258,41 +289,54 @@ class HPSClient:
             self._found = {}
 
     # ---- lookups ------------------------------------------------------------------------------------------
-    def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None) -> np.ndarray:
+    def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
+               metadata: Metadata | None = None) -> np.ndarray:
         """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
-        return self.lookup_with_sources(model, table, keys, timeout).vectors
+        return self.lookup_with_sources(model, table, keys, timeout, metadata=metadata).vectors
 
     def lookup_with_sources(
-        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None
+        self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
-        return self.lookup_many(model, {table: keys}, timeout)[table]
+        return self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table]
 
     def lookup_many(
-        self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None
+        self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None, *,
+        metadata: Metadata | None = None,
     ) -> dict[str, TableAnswer]:
-        """Several tables of one model in one request: ``{table: TableAnswer}``."""
+        """Several tables of one model in one request: ``{table: TableAnswer}``; ``metadata`` follows the client's
+        on this call."""
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
+        md = merge_metadata(self.metadata, metadata)
         for attempt in range(2):
             try:
                 routes = self._learn(deadline)
                 if routes is None:
                     assert self._stub is not None
-                    try:
-                        response = self._stub.Lookup(build_request(model, tables), timeout=remaining(deadline))
-                    except grpc.RpcError as err:
-                        raise as_error(err) from None
+                    response = self._lookup_unsharded(self._stub, build_request(model, tables), deadline, md)
                     return {tv.table: decode_answer(tv) for tv in response.tables}
-                return self._lookup_sharded(routes, model, tables, deadline)
+                return self._lookup_sharded(routes, model, tables, deadline, md)
             except FailedPreconditionError:
                 if attempt:
                     raise
                 self._forget()  # a server refused keys of another shard: the fleet changed; learn it again
         raise AssertionError("unreachable")
 
+    def _lookup_unsharded(self, stub: pb_grpc.EmbeddingServiceStub, request: pb.LookupRequest, deadline: float | None,
+                   metadata: Metadata | None) -> pb.LookupResponse:
+        """One Lookup over the channel of every replica, hedged when the client has a policy."""
+        try:
+            if self.hedging is None:
+                return stub.Lookup(request, timeout=remaining(deadline), **self._auth(metadata))
+            return call_hedged(lambda: stub.Lookup.future(request, timeout=remaining(deadline), **self._auth(metadata)),
+                               self.hedging, deadline)
+        except grpc.RpcError as err:
+            raise as_error(err) from None
+
     def _lookup_sharded(self, routes: ShardRoutes, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                        deadline: float | None) -> dict[str, TableAnswer]:
+                        deadline: float | None, metadata: Metadata | None) -> dict[str, TableAnswer]:
         split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
         total = sum(split.sizes)
         calls: list[tuple[ShardPart, list[pb_grpc.EmbeddingServiceStub], grpc.Future | None]] = []
@@ -300,9 +344,11 @@ class HPSClient:
             for part in split.parts:
                 stubs = routes.stubs_from(part.shard)
                 concurrent = len(split.parts) > 1 and stubs  # one part: called in _answer, no future needed
-                fut = stubs[0].Lookup.future(part.request, timeout=remaining(deadline)) if concurrent else None
+                fut = (stubs[0].Lookup.future(part.request, timeout=remaining(deadline), **self._auth(metadata))
+                       if concurrent else None)
                 calls.append((part, stubs, fut))
-            responses = [self._answer(routes, part, stubs, fut, deadline, total) for part, stubs, fut in calls]
+            responses = [self._answer(routes, part, stubs, fut, deadline, total, metadata)
+                         for part, stubs, fut in calls]
         finally:
             for _, _, fut in calls:
                 if fut is not None:
@@ -310,25 +356,27 @@ class HPSClient:
         return split.merge(responses)
 
     def _answer(self, routes: ShardRoutes, part: ShardPart, stubs: list[pb_grpc.EmbeddingServiceStub],
-                fut: grpc.Future | None, deadline: float | None, total: int) -> pb.LookupResponse:
-        """The part's answer: its call, else the shard's other channels in turn; UnavailableError naming the
-        shard when none answers."""
+                fut: grpc.Future | None, deadline: float | None, total: int,
+                metadata: Metadata | None) -> pb.LookupResponse:
+        """The part's answer: its call, else the shard's other channels in turn (after UNAVAILABLE, or an
+        overloaded replica's RESOURCE_EXHAUSTED); UnavailableError naming the shard when none answers."""
         detail = "none of the client's targets serves this shard"
         for i, stub in enumerate(stubs):
             try:
                 if i == 0 and fut is not None:
                     return fut.result()
-                return stub.Lookup(part.request, timeout=remaining(deadline))
+                return stub.Lookup(part.request, timeout=remaining(deadline), **self._auth(metadata))
             except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                if not retry_elsewhere(err):
                     raise shard_error(part.shard, routes.shape, err) from None
                 detail = f"{err.code().name}: {err.details()}"
         raise shard_unavailable(part.shard, routes.shape, part.keys, total, routes.targets.get(part.shard, []),
                                 detail)
 
-    def list_models(self, timeout: float | None = None) -> dict[str, dict[str, int]]:
+    def list_models(self, timeout: float | None = None, *,
+                    metadata: Metadata | None = None) -> dict[str, dict[str, int]]:
         """``{model: {table: dim}}`` of the models the server serves."""
-        response = self._call("ListModels", pb.ListModelsRequest(), timeout)
+        response = self._call("ListModels", pb.ListModelsRequest(), timeout, metadata)
         return {m.name: {t.name: t.dim for t in m.tables} for m in response.models}
 
     def close(self) -> None:

@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 
 from hps_client.channel import channel_target
-from hps_client.errors import HPSError, InvalidArgumentError, LookupError_, UnavailableError
+from hps_client.errors import HPSError, InternalError, InvalidArgumentError, UnavailableError
 from hps_client.partitioning import shard_ids
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
@@ -60,7 +60,7 @@ class SplitBatch:
             for i, (table, n) in enumerate(zip(self.tables, self.sizes)):
                 tv = _table_of(responses[0], i, table)
                 if tv.count != n:
-                    raise LookupError_(f"shard {self.parts[0].shard} answered {tv.count} rows for table '{table}', "
+                    raise InternalError(f"shard {self.parts[0].shard} answered {tv.count} rows for table '{table}', "
                                        f"asked {n}")
                 out[table] = decode_answer(tv)
             return out
@@ -74,7 +74,7 @@ class SplitBatch:
                 assert part.positions is not None
                 pos = part.positions[i]
                 if tv.count != pos.shape[0] or (pos.shape[0] and tv.dim != dim):
-                    raise LookupError_(f"shard {part.shard} answered {tv.count} rows of dim {tv.dim} for table "
+                    raise InternalError(f"shard {part.shard} answered {tv.count} rows of dim {tv.dim} for table "
                                        f"'{table}', asked {pos.shape[0]} of dim {dim}")
                 if pos.shape[0]:
                     vectors[pos] = np.frombuffer(tv.vectors, dtype="<f4").reshape(tv.count, tv.dim)
@@ -85,7 +85,7 @@ class SplitBatch:
 
 def _table_of(response: pb.LookupResponse, i: int, table: str) -> pb.TableVectors:
     if i >= len(response.tables) or response.tables[i].table != table:
-        raise LookupError_(f"a shard's answer lacks table '{table}'")
+        raise InternalError(f"a shard's answer lacks table '{table}'")
     return response.tables[i]
 
 
@@ -192,7 +192,7 @@ def remaining(deadline: float | None, cap: float | None = None) -> float | None:
 def shard_error(shard: int, shape: ShardShape, err: grpc.RpcError) -> HPSError:
     """A shard's failed answer as the client error of its status, naming the shard."""
     error = as_error(err)
-    return type(error)(f"shard {shard} of {shape.shards}: {error}")
+    return type(error)(f"shard {shard} of {shape.shards}: {error}", code=error.code, details=error.details)
 
 
 @dataclass

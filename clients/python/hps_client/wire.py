@@ -8,24 +8,8 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from hps_client.errors import (
-    FailedPreconditionError,
-    HPSError,
-    InvalidArgumentError,
-    LookupError_,
-    NotFoundError,
-    ResourceExhaustedError,
-    UnavailableError,
-)
+from hps_client.errors import HPSError, InvalidArgumentError, error_for
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
-
-_ERRORS: dict[grpc.StatusCode, type[HPSError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
-    grpc.StatusCode.NOT_FOUND: NotFoundError,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
-    grpc.StatusCode.UNAVAILABLE: UnavailableError,
-    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
-}
 
 
 @dataclass(slots=True)
@@ -37,10 +21,12 @@ class TableAnswer:
 
 
 def as_error(err: grpc.RpcError) -> HPSError:
-    """The client error of a failed call: the status code's class, the message naming code and detail."""
-    code = err.code()
-    cls = _ERRORS.get(code, LookupError_)
-    return cls(f"{code.name}: {err.details()}")
+    """The client error of a failed call: the status code's class, with ``.code`` and ``.details`` (the message
+    names both)."""
+    details = err.details() or ""
+    if err.code() == grpc.StatusCode.UNAVAILABLE and "backend unhealthy" in details:
+        details += " (no replica is accepting calls: each is starting, bootstrapping or draining; see its /readyz)"
+    return error_for(err.code(), details)
 
 
 def as_keys(keys: np.ndarray | Sequence[int]) -> np.ndarray:

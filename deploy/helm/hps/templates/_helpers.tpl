@@ -66,6 +66,42 @@ app.kubernetes.io/component: server
 {{- if or .Values.adminToken.existingSecret .Values.adminToken.value }}true{{ end }}
 {{- end }}
 
+{{/* Whether the server speaks TLS: config.server.tls given as paths, or tls.existingSecret mounted. */}}
+{{- define "hps.tlsEnabled" -}}
+{{- if or .Values.config.server.tls .Values.tls.existingSecret }}true{{ end }}
+{{- end }}
+
+{{/* Where the secrets are mounted as files (the server reads each *_file key's file, and again when it changes). */}}
+{{- define "hps.secretsDir" -}}/etc/hps/secrets{{- end }}
+{{- define "hps.tlsDir" -}}/etc/hps/tls{{- end }}
+
+{{/*
+The projected sources of the secrets volume: the admin token, the read tokens (one key per reader), the admin key of
+the update topics. Empty when there is none.
+*/}}
+{{- define "hps.secretSources" -}}
+{{- if include "hps.adminEnabled" . }}
+- secret:
+    name: {{ include "hps.adminSecretName" . }}
+    items:
+      - {key: {{ .Values.adminToken.key }}, path: admin-token}
+{{- end }}
+{{- if and (eq .Values.auth.mode "token") .Values.auth.readers }}
+- secret:
+    name: {{ required "auth.existingSecret (one key per reader, its token) is required with auth.mode token" .Values.auth.existingSecret }}
+    items:
+      {{- range .Values.auth.readers }}
+      - {key: {{ .name }}, path: readers/{{ .name }}}
+      {{- end }}
+{{- end }}
+{{- if .Values.kafka.adminKey.existingSecret }}
+- secret:
+    name: {{ .Values.kafka.adminKey.existingSecret }}
+    items:
+      - {key: {{ .Values.kafka.adminKey.key }}, path: admin-key}
+{{- end }}
+{{- end }}
+
 {{/*
 Secrets never go into the ConfigMap: refuse values that would put one there, naming where it belongs.
 */}}
@@ -79,6 +115,14 @@ Secrets never go into the ConfigMap: refuse values that would put one there, nam
 {{- end }}
 {{- if and $cfg.updates (hasKey $cfg.updates "sasl_password") }}
 {{- fail "config.updates.sasl_password would land in the ConfigMap: set kafka.sasl.existingSecret" }}
+{{- end }}
+{{- if and $cfg.updates (hasKey $cfg.updates "admin_key") }}
+{{- fail "config.updates.admin_key would land in the ConfigMap: set kafka.adminKey.existingSecret" }}
+{{- end }}
+{{- range (($cfg.server | default dict).readers | default list) }}
+{{- if hasKey . "token" }}
+{{- fail "config.server.readers[].token would land in the ConfigMap: set auth.readers and auth.existingSecret" }}
+{{- end }}
 {{- end }}
 {{- range $key, $_ := (($cfg.updates | default dict).kafka_config | default dict) }}
 {{- if or (hasSuffix "password" $key) (hasSuffix ".pem" $key) (eq $key "sasl.oauthbearer.client.secret") }}
@@ -102,16 +146,46 @@ The consumer group and the secrets come from the environment (see the StatefulSe
 {{- $volatile := mergeOverwrite (deepCopy ($cfg.volatile | default dict)) (dict "type" "redis_cluster" "nodes" .Values.redisCluster.nodes) }}
 {{- $_ := set $cfg "volatile" $volatile }}
 {{- end }}
-{{- if .Values.config.server.tls }}
-{{- $serverCfg := mergeOverwrite (deepCopy $cfg.server) (dict "probe_port" (include "hps.probePort" . | int)) }}
-{{- $_ := set $cfg "server" $serverCfg }}
+{{- $serverCfg := deepCopy $cfg.server }}
+{{- if .Values.tls.existingSecret }}
+{{- $tls := dict "cert_file" (printf "%s/tls.crt" (include "hps.tlsDir" .)) "key_file" (printf "%s/tls.key" (include "hps.tlsDir" .)) }}
+{{- if .Values.tls.clientAuth }}
+{{- $_ := set $tls "client_ca_file" (printf "%s/ca.crt" (include "hps.tlsDir" .)) }}
 {{- end }}
+{{- $_ := set $serverCfg "tls" $tls }}
+{{- end }}
+{{- if include "hps.tlsEnabled" . }}
+{{- $_ := set $serverCfg "probe_port" (include "hps.probePort" . | int) }}
+{{- end }}
+{{- if include "hps.adminEnabled" . }}
+{{- $_ := set $serverCfg "admin_token_file" (printf "%s/admin-token" (include "hps.secretsDir" .)) }}
+{{- end }}
+{{- if ne .Values.auth.mode "none" }}
+{{- $readers := list }}
+{{- range .Values.auth.readers }}
+{{- $reader := deepCopy . }}
+{{- if eq $.Values.auth.mode "token" }}
+{{- $_ := set $reader "token_file" (printf "%s/readers/%s" (include "hps.secretsDir" $) .name) }}
+{{- end }}
+{{- $readers = append $readers $reader }}
+{{- end }}
+{{- $_ := set $serverCfg "auth" .Values.auth.mode }}
+{{- $_ := set $serverCfg "readers" $readers }}
+{{- end }}
+{{- $local := $serverCfg.local | default dict }}
+{{- if and $local.enabled (not (hasKey $local "group")) .Values.podSecurityContext.fsGroup }}
+{{- $_ := set $serverCfg "local" (merge (dict "group" (int .Values.podSecurityContext.fsGroup)) $local) }}
+{{- end }}
+{{- $_ := set $cfg "server" $serverCfg }}
 {{- with .Values.snapshots.store }}
 {{- $persistent := mergeOverwrite (deepCopy ($cfg.persistent | default dict)) (dict "snapshot_store" . "snapshot_interval_s" $.Values.snapshots.intervalSeconds "snapshot_retain" $.Values.snapshots.retain) }}
 {{- $_ := set $cfg "persistent" $persistent }}
 {{- end }}
 {{- if .Values.kafka.enabled }}
 {{- $updates := mergeOverwrite (deepCopy ($cfg.updates | default dict)) (dict "type" "kafka" "brokers" (join "," .Values.kafka.brokers) "topic_prefix" .Values.kafka.topicPrefix) }}
+{{- if .Values.kafka.adminKey.existingSecret }}
+{{- $_ := set $updates "admin_key_file" (printf "%s/admin-key" (include "hps.secretsDir" .)) }}
+{{- end }}
 {{- with .Values.kafka.sasl }}
 {{- if .existingSecret }}
 {{- $client := deepCopy ($updates.kafka_config | default dict) }}
@@ -221,7 +295,8 @@ hps/shard: {{ .Shard | quote }}
 {{- toJson ($ports | uniq) }}
 {{- end }}
 
-{{/* Container environment: per-pod consumer group, secrets, JIT cache on the writable /tmp. */}}
+{{/* Container environment: per-pod consumer group, the Redis and SASL credentials, JIT cache on the writable /tmp
+(the admin token, read tokens and admin key are files: see hps.secretSources). */}}
 {{- define "hps.env" -}}
 - name: POD_NAME
   valueFrom:
@@ -229,13 +304,6 @@ hps/shard: {{ .Shard | quote }}
       fieldPath: metadata.name
 - name: HPS_UPDATES__GROUP
   value: {{ printf "%s.$(POD_NAME)" (include "hps.consumerGroupPrefix" .) | quote }}
-{{- if include "hps.adminEnabled" . }}
-- name: HPS_SERVER__ADMIN_TOKEN
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "hps.adminSecretName" . }}
-      key: {{ .Values.adminToken.key }}
-{{- end }}
 {{- if and .Values.redisCluster.enabled .Values.redisCluster.existingSecret }}
 {{- if .Values.redisCluster.usernameKey }}
 - name: HPS_VOLATILE__USERNAME
@@ -279,6 +347,16 @@ hps/shard: {{ .Shard | quote }}
   mountPath: /tmp
 - name: shm
   mountPath: /dev/shm
+{{- if include "hps.secretSources" . }}
+- name: secrets
+  mountPath: {{ include "hps.secretsDir" . }}
+  readOnly: true
+{{- end }}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  mountPath: {{ include "hps.tlsDir" . }}
+  readOnly: true
+{{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}

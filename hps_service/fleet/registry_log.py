@@ -1,0 +1,281 @@
+"""Runtime model registrations through the update log, as admin row writes go (:mod:`fleet.admin_writes`).
+
+With Kafka updates on, ``POST /v1/models`` and ``DELETE /v1/models/{model}`` publish the change to one topic,
+``<prefix>.__registry__.models`` (one partition, compacted, keyed by model name), and every replica of the fleet
+applies the changes in log order, so that a model registered on one replica is served by every one. The REST call
+returns once this replica has applied its own change (and, in a node, every gRPC worker serves it). The position
+applied up to is kept in the persistent tier's metadata, so that a restart resumes there; a replica is not ready
+until it has applied the registrations that were on the log when it started.
+
+Models the config defines belong to the config: a change to one is made only where it is asked for (as without
+Kafka), and other replicas skip it. A change that fails to apply here is logged (ERROR) and skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from typing import Any
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
+
+from hps_service.background import BackgroundThread
+from hps_service.config import ModelConfig, UpdatesConfig
+from hps_service.engine import LookupEngine
+from hps_service.errors import HPSError, UnavailableError
+from hps_service.tiers.base import Tier
+from hps_service.updates.catch_up import CatchUp
+from hps_service.updates.kafka_log import KAFKA_LOG, with_logging
+from hps_service.updates.publisher import connection_settings
+from hps_service.updates.topics import ensure_topic
+from hps_service.updates.watermarks import BrokerLogs
+
+log = logging.getLogger(__name__)
+
+REGISTER, UNLOAD = "register", "unload"
+
+
+def registry_topic(prefix: str) -> str:
+    """The topic of runtime registrations (no model's topic: a model name has no dot)."""
+    return f"{prefix}.__registry__.models"
+
+
+@dataclass(frozen=True)
+class RegistryChange:
+    """One registration (``model`` set) or unload of a model, as it travels on the log."""
+
+    op: str
+    name: str
+    model: ModelConfig | None = None
+
+    def encode(self) -> bytes:
+        return json.dumps({"op": self.op, "name": self.name,
+                           "model": self.model.model_dump(mode="json") if self.model else None}).encode()
+
+    @staticmethod
+    def decode(payload: bytes | None) -> RegistryChange:
+        """The change a message carries; ValueError when it carries none."""
+        data = json.loads(payload or b"null")
+        if not isinstance(data, dict) or data.get("op") not in (REGISTER, UNLOAD) or not isinstance(
+                data.get("name"), str):
+            raise ValueError(f"not a registration: {str(payload)[:200]}")
+        model = ModelConfig.model_validate(data["model"]) if data["op"] == REGISTER else None
+        if model is not None and model.name != data["name"]:
+            raise ValueError(f"registration of {model.name!r} keyed {data['name']!r}")
+        return RegistryChange(data["op"], data["name"], model)
+
+
+class ModelRegistrations:
+    """Registers and unloads models at runtime: through the registration log when there is one (``log()``), else
+    on this replica only; :meth:`apply` is what the log's follower calls for every change on the log."""
+
+    def __init__(self, engine: LookupEngine, configured: Collection[str], changed: Callable[[], None],
+                 log_of: Callable[[], RegistryLog | None] = lambda: None, timeout_s: float = 30.0) -> None:
+        self.engine = engine
+        self.configured = set(configured)
+        self.changed = changed
+        self.log_of = log_of
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()  # one change at a time, from REST or the log
+
+    def register(self, model: ModelConfig) -> None:
+        """Serve ``model`` here (and, through the log, on every replica) before this returns."""
+        self._through_log(RegistryChange(REGISTER, model.name, model))
+
+    def unload(self, name: str) -> None:
+        """Stop serving ``name`` here (and, through the log, on every replica) before this returns."""
+        self.engine.model(name)  # NotFoundError for a model not loaded
+        self._through_log(RegistryChange(UNLOAD, name))
+
+    def _through_log(self, change: RegistryChange) -> None:
+        registry = self.log_of()
+        if registry is None or change.name in self.configured:
+            self._apply(change)
+            return
+        offset = registry.publish(change)
+        if not registry.wait_applied(offset, self.timeout_s):
+            raise UnavailableError(f"the {change.op} of model {change.name} is on the log, but this replica did "
+                                   f"not apply it within {self.timeout_s:g} s")
+        if registry.failed.get(offset):
+            raise UnavailableError(f"the {change.op} of model {change.name} is on the log, but this replica could "
+                                   f"not apply it: {registry.failed[offset]}")
+
+    def apply(self, change: RegistryChange) -> None:
+        """A change read from the log: applied unless the config defines the model or it changes nothing."""
+        if change.name in self.configured:
+            log.info("model %s is defined by the config; its %s on the registration log is skipped", change.name,
+                     change.op)
+            return
+        self._apply(change)
+
+    def _apply(self, change: RegistryChange) -> None:
+        with self._lock:
+            loaded = {m.name: m for m in self.engine.models()}
+            if change.model is not None:
+                if loaded.get(change.name) == change.model:
+                    return
+                self.engine.register_model(change.model)
+            elif change.name in loaded:
+                self.engine.unregister_model(change.name)
+            else:
+                return
+            self.changed()
+
+
+class RegistryLog:
+    """The registration log of one replica: publishes changes, and applies every change on it in a thread."""
+
+    def __init__(self, cfg: UpdatesConfig, tier: Tier | None, apply: Callable[[RegistryChange], None], group: str,
+                 ack_timeout_s: float = 30.0) -> None:
+        self.cfg = cfg
+        self.topic = registry_topic(cfg.topic_prefix)
+        self.part = (self.topic, 0)
+        self._tier = tier
+        self._apply = apply
+        self.ack_timeout_s = ack_timeout_s
+        self._client = with_logging({**cfg.kafka_config, "bootstrap.servers": cfg.brokers})
+        self._consumer_config = {**self._client, "group.id": f"{group}.registry", "enable.auto.commit": False,
+                                 "auto.offset.reset": "earliest", "fetch.wait.max.ms": 10, "logger": KAFKA_LOG}
+        self._producer = Producer(with_logging({**connection_settings(cfg.kafka_config), "bootstrap.servers":
+                                                cfg.brokers, "enable.idempotence": True, "acks": "all",
+                                                "linger.ms": 0}))
+        self.catch_up = CatchUp(0.0)
+        self.applied = -1  # next offset, applied
+        #: Offsets of changes this replica could not apply, and why (answered to the REST call that made them).
+        self.failed: dict[int, str] = {}
+        self.last_error: str | None = None
+        self._worker = BackgroundThread("hps-registry", self._run)
+        self._stop = self._worker.stopping
+
+    # ---- the REST side ------------------------------------------------------------------------
+    def publish(self, change: RegistryChange) -> int:
+        """Put ``change`` on the log; returns its offset once the broker acknowledged it."""
+        acked: dict[str, Any] = {}
+
+        def delivered(err: KafkaError | None, msg: Message) -> None:
+            acked["err"], acked["offset"] = err, msg.offset()
+
+        try:
+            self._producer.produce(self.topic, key=change.name.encode(), value=change.encode(), partition=0,
+                                   on_delivery=delivered)
+        except (KafkaException, BufferError) as exc:
+            raise UnavailableError(f"cannot publish the {change.op} of model {change.name}: {exc}") from None
+        self._producer.flush(self.ack_timeout_s)
+        if "offset" not in acked or acked["err"] is not None:
+            raise UnavailableError(f"the {change.op} of model {change.name} was not acknowledged by the broker: "
+                                   f"{acked.get('err') or 'timed out'}")
+        return int(acked["offset"])
+
+    def wait_applied(self, offset: int, timeout: float) -> bool:
+        """Block until the change at ``offset`` is applied here (or the timeout)."""
+        deadline = time.monotonic() + timeout
+        with self.catch_up.cond:
+            while self.applied <= offset:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self.catch_up.cond.wait(min(remaining, 0.1))
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        """The ``registry`` section of /v1/stats."""
+        return {"topic": self.topic, "applied_offset": self.applied, "catching_up": self.not_ready() is not None,
+                "failed": {str(o): why for o, why in self.failed.items()}, "last_error": self.last_error}
+
+    def not_ready(self) -> str | None:
+        """Why this replica has not applied the registrations on the log yet, or None."""
+        if not self._worker.started:
+            return None
+        if self.applied < 0:
+            reason = f"registration log {self.topic} not read yet"
+            return f"{reason}: {self.last_error}" if self.last_error else reason
+        return self.catch_up.reason({self.part}, {self.part: self.applied})
+
+    # ---- the follower -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._worker.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._worker.stop(timeout)
+        self._producer.flush(min(timeout, 5.0))
+
+    def _stored(self) -> int:
+        value = self._tier.metadata(self._key()).get(self._key()) if self._tier is not None else None
+        return int(value) if value else 0
+
+    def _key(self) -> str:
+        return f"registry-position:{self.topic}"
+
+    def _store(self, offset: int) -> None:
+        if self._tier is not None:
+            self._tier.set_metadata(self._key(), str(offset).encode())
+
+    def _run(self) -> None:
+        backoff = 0.1
+        while not self._stop.is_set():
+            consumer = None
+            try:
+                consumer = self._connect()
+                while not self._stop.is_set():
+                    self._poll(consumer)
+            except (HPSError, KafkaException) as exc:
+                self.last_error = str(exc)
+                log.warning("registration log %s: %s; retrying in %.1fs", self.topic, exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                if consumer is not None:
+                    consumer.close()
+
+    def _connect(self) -> Consumer:
+        ensure_topic(AdminClient(self._client), self.topic, 1, replication_factor=self.cfg.replication_factor,
+                     min_insync_replicas=self.cfg.min_insync_replicas, config={"cleanup.policy": "compact"})
+        logs = BrokerLogs(self._client)
+        low, high = logs.starts([self.part]).get(self.part), logs.ends([self.part]).get(self.part)
+        if low is None or high is None:
+            raise UnavailableError(f"the broker did not answer the offsets of {self.topic}")
+        begin = max(self._stored(), low)
+        consumer = Consumer(self._consumer_config)
+        consumer.assign([TopicPartition(self.topic, 0, begin)])
+        self.catch_up.assigned(self.part, begin, high)
+        with self.catch_up.cond:
+            self.applied = begin
+            self.catch_up.cond.notify_all()
+        return consumer
+
+    def _poll(self, consumer: Consumer) -> None:
+        msgs = consumer.consume(num_messages=500, timeout=0.1)
+        for msg in msgs:
+            if msg.error() is not None:
+                if msg.error().code() != KafkaError._PARTITION_EOF:
+                    self.last_error = msg.error().str()
+                continue
+            if msg.offset() < self.applied:
+                continue
+            try:
+                self._apply(RegistryChange.decode(msg.value()))
+            except Exception as exc:  # noqa: BLE001  (logged and skipped: one change must not stop the others)
+                self.failed = {**dict(list(self.failed.items())[-99:]), msg.offset(): str(exc)}
+                log.error("registration log %s: the change at offset %d was not applied here: %s", self.topic,
+                          msg.offset(), exc)
+            with self.catch_up.cond:
+                self.applied = msg.offset() + 1
+        high = consumer.get_watermark_offsets(TopicPartition(self.topic, 0), cached=True)[1]
+        if 0 <= high < self.applied:  # another topic of that name, shorter: read it from its start
+            log.warning("registration log %s: position %d is past its end %d; reading it again", self.topic,
+                        self.applied, high)
+            consumer.assign([TopicPartition(self.topic, 0, 0)])
+            self.catch_up.assigned(self.part, 0, high)
+            with self.catch_up.cond:
+                self.applied = 0
+            return
+        if msgs:
+            self._store(self.applied)
+        with self.catch_up.cond:
+            self.catch_up.advance({self.part: self.applied}, {self.part: high})
+

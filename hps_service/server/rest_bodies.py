@@ -1,0 +1,129 @@
+"""The JSON bodies of the REST API, their bounds, and how the large ones are parsed.
+
+Keys and rows bodies can be megabytes: they are read as bytes on the event loop (already bounded in size by the
+gatekeeper) and parsed by pydantic's JSON parser in FastAPI's thread pool, so a large body never holds up
+``/healthz`` or another request's answer. Their lists carry ``max_length`` (server.max_batch_keys, the largest dim),
+which the OpenAPI schema shows and a longer list is refused by, as 413 naming the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
+
+from fastapi import Depends, Query, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, Field, ValidationError
+
+from hps_service.errors import ResourceExhaustedError
+from hps_service.server.audit import AUDIT_STATE
+
+Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+#: The largest dim a table may have (config.TableConfig), so the longest row a body may carry.
+MAX_DIM = 16384
+#: Bytes a body may spend per key and per float in JSON, compact or with a space after each separator: the longest
+#: int64 is 20 characters ("-9223372036854775808"), the longest float32 widened to a double 23
+#: ("-1.1754943508222875e-38"), a row's brackets and separator 4; and room for the braces, names and version.
+KEY_JSON_BYTES, FLOAT_JSON_BYTES, ROW_JSON_BYTES, BODY_SLACK_BYTES = 22, 25, 4, 4096
+
+B = TypeVar("B", bound=BaseModel)
+
+
+def keys_body_bytes(max_keys: int) -> int:
+    """The largest body of ``max_keys`` keys (a lookup or a delete)."""
+    return max_keys * KEY_JSON_BYTES + BODY_SLACK_BYTES
+
+
+def rows_body_bytes(max_keys: int, dim: int) -> int:
+    """The largest body of ``max_keys`` rows of ``dim`` floats (a put)."""
+    return max_keys * (KEY_JSON_BYTES + ROW_JSON_BYTES + dim * FLOAT_JSON_BYTES) + BODY_SLACK_BYTES
+
+
+@dataclass(frozen=True)
+class RowsBodies:
+    """The body models of the rows routes, their lists bounded by ``server.max_batch_keys``."""
+
+    lookup: type[BaseModel]
+    put: type[BaseModel]
+    delete: type[BaseModel]
+
+
+def rows_bodies(max_batch_keys: int) -> RowsBodies:
+    """The rows routes' body models for one server (the bound is its config's)."""
+    keys_list = Annotated[list[Int64], Field(max_length=max_batch_keys)]
+
+    class LookupBody(BaseModel):
+        """Keys to look up, in the order the rows are wanted (duplicates allowed), up to server.max_batch_keys."""
+
+        keys: keys_list = Field(description="int64 keys", examples=[[1, 2, 3]])
+
+    class RowsPut(BaseModel):
+        """Rows to upsert: ``vectors[i]`` is the row of ``keys[i]``; a stored row with a newer version is kept."""
+
+        keys: keys_list
+        vectors: Annotated[list[Annotated[list[float], Field(max_length=MAX_DIM)]], Field(max_length=max_batch_keys)]
+        version: Int64 = 0
+
+    class KeysBody(BaseModel):
+        keys: keys_list
+        version: Int64 | None = Field(
+            None, ge=0, description="with Kafka updates on: the tombstone version (default: the version this replica "
+            "holds for each key); without, deletes forget the keys whatever their version")
+
+    return RowsBodies(LookupBody, RowsPut, KeysBody)
+
+
+#: ``?wait=applied`` also waits until this replica applied a write published to the update topic.
+Wait = Annotated[Literal["acknowledged", "applied"], Query(
+    description="with Kafka updates on, answer once the broker acknowledged the write (default) or once this "
+    "replica also applied it")]
+
+
+class PurgeTombstonesRequest(BaseModel):
+    below_version: int = Field(ge=0, le=2**63 - 1, description="tombstones older than this version are removed; it "
+                                                                "must be older than any update the log can still deliver")
+
+
+class ImportRequest(BaseModel):
+    path: str = Field(description="server-side HugeCTR sparse model directory or .npz with keys/vectors")
+    version: Int64 = 0
+
+
+async def _body_bytes(request: Request) -> bytes:
+    return await request.body()
+
+
+def _too_long(exc: ValidationError, max_batch_keys: int) -> ResourceExhaustedError | None:
+    """The 413 of a keys or vectors list longer than server.max_batch_keys (pydantic's max_length)."""
+    for e in exc.errors():
+        if e["type"] == "too_long" and len(e["loc"]) == 1:
+            got = e.get("ctx", {}).get("actual_length")
+            what = "rows" if e["loc"][0] == "vectors" else "keys"
+            return ResourceExhaustedError(f"{got or 'more'} {what} in one request exceeds "
+                                          f"server.max_batch_keys={max_batch_keys}")
+    return None
+
+
+def json_body(model: type[B], max_batch_keys: int) -> Any:
+    """A FastAPI dependency giving the request's body as ``model``, parsed in the thread pool; the number of keys it
+    names goes into the request's audit entry (when the gatekeeper keeps one)."""
+
+    def parse(request: Request, raw: Annotated[bytes, Depends(_body_bytes)]) -> B:
+        try:
+            body = model.model_validate_json(raw)
+        except ValidationError as exc:
+            if (limit := _too_long(exc, max_batch_keys)) is not None:
+                raise limit from None
+            raise RequestValidationError(
+                [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
+        entry = getattr(request.state, AUDIT_STATE, None)
+        if entry is not None:
+            entry.keys = len(body.keys)  # type: ignore[attr-defined]
+        return body
+
+    return Depends(parse)
+
+
+def body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI ``requestBody`` of a route that reads its body with :func:`json_body`."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}}}
