@@ -79,6 +79,7 @@ class LogGap:
         self._probe.close()
 
 
+@pytest.mark.long  # ~35 s (two starts of a replica); make test covers the loss in tests/{updates,fleet}/test_lost_updates.py
 @pytest.mark.timeout(300)
 def test_a_recreated_topic_ends_in_not_ready_never_in_rows_missing_updates(kafka_broker, tmp_path: Path) -> None:
     model = f"g{uuid.uuid4().hex[:10]}"
@@ -107,8 +108,11 @@ def test_a_recreated_topic_ends_in_not_ready_never_in_rows_missing_updates(kafka
         while server.readyz()[0] == 0:
             assert server.proc is not None and server.proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
-        time.sleep(3)  # long enough to catch up, or to find the gap
+        deadline = time.monotonic() + 3  # long enough to catch up, or to find the gap
         status, body = server.readyz()
+        while not any(topic in r for r in body.get("not_ready", [])) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            status, body = server.readyz()
         gap.acknowledge()
         shown = gap.read(np.concatenate([lost + 100 * i for i in range(6)] + [kept, old]))
     finally:
