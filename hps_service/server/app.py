@@ -293,13 +293,12 @@ class HPSServer:
             snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
             refuse=lambda model: self.consumer.lost_reason(model) if self.consumer is not None else None,
         )
+        # made here, not with the admin API: the update path's recovery of lost partitions restores from it too
+        self.remote_snapshots = RemoteSnapshots(self.snapshotter, SnapshotStore(self.engine, snapshots_root(self.config)))
 
     def _admin_context(self) -> AdminContext:
         assert self.engine is not None and self.metrics is not None and self.fleet is not None
-        local = SnapshotStore(self.engine, snapshots_root(self.config))
-        if self.snapshotter is not None:
-            self.remote_snapshots = RemoteSnapshots(self.snapshotter, local)
-        snapshots = self.remote_snapshots or local
+        snapshots = self.remote_snapshots or SnapshotStore(self.engine, snapshots_root(self.config))
         return AdminContext(
             engine=self.engine,
             config=self.config,
