@@ -114,7 +114,7 @@ soak: install-dev
 # The history checker of tests/history for 10 minutes (make test runs it for 40 s): every violation with its key's
 # history; HPS_HISTORY_LONG_SECONDS sets the duration.
 history: install-dev test-deps
-	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/history/test_history.py -k long $(PYTEST_ARGS)
+	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/history -m long $(PYTEST_ARGS)
 
 # The user documentation: MkDocs (Material), offline; make test builds it too (tests/docs/test_docs_build.py).
 docs: install-dev

@@ -247,6 +247,12 @@ class PersistentConfig(_Section):
         "logs total more: the stored positions are written with every batch and never fill a memtable, so without "
         "this bound every log since their last flush is kept (a soak at 10k rows/s held 2.3 GB of logs for 3 MB of "
         "rows, which a restart replays and each worker's secondary instance holds as memtables)")
+    write_buffer_mb: float = Field(
+        64.0, ge=0.0625, le=65536, description="a table's rows are flushed from memory (its memtable) to a file once "
+        "they take this much; every flush also sets what a worker's RocksDB secondary instance must replay")
+    change_ring_keys: int = Field(
+        65536, ge=16, le=1 << 24, description="keys of the latest RocksDB writes a node keeps per table for its "
+        "workers (8 bytes each): a worker whose secondary instance fell further behind catches up before any read")
     snapshot_store: str | None = Field(
         None, description="s3://BUCKET/PREFIX where snapshots are uploaded and an empty store bootstraps from "
         "(endpoint and credentials from the standard AWS environment, AWS_ENDPOINT_URL included)")

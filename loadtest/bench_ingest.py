@@ -120,17 +120,22 @@ def _applied_batches(http_target: str) -> int:
     return int(httpx.get(f"http://{http_target}/v1/stats", timeout=10).json()["updates"]["batches_applied"])
 
 
-def _rocksdb_lines() -> dict[int, str]:
-    """Line numbers of RocksDBTier.put's steps, to name the innermost frames py-spy reports inside it."""
-    source = (Path(__file__).resolve().parents[1] / "hps_service" / "tiers" / "rocksdb.py").read_text().splitlines()
+#: The RocksDB tier's modules whose lines name the update path's steps.
+_ROCKSDB_FILES = ("rocksdb.py", "rocksdb_staging.py")
+
+
+def _rocksdb_lines() -> dict[tuple[str, int], str]:
+    """(module, line) of RocksDBTier.put's steps, to name the innermost frames py-spy reports inside it."""
     names = {}
-    for i, line in enumerate(source, start=1):
-        if "_stored_states(cf, encoded" in line or "return decode_states(" in line:
-            names[i] = "RocksDB: read the stored versions (multi-get)"
-        elif "self._db.write(batch" in line:
-            names[i] = "RocksDB: synced write batch"
-        elif "_drain(map(batch.put" in line or "encode_rows(" in line or "encode_keys(" in line:
-            names[i] = "RocksDB: encode and fill the batch"
+    for module in _ROCKSDB_FILES:
+        source = (Path(__file__).resolve().parents[1] / "hps_service" / "tiers" / module).read_text().splitlines()
+        for i, line in enumerate(source, start=1):
+            if "_stored_states(cf, encoded" in line or "return decode_states(" in line:
+                names[(module, i)] = "RocksDB: read the stored versions (multi-get)"
+            elif "self._db.write(batch" in line:
+                names[(module, i)] = "RocksDB: synced write batch"
+            elif "drain(map(batch.put" in line or "encode_rows(" in line or "encode_keys(" in line:
+                names[(module, i)] = "RocksDB: encode and fill the batch"
     return names
 
 
@@ -156,9 +161,10 @@ def consumer_breakdown(collapsed: Path) -> dict[str, Any]:
             continue
         step = "other"
         for frame in reversed(frames):
-            if "tiers/rocksdb.py:" in frame:
+            module = next((m for m in _ROCKSDB_FILES if f"tiers/{m}:" in frame), None)
+            if module is not None:
                 line = int(frame.rpartition(":")[2].rstrip(")"))
-                step = lines.get(line, "RocksDB: other")
+                step = lines.get((module, line), "RocksDB: other")
                 break
             if "tiers/hashmap.py" in frame:
                 step = "hash map tier"

@@ -189,11 +189,18 @@ class SnapshotBucket:
         one; returns the ids deleted."""
         complete = [m["id"] for m in self.list(model)]
         doomed = complete[keep:]
+        unfinished: list[str] = []
         if complete[:keep]:
             oldest_kept = complete[:keep][-1]
-            doomed += [i for i in self._snapshot_ids(model) if i not in complete and i < oldest_kept]
+            unfinished = [i for i in self._snapshot_ids(model) if i not in complete and i < oldest_kept]
         for snapshot_id in doomed:
             self.delete(model, snapshot_id)
+        for snapshot_id in unfinished:
+            try:
+                self.delete(model, snapshot_id)
+            except NotFoundError:  # a prefix without objects: a store that lists deleted directories (SeaweedFS)
+                continue
+            doomed.append(snapshot_id)
         return doomed
 
     # ---- read -----------------------------------------------------------------------------------

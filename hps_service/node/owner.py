@@ -36,6 +36,7 @@ from hps_service.server.grpc_service import ServingGate
 from hps_service.store import layout
 from hps_service.store import node_store as ns
 from hps_service.store.counters import REQ_LATENCY, REQ_STATUS, TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES
+from hps_service.store.l3_events import L3Announcer
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, NodeStore, TableSlot
 from hps_service.store.permissions import local_access
 from hps_service.store.queue import Record
@@ -68,7 +69,8 @@ class OwnerEngine(LookupEngine):
         placement = store.volatile_allocator(config.volatile.overflow_policy == "lfu")
         volatile = build_volatile(config.volatile, placement)
         try:
-            persistent = build_persistent(config.persistent, on_write=self._l3_written)
+            persistent = build_persistent(config.persistent, on_write=self._l3_written,
+                                          file_events=L3Announcer(store.header))
         except Exception:
             if volatile is not None:
                 volatile.close()
@@ -273,7 +275,8 @@ class NodeOwner:
         self.workers = cfg.worker_processes()
         local = cfg.local
         self.store = NodeStore(local.path if local.enabled else store_parent(), private=not local.enabled,
-                               processes=self.workers + 1, workers=self.workers, access=local_access(local))
+                               processes=self.workers + 1, workers=self.workers,
+                               ring_keys=config.persistent.change_ring_keys, access=local_access(local))
         if (uds := cfg.local_socket()) is not None:  # where LocalClient readers send their misses
             self.store.extra["socket"] = str(uds)
         WorkerSupervisor.prepare()
@@ -361,7 +364,8 @@ class NodeOwner:
                         log.warning("applying rows a worker handed over failed", exc_info=True)
 
     def stats(self) -> dict[str, Any]:
-        """The ``node`` section of /v1/stats: each worker's pid, state, starts and requests served, and the store."""
+        """The ``node`` section of /v1/stats: each worker's pid, state, starts and requests served, the store, and
+        per table how many keys its change ring noted (a ring of ``slots`` laps every ``slots`` of them)."""
         status = self.store.workers
         per_process = self.store.requests[:, :, REQ_STATUS:REQ_LATENCY].sum(axis=(1, 2))
         workers = [{"index": i, "pid": int(status[i, ns.W_PID]), "state": _W_STATE_NAMES.get(int(status[i, ns.W_STATE])),
@@ -370,8 +374,11 @@ class NodeOwner:
                     "block_cache_bytes": int(status[i, ns.W_BLOCK_CACHE_BYTES]),
                     "admissions_dropped": int(status[i, ns.W_ADMISSIONS_DROPPED])}
                    for i in range(self.workers)]
+        rings = {slot.entry["model"] + "." + slot.entry["table"]: {"keys_noted": slot.changes.position(),
+                                                                    "slots": slot.changes.size}
+                 for slot in self.store.table_slots().values()}
         return {"workers": workers, "restarts": self.supervisor.restarts, "owner_requests": int(per_process[0]),
-                "store": str(self.store.path)}
+                "store": str(self.store.path), "change_rings": rings}
 
     def stop_workers(self, grace: float) -> None:
         self.supervisor.stop(grace)

@@ -1,5 +1,6 @@
 """The tiers as a process that is not the owner reads them: the shared hash map (lock-free, never written here)
-and RocksDB through a secondary instance that catches up when the owner's change rings say it must."""
+and RocksDB through a secondary instance that catches up when the owner's change rings say it must, and trusts a
+catch-up only when the owner announced no file change during it (:mod:`hps_service.store.l3_events`)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ CATCH_UP_INTERVAL_S, READING_S = 0.25, 5.0
 #: afresh, which replays every write-ahead log). A worker that does not read RocksDB (the hash map holds every row)
 #: so replays the owner's writes in a few large catch-ups instead of four a second.
 RING_POLL_S, RING_SHARE_READING, RING_SHARE_IDLE = 0.02, 0.25, 0.5
+#: How long a catch-up waits for the owner to finish an announced file change (a flush's marker, the deletion of
+#: flushed logs, an ingest, a reopen: milliseconds, an ingest's flush longer) before the read fails UNAVAILABLE.
+ANNOUNCED_WAIT_S, _ANNOUNCED_POLL_S = 30.0, 0.001
+
+#: ``epochs()``: the owner's (files, opens) announcement counters (see :mod:`hps_service.store.l3_events`).
+Epochs = Callable[[], tuple[int, int]]
 
 
 def _read_only(what: str) -> UnavailableError:
@@ -81,14 +88,20 @@ class CaughtUpSecondary(Tier):
     since this instance's last catch-up (its change ring) are checked against the keys asked: if any is among them
     the instance catches up first, so a read never misses a write acknowledged before it began. While this process
     reads RocksDB, a background thread catches up every ``CATCH_UP_INTERVAL_S`` while the owner writes, which keeps
-    that check and that catch-up short; otherwise only before a ring laps."""
+    that check and that catch-up short; otherwise only before a ring laps.
+
+    A catch-up during which the owner changed files it could not follow (``epochs``' files counter odd, or moved)
+    may keep rows replayed from before a flush (RocksDB 10.4; see :mod:`hps_service.tiers.rocksdb_flush`): it is
+    made again once the owner is done, and the instance is opened afresh when the owner reopened its store."""
 
     kind = "persistent"
 
     def __init__(self, cfg: PersistentConfig, rings: Callable[[], dict[str, ChangeRing]],
-                 block_cache_mb: int) -> None:
+                 block_cache_mb: int, epochs: Epochs | None = None) -> None:
         self._cfg = cfg
         self._rings = rings
+        self._epochs: Epochs = epochs or (lambda: (0, 0))
+        self._opens = -1  # the owner's reopens this instance has seen
         self._block_cache_mb = block_cache_mb
         self._dir = Path(tempfile.mkdtemp(prefix="hps-secondary-"))
         self._lock = threading.Lock()
@@ -106,13 +119,19 @@ class CaughtUpSecondary(Tier):
     def _open(self) -> RocksDBTier:
         rings = self._rings()
         positions = {id(r): r.position() for r in rings.values()}
+        opens = self._epochs()[1]
         db = RocksDBTier(self._cfg.path, block_cache_mb=self._block_cache_mb, secondary_path=self._dir)
-        self._caught, self._caught_at = positions, time.monotonic()
+        self._caught, self._caught_at, self._opens = positions, time.monotonic(), opens
         return db
 
     def reopen(self) -> None:
-        """Open a fresh instance (the owner created tables this one cannot see, or ingested files); the old one is
-        closed once the reads still using it are done."""
+        """Open a fresh instance (the owner created tables this one cannot see, or reopened its store), trusted as a
+        catch-up is (:meth:`_refresh_locked`); the old one is closed once the reads still using it are done."""
+        with self._refreshing:
+            self._swap()
+            self._refresh_locked()
+
+    def _swap(self) -> None:
         with self._lock:
             old, self._db = self._db, self._open()
         with self._readers:
@@ -130,24 +149,33 @@ class CaughtUpSecondary(Tier):
             self._caught.update(positions)
             self._caught_at = time.monotonic()
 
-    def _lapped(self) -> bool:
-        """Whether a ring no longer reaches back to where this instance caught up: the owner wrote keys it could
-        not list (an import, a purge) or more than a ring holds. A catch-up is not enough then: a secondary keeps
-        the memtable it replayed from the WAL, and rows of an ingested file (which the primary flushed its
-        memtable for) would stay shadowed by the older memtable rows, so the instance is opened afresh."""
-        return any((since := self._caught.get(id(r))) is not None and r.position() - since > r.size
-                   for r in self._rings().values())
-
     def refresh(self) -> None:
-        """Catch up with the primary, or open afresh when a catch-up would not do (see :meth:`_lapped`)."""
+        """Catch up with the primary (open afresh when the owner reopened it), trusted as :meth:`_refresh_locked`
+        says."""
         with self._refreshing:
             self._refresh_locked()
 
     def _refresh_locked(self) -> None:
-        if self._lapped():
-            self.reopen()
-        else:
-            self.catch_up()
+        """Catch up until a catch-up ran entirely outside the owner's announced file changes: one that overlapped
+        a flush may keep rows from before it, the next replays the flush's marker and drops them."""
+        deadline = time.monotonic() + ANNOUNCED_WAIT_S
+        while True:
+            epochs = self._settled(deadline)
+            if epochs[1] != self._opens:
+                self._swap()
+            else:
+                self.catch_up()
+            if self._epochs() == epochs:
+                return
+
+    def _settled(self, deadline: float) -> tuple[int, int]:
+        """The owner's counters once no file change is announced (files counter even)."""
+        while (epochs := self._epochs())[0] % 2:
+            if time.monotonic() > deadline:
+                raise UnavailableError(f"the owner's RocksDB at {self._cfg.path} is changing files for more than "
+                                       f"{ANNOUNCED_WAIT_S:g} s; try again")
+            time.sleep(_ANNOUNCED_POLL_S)
+        return epochs
 
     def _stale(self, table: str, keys: np.ndarray) -> bool:
         ring = self._rings().get(table)
@@ -157,10 +185,12 @@ class CaughtUpSecondary(Tier):
         return since is None or ring.stale(since, keys)
 
     def _due(self) -> bool:
-        """Whether the background thread should catch up now: a ring filled its share since the last catch-up (or is
-        new to this instance), or this process reads RocksDB, the owner wrote since and ``CATCH_UP_INTERVAL_S``
-        passed."""
+        """Whether the background thread should catch up now: the owner reopened its store, a ring filled its share
+        since the last catch-up (or is new to this instance), or this process reads RocksDB, the owner wrote since
+        and ``CATCH_UP_INTERVAL_S`` passed."""
         now = time.monotonic()
+        if self._epochs()[1] != self._opens:
+            return True
         reading = now - self._read_at < READING_S
         share = RING_SHARE_READING if reading else RING_SHARE_IDLE
         behind = False

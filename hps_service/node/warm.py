@@ -10,6 +10,7 @@ from hps_service.cache.layout import CacheArrays
 from hps_service.keys import unique_with_inverse
 from hps_service.node.shared_l1 import WORKER_WRITABLE, SharedL1Reader, cache_entry
 from hps_service.store import changes, counters, queue
+from hps_service.store.l3_events import L3Announcer, l3_events
 from hps_service.tiers import _hashmap_kernels as hk
 
 
@@ -57,5 +58,10 @@ def warm_up_kernels() -> None:
     ring_view = changes.ChangeRing(np.zeros(16, np.int64), np.zeros(4, np.int64), 0)
     ring_view.append(keys)
     ring_view.stale(0, keys)
+    mapped = changes.ChangeRing(_read_only(ring_view.keys.copy()), _read_only(ring_view.ctrl.copy()), 0)
+    mapped.stale(0, np.array([-1], np.int64))  # as a worker maps a ring: read-only, and a key it does not hold
+    header = np.zeros(16, np.int64)
+    L3Announcer(header).begin()
+    l3_events(_read_only(header))
 
 

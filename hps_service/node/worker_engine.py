@@ -27,6 +27,7 @@ from hps_service.node.shared_l1 import SharedL1Reader
 from hps_service.store import layout
 from hps_service.store.changes import ChangeRing
 from hps_service.store.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES, ThreadRows
+from hps_service.store.l3_events import l3_events
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, W_MANIFEST
 from hps_service.store.queue import record_bytes
 from hps_service.store.view import StoreView, TableView
@@ -99,7 +100,8 @@ class WorkerEngine:
         self.persistent: CaughtUpSecondary | None = None
         if config.persistent.type == "rocksdb":
             share = max(8, config.persistent.block_cache_mb // max(1, config.server.worker_processes()))
-            self.persistent = CaughtUpSecondary(config.persistent, self._rings, share)
+            self.persistent = CaughtUpSecondary(config.persistent, self._rings, share,
+                                                epochs=lambda: l3_events(self.view.header))
         self.reader = Reader(self.volatile, self.persistent, self.max_batch_keys, promote=self._promote)
         self._models: dict[str, ModelConfig] = {}
         self._tables: dict[str, dict[str, WorkerTable]] = {}

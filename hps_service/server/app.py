@@ -181,8 +181,8 @@ class HPSServer:
             self.fleet = FleetServices(self.config, self.engine, self.models_changed, self._group())
             self.readiness.append(self.fleet.not_ready)
             self.stats_sections["registry"] = self.fleet.stats
+            self._start_updates()  # first: an admin write answered before the log writer exists would bypass the log
             self._app.target = admin_app(self._admin_context())
-            self._start_updates()
             self.fleet.start()
             if self.snapshotter is not None:
                 self.snapshotter.start(self.config.persistent.snapshot_interval_s)
@@ -293,13 +293,12 @@ class HPSServer:
             snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
             refuse=lambda model: self.consumer.lost_reason(model) if self.consumer is not None else None,
         )
+        # made here, not with the admin API: the update path's recovery of lost partitions restores from it too
+        self.remote_snapshots = RemoteSnapshots(self.snapshotter, SnapshotStore(self.engine, snapshots_root(self.config)))
 
     def _admin_context(self) -> AdminContext:
         assert self.engine is not None and self.metrics is not None and self.fleet is not None
-        local = SnapshotStore(self.engine, snapshots_root(self.config))
-        if self.snapshotter is not None:
-            self.remote_snapshots = RemoteSnapshots(self.snapshotter, local)
-        snapshots = self.remote_snapshots or local
+        snapshots = self.remote_snapshots or SnapshotStore(self.engine, snapshots_root(self.config))
         return AdminContext(
             engine=self.engine,
             config=self.config,

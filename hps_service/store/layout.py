@@ -17,8 +17,10 @@ from pathlib import Path
 
 from hps_service.store.permissions import StoreAccess
 
-#: Header fields (int64): magic, layout version, generation id, state, manifest generation, owner pid.
+#: Header fields (int64): magic, layout version, generation id, state, manifest generation, owner pid, and the
+#: owner's RocksDB announcements to its workers' secondary instances (:mod:`hps_service.store.l3_events`).
 H_MAGIC, H_LAYOUT, H_GENERATION, H_STATE, H_MANIFEST, H_OWNER_PID = 0, 1, 2, 3, 4, 5
+H_L3_FILES, H_L3_OPENS = 6, 7
 HEADER_LEN = 16
 MAGIC = 0x4850535354524531  # "HPSSTRE1"
 LAYOUT_VERSION = 1

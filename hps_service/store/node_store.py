@@ -33,7 +33,8 @@ from hps_service.store.queue import Ring
 from hps_service.store.region import NamedAllocator, Region, array_spec
 
 #: Indices into a table's control array (int64, one per cache line): the L1's change generation and the table's
-#: write generation (``engine.write_guard``) as last published, and the position of its RocksDB change ring.
+#: write generation (``engine.write_guard``) as last published, and the position of its RocksDB change ring (its
+#: reservation at ``T_CHANGES + 1``, see :mod:`hps_service.store.changes`).
 T_L1_GEN, T_WRITE_GEN, T_CHANGES = 0, 8, 16
 TABLE_CTRL_LEN = 24
 #: Bytes of each worker's queue to the owner.
@@ -73,9 +74,11 @@ class NodeStore:
     """One generation of the store, created and written by the owner."""
 
     def __init__(self, root: Path, *, private: bool, processes: int, workers: int,
-                 queue_bytes: int = QUEUE_BYTES, access: StoreAccess = PRIVATE) -> None:
-        """``processes``: rows of the counter arrays (the owner is 0, worker ``i`` is ``i + 1``); ``access``: who
-        may read the store beside the server's user (a private store is the server's alone)."""
+                 queue_bytes: int = QUEUE_BYTES, ring_keys: int = RING_KEYS, access: StoreAccess = PRIVATE) -> None:
+        """``processes``: rows of the counter arrays (the owner is 0, worker ``i`` is ``i + 1``); ``ring_keys``: slots
+        of each table's change ring; ``access``: who may read the store beside the server's user (a private store is
+        the server's alone)."""
+        self.ring_keys = ring_keys
         self.private = private
         self.access = access = PRIVATE if private else access
         root = Path(root)
@@ -147,7 +150,7 @@ class NodeStore:
             self._next_serial += 1
         base = f"tables/{serial}"
         control = self.region.create(f"{base}/control", (TABLE_CTRL_LEN,), np.int64)
-        ring = self.region.create(f"{base}/changes", (RING_KEYS,), np.int64)
+        ring = self.region.create(f"{base}/changes", (self.ring_keys,), np.int64)
         counters = self.region.create(f"{base}/counters", (self.processes, THREAD_ROWS, TABLE_FIELDS), np.float64)
         entry = {"model": model, "table": table, "dim": int(dim), "default": default, "l1": None,
                  "control": array_spec(f"{base}/control", control), "changes": array_spec(f"{base}/changes", ring),

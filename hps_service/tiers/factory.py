@@ -67,13 +67,16 @@ def redis_security_options(cfg: VolatileConfig) -> dict[str, Any]:
     return options
 
 
-def build_persistent(cfg: PersistentConfig, on_write: Any | None = None) -> Tier | None:
-    """The L3 tier (RocksDB), or None when disabled; ``on_write(table, keys)`` after each write batch."""
+def build_persistent(cfg: PersistentConfig, on_write: Any | None = None, file_events: Any | None = None
+                     ) -> Tier | None:
+    """The L3 tier (RocksDB), or None when disabled; ``on_write(table, keys)`` after each write batch,
+    ``file_events`` around the file changes its readers' secondary instances must know of."""
     if cfg.type == "rocksdb":
         from hps_service.tiers.rocksdb import RocksDBTier
 
         return RocksDBTier(
             path=cfg.path, read_only=cfg.read_only, block_cache_mb=cfg.block_cache_mb, sync_writes=cfg.sync_writes,
-            max_total_wal_mb=cfg.max_total_wal_mb, on_write=on_write,
+            max_total_wal_mb=cfg.max_total_wal_mb, write_buffer_mb=cfg.write_buffer_mb, on_write=on_write,
+            file_events=file_events,
         )
     return None

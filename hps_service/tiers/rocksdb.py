@@ -12,27 +12,20 @@ per-row calls into rocksdict are driven by ``map`` (C-level iteration), never by
 
 from __future__ import annotations
 
+import logging
 import shutil
 import threading
-import uuid
-from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
-from itertools import compress, islice, repeat
+from itertools import islice
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from rocksdict import (
     AccessType,
-    BlockBasedOptions,
     Cache,
-    Checkpoint,
-    DataBlockIndexType,
-    IngestExternalFileOptions,
     Options,
     Rdict,
-    SstFileWriter,
     WriteBatch,
     WriteOptions,
 )
@@ -46,61 +39,39 @@ from hps_service.tiers.base import (
     Tier,
     TierStats,
     WriteResult,
-    delete_versions,
-    max_version_per_key,
 )
 from hps_service.tiers.codec import (
-    ABSENT,
-    LIVE,
-    TOMBSTONE,
     TOMBSTONE_BYTES,
     decode_rows,
-    decode_states,
     encode_keys,
-    encode_rows,
-    encode_tombstones,
 )
+from hps_service.tiers.rocksdb_files import IMPORT_CHUNK_ROWS, FileOperations
+from hps_service.tiers.rocksdb_flush import FileEvents, Flusher
+from hps_service.tiers.rocksdb_layout import (
+    APP_PREFIX,
+    META_CF,
+    POSITIONS_CF,
+    RESERVED_CFS,
+    drain,
+    int_value,
+    meta_key,
+    parse_position_key,
+    position_key,
+)
+from hps_service.tiers.rocksdb_options import tuned_options
+from hps_service.tiers.rocksdb_recovery import ReadGate, Reopening, WriteFailure, gated
+from hps_service.tiers.rocksdb_staging import WriteStaging
+
+log = logging.getLogger(__name__)
 
 #: ``on_write(table, keys)``: keys of a write batch that reached the store (None when too many to list).
 WriteHook = Callable[[str, "np.ndarray | None"], None]
 
-#: Column family holding ``dim:<table>``, ``count:<table>`` and ``tombstones:<table>`` entries (int64 LE values),
-#: and the ``app:`` entries of :meth:`RocksDBTier.set_metadata`.
-META_CF = "__hps_meta__"
-#: Column family of the log positions written with the rows: ``<source>\0<partition u32 BE>`` -> next offset (i64 LE).
-POSITIONS_CF = "__hps_positions__"
-#: Column families that are not tables.
-RESERVED_CFS = (META_CF, POSITIONS_CF, "default")
-_APP_PREFIX = "app:"
-#: Rows per SST file written by :meth:`RocksDBTier.bulk_import` (one progress report per file).
-IMPORT_CHUNK_ROWS = 262_144
-#: Entries read per step by :meth:`RocksDBTier.scan_keys` and :meth:`RocksDBTier.purge_tombstones`.
-SCAN_CHUNK = 65_536
 _MiB = 1 << 20
 
+__all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
-def _meta_key(kind: str, table: str) -> bytes:
-    return f"{kind}:{table}".encode()
-
-
-def _int_value(value: int) -> bytes:
-    return int(value).to_bytes(8, "little", signed=True)
-
-
-def _position_key(source: str, partition: int) -> bytes:
-    return source.encode() + b"\0" + int(partition).to_bytes(4, "big")
-
-
-def _parse_position_key(key: bytes) -> tuple[str, int]:
-    return key[:-5].decode(), int.from_bytes(key[-4:], "big")
-
-
-def _drain(iterator) -> None:
-    """Run an iterator of side effects to completion at C speed."""
-    deque(iterator, maxlen=0)
-
-
-class RocksDBTier(Tier):
+class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
     """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
 
     kind = "persistent"
@@ -115,6 +86,8 @@ class RocksDBTier(Tier):
         secondary_path: Path | None = None,
         on_write: WriteHook | None = None,
         max_total_wal_mb: int = 256,
+        write_buffer_mb: float = 64.0,
+        file_events: FileEvents | None = None,
     ) -> None:
         """Open (or create) the store at ``path``; every existing table reopens with the tuned options.
 
@@ -122,19 +95,27 @@ class RocksDBTier(Tier):
         the owner writes; its own files go there) that sees the primary's writes after :meth:`catch_up`.
         ``on_write(table, keys)`` is called after every write batch reached the store, with the keys it wrote
         (None: too many to list, e.g. an import): how a secondary's reader knows which keys it may hold stale.
-        ``max_total_wal_mb``: the write-ahead logs' bound (``persistent.max_total_wal_mb``).
+        ``max_total_wal_mb``, ``write_buffer_mb``: the write-ahead logs' bound and a table's memtable size
+        (``persistent.*``), which this tier's flush policy keeps (:mod:`hps_service.tiers.rocksdb_flush`);
+        ``file_events`` is told around the flushes a secondary's catch-up cannot follow.
         """
         if block_cache_mb < 0 or row_cache_mb < 0:
             raise InvalidArgumentError("block_cache_mb and row_cache_mb must be >= 0")
         self.path = Path(path)
         self.secondary = secondary_path is not None
+        self._secondary_path = secondary_path
         read_only = read_only or self.secondary
         self.read_only = read_only
         self._on_write = on_write
         self._staged: list[tuple[str, np.ndarray]] = []
         self.sync_writes = sync_writes
-        self._max_total_wal_bytes = max_total_wal_mb * _MiB
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # writes; a reopen after a write error (from a write) takes it too
+        self._gate = ReadGate()
+        self._failure = WriteFailure(self.path)
+        self._write_buffer_bytes = int(write_buffer_mb * _MiB)
+        self._max_total_wal_bytes = int(max_total_wal_mb * _MiB)
+        self._flusher = None if read_only else Flusher(
+            self.path, self._write_buffer_bytes, self._max_total_wal_bytes, file_events)
         self._block_cache = Cache(block_cache_mb * _MiB) if block_cache_mb else None
         self._row_cache = Cache(row_cache_mb * _MiB) if row_cache_mb else None
         # Batches are written unsynced, then the WAL is synced with flush_wal, which rocksdict runs with the GIL
@@ -144,83 +125,78 @@ class RocksDBTier(Tier):
         if read_only and not (self.path / "CURRENT").exists():
             raise UnavailableError(f"no RocksDB store at {self.path} to open read-only")
         self.path.mkdir(parents=True, exist_ok=True)
+        self._closed = self._down = False
+        self._open()
+        if not read_only:  # SST files of an import that a crash interrupted (never ingested)
+            drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
+
+    def _open(self) -> None:
+        """Open the store's every column family and attach its tables (at start, and again after a write error)."""
         existing = (
             set(Rdict.list_cf(str(self.path), self._options())) if (self.path / "CURRENT").exists() else set()
         )
         column_families = {name: self._options() for name in existing | {META_CF, POSITIONS_CF}}
         if self.secondary:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
-            Path(secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
-            access = AccessType.secondary(str(secondary_path))
-        elif read_only:
+            Path(self._secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+            access = AccessType.secondary(str(self._secondary_path))
+        elif self.read_only:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
             access = AccessType.read_only(False)
         else:
             access = AccessType.read_write()
         try:
             self._db = Rdict(
-                str(self.path), self._options(), column_families=column_families, access_type=access
+                str(self.path), self._options(pin=True), column_families=column_families, access_type=access
             )
         except Exception as exc:  # rocksdict raises bare Exception for I/O and lock errors
             raise UnavailableError(f"cannot open RocksDB at {self.path}: {exc}") from exc
-        self._closed = False
-        if not read_only:  # SST files of an import that a crash interrupted (never ingested)
-            _drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
-        self._meta = self._db.get_column_family(META_CF) if META_CF in column_families else None
-        self._positions = self._db.get_column_family(POSITIONS_CF) if POSITIONS_CF in column_families else None
+        self._attach_all(list(column_families))
+
+    def _attach_all(self, names: list[str]) -> None:
+        """Take the column families ``names`` of the open store in use: metadata, positions, tables."""
+        self._meta = self._db.get_column_family(META_CF) if META_CF in names else None
+        self._positions = self._db.get_column_family(POSITIONS_CF) if POSITIONS_CF in names else None
         self._dims: dict[str, int] = {}
         self._cfs: dict[str, Rdict] = {}
         self._handles: dict[str, object] = {}
-        for name in column_families:
+        for name in names:
             if name in RESERVED_CFS:
                 continue
             dim = self._meta_int("dim", name)
             if dim is not None:
                 self._attach(name, dim)
+        if self._flusher is not None:
+            assert self._meta is not None and self._positions is not None
+            self._flusher.attach(self._db, self._write_opts, self.sync_writes,
+                                 {**self._cfs, META_CF: self._meta, POSITIONS_CF: self._positions})
 
     # ---- options and metadata -------------------------------------------------------------------------
 
-    def _options(self) -> Options:
-        """Options for the DB and each column family (rocksdict forgets table options not passed per CF)."""
-        opts = Options(raw_mode=True)
-        opts.create_if_missing(True)
-        opts.create_missing_column_families(True)
-        table = BlockBasedOptions()
-        if self._block_cache is not None:
-            table.set_block_cache(self._block_cache)
-        else:
-            table.disable_cache()
-        table.set_bloom_filter(10, False)
-        table.set_cache_index_and_filter_blocks(True)
-        table.set_pin_l0_filter_and_index_blocks_in_cache(True)
-        table.set_data_block_index_type(DataBlockIndexType.binary_and_hash())
-        table.set_data_block_hash_ratio(0.75)
-        opts.set_block_based_table_factory(table)
-        if self._row_cache is not None:
-            opts.set_row_cache(self._row_cache)
-        opts.set_level_compaction_dynamic_level_bytes(True)
-        # A log is deleted only once every column family with data in it flushed. The positions (and the metadata)
-        # are written with every batch and never fill a memtable, so without a bound on the logs they are flushed
-        # only at RocksDB's default (4x all write buffers): gigabytes of logs for a restart to replay, each kept by a
-        # secondary instance as an immutable memtable of the positions.
-        opts.set_max_total_wal_size(self._max_total_wal_bytes)
-        # A bloom filter over the memtable's keys (2% of its size): the update path reads the stored version of
-        # every key it writes, and most are not in the memtable, so they skip its skiplist search (measured with
-        # loadtest.bench_rocksdb_ingest: multi-get 22% and the versioned put 12% less CPU at 1M rows).
-        opts.set_memtable_whole_key_filtering(True)
-        opts.set_memtable_prefix_bloom_ratio(0.02)
-        return opts
+    def _options(self, pin: bool = False) -> Options:
+        """This store's options for the DB and each column family (see :func:`tuned_options`)."""
+        return tuned_options(self._block_cache, self._row_cache, self._write_buffer_bytes,
+                             self._max_total_wal_bytes, pin)
 
-    def _write(self, batch: WriteBatch) -> None:
-        """Apply ``batch`` atomically; with ``sync_writes`` it is on disk (WAL fsynced) when this returns."""
-        self._db.write(batch, self._write_opts)
-        if self.sync_writes:
-            self._db.flush_wal(True)
+    def _write(self, batch: WriteBatch, families: Sequence[str] = (META_CF,)) -> None:
+        """Apply ``batch`` (writing to ``families``) atomically; with ``sync_writes`` it is on disk (WAL fsynced) when
+        this returns; then the flush policy switches what it filled. Caller holds the lock. A failure leaves the
+        store refusing writes until :meth:`_heal` reopens it."""
+        assert self._flusher is not None
+        self._flusher.pin(batch)
+        size = batch.size_in_bytes()
+        try:
+            self._db.write(batch, self._write_opts)
+            if self.sync_writes:
+                self._db.flush_wal(True)
+            self._flusher.written(size, families)  # a switch and its marker (a write too)
+        except Exception as exc:  # rocksdict raises bare Exception for I/O errors (ENOSPC)
+            raise self._failure.failed(exc) from None  # (its message has it; its traceback holds the batch)
 
     def _meta_int(self, kind: str, table: str) -> int | None:
         if self._meta is None:
             return None
-        raw = self._meta.get(_meta_key(kind, table))
+        raw = self._meta.get(meta_key(kind, table))
         return None if raw is None else int.from_bytes(raw, "little", signed=True)
 
     def _attach(self, table: str, dim: int) -> None:
@@ -231,11 +207,16 @@ class RocksDBTier(Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise UnavailableError(f"RocksDB tier at {self.path} is closed")
+        if self._down:
+            raise UnavailableError(f"RocksDB at {self.path} is closed after its write error ({self._failure.error}) "
+                                   f"until it reopens")
 
     def _check_writable(self, what: str) -> None:
-        self._check_open()
         if self.read_only:
             raise UnavailableError(f"cannot {what}: RocksDB at {self.path} is opened read-only")
+        if self._failure.error is not None and not self._closed:
+            self._heal()
+        self._check_open()
 
     def _table(self, table: str) -> tuple[Rdict, int]:
         self._check_open()
@@ -274,11 +255,14 @@ class RocksDBTier(Tier):
             self._db.create_column_family(table, self._options())
             batch = WriteBatch(raw_mode=True)
             meta = self._db.get_column_family_handle(META_CF)
-            batch.put(_meta_key("dim", table), _int_value(dim), meta)
-            batch.put(_meta_key("count", table), _int_value(0), meta)
+            batch.put(meta_key("dim", table), int_value(dim), meta)
+            batch.put(meta_key("count", table), int_value(0), meta)
             self._write(batch)
             self._attach(table, int(dim))
+            if self._flusher is not None:
+                self._flusher.add_family(table, self._cfs[table])
 
+    @gated
     def get(self, table: str, keys: np.ndarray) -> Rows:
         """One multi-get for the whole batch; missing keys come back with ``found == False``."""
         cf, dim = self._table(table)
@@ -286,113 +270,6 @@ class RocksDBTier(Tier):
         if keys.size == 0:
             return Rows.empty(0, dim)
         return decode_rows(cf.get(encode_keys(keys)), dim)
-
-    @staticmethod
-    def _stored_states(cf: Rdict, encoded_keys: list[bytes], dim: int) -> tuple[np.ndarray, np.ndarray]:
-        """(codec state, stored version) of the encoded keys, read with one multi-get."""
-        return decode_states(cf.get(encoded_keys), dim)
-
-    @staticmethod
-    def _accepts(states: np.ndarray, stored: np.ndarray, offered: np.ndarray | int) -> np.ndarray:
-        """Where a put at ``offered`` may be written: absent, a row not newer, or a tombstone strictly older."""
-        return np.where(
-            states == LIVE, offered >= stored, np.where(states == TOMBSTONE, offered > stored, True)
-        )
-
-    def _add_counts(self, batch: WriteBatch, table: str, rows: int, tombstones: int) -> None:
-        """Adjust the row and tombstone counts of ``table`` inside ``batch`` (caller holds the lock)."""
-        self._stage_counts(batch, {("count", table): rows, ("tombstones", table): tombstones})
-
-    def _stage_counts(self, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:
-        """Put the counts changed by ``deltas`` ((kind, table) -> change) into ``batch`` (caller holds the lock)."""
-        meta = self._db.get_column_family_handle(META_CF)
-        for (kind, table), delta in deltas.items():
-            if delta:
-                count = max(0, (self._meta_int(kind, table) or 0) + delta)
-                batch.put(_meta_key(kind, table), _int_value(count), meta)
-
-    def _stage_put(
-        self, batch: WriteBatch, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
-        deltas: dict[tuple[str, str], int],
-    ) -> np.ndarray:
-        """Stage the rows whose version is >= the stored row's (> a tombstone's) into ``batch``; the written mask.
-        Keys are unique; the caller holds the lock."""
-        cf, dim = self._table(table)
-        keys = as_keys(keys)
-        n = keys.size
-        vectors = self._vectors(vectors, n, dim, table)
-        offered = np.asarray(versions, dtype=np.int64)
-        if offered.shape not in ((), (n,)):
-            raise InvalidArgumentError(f"versions for {table} must have shape ({n},), got {offered.shape}")
-        offered = np.broadcast_to(offered, (n,))
-        if n == 0:
-            return np.zeros(0, dtype=bool)
-        encoded = encode_keys(keys)
-        states, stored = self._stored_states(cf, encoded, dim)
-        written = self._accepts(states, stored, offered)
-        idx = np.flatnonzero(written)
-        if idx.size:
-            self._staged.append((table, keys if idx.size == n else keys[idx]))
-            handle = self._handles[table]
-            sel_keys = encoded if idx.size == n else encode_keys(keys[idx])
-            _drain(map(batch.put, sel_keys, encode_rows(vectors[idx], offered[idx]), repeat(handle)))
-            replaced = states[idx]
-            deltas[("count", table)] = deltas.get(("count", table), 0) + int(np.count_nonzero(replaced != LIVE))
-            deltas[("tombstones", table)] = (deltas.get(("tombstones", table), 0)
-                                             - int(np.count_nonzero(replaced == TOMBSTONE)))
-        return written
-
-    def _stage_delete(
-        self, batch: WriteBatch, table: str, keys: np.ndarray, versions: np.ndarray | None,
-        deltas: dict[tuple[str, str], int],
-    ) -> int:
-        """Stage a delete of ``keys`` into ``batch`` (see :meth:`delete`); live rows removed. Caller holds the lock."""
-        cf, dim = self._table(table)
-        keys = as_keys(keys)
-        tomb_versions = delete_versions(versions, keys.size)
-        if keys.size == 0:
-            return 0
-        if tomb_versions is None:
-            keys = np.unique(keys)
-        else:
-            keys, tomb_versions = max_version_per_key(keys, tomb_versions)
-        encoded = encode_keys(keys)
-        states, stored = self._stored_states(cf, encoded, dim)
-        live = states == LIVE
-        handle = self._handles[table]
-        self._staged.append((table, keys))
-        if tomb_versions is None:
-            removed = int(np.count_nonzero(live))
-            _drain(map(batch.delete, encoded, repeat(handle)))
-            tombstones = -int(np.count_nonzero(states == TOMBSTONE))
-        else:
-            removing = live & (stored <= tomb_versions)
-            raising = (states == TOMBSTONE) & (stored < tomb_versions)
-            new_tombstones = removing | (states == ABSENT)
-            removed = int(np.count_nonzero(removing))
-            idx = np.flatnonzero(new_tombstones | raising)
-            if idx.size == 0:
-                return 0
-            sel_keys = encoded if idx.size == keys.size else encode_keys(keys[idx])
-            _drain(map(batch.put, sel_keys, encode_tombstones(tomb_versions[idx]), repeat(handle)))
-            tombstones = int(np.count_nonzero(new_tombstones))
-        deltas[("count", table)] = deltas.get(("count", table), 0) - removed
-        deltas[("tombstones", table)] = deltas.get(("tombstones", table), 0) + tombstones
-        return removed
-
-    def _commit(self, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:
-        """Add the count changes to ``batch`` and write it (synced when sync_writes); caller holds the lock. Then
-        name the keys written to ``on_write``."""
-        staged, self._staged = self._staged, []
-        self._stage_counts(batch, deltas)
-        if not batch.is_empty():
-            self._write(batch)
-            for table, keys in staged:
-                self._wrote(table, keys)
-
-    def _wrote(self, table: str, keys: np.ndarray | None) -> None:
-        if self._on_write is not None:
-            self._on_write(table, keys)
 
     def catch_up(self) -> None:
         """A secondary instance: apply what the primary wrote since the last catch-up (about 1-2 ms even when
@@ -449,28 +326,30 @@ class RocksDBTier(Tier):
             if positions:
                 handle = self._db.get_column_family_handle(POSITIONS_CF)
                 for (source, partition), offset in positions.items():
-                    batch.put(_position_key(source, partition), _int_value(offset), handle)
+                    batch.put(position_key(source, partition), int_value(offset), handle)
             self._commit(batch, deltas)
         return results
 
+    @gated
     def positions(self) -> dict[tuple[str, int], int]:
         """The positions stored with the rows: ``(source, partition) -> next offset``."""
         self._check_open()
         if self._positions is None:
             return {}
-        return {_parse_position_key(k): int.from_bytes(v, "little", signed=True) for k, v in self._positions.items()}
+        return {parse_position_key(k): int.from_bytes(v, "little", signed=True) for k, v in self._positions.items()}
 
+    @gated
     def metadata(self, prefix: str = "") -> dict[str, bytes]:
         """Entries stored with :meth:`set_metadata` whose key starts with ``prefix``."""
         self._check_open()
         if self._meta is None:
             return {}
-        start = (_APP_PREFIX + prefix).encode()
+        start = (APP_PREFIX + prefix).encode()
         out = {}
         for key, value in self._meta.items(from_key=start):
             if not key.startswith(start):
                 break
-            out[key[len(_APP_PREFIX):].decode()] = value
+            out[key[len(APP_PREFIX):].decode()] = value
         return out
 
     def set_metadata(self, key: str, value: bytes | None) -> bool:
@@ -481,49 +360,19 @@ class RocksDBTier(Tier):
             batch = WriteBatch(raw_mode=True)
             handle = self._db.get_column_family_handle(META_CF)
             if value is None:
-                batch.delete((_APP_PREFIX + key).encode(), handle)
+                batch.delete((APP_PREFIX + key).encode(), handle)
             else:
-                batch.put((_APP_PREFIX + key).encode(), bytes(value), handle)
+                batch.put((APP_PREFIX + key).encode(), bytes(value), handle)
             self._write(batch)
         return True
 
-    def purge_tombstones(self, table: str, below_version: int) -> int:
-        """Remove the tombstones of ``table`` whose version is below ``below_version``; returns how many.
-
-        A tombstone only matters while a put older than it can still arrive (a replay of the update log), so
-        ``below_version`` is the oldest version any producer or log can still deliver. Scans the whole table
-        without blocking writers: each scanned chunk's candidates are checked again under the write lock.
-        """
-        self._check_writable(f"purge tombstones of {table}")
-        cf, dim = self._table(table)
-        handle = self._handles[table]
-        purged = 0
-        items = cf.items()
-        while chunk := list(islice(items, SCAN_CHUNK)):
-            keys, values = zip(*chunk)
-            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-            candidates = list(compress(keys, (lengths == TOMBSTONE_BYTES).tolist()))
-            if not candidates:
-                continue
-            with self._lock:
-                states, stored = self._stored_states(cf, candidates, dim)
-                purge = (states == TOMBSTONE) & (stored < below_version)
-                n_purge = int(np.count_nonzero(purge))
-                if not n_purge:
-                    continue
-                batch = WriteBatch(raw_mode=True)
-                _drain(map(batch.delete, compress(candidates, purge.tolist()), repeat(handle)))
-                self._add_counts(batch, table, rows=0, tombstones=-n_purge)
-                self._write(batch)
-                self._wrote(table, None)
-            purged += n_purge
-        return purged
-
+    @gated
     def tombstones(self, table: str) -> int:
         """Tombstones held for ``table`` (exact, from the metadata CF)."""
         self._table(table)
         return self._meta_int("tombstones", table) or 0
 
+    @gated
     def count(self, table: str) -> int:
         """Exact count of live rows (tombstones excluded) kept in the metadata CF.
 
@@ -533,6 +382,7 @@ class RocksDBTier(Tier):
         self._table(table)
         return self._meta_int("count", table) or 0
 
+    @gated
     def stats(self, table: str) -> TierStats:
         """Rows plus RocksDB's own size figures for the table."""
         cf, _ = self._table(table)
@@ -548,14 +398,18 @@ class RocksDBTier(Tier):
             extra["row_cache_bytes"] = float(self._row_cache.get_usage())
         return TierStats(rows=self.count(table), capacity=None, extra=extra)
 
+    @gated
     def memory_bytes(self) -> dict[str, int]:
         """What this instance holds in memory: its memtables (every column family) and its block cache's usage."""
         self._check_open()
-        families = [*self._cfs.values(), *(cf for cf in (self._meta, self._positions) if cf is not None)]
-        memtables = sum(int(cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0) for cf in families)
         cache = int(self._block_cache.get_usage()) if self._block_cache is not None else 0
-        return {"memtables": memtables, "block_cache": cache}
+        return {"memtables": self._memtable_bytes(), "block_cache": cache}
 
+    def _memtable_bytes(self) -> int:
+        families = [*self._cfs.values(), *(cf for cf in (self._meta, self._positions) if cf is not None)]
+        return sum(int(cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0) for cf in families)
+
+    @gated
     def scan_keys(self, table: str, limit: int) -> np.ndarray:
         """The first ``limit`` keys of live rows in store order (unsigned key order; tombstones skipped)."""
         cf, _ = self._table(table)
@@ -583,210 +437,33 @@ class RocksDBTier(Tier):
             self._cfs.pop(table)
             self._handles.pop(table)
             self._dims.pop(table)
+            if self._flusher is not None:
+                self._flusher.drop_family(table)
             self._db.drop_column_family(table)
             batch = WriteBatch(raw_mode=True)
             meta = self._db.get_column_family_handle(META_CF)
-            batch.delete(_meta_key("dim", table), meta)
-            batch.delete(_meta_key("count", table), meta)
-            batch.delete(_meta_key("tombstones", table), meta)
+            batch.delete(meta_key("dim", table), meta)
+            batch.delete(meta_key("count", table), meta)
+            batch.delete(meta_key("tombstones", table), meta)
             self._write(batch)
 
+    @gated
     def healthy(self) -> bool:
-        """Open and answering a property read."""
-        if self._closed:
+        """Open, writing (no write error outstanding), and answering a property read."""
+        if self._closed or self._down or self._failure.error is not None:
             return False
         try:
             return self._db.property_value("rocksdb.num-running-compactions") is not None
         except Exception:  # noqa: BLE001  rocksdict raises bare Exception on a closed or broken DB
             return False
 
-    def checkpoint(self, dest: Path) -> None:
-        """A consistent, hard-linked snapshot of the whole store at ``dest`` (which must not exist)."""
-        self._check_open()
-        dest = Path(dest)
-        if dest.exists():
-            raise InvalidArgumentError(f"checkpoint destination {dest} already exists")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        Checkpoint(self._db).create_checkpoint(str(dest))
-
-    def export(
-        self, dest: Path, tables: Sequence[str], sources: Collection[str], metadata_keys: Collection[str] = ()
-    ) -> dict[str, Any]:
-        """A checkpoint at ``dest`` that holds only ``tables``, the positions of ``sources`` and the metadata entries
-        ``metadata_keys``: a consistent copy of those rows with the positions they were applied up to.
-
-        Returns ``{"tables": {table: {"dim", "rows", "tombstones"}}, "positions": {(source, partition): offset}}``.
-        """
-        self.checkpoint(dest)
-        keep = set(tables)
-        opts = self._options()
-        names = Rdict.list_cf(str(dest), opts)
-        db = Rdict(str(dest), opts, column_families={n: self._options() for n in names},
-                   access_type=AccessType.read_write())
-        try:
-            for name in names:
-                if name not in RESERVED_CFS and name not in keep:
-                    db.drop_column_family(name)
-            meta = db.get_column_family(META_CF)
-            wanted_app = {(_APP_PREFIX + k).encode() for k in metadata_keys}
-            stale = []
-            meta_keys = list(meta.keys())
-            for key in meta_keys:
-                kind, _, name = key.decode().partition(":")
-                if (kind == _APP_PREFIX[:-1] and key not in wanted_app) or (
-                        kind in ("dim", "count", "tombstones") and name not in keep):
-                    stale.append(key)
-            _drain(map(meta.delete, stale))
-            positions = db.get_column_family(POSITIONS_CF) if POSITIONS_CF in names else None
-            kept_positions: dict[tuple[str, int], int] = {}
-            if positions is not None:
-                for key, value in list(positions.items()):
-                    source, partition = _parse_position_key(key)
-                    if source in sources:
-                        kept_positions[(source, partition)] = int.from_bytes(value, "little", signed=True)
-                    else:
-                        positions.delete(key)
-            described = {}
-            for name in sorted(keep & set(names)):
-                def meta_int(kind: str, table: str = name) -> int:
-                    raw = meta.get(_meta_key(kind, table))
-                    return 0 if raw is None else int.from_bytes(raw, "little", signed=True)
-                described[name] = {"dim": meta_int("dim"), "rows": meta_int("count"), "tombstones": meta_int("tombstones")}
-            db.flush()
-        finally:
-            db.close()
-        return {"tables": described, "positions": kept_positions}
-
-    def adopt(self, src: Path) -> list[str]:
-        """Copy every table, metadata entry and position of the store at ``src`` into this one, rows as stored
-        (versions and tombstones included), as sorted SST files ingested per table. The tables must not exist
-        here yet (this merges a restored snapshot into a store that holds other models). Returns the tables."""
-        self._check_writable("adopt a store")
-        other = RocksDBTier(src, read_only=True, block_cache_mb=8)
-        try:
-            clash = sorted(set(other.tables()) & set(self._dims))
-            if clash:
-                raise InvalidArgumentError(f"cannot adopt {src}: tables {', '.join(clash)} exist here already")
-            for table, dim in other.tables().items():
-                self.create_table(table, dim)
-                tmp = self.path / f"import-{uuid.uuid4().hex}"
-                tmp.mkdir()
-                try:
-                    files = []
-                    items = other._cfs[table].items()
-                    while chunk := list(islice(items, IMPORT_CHUNK_ROWS)):
-                        sst = tmp / f"{len(files):06d}.sst"
-                        writer = SstFileWriter(self._options())
-                        writer.open(str(sst))
-                        _drain(map(writer.__setitem__, *zip(*chunk)))
-                        writer.finish()
-                        files.append(str(sst))
-                    if files:
-                        ingest = IngestExternalFileOptions()
-                        ingest.set_move_files(True)
-                        self._cfs[table].ingest_external_file(files, ingest)
-                        self._wrote(table, None)
-                finally:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                with self._lock:
-                    batch = WriteBatch(raw_mode=True)
-                    self._stage_counts(batch, {("count", table): other.count(table),
-                                               ("tombstones", table): other.tombstones(table)})
-                    self._commit(batch, {})
-            for key, value in other.metadata().items():
-                self.set_metadata(key, value)
-            if other.positions():
-                self.write([], other.positions())
-            return sorted(other.tables())
-        finally:
-            other.close()
-
     def close(self) -> None:
         """Flush nothing extra (writes are in the WAL) and release the files and the lock."""
         if self._closed:
             return
+        if self._flusher is not None:
+            self._flusher.close()
         with self._lock:
             self._closed = True
-            self._cfs.clear()
-            self._handles.clear()
-            self._meta = self._positions = None
-            self._db.close()
-
-    # ---- bulk import ----------------------------------------------------------------------------------
-
-    def bulk_import(
-        self,
-        table: str,
-        keys: np.ndarray,
-        vectors: np.ndarray,
-        version: int = 0,
-        progress: Callable[[int], None] | None = None,
-    ) -> int:
-        """Write rows as sorted SST files and ingest them atomically; returns how many rows this import wrote.
-
-        Atomic: rows are checked (finite) while the SST files are written, and all files are ingested in one
-        call at the end, so a failure leaves the table as it was. Duplicate keys: the last occurrence wins.
-        Rows already stored with a newer version are kept, so an import never takes a row backwards, and a
-        tombstone at or above ``version`` keeps its key deleted.
-        ``progress(rows_done)`` is called after each SST file.
-        """
-        self._check_writable(f"import into {table}")
-        cf, dim = self._table(table)
-        keys = as_keys(keys)
-        vectors = self._vectors(vectors, keys.size, dim, table)
-        if keys.size == 0:
-            return 0
-        order = np.argsort(keys.view(np.uint64), kind="stable")
-        sorted_keys = keys.view(np.uint64)[order]
-        last = np.ones(order.size, dtype=bool)
-        last[:-1] = sorted_keys[1:] != sorted_keys[:-1]
-        order = order[last]
-        tmp = self.path / f"import-{uuid.uuid4().hex}"
-        tmp.mkdir()
-        try:
-            with self._lock:
-                count_before = self._meta_int("count", table) or 0
-                tombstones_before = self._meta_int("tombstones", table) or 0
-                files, written, new_rows, replaced_tombstones = [], 0, 0, 0
-                for start in range(0, order.size, IMPORT_CHUNK_ROWS):
-                    chunk = order[start : start + IMPORT_CHUNK_ROWS]
-                    chunk_vectors = vectors[chunk]
-                    bad = np.flatnonzero(~np.isfinite(chunk_vectors).all(axis=1))
-                    if bad.size:
-                        raise InvalidArgumentError(
-                            f"row {int(chunk[bad[0]])} has NaN or inf values; nothing imported"
-                        )
-                    encoded = encode_keys(keys[chunk])
-                    if count_before or tombstones_before:
-                        states, stored = self._stored_states(cf, encoded, dim)
-                        keep = self._accepts(states, stored, version)
-                        new_rows += int(np.count_nonzero(keep & (states != LIVE)))
-                        replaced_tombstones += int(np.count_nonzero(keep & (states == TOMBSTONE)))
-                        if not keep.all():
-                            chunk, chunk_vectors = chunk[keep], chunk_vectors[keep]
-                            encoded = encode_keys(keys[chunk])
-                    else:
-                        new_rows += chunk.size
-                    if chunk.size:
-                        values = encode_rows(chunk_vectors, np.full(chunk.size, version, dtype=np.int64))
-                        sst = tmp / f"{len(files):06d}.sst"
-                        writer = SstFileWriter(self._options())
-                        writer.open(str(sst))
-                        _drain(map(writer.__setitem__, encoded, values))
-                        writer.finish()
-                        files.append(str(sst))
-                        written += chunk.size
-                    if progress is not None:
-                        progress(min(start + IMPORT_CHUNK_ROWS, order.size))
-                if files:
-                    ingest = IngestExternalFileOptions()
-                    ingest.set_move_files(True)
-                    cf.ingest_external_file(files, ingest)
-                    self._wrote(table, None)
-                if new_rows or replaced_tombstones:
-                    batch = WriteBatch(raw_mode=True)
-                    self._add_counts(batch, table, rows=new_rows, tombstones=-replaced_tombstones)
-                    self._write(batch)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-        return written
+            if not self._down:
+                self._close_db()

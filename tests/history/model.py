@@ -131,9 +131,9 @@ def _fmt(t: float, t0: float) -> str:
     return "-" if t is None or t == INF else f"{t - t0:.3f}"
 
 
-def key_history(history: History, key: int, t0: float, limit: int = 60, at: float | None = None) -> str:
-    """The writes and reads of one key in start order, for a violation report: the ``limit`` operations up to a
-    little after ``at`` (the violating read), else the last ``limit``."""
+def key_history(history: History, key: int, t0: float, limit: int | None = 60, at: float | None = None) -> str:
+    """The writes and reads of one key in start order, for a violation report: the ``limit`` operations (None: all)
+    up to a little after ``at`` (the violating read), else the last ``limit``."""
     lines = []
     for w in history.writes:
         if np.any(w.keys == key):
@@ -149,7 +149,7 @@ def key_history(history: History, key: int, t0: float, limit: int = 60, at: floa
     if at is not None:
         upto = sum(1 for t, _ in lines if t <= at) + 5
         lines = lines[:upto]
-    shown = [text for _, text in lines[-limit:]]
+    shown = [text for _, text in (lines if limit is None else lines[-limit:])]
     skipped = len(lines) - len(shown)
     return "\n".join(([f"  ... {skipped} earlier operations"] if skipped else []) + shown)
 

@@ -137,3 +137,96 @@ def test_readers_that_find_the_same_keys_stale_share_one_catch_up(
         r.join(10)
     assert versions == [v] * 4
     assert counted.n == 1
+
+
+class AnnouncingOwner(Owner):
+    """An owner whose primary announces its file changes in a store header, as a node's owner does."""
+
+    def __init__(self, path: Path) -> None:
+        from hps_service.store.l3_events import L3Announcer
+
+        self.header = np.zeros(16, np.int64)
+        self.announcer = L3Announcer(self.header)
+        self.db = RocksDBTier(path, block_cache_mb=8, file_events=self.announcer)
+        self.db.create_table("t", DIM)
+        self.ring = ChangeRing(np.zeros(1 << 12, np.int64), np.zeros(4, np.int64), 0)
+        self.version = 0
+
+    def flush_unmarked(self) -> None:
+        """What RocksDB does inside a checkpoint or an ingest: every memtable flushed, no marker written yet."""
+        for cf in [*self.db._cfs.values(), self.db._meta, self.db._positions]:
+            cf.flush()
+
+    def mark(self) -> None:
+        self.db._flusher.mark(self.db._flusher.families())  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def announcing(tmp_path: Path) -> Iterator[tuple[AnnouncingOwner, CaughtUpSecondary]]:
+    from hps_service.store.l3_events import l3_events
+
+    o = AnnouncingOwner(tmp_path / "db")
+    s = CaughtUpSecondary(PersistentConfig(path=tmp_path / "db"), lambda: {"t": o.ring}, block_cache_mb=8,
+                          epochs=lambda: l3_events(o.header))
+    yield o, s
+    s.close()
+    o.db.close()
+
+
+def test_a_read_waits_out_an_announced_flush_and_never_answers_from_before_it(
+        announcing: tuple[AnnouncingOwner, CaughtUpSecondary], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 27, defect 1 at the seam: a read that must catch up while the owner's flush is announced and its
+    marker not yet written waits; a catch-up then would keep the row replayed before the flush (RocksDB 10.4)."""
+    owner, sec = announcing
+    monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0)
+    owner.write([5])
+    assert sec.get("t", np.array([5])).versions[0] == owner.version  # replayed into the secondary's memtable
+    v = owner.write([5])
+    owner.announcer.begin()
+    owner.flush_unmarked()
+    got: list[int] = []
+    reader = threading.Thread(target=lambda: got.append(int(sec.get("t", np.array([5])).versions[0])))
+    reader.start()
+    reader.join(0.3)
+    assert reader.is_alive() and not got, "the read did not wait for the announced flush"
+    owner.mark()
+    owner.announcer.end(False)
+    reader.join(10)
+    assert got == [v]
+
+
+def test_a_catch_up_that_overlapped_an_announced_flush_is_made_again(
+        announcing: tuple[AnnouncingOwner, CaughtUpSecondary], monkeypatch: pytest.MonkeyPatch) -> None:
+    owner, sec = announcing
+    monkeypatch.setattr(reader_tiers, "CATCH_UP_INTERVAL_S", 3600.0)
+    owner.write([6])
+    assert sec.get("t", np.array([6])).versions[0] == owner.version
+    v = owner.write([6])
+    calls = []
+    real = sec._db.catch_up
+
+    def overlapping() -> None:  # the first catch-up runs inside a whole announced flush, before its marker
+        calls.append(1)
+        if len(calls) == 1:
+            owner.announcer.begin()
+            owner.flush_unmarked()
+            real()
+            owner.mark()
+            owner.announcer.end(False)
+        else:
+            real()
+
+    sec._db.catch_up = overlapping  # type: ignore[method-assign]
+    assert sec.get("t", np.array([6])).versions[0] == v
+    assert len(calls) == 2
+
+
+def test_a_reopened_primary_makes_the_secondary_open_afresh(
+        announcing: tuple[AnnouncingOwner, CaughtUpSecondary]) -> None:
+    owner, sec = announcing
+    before = sec._db
+    owner.announcer.begin()
+    owner.announcer.end(True)
+    v = owner.write([7])
+    assert sec.get("t", np.array([7])).versions[0] == v
+    assert sec._db is not before

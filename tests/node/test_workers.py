@@ -261,7 +261,8 @@ def test_sigterm_drains_every_worker_and_the_owner_s_death_ends_them(tmp_path: P
 
 def test_rows_only_in_rocksdb_are_read_fresh_by_the_workers(tmp_path: Path) -> None:
     """No volatile tier: a worker's misses read its RocksDB secondary instance, which catches up before reading a
-    key the owner wrote since (a deleted row is never served, an updated one never older), and after an import."""
+    key the owner wrote since (a deleted row is never served, an updated one never older, not even after a
+    snapshot flushed the memtables)."""
     n, keys, vectors = start_node(tmp_path, volatile={"type": "disabled"}, cache={"capacity": 64})
     try:
         per_worker = n.channels_to_each_worker()
@@ -279,6 +280,23 @@ def test_rows_only_in_rocksdb_are_read_fresh_by_the_workers(tmp_path: Path) -> N
             assert got.sources.tolist() == [4, 3, 3, 3]
             np.testing.assert_array_equal(got.vectors[1], rows[0])
             np.testing.assert_array_equal(got.vectors[2:], vectors[lo + 2:lo + 4])
+        # A snapshot (a checkpoint flushes every memtable) between a write and the workers' next read, each
+        # worker's secondary holding the row before it (issue 27, defect 1: RocksDB 10.4's secondary kept it).
+        probe = keys[8000:8256]  # four times what L1 holds: most are read from RocksDB
+        for version in (7, 8):
+            rows = np.full((probe.shape[0], DIM), version, np.float32)
+            r = n.http.put("/v1/models/m/tables/item/embeddings", headers=AUTH,
+                           json={"keys": probe.tolist(), "vectors": rows.tolist(), "version": version})
+            assert r.status_code == 200
+            if version == 7:
+                for client in per_worker:
+                    assert (client.lookup("m", "item", probe) == 7).all()
+        assert n.http.post("/v1/models/m/snapshots", headers=AUTH).status_code == 201
+        for _ in range(3):
+            for client in per_worker:
+                got = client.lookup_with_sources("m", "item", probe)
+                assert (got.sources == 3).any()
+                assert (got.vectors == 8).all(), f"{int((got.vectors[:, 0] != 8).sum())} rows from before the flush"
         for client in per_worker:
             client.close()
         # each worker reports its secondary's memory: the WAL it replayed (memtables) and the blocks it read
