@@ -17,7 +17,16 @@ import numpy as np
 from hps_service.engine.table import ServedTable
 from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.keys import as_keys
-from hps_service.tiers.base import Positions, TableWrite, Tier, WriteResult, delete_versions, max_version_per_key
+from hps_service.tiers.base import (
+    Positions,
+    TableWrite,
+    Tier,
+    TierCapability,
+    WriteResult,
+    delete_versions,
+    max_version_per_key,
+    tier_can,
+)
 
 
 @dataclass(slots=True)
@@ -158,12 +167,11 @@ class Writer:
     ) -> int:
         """Bulk-load rows into the persistent tier (its ``bulk_import``: all or nothing, never older than a stored
         row), then drop their keys from L2 and L1, which read them through again. Returns rows written."""
-        bulk_import = getattr(self.persistent, "bulk_import", None)
-        if bulk_import is None:
+        if not tier_can(self.persistent, TierCapability.BULK_IMPORT):
             raise UnavailableError("import needs a persistent tier that bulk-loads (persistent.type rocksdb)")
         keys = as_keys(keys)
         with t.guard.writing(keys):
-            written = int(bulk_import(t.id, keys, vectors, version=version, progress=progress))
+            written = int(self.persistent.bulk_import(t.id, keys, vectors, version=version, progress=progress))
             for start in range(0, keys.shape[0], INVALIDATE_CHUNK):
                 chunk = keys[start : start + INVALIDATE_CHUNK]
                 if self.volatile is not None:

@@ -20,8 +20,7 @@ from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
 from hps_service.fleet.positions import positions_to_json
 from hps_service.fleet.registrations import registration_key
 from hps_service.fleet.store import Progress, SnapshotBucket
-from hps_service.tiers.base import table_id
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.base import TierCapability, table_id, tier_can
 from hps_service.updates.watermarks import topic_id_key
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,7 @@ class Snapshotter:
         returns the manifest."""
         mc = self.engine.model(model)
         tier = self.engine.persistent
-        if not isinstance(tier, RocksDBTier):
+        if not tier_can(tier, TierCapability.EXPORT):
             raise UnavailableError("snapshots need persistent.type rocksdb")
         if reason := self.refuse(model):
             raise UnavailableError(f"no snapshot of {model} now: its rows miss updates ({reason})")

@@ -19,7 +19,7 @@ from hps_service.errors import UnavailableError
 from hps_service.keys import as_keys
 from hps_service.store.changes import ChangeRing
 from hps_service.store.view import StoreView
-from hps_service.tiers.base import Rows, Tier, TierStats
+from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats
 from hps_service.tiers.rocksdb import RocksDBTier
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class SharedVolatile(Tier):
 
     kind = "volatile"
     in_process = True
+    capabilities = TierCapability(0)  # read-only: the owner writes
 
     def __init__(self, view: Callable[[], StoreView]) -> None:
         self._view = view
@@ -95,6 +96,7 @@ class CaughtUpSecondary(Tier):
     made again once the owner is done, and the instance is opened afresh when the owner reopened its store."""
 
     kind = "persistent"
+    capabilities = TierCapability(0)  # read-only: the owner writes, snapshots and imports
 
     def __init__(self, cfg: PersistentConfig, rings: Callable[[], dict[str, ChangeRing]],
                  block_cache_mb: int, epochs: Epochs | None = None) -> None:

@@ -31,7 +31,7 @@ from hps_service.store.l3_events import l3_events
 from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, W_MANIFEST
 from hps_service.store.queue import record_bytes
 from hps_service.store.view import StoreView, TableView
-from hps_service.tiers.base import Tier, tier_health, tier_memory
+from hps_service.tiers.base import Tier, TierCapability, tier_can, tier_health, tier_memory
 from hps_service.tiers.factory import build_volatile
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ class WorkerEngine:
                     tv = view.table(serial)
                     t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial, view=tv,
                                     rows=ThreadRows(tv.counters, self.process) if tv.counters is not None else None)
-                    if self.volatile is not None and not isinstance(self.volatile, SharedVolatile):
+                    if tier_can(self.volatile, TierCapability.WRITES):  # not the owner's hash map, read-only here
                         self.volatile.create_table(t.id, t.dim)  # this worker's own Redis client
                     t.guard = PublishedGeneration(tv.control, T_WRITE_GEN)  # type: ignore[assignment]
                     if tv.l1 is not None:

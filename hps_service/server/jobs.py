@@ -20,7 +20,7 @@ from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, NotFoundError, UnavailableError
 from hps_service.importer import check_import_shape, read_model_source
 from hps_service.sharding import ShardMap
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.base import Tier, TierCapability, tier_can
 
 log = logging.getLogger(__name__)
 
@@ -136,14 +136,19 @@ class JobRunner:
         return not not_done
 
 
-def persistent_rocksdb(engine: LookupEngine, what: str) -> RocksDBTier:
-    """The engine's RocksDB tier, writable, or UnavailableError naming why ``what`` cannot run."""
+def writable_persistent(engine: LookupEngine, what: str, needs: TierCapability) -> Tier:
+    """The engine's persistent tier if it ``needs`` and writes, or UnavailableError naming why ``what`` cannot run."""
     tier = engine.persistent
-    if not isinstance(tier, RocksDBTier):
+    if not tier_can(tier, needs):
         raise UnavailableError(f"{what} needs persistent.type rocksdb")
-    if tier.read_only:
+    if TierCapability.WRITES not in tier.capabilities:
         raise UnavailableError(f"{what} needs a writable persistent tier, but persistent.read_only is true")
     return tier
+
+
+def import_tier(engine: LookupEngine) -> Tier:
+    """The persistent tier that an import job bulk-loads, or UnavailableError naming why there is none."""
+    return writable_persistent(engine, "import", TierCapability.BULK_IMPORT)
 
 
 def import_job(
@@ -154,7 +159,7 @@ def import_job(
     shard_map = shard_map if shard_map is not None else ShardMap()
 
     def work(job: Job) -> dict[str, Any]:
-        tier = persistent_rocksdb(engine, "import")
+        tier = import_tier(engine)
         t = engine.table(model, table)
         keys, vectors = read_model_source(path)
         check_import_shape(t.id, t.dim, keys, vectors)

@@ -44,7 +44,7 @@ from hps_service.server.auth import Authenticator
 from hps_service.server.docs import add_offline_docs
 from hps_service.server.gatekeeper import Gatekeeper, caller_of
 from hps_service.server.grpc_service import ServingGate, status_for
-from hps_service.server.jobs import JobRunner, import_job, persistent_rocksdb
+from hps_service.server.jobs import JobRunner, import_job, import_tier
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import Readiness, ReadinessCheck, add_probe_routes
 from hps_service.server.problems import PROBLEM_JSON
@@ -351,7 +351,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
               summary="Import a table from a server-side path as a background job")
     def import_rows(model: str, table: str, body: ImportRequest) -> dict[str, Any]:
         engine.table(model, table)
-        persistent_rocksdb(engine, "import")
+        import_tier(engine)
         path = Path(body.path)
         if not path.exists():
             raise InvalidArgumentError(f"model source {path} does not exist on the server")

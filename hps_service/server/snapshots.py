@@ -27,8 +27,8 @@ import numpy as np
 
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, UnavailableError
-from hps_service.server.jobs import Job, persistent_rocksdb
-from hps_service.tiers.base import table_id
+from hps_service.server.jobs import Job, writable_persistent
+from hps_service.tiers.base import TierCapability, table_id, tier_can
 from hps_service.tiers.rocksdb import RocksDBTier
 
 SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
@@ -52,7 +52,7 @@ class SnapshotStore:
         """Checkpoint the store now; returns the snapshot's description."""
         mc = self.engine.model(model)
         tier = self.engine.persistent
-        if not isinstance(tier, RocksDBTier):
+        if not tier_can(tier, TierCapability.CHECKPOINT):
             raise UnavailableError("snapshots need persistent.type rocksdb")
         snapshot_id = f"{model}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:6]}"
         path, meta_path = self._paths(snapshot_id)
@@ -109,7 +109,7 @@ class SnapshotStore:
     def check_restorable(self, model: str, snapshot_id: str) -> dict[str, Any]:
         """The snapshot's description if its tables match the loaded model's, else InvalidArgumentError."""
         meta = self.get(model, snapshot_id)
-        persistent_rocksdb(self.engine, "restore")
+        writable_persistent(self.engine, "restore", TierCapability.CHECKPOINT)
         loaded = {t.name: t.dim for t in self.engine.model(model).tables}
         for name, info in meta["tables"].items():
             if loaded.get(name) != info["dim"]:
@@ -124,7 +124,7 @@ class SnapshotStore:
         """Make the model's tables hold exactly the snapshot's rows (see the module docstring for the limits); with
         ``keys`` (a mask of the keys to restore) only those keys' rows, the others left as they are."""
         meta = self.check_restorable(model, snapshot_id)
-        live = persistent_rocksdb(self.engine, "restore")
+        live = writable_persistent(self.engine, "restore", TierCapability.CHECKPOINT)
         job.rows_total = int(sum(info["rows"] for info in meta["tables"].values()))
         src = RocksDBTier(Path(meta["path"]), read_only=True, block_cache_mb=8)
         result: dict[str, Any] = {"snapshot": snapshot_id, "tables": {}}

@@ -14,8 +14,11 @@ from __future__ import annotations
 import logging
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Flag, auto
+from pathlib import Path
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -31,6 +34,22 @@ NO_VERSION = 0
 #: How far a writer has applied an ordered log: ``(source, partition) -> next offset``. Opaque to the tiers, which
 #: only keep it beside the rows (the update consumer uses Kafka topics as sources).
 Positions = Mapping[tuple[str, int], int]
+
+
+class TierCapability(Flag):
+    """What a tier can do beyond reads, as data that callers ask (``X in tier.capabilities``) instead of testing the
+    tier's class. Each capability but WRITES names the :class:`Tier` method that a tier declaring it implements; a
+    tier without WRITES refuses every write, a bulk import included."""
+
+    WRITES = auto()  # put, delete and write change the store (absent: a read-only view, whose writes raise)
+    CHECKPOINT = auto()  # checkpoint(): a consistent copy of the whole store in a directory (local snapshots)
+    EXPORT = auto()  # export(): some tables with their log positions, as a directory (bucket snapshots)
+    BULK_IMPORT = auto()  # bulk_import(): an all-or-nothing load of a table's rows (import jobs)
+
+
+def tier_can(tier: Tier | None, needs: TierCapability) -> TypeGuard[Tier]:
+    """Whether ``tier`` has every capability in ``needs``; a disabled tier (None) has none."""
+    return tier is not None and needs in tier.capabilities
 
 
 def table_id(model: str, table: str) -> str:
@@ -152,6 +171,8 @@ class Tier(ABC):
     kind: str = "tier"
     #: True when the tier lives in this process's memory (it is filled from the persistent tier at model load).
     in_process: bool = False
+    #: What the tier can do beyond reads: every tier class declares its own (see :class:`TierCapability`).
+    capabilities: TierCapability
 
     @abstractmethod
     def create_table(self, table: str, dim: int) -> None:
@@ -224,6 +245,24 @@ class Tier(ABC):
         """Keys whose puts or deletes could not reach the store and that it may now serve stale: the engine
         rewrites them from the persistent tier. Stores that cannot miss a write return nothing."""
         return np.empty(0, dtype=np.int64)
+
+    def checkpoint(self, dest: Path) -> None:
+        """A consistent copy of the whole store at ``dest`` (which must not exist); tiers with CHECKPOINT."""
+        raise NotImplementedError(f"{type(self).__name__} cannot checkpoint")
+
+    def export(
+        self, dest: Path, tables: Sequence[str], sources: Collection[str], metadata_keys: Collection[str] = ()
+    ) -> dict[str, Any]:
+        """A copy of ``tables`` with the positions of ``sources`` and the metadata entries ``metadata_keys`` at ``dest``,
+        and a description of what it holds; tiers with EXPORT."""
+        raise NotImplementedError(f"{type(self).__name__} cannot export tables")
+
+    def bulk_import(
+        self, table: str, keys: np.ndarray, vectors: np.ndarray, version: int = NO_VERSION,
+        progress: Callable[[int], None] | None = None,
+    ) -> int:
+        """Load rows all or nothing, never over a newer stored row; returns rows written. Tiers with BULK_IMPORT."""
+        raise NotImplementedError(f"{type(self).__name__} cannot bulk-import")
 
     def drop_table(self, table: str) -> None:
         """Forget every row of ``table``."""

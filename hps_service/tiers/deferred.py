@@ -14,13 +14,15 @@ from collections.abc import Callable
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
-from hps_service.tiers.base import MissedWrites, Rows, Tier, TierStats
+from hps_service.tiers.base import MissedWrites, Rows, Tier, TierCapability, TierStats
 
 log = logging.getLogger(__name__)
 
 
 class DeferredTier(Tier):
     """Stands in for the tier ``connect()`` builds until it succeeds; see the module docstring."""
+
+    capabilities = TierCapability.WRITES  # it passes on only the Tier interface, whatever else the backend can do
 
     def __init__(self, connect: Callable[[], Tier], kind: str, what: str, retry_after_s: float = 1.0) -> None:
         if retry_after_s <= 0:

@@ -28,7 +28,7 @@ from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExha
 from hps_service.keys import as_keys
 from hps_service.store.region import NamedAllocator, anonymous
 from hps_service.tiers import _hashmap_kernels as kernels
-from hps_service.tiers.base import Rows, Tier, TierStats, delete_versions, max_version_per_key
+from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats, delete_versions, max_version_per_key
 
 #: ``release(name)``: give back an array the allocator made (unlinks a shared file; nothing for private memory).
 Release = Callable[[str], None]
@@ -232,6 +232,7 @@ class HashMapTier(Tier):
 
     kind = "volatile"
     in_process = True
+    capabilities = TierCapability.WRITES
 
     def __init__(
         self,

@@ -40,7 +40,7 @@ from redis.retry import Retry
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.keys import as_keys
-from hps_service.tiers import codec
+from hps_service.tiers import base, codec
 from hps_service.tiers.base import MissedWrites, Rows, Tier, TierStats, delete_versions, max_version_per_key
 
 log = logging.getLogger(__name__)
@@ -234,6 +234,7 @@ class RedisClusterTier(Tier):
     """Versioned embedding rows in a Redis Cluster, read and written one pipelined round trip per batch."""
 
     kind = "volatile"
+    capabilities = base.TierCapability.WRITES
 
     def __init__(
         self,

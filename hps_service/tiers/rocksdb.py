@@ -37,6 +37,7 @@ from hps_service.tiers.base import (
     Rows,
     TableWrite,
     Tier,
+    TierCapability,
     TierStats,
     WriteResult,
 )
@@ -75,6 +76,8 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
     """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
 
     kind = "persistent"
+    #: A read-only or secondary instance lacks WRITES (see :meth:`__init__`).
+    capabilities = TierCapability.WRITES | TierCapability.CHECKPOINT | TierCapability.EXPORT | TierCapability.BULK_IMPORT
 
     def __init__(
         self,
@@ -106,6 +109,8 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         self._secondary_path = secondary_path
         read_only = read_only or self.secondary
         self.read_only = read_only
+        if read_only:
+            self.capabilities = type(self).capabilities & ~TierCapability.WRITES
         self._on_write = on_write
         self._staged: list[tuple[str, np.ndarray]] = []
         self.sync_writes = sync_writes
