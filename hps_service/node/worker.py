@@ -203,6 +203,15 @@ class FollowingHealth(health.HealthServicer):
             log.debug("health follow failed", exc_info=True)
         return super().Check(request, context)
 
+    def Watch(self, request: Any, context: Any, send_response_callback: Any = None) -> Any:  # noqa: N802
+        """A watch starts from what the owner published last, not from this worker's last poll: a client balancing
+        on ``accepting`` that connects right after the server said it started must not see this worker unknown."""
+        try:
+            self.follow()
+        except Exception:  # answer from the last state followed
+            log.debug("health follow failed", exc_info=True)
+        return super().Watch(request, context, send_response_callback)
+
 
 def _report(row: np.ndarray, engine: WorkerEngine) -> None:
     """Write what the owner reports of this worker (``/v1/stats`` node, ``/metrics``) into its status row."""

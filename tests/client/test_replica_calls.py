@@ -140,9 +140,12 @@ def test_overloaded_replica_is_retried_elsewhere_and_a_limit_is_not(pair: tuple[
     with HPSClient([target(a), target(b)], timeout=10) as client, grpc.insecure_channel(target(b)) as channel:
         _connected(client)
         stub = pb_grpc.EmbeddingServiceStub(channel)
-        streams = [OpenStream(stub, timeout=60) for _ in range(2)]  # B's two calls in flight: it refuses more
+        streams = [OpenStream(stub, timeout=60)]
         try:
+            # B's one handler thread is held by the first stream, then a second call is in flight: it refuses more.
+            # (Both opened at once, the second could take the thread first and the first never be answered.)
             streams[0].ask(hps_client.build_request("demo", {"item": KEYS}))
+            streams.append(OpenStream(stub, timeout=60))
             _until(lambda: _refused(b), 10.0, "B never refused a call")
             assert {_who(client) for _ in range(20)} == {"a"}  # every call B refused went on to A
             refusals = sum(s.metrics.requests_served("Lookup", "RESOURCE_EXHAUSTED") for s in pair)
@@ -204,8 +207,25 @@ class _Recorder(grpc.UnaryUnaryClientInterceptor):
         return continuation(details, request)
 
 
+def _late_lookup(b: HPSServer) -> DeadlineExceededError:
+    """The error of a lookup that cannot be answered within its deadline: B's one handler thread is held by a
+    stream, so the call waits for it (a deadline of microseconds is no test: gRPC rounds it up to a millisecond, and
+    a loopback answer can beat that)."""
+    _until(lambda: not _refused(b), 30.0, "B is still busy with an earlier test's calls")
+    with HPSClient(target(b), timeout=10, retries=0) as client, grpc.insecure_channel(target(b)) as channel:
+        assert _who(client) == "b"  # connected
+        stream = OpenStream(pb_grpc.EmbeddingServiceStub(channel), timeout=60)
+        stream.ask(hps_client.build_request("demo", {"item": KEYS}))  # B's only thread is now held
+        try:
+            with pytest.raises(DeadlineExceededError) as late:
+                client.lookup("demo", "item", KEYS, timeout=0.3)
+        finally:
+            stream._requests.put(None)
+    return late.value
+
+
 def test_errors_metadata_and_interceptors(pair: tuple[HPSServer, HPSServer]) -> None:
-    a, _ = pair
+    a, b = pair
     recorder = _Recorder()
     with HPSClient(target(a), timeout=10, metadata=[("x-team", "ranking")], interceptors=[recorder]) as client:
         client.lookup("demo", "item", KEYS, metadata=[("x-request-id", "r-1")])
@@ -214,11 +234,10 @@ def test_errors_metadata_and_interceptors(pair: tuple[HPSServer, HPSServer]) -> 
             client.lookup("demo", "nope", KEYS)
         assert raised.value.code == grpc.StatusCode.NOT_FOUND and "no table 'nope'" in raised.value.details
         assert str(raised.value).startswith("NOT_FOUND: ")
-        with pytest.raises(DeadlineExceededError) as late:
-            client.lookup("demo", "item", KEYS, timeout=1e-6)
-        assert isinstance(late.value, TimeoutError)
+        late = _late_lookup(b)
+        assert isinstance(late, TimeoutError) and late.code == grpc.StatusCode.DEADLINE_EXCEEDED
         with pytest.warns(DeprecationWarning, match="LookupError_"):
             old_catch_all = hps_client.LookupError_
-        assert isinstance(late.value, old_catch_all)
+        assert isinstance(late, old_catch_all)
         with pytest.raises(InvalidArgumentError, match="lower-case"):
             client.lookup("demo", "item", KEYS, metadata=[("X-Upper", "1")])
