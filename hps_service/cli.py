@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hps_service import __version__
 from hps_service.config import ConfigError, HPSConfig, load_config
 from hps_service.errors import HPSError
-from hps_service.logs import setup_logging
+from hps_service.runtime.logs import setup_logging
 from hps_service.trainer.cli import predict_command, train_command
 
 app = typer.Typer(

@@ -24,7 +24,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from hps_service.config_base import NAME_PATTERN, NAME_RE
 from hps_service.config_base import Section as _Section
 from hps_service.config_security import AuthMode, InternalListener, ReaderConfig, check_auth
-from hps_service.cpus import usable_cpus
+from hps_service.runtime.cpus import usable_cpus
 from hps_service.secret_files import load_secret_files
 
 

@@ -25,7 +25,7 @@ from rich.console import Console
 from hps_service.client import HPSClient
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.errors import UnavailableError
-from hps_service.local_processes import free_port, stop_process
+from hps_service.runtime.processes import free_port, stop_process
 from hps_service.updates.local_broker import running_tansu
 
 

@@ -47,8 +47,8 @@ from rich.console import Console
 from rich.table import Table
 
 from hps_service.config import load_config
-from hps_service.cpus import usable_cpus
-from hps_service.local_processes import process_tree
+from hps_service.runtime.cpus import usable_cpus
+from hps_service.runtime.processes import process_tree
 from hps_service.server.app import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.embedded import EmbeddedServer

@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 
 from hps_client import HPSClient, UnavailableError
-from hps_service.local_processes import free_port, stop_process
+from hps_service.runtime.processes import free_port, stop_process
 
 ADMIN, TOKEN, DIM, KEYS = "bench-admin-token-0000", "bench-read-token-00000", 64, 1024
 

@@ -15,7 +15,7 @@ from typing import Any, Self
 import yaml
 
 from hps_service.errors import InvalidArgumentError, UnavailableError
-from hps_service.local_processes import stop_process
+from hps_service.runtime.processes import stop_process
 from tests.helpers import free_port, wait_serving
 
 REPO = Path(__file__).resolve().parents[1]

@@ -241,7 +241,7 @@ def ours(train: Path, tests: dict[str, Path], work: Path, args: argparse.Namespa
     """hps train (publishing to a broker that hps serve consumes) then hps predict over gRPC of each of ``tests``
     (the first is the trainer's held-out set too)."""
     sys.path.insert(0, str(REPO))
-    from hps_service.local_processes import free_port
+    from hps_service.runtime.processes import free_port
     from hps_service.updates.local_broker import running_tansu
     from tests.e2e.test_updates_serve import wait_ready
     from tests.helpers import ServerProcess

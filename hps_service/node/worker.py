@@ -27,20 +27,20 @@ from grpc_health.v1 import health, health_pb2
 
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
-from hps_service.heap import HeapTrimmer
-from hps_service.logs import setup_logging
 from hps_service.node.worker_engine import WorkerEngine
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.runtime.heap import HeapTrimmer
+from hps_service.runtime.logs import setup_logging
 from hps_service.server.call_tracing import flush_spans
 from hps_service.server.grpc_server import build_grpc_server
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
 from hps_service.server.metrics import ServerMetrics
+from hps_service.server.tls import grpc_server_credentials
 from hps_service.sharding import ShardMap
 from hps_service.store import layout
 from hps_service.store import node_store as ns
 from hps_service.store.counters import RequestCounters
 from hps_service.store.view import StoreView
-from hps_service.tls import grpc_server_credentials
 
 log = logging.getLogger(__name__)
 

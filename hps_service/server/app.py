@@ -29,8 +29,8 @@ from hps_service.fleet.registrations import load_registrations, sync_registratio
 from hps_service.fleet.services import FleetServices
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.fleet.store import SnapshotBucket
-from hps_service.heap import HeapTrimmer
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.runtime.heap import HeapTrimmer
 from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
     ServingGrpc,
@@ -44,11 +44,11 @@ from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
 from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_starting_app
 from hps_service.server.snapshots import SnapshotStore
+from hps_service.server.tls import grpc_server_credentials
 from hps_service.sharding import ShardMap
 from hps_service.store.permissions import local_access
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
-from hps_service.tls import grpc_server_credentials
 from hps_service.updates import UpdateConsumer
 from hps_service.updates.message import topic_name
 from hps_service.updates.readiness import update_consumer_not_ready

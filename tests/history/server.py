@@ -126,7 +126,7 @@ class HistoryServer:
         self.proc.wait(30)
 
     def stop(self) -> int:
-        from hps_service.local_processes import stop_process
+        from hps_service.runtime.processes import stop_process
 
         assert self.proc is not None
         return stop_process(self.proc, 60)

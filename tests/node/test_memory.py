@@ -17,7 +17,7 @@ import pytest
 
 from hps_service.client import HPSClient
 from hps_service.importer import synthesize_model
-from hps_service.local_processes import process_tree, pss_bytes
+from hps_service.runtime.processes import process_tree, pss_bytes
 from hps_service.tiers.rocksdb import RocksDBTier
 from tests.helpers import ServerProcess, free_port, write_config
 

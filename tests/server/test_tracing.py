@@ -288,8 +288,8 @@ def test_tracing_without_the_otel_extra_names_it(monkeypatch) -> None:
 
 def test_text_log_lines_name_the_call() -> None:
     """Text lines get the ids as a suffix while a call is served, and nothing outside one."""
-    from hps_service.call_context import CallInfo, serving
-    from hps_service.logs import CallFilter, TextFormatter
+    from hps_service.runtime.call_context import CallInfo, serving
+    from hps_service.runtime.logs import CallFilter, TextFormatter
 
     formatter, only = TextFormatter("%(levelname)s %(message)s"), CallFilter()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hps_service.cpus import affinity_cpus, cgroup_cpu_limit, usable_cpus
+from hps_service.runtime.cpus import affinity_cpus, cgroup_cpu_limit, usable_cpus
 from hps_service.store.changes import ChangeRing
 from hps_service.store.counters import REQ_FIELDS, STATUS_INDEX, RequestCounters, new_counters, request_totals
 from hps_service.store.node_store import NodeStore

@@ -10,7 +10,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Literal
 
-from hps_service.call_context import current_call
+from hps_service.runtime.call_context import current_call
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: Libraries whose DEBUG records carry credentials (botocore logs each request's signed Authorization header, the

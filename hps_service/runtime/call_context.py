@@ -1,5 +1,5 @@
 """The call a thread (or task) is serving: its request id and trace id, which every log line written meanwhile
-carries (:class:`hps_service.logs.CallFilter`). Set only while tracing is on (``server.tracing``)."""
+carries (:class:`hps_service.runtime.logs.CallFilter`). Set only while tracing is on (``server.tracing``)."""
 
 from __future__ import annotations
 
