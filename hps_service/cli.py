@@ -64,9 +64,9 @@ def serve(
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Serve lookups over gRPC until SIGTERM/SIGINT, then drain and exit 0."""
-    from hps_service.warmup import seed_kernel_cache
+    from hps_service.jit.warmup import seed_kernel_cache
 
-    seed_kernel_cache()  # before the server's modules load their kernels (see hps_service.warmup)
+    seed_kernel_cache()  # before the server's modules load their kernels (see hps_service.jit.warmup)
     from hps_service.server.app import HPSServer
 
     cfg = _config(config)

@@ -1,5 +1,5 @@
 """What the node's fork server loads before it forks workers: importing this module imports the worker's code and
-runs every warm-up (``hps_service.warmup``, the node's kernels included: numba loads them from its on-disk cache or
+runs every warm-up (``hps_service.jit.warmup``, the node's kernels included: numba loads them from its on-disk cache or
 compiles them), then freezes the heap. Every worker forked afterwards shares these pages (code, compiled kernels,
 module objects) with the fork server and its siblings instead of loading its own copy, and starts serving without a
 compile."""
@@ -10,8 +10,8 @@ import atexit
 import gc
 import os
 
+from hps_service.jit.warmup import warm_all
 from hps_service.node import worker  # noqa: F401  (the worker's imports: gRPC, the engine, the store)
-from hps_service.warmup import warm_all
 
 warm_all()
 gc.freeze()

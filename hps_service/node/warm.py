@@ -1,6 +1,6 @@
 """Every compiled kernel of the node's store and of its readers (the workers' and a LocalClient's paths: shared
 hash-map and L1 reads with read-only arrays and keys, counters, queues, change rings), run once on tiny arrays: the
-owner runs it before it says ready (``hps_service.warmup``), the fork server before it forks workers."""
+owner runs it before it says ready (``hps_service.jit.warmup``), the fork server before it forks workers."""
 
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from hps_service.fleet.registrations import load_registrations, sync_registratio
 from hps_service.fleet.services import FleetServices
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.fleet.store import SnapshotBucket
+from hps_service.jit.warmup import warm_all
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.heap import HeapTrimmer
 from hps_service.server.call_tracing import admin_app
@@ -52,7 +53,6 @@ from hps_service.tiers.factory import build_persistent, build_volatile
 from hps_service.updates import UpdateConsumer
 from hps_service.updates.message import topic_name
 from hps_service.updates.readiness import update_consumer_not_ready
-from hps_service.warmup import warm_all
 
 if TYPE_CHECKING:
     from hps_service.node.owner import NodeOwner
@@ -196,7 +196,7 @@ class HPSServer:
                     self.engine.close()
                 self.node.close()
             raise
-        # Ready means warm: nothing compiles on a request once health says SERVING (see hps_service.warmup).
+        # Ready means warm: nothing compiles on a request once health says SERVING (see hps_service.jit.warmup).
         self.gate.close("compiling the lookup and update kernels")
         warm_all()
         self.gate.open()

@@ -24,7 +24,7 @@ import threading
 import numba
 import numpy as np
 
-from hps_service.numba_atomic import acquire_fence, atomic_fetch_add, atomic_load, release_fence
+from hps_service.jit.atomic import acquire_fence, atomic_fetch_add, atomic_load, release_fence
 
 #: Keys remembered per table (512 KiB): at 100k written keys/s, 0.6 s of writes, far beyond a catch-up period
 #: (``persistent.change_ring_keys``).

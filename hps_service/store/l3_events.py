@@ -14,7 +14,7 @@ import threading
 import numba
 import numpy as np
 
-from hps_service.numba_atomic import atomic_fetch_add, atomic_load
+from hps_service.jit.atomic import atomic_fetch_add, atomic_load
 from hps_service.store.layout import H_L3_FILES, H_L3_OPENS
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from hps_service.numba_atomic import atomic_fetch_add, atomic_load
+from hps_service.jit.atomic import atomic_fetch_add, atomic_load
 
 CTRL_HEAD, CTRL_TAIL = 0, 8
 CTRL_LEN = 16

@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hps_service.hashing import mix64
-from hps_service.numba_atomic import acquire_fence, atomic_fetch_add, atomic_load
-from hps_service.numba_prefetch import prefetch as _prefetch
+from hps_service.jit.atomic import acquire_fence, atomic_fetch_add, atomic_load
+from hps_service.jit.hashing import mix64
+from hps_service.jit.prefetch import prefetch as _prefetch
 
 EMPTY = np.int32(-1)
 #: Subtracted from the table clock to stamp a tombstone: negative, and older tombstones sort (and evict) first.

@@ -475,8 +475,8 @@ class HashMapTier(Tier):
 def warm_up_kernels() -> None:
     """Compile (or load) every kernel of the tier with the argument types the engine passes: a table that grows
     its index and evicts, gets, puts (new, replacing, refused), versioned and unversioned deletes, each with writable
-    and read-only inputs (see hps_service.warmup)."""
-    from hps_service.warmup import read_only
+    and read-only inputs (see hps_service.jit.warmup)."""
+    from hps_service.jit.warmup import read_only
 
     tier = HashMapTier(capacity_rows=_INITIAL_ROWS * 2)
     try:

@@ -5,7 +5,7 @@ gives for a gRPC request or a Kafka message, is a different type from a writable
 lookups after a start paid seconds of compilation. Every module that owns compiled kernels exposes one function that
 runs each of them on tiny inputs of every type the serving paths pass, and lists it in :data:`WARM_UPS`;
 :func:`warm_all` runs them all. ``hps serve`` runs it before gRPC health and ``/readyz`` say SERVING, and the Docker
-images run ``python -m hps_service.warmup`` at build time into the ``NUMBA_CACHE_DIR`` they serve with, so a pod
+images run ``python -m hps_service.jit.warmup`` at build time into the ``NUMBA_CACHE_DIR`` they serve with, so a pod
 loads machine code instead of compiling it.
 """
 
@@ -75,7 +75,7 @@ def seed_kernel_cache() -> int:
 
 
 def main() -> int:
-    """``python -m hps_service.warmup``: warm every kernel (the Docker build fills NUMBA_CACHE_DIR this way)."""
+    """``python -m hps_service.jit.warmup``: warm every kernel (the Docker build fills NUMBA_CACHE_DIR this way)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
     warm_all()
     return 0
