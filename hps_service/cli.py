@@ -194,7 +194,7 @@ def lookup(
 ) -> None:
     """Look keys up on a running server and print one row per key with the level that answered."""
     from hps_service.client import HPSClient
-    from hps_service.secret_files import SecretFileError, read_secret
+    from hps_service.config.secrets import SecretFileError, read_secret
 
     names = {1: "cache", 2: "volatile", 3: "persistent", 4: "default"}
     try:

@@ -21,8 +21,8 @@ import grpc
 
 from hps_client.tls import grpc_channel_credentials, read_pem
 from hps_service.config import TLSConfig
+from hps_service.config.secrets import file_signature
 from hps_service.errors import InvalidArgumentError
-from hps_service.secret_files import file_signature
 
 __all__ = ["SSLContextReloader", "grpc_channel_credentials", "grpc_server_credentials", "read_pem",
            "uvicorn_ssl_options"]

@@ -21,11 +21,11 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from hps_service.config_base import NAME_PATTERN, NAME_RE
-from hps_service.config_base import Section as _Section
-from hps_service.config_security import AuthMode, InternalListener, ReaderConfig, check_auth
+from hps_service.config.base import NAME_PATTERN, NAME_RE
+from hps_service.config.base import Section as _Section
+from hps_service.config.secrets import load_secret_files
+from hps_service.config.security import AuthMode, InternalListener, ReaderConfig, check_auth
 from hps_service.runtime.cpus import usable_cpus
-from hps_service.secret_files import load_secret_files
 
 
 class TLSConfig(_Section):

@@ -8,8 +8,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, SecretStr, model_validator
 
-from hps_service.config_base import NAME_PATTERN, Section
-from hps_service.secret_files import load_secret_files
+from hps_service.config.base import NAME_PATTERN, Section
+from hps_service.config.secrets import load_secret_files
 
 if TYPE_CHECKING:
     from hps_service.config import ServerConfig
