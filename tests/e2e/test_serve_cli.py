@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hps_service.client import HPSClient
-from hps_service.defaults import hashed_random_rows
+from hps_service.engine.defaults import hashed_random_rows
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
