@@ -26,8 +26,8 @@ from typing import Any
 
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
+from hps_service.node.store import node_store as ns
 from hps_service.runtime.sockets import bound_socket
-from hps_service.store import node_store as ns
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import numpy as np
 from hps_service.cache.layout import CacheArrays
 from hps_service.keys import unique_with_inverse
 from hps_service.node.shared_l1 import WORKER_WRITABLE, SharedL1Reader, cache_entry
-from hps_service.store import changes, counters, queue
-from hps_service.store.l3_events import L3Announcer, l3_events
+from hps_service.node.store.l3_events import L3Announcer, l3_events
+from hps_service.shm import changes, counters, queue
 from hps_service.tiers import _hashmap_kernels as hk
 
 

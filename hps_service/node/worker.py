@@ -27,6 +27,9 @@ from grpc_health.v1 import health, health_pb2
 
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
+from hps_service.node.store import layout
+from hps_service.node.store import node_store as ns
+from hps_service.node.store.view import StoreView
 from hps_service.node.worker_engine import WorkerEngine
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.heap import HeapTrimmer
@@ -37,10 +40,7 @@ from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.tls import grpc_server_credentials
 from hps_service.sharding import ShardMap
-from hps_service.store import layout
-from hps_service.store import node_store as ns
-from hps_service.store.counters import RequestCounters
-from hps_service.store.view import StoreView
+from hps_service.shm.counters import RequestCounters
 
 log = logging.getLogger(__name__)
 

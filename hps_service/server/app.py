@@ -47,7 +47,7 @@ from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp,
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.server.tls import grpc_server_credentials
 from hps_service.sharding import ShardMap
-from hps_service.store.permissions import local_access
+from hps_service.shm.permissions import local_access
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile
 from hps_service.updates import UpdateConsumer
@@ -244,7 +244,7 @@ class HPSServer:
     def _start_node(self) -> None:
         """Create the shared store, load the tables into it and start the gRPC worker processes on the port."""
         from hps_service.node.owner import NodeCollector, NodeOwner
-        from hps_service.store.counters import RequestCounters
+        from hps_service.shm.counters import RequestCounters
 
         node = NodeOwner(self.config, logging.getLogger().getEffectiveLevel())
         self.node = node

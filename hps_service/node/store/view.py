@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from hps_service.errors import UnavailableError
-from hps_service.store import layout
-from hps_service.store.changes import ChangeRing
-from hps_service.store.node_store import T_CHANGES
-from hps_service.store.queue import Ring
-from hps_service.store.region import Region, open_spec
+from hps_service.node.store import layout
+from hps_service.node.store.node_store import T_CHANGES
+from hps_service.shm.changes import ChangeRing
+from hps_service.shm.queue import Ring
+from hps_service.shm.region import Region, open_spec
 from hps_service.tiers import _hashmap_kernels as hk
 from hps_service.tiers.hashmap import TableArrays, TableReader
 

@@ -15,7 +15,7 @@ import numba
 import numpy as np
 
 from hps_service.jit.atomic import atomic_fetch_add, atomic_load
-from hps_service.store.layout import H_L3_FILES, H_L3_OPENS
+from hps_service.node.store.layout import H_L3_FILES, H_L3_OPENS
 
 
 @numba.njit(cache=True, nogil=True)

@@ -4,7 +4,7 @@ A store root holds one directory per *generation* (one start of the owner) and a
 live one, replaced atomically when a new owner starts. Each generation has a ``header`` (int64 fields below), a
 ``lock`` file the owner holds an exclusive ``flock`` on for as long as it lives (the kernel drops it when the owner
 dies, however it dies, so a reader that can take a shared lock knows the owner is gone) and a ``manifest.json``
-(:mod:`hps_service.store.manifest`).
+(:mod:`hps_service.node.store.manifest`).
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import shutil
 import time
 from pathlib import Path
 
-from hps_service.store.permissions import StoreAccess
+from hps_service.shm.permissions import StoreAccess
 
 #: Header fields (int64): magic, layout version, generation id, state, manifest generation, owner pid, and the
-#: owner's RocksDB announcements to its workers' secondary instances (:mod:`hps_service.store.l3_events`).
+#: owner's RocksDB announcements to its workers' secondary instances (:mod:`hps_service.node.store.l3_events`).
 H_MAGIC, H_LAYOUT, H_GENERATION, H_STATE, H_MANIFEST, H_OWNER_PID = 0, 1, 2, 3, 4, 5
 H_L3_FILES, H_L3_OPENS = 6, 7
 HEADER_LEN = 16

@@ -3,7 +3,7 @@
 The owner creates each array as a file (zero-filled and sparse: tmpfs backs a page only once it is written,
 so a table's capacity is address space, not memory) and maps it shared and writable; workers map the same
 files shared and writable (they write only their own counters and queues); colocated readers map them read-only.
-A file's permission bits decide who may map it (:mod:`hps_service.store.permissions`): the owner's user writes,
+A file's permission bits decide who may map it (:mod:`hps_service.shm.permissions`): the owner's user writes,
 its colocated readers' group (``server.local.group``) reads, nobody else gets in.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from hps_service.errors import ResourceExhaustedError, UnavailableError
-from hps_service.store.permissions import PRIVATE, StoreAccess
+from hps_service.shm.permissions import PRIVATE, StoreAccess
 
 #: ``alloc(name, shape, dtype) -> zeroed array``: where a data structure puts one of its arrays.
 NamedAllocator = Callable[[str, tuple[int, ...], Any], np.ndarray]

@@ -24,17 +24,17 @@ from typing import Any
 
 import numpy as np
 
-from hps_service.store import layout
-from hps_service.store.changes import RING_KEYS, ChangeRing
-from hps_service.store.counters import REQ_FIELDS, TABLE_FIELDS, THREAD_ROWS
-from hps_service.store.permissions import PRIVATE, StoreAccess
-from hps_service.store.queue import CTRL_LEN as QUEUE_CTRL_LEN
-from hps_service.store.queue import Ring
-from hps_service.store.region import NamedAllocator, Region, array_spec
+from hps_service.node.store import layout
+from hps_service.shm.changes import RING_KEYS, ChangeRing
+from hps_service.shm.counters import REQ_FIELDS, TABLE_FIELDS, THREAD_ROWS
+from hps_service.shm.permissions import PRIVATE, StoreAccess
+from hps_service.shm.queue import CTRL_LEN as QUEUE_CTRL_LEN
+from hps_service.shm.queue import Ring
+from hps_service.shm.region import NamedAllocator, Region, array_spec
 
 #: Indices into a table's control array (int64, one per cache line): the L1's change generation and the table's
 #: write generation (``engine.write_guard``) as last published, and the position of its RocksDB change ring (its
-#: reservation at ``T_CHANGES + 1``, see :mod:`hps_service.store.changes`).
+#: reservation at ``T_CHANGES + 1``, see :mod:`hps_service.shm.changes`).
 T_L1_GEN, T_WRITE_GEN, T_CHANGES = 0, 8, 16
 TABLE_CTRL_LEN = 24
 #: Bytes of each worker's queue to the owner.
