@@ -123,7 +123,7 @@ def import_model(
     from hps_service.importer import import_table, read_model_source
     from hps_service.sharding import ShardMap
     from hps_service.tiers.base import table_id
-    from hps_service.tiers.rocksdb import RocksDBTier
+    from hps_service.tiers.rocksdb.tier import RocksDBTier
 
     cfg = _config(config)
     mc = cfg.model(model)

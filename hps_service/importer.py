@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 #: Rows checked per pass when scanning vectors for NaN/inf (bounds the temporary memory on huge files).
 _FINITE_CHECK_ROWS = 1 << 20

@@ -430,7 +430,7 @@ def _resident_bytes() -> int:
 def bench_memory(p: Plan) -> dict[str, Any]:
     """Bytes held per stored row by the hash-map tier and by the L1 cache arrays, over dim * 4."""
     from hps_service.cache import SetAssociativeCache
-    from hps_service.tiers.hashmap import HashMapTier
+    from hps_service.tiers.hashmap.tier import HashMapTier
 
     rows = p.rows
     raw_row = DIM * 4

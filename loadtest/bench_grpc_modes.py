@@ -37,7 +37,7 @@ from hps_service.config import HPSConfig, load_config
 from hps_service.importer import import_table, synthesize_model
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 MODES = ("sync", "aio", "aio-inline")
 BATCH, DIM = 1024, 64

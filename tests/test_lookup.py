@@ -16,8 +16,8 @@ from hps_service.engine.defaults import default_rows, hashed_random_rows
 from hps_service.engine.promote import promote
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.tiers.base import Rows
-from hps_service.tiers.hashmap import HashMapTier
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.hashmap.tier import HashMapTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 DIM = 8
 

@@ -20,7 +20,7 @@ from hps_service.keys import as_keys
 from hps_service.node.store.view import StoreView
 from hps_service.shm.changes import ChangeRing
 from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class CaughtUpSecondary(Tier):
     that check and that catch-up short; otherwise only before a ring laps.
 
     A catch-up during which the owner changed files it could not follow (``epochs``' files counter odd, or moved)
-    may keep rows replayed from before a flush (RocksDB 10.4; see :mod:`hps_service.tiers.rocksdb_flush`): it is
+    may keep rows replayed from before a flush (RocksDB 10.4; see :mod:`hps_service.tiers.rocksdb.flush`): it is
     made again once the owner is done, and the instance is opened afresh when the owner reopened its store."""
 
     kind = "persistent"

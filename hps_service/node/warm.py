@@ -11,7 +11,7 @@ from hps_service.keys import unique_with_inverse
 from hps_service.node.shared_l1 import WORKER_WRITABLE, SharedL1Reader, cache_entry
 from hps_service.node.store.l3_events import L3Announcer, l3_events
 from hps_service.shm import changes, counters, queue
-from hps_service.tiers import _hashmap_kernels as hk
+from hps_service.tiers.hashmap import kernels as hk
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:

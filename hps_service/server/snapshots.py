@@ -29,7 +29,7 @@ from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.server.jobs import Job, writable_persistent
 from hps_service.tiers.base import TierCapability, table_id, tier_can
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
 #: Rows written back per engine call during a restore.

@@ -16,7 +16,7 @@ import numpy as np
 
 from hps_service import __version__
 from hps_service.runtime.processes import stop_process
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.helpers import HPS, REPO, free_port, run_hps, write_config
 
 TOKEN = "cli-token"

@@ -17,7 +17,7 @@ from hps_service.config import PersistentConfig
 from hps_service.node import reader_tiers
 from hps_service.node.reader_tiers import CaughtUpSecondary
 from hps_service.shm.changes import ChangeRing
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 DIM = 4
 

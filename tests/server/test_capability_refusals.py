@@ -16,8 +16,8 @@ from hps_service.fleet.snapshots import Snapshotter
 from hps_service.fleet.store import SnapshotBucket
 from hps_service.server.jobs import Job, import_tier
 from hps_service.server.snapshots import SnapshotStore
-from hps_service.tiers.hashmap import HashMapTier
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.hashmap.tier import HashMapTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 NOT_ROCKSDB = "persistent.type rocksdb"
 READ_ONLY = "needs a writable persistent tier, but persistent.read_only is true"

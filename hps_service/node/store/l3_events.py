@@ -2,7 +2,7 @@
 
 ``H_L3_FILES`` is odd while the owner's store changes files in a way a secondary's catch-up cannot follow (a flush
 whose marker is not written yet, the deletion of flushed logs, an ingest, a reopen: see
-:mod:`hps_service.tiers.rocksdb_flush`); a worker trusts a catch-up only when it was even and unchanged from before
+:mod:`hps_service.tiers.rocksdb.flush`); a worker trusts a catch-up only when it was even and unchanged from before
 the catch-up to after it, and catches up again otherwise. ``H_L3_OPENS`` counts the primary's reopens: a worker opens
 its secondary afresh when it changed. Written with sequentially consistent adds, read with acquire loads.
 """

@@ -27,8 +27,8 @@ import numpy as np
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.keys import as_keys
 from hps_service.shm.region import NamedAllocator, anonymous
-from hps_service.tiers import _hashmap_kernels as kernels
 from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats, delete_versions, max_version_per_key
+from hps_service.tiers.hashmap import kernels
 
 #: ``release(name)``: give back an array the allocator made (unlinks a shared file; nothing for private memory).
 Release = Callable[[str], None]

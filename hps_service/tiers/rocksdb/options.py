@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rocksdict import BlockBasedOptions, Cache, DataBlockIndexType, Options
 
-from hps_service.tiers.rocksdb_flush import NEVER_BYTES
+from hps_service.tiers.rocksdb.flush import NEVER_BYTES
 
 
 def tuned_options(block_cache: Cache | None, row_cache: Cache | None, write_buffer_bytes: int,

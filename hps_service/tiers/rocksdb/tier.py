@@ -46,9 +46,9 @@ from hps_service.tiers.codec import (
     decode_rows,
     encode_keys,
 )
-from hps_service.tiers.rocksdb_files import IMPORT_CHUNK_ROWS, FileOperations
-from hps_service.tiers.rocksdb_flush import FileEvents, Flusher
-from hps_service.tiers.rocksdb_layout import (
+from hps_service.tiers.rocksdb.files import IMPORT_CHUNK_ROWS, FileOperations
+from hps_service.tiers.rocksdb.flush import FileEvents, Flusher
+from hps_service.tiers.rocksdb.layout import (
     APP_PREFIX,
     META_CF,
     POSITIONS_CF,
@@ -59,9 +59,9 @@ from hps_service.tiers.rocksdb_layout import (
     parse_position_key,
     position_key,
 )
-from hps_service.tiers.rocksdb_options import tuned_options
-from hps_service.tiers.rocksdb_recovery import ReadGate, Reopening, WriteFailure, gated
-from hps_service.tiers.rocksdb_staging import WriteStaging
+from hps_service.tiers.rocksdb.options import tuned_options
+from hps_service.tiers.rocksdb.recovery import ReadGate, Reopening, WriteFailure, gated
+from hps_service.tiers.rocksdb.staging import WriteStaging
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         ``on_write(table, keys)`` is called after every write batch reached the store, with the keys it wrote
         (None: too many to list, e.g. an import): how a secondary's reader knows which keys it may hold stale.
         ``max_total_wal_mb``, ``write_buffer_mb``: the write-ahead logs' bound and a table's memtable size
-        (``persistent.*``), which this tier's flush policy keeps (:mod:`hps_service.tiers.rocksdb_flush`);
+        (``persistent.*``), which this tier's flush policy keeps (:mod:`hps_service.tiers.rocksdb.flush`);
         ``file_events`` is told around the flushes a secondary's catch-up cannot follow.
         """
         if block_cache_mb < 0 or row_cache_mb < 0:

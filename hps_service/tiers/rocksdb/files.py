@@ -16,7 +16,7 @@ from rocksdict import AccessType, Checkpoint, IngestExternalFileOptions, Rdict, 
 from hps_service.errors import InvalidArgumentError
 from hps_service.keys import as_keys
 from hps_service.tiers.codec import LIVE, TOMBSTONE, encode_keys, encode_rows
-from hps_service.tiers.rocksdb_layout import (
+from hps_service.tiers.rocksdb.layout import (
     APP_PREFIX,
     META_CF,
     POSITIONS_CF,
@@ -27,7 +27,7 @@ from hps_service.tiers.rocksdb_layout import (
 )
 
 if TYPE_CHECKING:
-    from hps_service.tiers.rocksdb import RocksDBTier
+    from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 #: Rows per SST file written by :meth:`FileOperations.bulk_import` (one progress report per file).
 IMPORT_CHUNK_ROWS = 262_144

@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from rocksdict import DbClosedError
 
 from hps_service.errors import UnavailableError
-from hps_service.tiers.rocksdb_layout import META_CF, POSITIONS_CF
+from hps_service.tiers.rocksdb.layout import META_CF, POSITIONS_CF
 
 if TYPE_CHECKING:
-    from hps_service.tiers.rocksdb import RocksDBTier
+    from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +150,7 @@ class Reopening:
     """The reopen of :class:`RocksDBTier` after a failed write (mixed into it)."""
 
     def _heal(self: RocksDBTier) -> None:
-        """After a failed write: reopen the store when due (see :mod:`hps_service.tiers.rocksdb_recovery`), else
+        """After a failed write: reopen the store when due (see :mod:`hps_service.tiers.rocksdb.recovery`), else
         refuse the write."""
         with self._lock:
             if self._failure.error is None:

@@ -23,10 +23,10 @@ from hps_service.tiers.codec import (
     encode_rows,
     encode_tombstones,
 )
-from hps_service.tiers.rocksdb_layout import META_CF, POSITIONS_CF, drain, int_value, meta_key
+from hps_service.tiers.rocksdb.layout import META_CF, POSITIONS_CF, drain, int_value, meta_key
 
 if TYPE_CHECKING:
-    from hps_service.tiers.rocksdb import RocksDBTier
+    from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 #: Entries read per step by :meth:`WriteStaging.purge_tombstones` (and the tier's ``scan_keys``).
 SCAN_CHUNK = 65_536
