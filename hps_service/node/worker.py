@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2
 
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
+from hps_service.fleet.sharding import ShardMap
 from hps_service.node.store import layout
 from hps_service.node.store import node_store as ns
 from hps_service.node.store.view import StoreView
@@ -39,7 +40,6 @@ from hps_service.server.grpc_server import build_grpc_server
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.tls import grpc_server_credentials
-from hps_service.sharding import ShardMap
 from hps_service.shm.counters import RequestCounters
 
 log = logging.getLogger(__name__)

@@ -25,10 +25,11 @@ from hps_service.engine import CacheFactory, LookupEngine, ServedTable
 from hps_service.errors import UnavailableError
 from hps_service.fleet.admin_writes import LogWriter
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
+from hps_service.fleet.bucket import SnapshotBucket
 from hps_service.fleet.registrations import load_registrations, sync_registrations
 from hps_service.fleet.services import FleetServices
+from hps_service.fleet.sharding import ShardMap
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
-from hps_service.fleet.store import SnapshotBucket
 from hps_service.jit.warmup import warm_all
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.heap import HeapTrimmer
@@ -46,7 +47,6 @@ from hps_service.server.probes import ProbeServer
 from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_starting_app
 from hps_service.server.snapshots import SnapshotStore
 from hps_service.server.tls import grpc_server_credentials
-from hps_service.sharding import ShardMap
 from hps_service.shm.permissions import local_access
 from hps_service.tiers.base import Tier
 from hps_service.tiers.factory import build_persistent, build_volatile

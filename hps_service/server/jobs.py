@@ -18,8 +18,8 @@ from typing import Any, Literal
 
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, NotFoundError, UnavailableError
+from hps_service.fleet.sharding import ShardMap
 from hps_service.importer import check_import_shape, read_model_source
-from hps_service.sharding import ShardMap
 from hps_service.tiers.base import Tier, TierCapability, tier_can
 
 log = logging.getLogger(__name__)

@@ -39,6 +39,7 @@ from hps_service.errors import (
     UnavailableError,
 )
 from hps_service.fleet.registry_log import ModelRegistrations
+from hps_service.fleet.sharding import ShardMap, WrongShardError
 from hps_service.server.audit import AuditLog
 from hps_service.server.auth import Authenticator
 from hps_service.server.docs import add_offline_docs
@@ -59,7 +60,6 @@ from hps_service.server.rest_bodies import (
     rows_bodies,
 )
 from hps_service.server.snapshots import SnapshotStore
-from hps_service.sharding import ShardMap, WrongShardError
 
 __all__ = ["PROBLEM_JSON", "AdminContext", "ReadinessCheck", "SwitchableApp", "create_app", "create_starting_app"]
 
