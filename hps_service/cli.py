@@ -120,8 +120,8 @@ def import_model(
     if_empty: bool = typer.Option(False, "--if-empty", help="Do nothing when the table already holds rows."),
 ) -> None:
     """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
+    from hps_service.admin.importer import import_table, read_model_source
     from hps_service.fleet.sharding import ShardMap
-    from hps_service.importer import import_table, read_model_source
     from hps_service.tiers.base import table_id
     from hps_service.tiers.rocksdb.tier import RocksDBTier
 
@@ -288,7 +288,7 @@ def synth(
     hugectr: bool = typer.Option(False, "--hugectr", help="Write a HugeCTR sparse model directory instead of .npz."),
 ) -> None:
     """Generate a deterministic synthetic embedding table (for demos and tests)."""
-    from hps_service.importer import synthesize_model, write_hugectr_dir
+    from hps_service.admin.importer import synthesize_model, write_hugectr_dir
 
     keys, vectors = synthesize_model(rows, dim, seed)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -33,8 +33,8 @@ import grpc
 import numpy as np
 import yaml
 
+from hps_service.admin.importer import import_table, synthesize_model
 from hps_service.config import HPSConfig, load_config
-from hps_service.importer import import_table, synthesize_model
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.tiers.rocksdb.tier import RocksDBTier

@@ -18,6 +18,8 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2
 
 from hps_client.channel import ACCEPTING_SERVICE
+from hps_service.admin.checkpoints import SnapshotStore
+from hps_service.admin.jobs import JobRunner
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
@@ -41,11 +43,9 @@ from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-e
 )
 from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate
 from hps_service.server.http_listener import HttpListener
-from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
 from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_starting_app
-from hps_service.server.snapshots import SnapshotStore
 from hps_service.server.tls import grpc_server_credentials
 from hps_service.shm.permissions import local_access
 from hps_service.tiers.base import Tier

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hps_service.importer import write_hugectr_dir
+from hps_service.admin.importer import write_hugectr_dir
 from tests.helpers import REPO, ServerProcess, free_port, run_hps, write_config
 
 #: Kernels no serving path calls from Python, and why.

@@ -12,8 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
+from hps_service.admin.importer import synthesize_model
 from hps_service.config import HPSConfig
-from hps_service.importer import synthesize_model
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.app import HPSServer

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from hps_service.admin.importer import check_import_shape, read_model_source
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, NotFoundError, UnavailableError
 from hps_service.fleet.sharding import ShardMap
-from hps_service.importer import check_import_shape, read_model_source
 from hps_service.tiers.base import Tier, TierCapability, tier_can
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from hps_service.admin.jobs import Job, writable_persistent
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, UnavailableError
-from hps_service.server.jobs import Job, writable_persistent
 from hps_service.tiers.base import TierCapability, table_id, tier_can
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
