@@ -67,7 +67,7 @@ def serve(
     from hps_service.jit.warmup import seed_kernel_cache
 
     seed_kernel_cache()  # before the server's modules load their kernels (see hps_service.jit.warmup)
-    from hps_service.server.app import HPSServer
+    from hps_service.serve.process import HPSServer
 
     cfg = _config(config)
     setup_logging(log_level, cfg.server.log_format)

@@ -49,7 +49,7 @@ from rich.table import Table
 from hps_service.config import load_config
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree
-from hps_service.server.app import build_engine
+from hps_service.serve.process import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.embedded import EmbeddedServer
 from loadtest.loadgen import RESULTS, LoadSpec, run_load

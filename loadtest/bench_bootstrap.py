@@ -27,7 +27,7 @@ from hps_service.admin.importer import import_table, read_model_source, synthesi
 from hps_service.config import HPSConfig, UpdatesConfig
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
 from hps_service.fleet.bucket import SnapshotBucket
-from hps_service.server.app import build_engine
+from hps_service.serve.process import build_engine
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 from hps_service.updates import Publisher, UpdateConsumer
 from hps_service.updates.local_broker import running_tansu

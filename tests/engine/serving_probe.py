@@ -20,7 +20,7 @@ from numba.core.registry import CPUDispatcher
 import hps_service
 from hps_service.client import HPSClient
 from hps_service.config import load_config
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from hps_service.updates import Publisher
 from tests.helpers import free_port
 

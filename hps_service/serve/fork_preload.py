@@ -11,7 +11,7 @@ import gc
 import os
 
 from hps_service.jit.warmup import warm_all
-from hps_service.node import worker  # noqa: F401  (the worker's imports: gRPC, the engine, the store)
+from hps_service.serve import worker  # noqa: F401  (the worker's imports: gRPC, the engine, the store)
 
 warm_all()
 gc.freeze()
