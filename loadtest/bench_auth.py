@@ -58,7 +58,7 @@ class Variant:
         env = dict(os.environ)
         if code is not None:
             env["PYTHONPATH"] = f"{code}:{code / 'clients' / 'python'}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "hps_service.cli", "serve", "--config",
+        self.proc = subprocess.Popen([sys.executable, "-m", "hps_service.cli.main", "serve", "--config",
                                       str(_config(tmp, grpc_port, http_port, auth)), "--log-level", "warning"],
                                      env=env, cwd=code or Path.cwd(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)

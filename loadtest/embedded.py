@@ -20,7 +20,7 @@ from tests.helpers import free_port, wait_serving
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_CONFIG = REPO / "examples" / "embedded.yaml"
-HPS = [sys.executable, "-m", "hps_service.cli"]
+HPS = [sys.executable, "-m", "hps_service.cli.main"]
 
 
 def _run(*args: str, timeout: float = 1800, source: Path = REPO) -> None:

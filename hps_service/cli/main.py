@@ -317,7 +317,7 @@ def demo(
     try:
         import torch
 
-        from hps_service.demo import DemoSettings, run_demo
+        from hps_service.cli.demo import DemoSettings, run_demo
     except ImportError as exc:
         _fail(f"hps demo needs the trainer and demo extras (pip install 'hps-service[trainer,demo]'): {exc}", 2)
     if threads:

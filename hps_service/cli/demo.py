@@ -111,7 +111,7 @@ def run_demo(settings: DemoSettings, console: Console) -> dict[str, Any]:
         log_path = settings.workdir / "server.log"
         with open(log_path, "w") as log:
             server = subprocess.Popen(
-                [sys.executable, "-m", "hps_service.cli", "serve", "--config", str(cfg_path)],
+                [sys.executable, "-m", "hps_service.cli.main", "serve", "--config", str(cfg_path)],
                 stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ),
             )
         http = f"http://127.0.0.1:{http_port}"
