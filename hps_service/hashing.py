@@ -1,5 +1,6 @@
 """How keys are hashed: the splitmix64 finalizer, written once and compiled for each caller (NumPy, numba on the CPU,
-numba CUDA device code)."""
+numba CUDA device code), and the linear-probing arithmetic of the open-addressing indexes that hash with it (the
+hash map tier's, ``tiers/_hashmap_index``, and the trainer's ``KeyIndex``)."""
 
 from __future__ import annotations
 
@@ -25,3 +26,17 @@ def mix64_array(x: np.ndarray) -> np.ndarray:
 #: :func:`mix64_array` compiled for one uint64, inlined into the numba kernels that spread keys over slots or sets.
 mix64 = numba.njit(cache=True, nogil=True, inline="always")(mix64_array)
 
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def home_slot(key: np.int64, mask: np.int64) -> np.int64:
+    """The first slot to probe for ``key`` in a power-of-two table of ``mask + 1`` slots."""
+    return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def stays_in_run(hole: np.int64, home: np.int64, j: np.int64) -> bool:
+    """Backward-shift deletion: whether the entry at slot ``j``, whose home slot is ``home``, stays where it is when
+    slot ``hole`` (earlier in the same probe run, cyclically) is emptied; if not, it moves into the hole."""
+    if hole <= j:
+        return hole < home <= j
+    return home > hole or home <= j

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hps_service.hashing import mix64
+from hps_service.hashing import home_slot, stays_in_run
 from hps_service.numba_atomic import acquire_fence, atomic_fetch_add, atomic_load
 from hps_service.numba_prefetch import prefetch as _prefetch
 
@@ -55,15 +55,9 @@ def _prefetch_row(rows: np.ndarray, meta: np.ndarray, r: np.int64) -> None:
 
 
 @njit(cache=True, nogil=True, inline="always")
-def _home(key: np.int64, mask: np.int64) -> np.int64:
-    """The first index slot to probe for ``key`` (splitmix64 finaliser, masked to the table size)."""
-    return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
-
-
-@njit(cache=True, nogil=True, inline="always")
 def _probe(index: np.ndarray, keys: np.ndarray, key: np.int64, mask: np.int64) -> tuple[np.int64, bool]:
     """The slot holding ``key`` and True, or the empty slot where it would go and False."""
-    pos = _home(key, mask)
+    pos = home_slot(key, mask)
     while True:
         row = index[pos]
         if row < 0:
@@ -83,12 +77,7 @@ def _remove_slot(index: np.ndarray, keys: np.ndarray, pos: np.int64, mask: np.in
         row = index[j]
         if row < 0:
             break
-        home = _home(keys[row], mask)
-        if hole <= j:
-            stays = hole < home <= j
-        else:
-            stays = home > hole or home <= j
-        if stays:
+        if stays_in_run(hole, home_slot(keys[row], mask), j):
             continue
         index[hole] = row
         hole = j
@@ -131,7 +120,7 @@ def rebuild_index(index: np.ndarray, keys: np.ndarray, n_rows: np.int64) -> None
     index[:] = EMPTY
     homes = np.empty(n_rows, np.int64)
     for r in range(n_rows):
-        homes[r] = _home(keys[r], mask)
+        homes[r] = home_slot(keys[r], mask)
     for j in range(n_rows + PREFETCH_AHEAD):
         if j < n_rows:
             _prefetch(index, homes[j], 0)
@@ -170,7 +159,7 @@ def get_rows(
     dim = rows.shape[1]
     row_ids = np.empty(n, dtype=np.int64)
     for i in range(n):
-        row_ids[i] = index[_home(query[i], mask)]
+        row_ids[i] = index[home_slot(query[i], mask)]
     for i in range(n):
         r = row_ids[i]
         if r >= 0 and keys[r] != query[i]:
@@ -466,7 +455,7 @@ def read_rows(
     torn = False
     for i in range(n):
         key = query[i]
-        pos = _home(key, mask)
+        pos = home_slot(key, mask)
         r = np.int64(-1)
         for _ in range(size):
             cand = np.int64(index[pos])
