@@ -15,7 +15,7 @@ from hps_service.store.changes import ChangeRing
 from hps_service.store.node_store import T_CHANGES
 from hps_service.store.queue import Ring
 from hps_service.store.region import Region, open_spec
-from hps_service.tiers import _hashmap_kernels as hk
+from hps_service.tiers import _hashmap_seqlock as hk
 from hps_service.tiers.hashmap import TableArrays, TableReader
 
 

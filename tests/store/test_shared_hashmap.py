@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.store.region import Region
-from hps_service.tiers import _hashmap_kernels as hk
+from hps_service.tiers import _hashmap_seqlock as hk
 from hps_service.tiers.hashmap import HashMapTier, TableArrays, TableReader
 from tests.helpers import REPO
 
