@@ -25,7 +25,7 @@ import numpy as np
 from numba import config, cuda
 
 from hps_service.cache.layout import META_EVICTIONS, META_ROWS, META_SEQ, TAG_BIT, TAG_HASH_MASK
-from hps_service.hashing import mix64_array
+from hps_service.jit.hashing import mix64_array
 
 #: Source byte of a key after a query: not cached, cached (row written), or read overlapped by a write.
 MISS, HIT, RETRY = 0, 1, 2
@@ -52,7 +52,7 @@ else:
     load = cuda.ldcg
 
 
-#: The splitmix64 finalizer of :mod:`hps_service.hashing` (the same source as the CPU kernels'), as device code.
+#: The splitmix64 finalizer of :mod:`hps_service.jit.hashing` (the same source as the CPU kernels'), as device code.
 _mix64 = cuda.jit(device=True, inline=True)(mix64_array)
 
 

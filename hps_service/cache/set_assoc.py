@@ -45,7 +45,7 @@ from hps_service.cache.layout import (
     numpy_zeros,
 )
 from hps_service.errors import InvalidArgumentError
-from hps_service.hashing import mix64_array
+from hps_service.jit.hashing import mix64_array
 
 _INT64 = np.dtype(np.int64)
 _FLOAT32 = np.dtype(np.float32)

@@ -2,7 +2,7 @@
 
 Linear probing from a splitmix64 hash of the key over a power-of-two array of (key, slot) pairs; removal shifts
 the rest of the probe run back, so no tombstones accumulate. The probe start and the shift test are
-:mod:`hps_service.hashing`'s, shared with the hash map tier's index (which holds row ids, not keys). Every
+:mod:`hps_service.jit.hashing`'s, shared with the hash map tier's index (which holds row ids, not keys). Every
 operation takes a whole batch of keys and loops inside numba; the index grows by rehashing when it passes half full.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hps_service.hashing import home_slot, stays_in_run
+from hps_service.jit.hashing import home_slot, stays_in_run
 
 _EMPTY = np.int32(-1)
 
