@@ -25,6 +25,7 @@ import numpy as np
 from numba import config, cuda
 
 from hps_service.cache.layout import META_EVICTIONS, META_ROWS, META_SEQ, TAG_BIT, TAG_HASH_MASK
+from hps_service.jit.hashing import mix64_array
 
 #: Source byte of a key after a query: not cached, cached (row written), or read overlapped by a write.
 MISS, HIT, RETRY = 0, 1, 2
@@ -34,9 +35,7 @@ MAX_KEYS_PER_BLOCK = 64
 MAX_WAYS = 1024
 SIMULATED = bool(config.ENABLE_CUDASIM)
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(32)
+_S32 = np.uint64(32)
 _TAG_BIT = np.uint64(TAG_BIT)
 _TAG_MASK = np.uint64(TAG_HASH_MASK)
 _I64_MIN = np.int64(np.iinfo(np.int64).min)
@@ -53,12 +52,8 @@ else:
     load = cuda.ldcg
 
 
-@cuda.jit(device=True, inline=True)
-def _mix64(key):  # type: ignore[no-untyped-def]
-    x = key
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
+#: The splitmix64 finalizer of :mod:`hps_service.jit.hashing` (the same source as the CPU kernels'), as device code.
+_mix64 = cuda.jit(device=True, inline=True)(mix64_array)
 
 
 @cuda.jit(device=True, inline=True)

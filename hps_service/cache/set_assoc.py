@@ -45,13 +45,12 @@ from hps_service.cache.layout import (
     numpy_zeros,
 )
 from hps_service.errors import InvalidArgumentError
+from hps_service.jit.hashing import mix64_array
 
 _INT64 = np.dtype(np.int64)
 _FLOAT32 = np.dtype(np.float32)
 
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-_S30, _S27, _S31, _S32 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(32)
+_S32 = np.uint64(32)
 #: Sets are addressed with 32 hash bits (multiply-shift range reduction), so at most 2**32 of them.
 MAX_SETS = 1 << 32
 #: Lock-free attempts of a query before it waits for the writer (see SetAssocTableCache.lookup).
@@ -62,12 +61,7 @@ Policy = Literal["lru", "lfu"]
 
 def mix(keys: np.ndarray) -> np.ndarray:
     """The splitmix64 finalizer of each key's 64 bits (uint64)."""
-    x = keys.astype(np.int64, copy=False).view(np.uint64)
-    x = x ^ (x >> _S30)
-    x = x * _M1
-    x = x ^ (x >> _S27)
-    x = x * _M2
-    return x ^ (x >> _S31)
+    return mix64_array(keys.astype(np.int64, copy=False).view(np.uint64))
 
 
 def set_index(keys: np.ndarray, sets: int) -> np.ndarray:

@@ -1,4 +1,6 @@
-"""The splitmix64 finalizer, compiled, for the numba kernels that spread keys over slots, sets or blocks."""
+"""How keys are hashed: the splitmix64 finalizer, written once and compiled for each caller (NumPy, numba on the CPU,
+numba CUDA device code), and the linear-probing arithmetic of the open-addressing indexes that hash with it (the
+hash map tier's, ``tiers/_hashmap_index``, and the trainer's ``KeyIndex``)."""
 
 from __future__ import annotations
 
@@ -10,10 +12,31 @@ _M2 = np.uint64(0x94D049BB133111EB)
 _S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
-@numba.njit(cache=True, nogil=True, inline="always")
-def mix64(key: np.uint64) -> np.uint64:
-    """Every bit of ``key`` spread over every bit of the result (a bijection on 64-bit integers)."""
-    x = key
+def mix64_array(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer of uint64 values, element-wise with wrapping arithmetic (NumPy).
+
+    This body is also the source of :func:`mix64` and of the CUDA kernels' device function, so every path spreads
+    keys identically: every bit of the input over every bit of the result (a bijection on 64-bit integers).
+    """
     x = (x ^ (x >> _S30)) * _M1
     x = (x ^ (x >> _S27)) * _M2
     return x ^ (x >> _S31)
+
+
+#: :func:`mix64_array` compiled for one uint64, inlined into the numba kernels that spread keys over slots or sets.
+mix64 = numba.njit(cache=True, nogil=True, inline="always")(mix64_array)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def home_slot(key: np.int64, mask: np.int64) -> np.int64:
+    """The first slot to probe for ``key`` in a power-of-two table of ``mask + 1`` slots."""
+    return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def stays_in_run(hole: np.int64, home: np.int64, j: np.int64) -> bool:
+    """Backward-shift deletion: whether the entry at slot ``j``, whose home slot is ``home``, stays where it is when
+    slot ``hole`` (earlier in the same probe run, cyclically) is emptied; if not, it moves into the hole."""
+    if hole <= j:
+        return hole < home <= j
+    return home > hole or home <= j

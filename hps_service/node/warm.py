@@ -11,7 +11,8 @@ from hps_service.keys import unique_with_inverse
 from hps_service.node.shared_l1 import WORKER_WRITABLE, SharedL1Reader, cache_entry
 from hps_service.node.store.l3_events import L3Announcer, l3_events
 from hps_service.shm import changes, counters, queue
-from hps_service.tiers.hashmap import kernels as hk
+from hps_service.tiers.hashmap import seqlock as hk
+from hps_service.tiers.hashmap.index import EMPTY
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -22,7 +23,7 @@ def _read_only(arr: np.ndarray) -> np.ndarray:
 def warm_up_kernels() -> None:
     """Compile (or load) the node's kernels with every argument type its paths pass."""
     ctrl = np.zeros(hk.CTRL_LEN, np.int64)
-    index = _read_only(np.full(16, hk.EMPTY, np.int32))
+    index = _read_only(np.full(16, EMPTY, np.int32))
     meta = _read_only(np.zeros((4, 3), np.int64))
     rows = _read_only(np.zeros((4, 2), np.float32))
     keys = np.arange(3, dtype=np.int64)

@@ -1,8 +1,9 @@
 """An int64 key -> int32 slot index for the trainer's embedding tables: open addressing, compiled batch kernels.
 
 Linear probing from a splitmix64 hash of the key over a power-of-two array of (key, slot) pairs; removal shifts
-the rest of the probe run back, so no tombstones accumulate. Every operation takes a whole batch of keys and
-loops inside numba; the index grows by rehashing when it passes half full.
+the rest of the probe run back, so no tombstones accumulate. The probe start and the shift test are
+:mod:`hps_service.jit.hashing`'s, shared with the hash map tier's index (which holds row ids, not keys). Every
+operation takes a whole batch of keys and loops inside numba; the index grows by rehashing when it passes half full.
 """
 
 from __future__ import annotations
@@ -10,14 +11,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hps_service.jit.hashing import mix64
+from hps_service.jit.hashing import home_slot, stays_in_run
 
 _EMPTY = np.int32(-1)
-
-
-@njit(cache=True, nogil=True, inline="always")
-def _home(key: np.int64, mask: np.int64) -> np.int64:
-    return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
 
 
 @njit(cache=True, nogil=True)
@@ -25,7 +21,7 @@ def _find(keys_at: np.ndarray, slots_at: np.ndarray, keys: np.ndarray, out: np.n
     mask = np.int64(keys_at.shape[0] - 1)
     for i in range(keys.shape[0]):
         key = keys[i]
-        pos = _home(key, mask)
+        pos = home_slot(key, mask)
         out[i] = -1
         while slots_at[pos] >= 0:
             if keys_at[pos] == key:
@@ -39,7 +35,7 @@ def _insert(keys_at: np.ndarray, slots_at: np.ndarray, keys: np.ndarray, slots: 
     """Insert keys that are not present (the caller guarantees it) with the given slots."""
     mask = np.int64(keys_at.shape[0] - 1)
     for i in range(keys.shape[0]):
-        pos = _home(keys[i], mask)
+        pos = home_slot(keys[i], mask)
         while slots_at[pos] >= 0:
             pos = (pos + 1) & mask
         keys_at[pos] = keys[i]
@@ -51,7 +47,7 @@ def _remove(keys_at: np.ndarray, slots_at: np.ndarray, keys: np.ndarray) -> None
     mask = np.int64(keys_at.shape[0] - 1)
     for i in range(keys.shape[0]):
         key = keys[i]
-        pos = _home(key, mask)
+        pos = home_slot(key, mask)
         found = False
         while slots_at[pos] >= 0:
             if keys_at[pos] == key:
@@ -66,12 +62,7 @@ def _remove(keys_at: np.ndarray, slots_at: np.ndarray, keys: np.ndarray) -> None
             j = (j + 1) & mask
             if slots_at[j] < 0:
                 break
-            home = _home(keys_at[j], mask)
-            if hole <= j:
-                stays = hole < home <= j
-            else:
-                stays = home > hole or home <= j
-            if stays:
+            if stays_in_run(hole, home_slot(keys_at[j], mask), j):
                 continue
             keys_at[hole] = keys_at[j]
             slots_at[hole] = slots_at[j]

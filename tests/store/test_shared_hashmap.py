@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.shm.region import Region
-from hps_service.tiers.hashmap import kernels as hk
+from hps_service.tiers.hashmap import seqlock as hk
 from hps_service.tiers.hashmap.tier import HashMapTier, TableArrays, TableReader
 from tests.helpers import REPO
 

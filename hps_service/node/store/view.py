@@ -15,7 +15,7 @@ from hps_service.node.store.node_store import T_CHANGES
 from hps_service.shm.changes import ChangeRing
 from hps_service.shm.queue import Ring
 from hps_service.shm.region import Region, open_spec
-from hps_service.tiers.hashmap import kernels as hk
+from hps_service.tiers.hashmap import seqlock as hk
 from hps_service.tiers.hashmap.tier import TableArrays, TableReader
 
 

@@ -3,11 +3,11 @@
 Each table keeps dense row storage (vectors, keys, versions, one access stamp per row) for its whole capacity,
 reserved at creation as zeroed memory the OS backs page by page as rows are first written: a table never copies
 its rows to grow (a copy at 1M rows of dim 64 held the table's lock for 0.1-0.35 s and needed twice the memory
-meanwhile). An open-addressing int32 index (see ``_hashmap_kernels``) grows by doubling as rows arrive. When a
+meanwhile). An open-addressing int32 index (see ``_hashmap_index``) grows by doubling as rows arrive. When a
 put would exceed the capacity, the ``evict_fraction`` of rows with the oldest stamp (LRU: the table clock
 at the last access) or the lowest access count (LFU) is removed in one vectorised step.
 
-A versioned delete leaves a tombstone row (key and version, negative stamp; see ``_hashmap_kernels``). It
+A versioned delete leaves a tombstone row (key and version, negative stamp; see ``_hashmap_rows``). It
 takes a row slot until a newer put replaces it or eviction takes it (tombstones go first, oldest first), so
 tombstones never grow beyond the capacity. ``count`` and ``stats().rows`` are live rows only.
 """
@@ -28,7 +28,9 @@ from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExha
 from hps_service.keys import as_keys
 from hps_service.shm.region import NamedAllocator, anonymous
 from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats, delete_versions, max_version_per_key
-from hps_service.tiers.hashmap import kernels
+from hps_service.tiers.hashmap import index as index_ops
+from hps_service.tiers.hashmap import rows as row_ops
+from hps_service.tiers.hashmap import seqlock
 
 #: ``release(name)``: give back an array the allocator made (unlinks a shared file; nothing for private memory).
 Release = Callable[[str], None]
@@ -62,7 +64,7 @@ class _Table:
         self.evictions = 0
         self._alloc = alloc
         self._release = release
-        self.ctrl = alloc(f"{name}/ctrl", (kernels.CTRL_LEN,), np.int64)
+        self.ctrl = alloc(f"{name}/ctrl", (seqlock.CTRL_LEN,), np.int64)
         # Key, version and stamp of a row share one cache line: a lookup misses once for all three.
         self.meta = alloc(f"{name}/meta", (max_rows, 3), np.int64)
         self.keys = self.meta[:, 0]
@@ -73,7 +75,7 @@ class _Table:
         self.reader_stamps = alloc(f"{name}/reader_stamps", (max_rows,), np.int64)
         self.index_gen = 0
         self.index = self._new_index(_index_size(min(_INITIAL_ROWS, max_rows)))
-        self.index.fill(kernels.EMPTY)
+        self.index.fill(index_ops.EMPTY)
         self._publish_index()
         #: Rows the index takes at a load of at most 0.7 (never more than the storage).
         self.row_capacity = self._index_room(0)
@@ -84,17 +86,17 @@ class _Table:
 
     def _publish_index(self) -> None:
         """Point readers at the current index (callers hold the sequence lock or nobody reads yet)."""
-        self.ctrl[kernels.CTRL_INDEX_LEN] = self.index.shape[0]
-        self.ctrl[kernels.CTRL_INDEX_GEN] = self.index_gen
+        self.ctrl[seqlock.CTRL_INDEX_LEN] = self.index.shape[0]
+        self.ctrl[seqlock.CTRL_INDEX_GEN] = self.index_gen
 
     @contextmanager
     def changing(self) -> Iterator[None]:
         """The sequence-lock write section around a change (callers hold ``lock``)."""
-        kernels.seq_begin(self.ctrl)
+        seqlock.seq_begin(self.ctrl)
         try:
             yield
         finally:
-            kernels.seq_end(self.ctrl)
+            seqlock.seq_end(self.ctrl)
 
     def set_rows(self, n: int) -> None:
         """Record the rows held after a kernel added or removed some."""
@@ -114,7 +116,7 @@ class _Table:
             return
         old_gen = self.index_gen
         index = self._new_index(_index_size(needed_rows))
-        kernels.rebuild_index(index, self.keys, np.int64(self.n_rows))
+        index_ops.rebuild_index(index, self.keys, np.int64(self.n_rows))
         with self.changing():
             self.index = index
             self._publish_index()
@@ -127,7 +129,7 @@ class _Table:
 
     def tick(self) -> np.int64:
         """Advance the table clock (one tick per batch, shared with the readers' ticks) and return it."""
-        return kernels.tick(self.ctrl)
+        return seqlock.tick(self.ctrl)
 
     def effective_stamps(self, n: int) -> np.ndarray:
         """Eviction order of rows ``[0, n)``: this process's stamps combined with the readers' (LRU: the later;
@@ -188,7 +190,7 @@ class TableReader:
         self.retries = 0
 
     def get(self, keys: np.ndarray) -> Rows:
-        """Rows of ``keys`` as of one state of the table (see ``_hashmap_kernels.read_rows``)."""
+        """Rows of ``keys`` as of one state of the table (see ``_hashmap_seqlock.read_rows``)."""
         a = self.arrays
         n = keys.shape[0]
         out = Rows(vectors=np.empty((n, self.dim), dtype=np.float32), versions=np.empty(n, dtype=np.int64),
@@ -198,11 +200,11 @@ class TableReader:
         sleep = _READ_SLEEP_S
         while True:
             index = a.index
-            got = kernels.read_rows(a.ctrl, index, np.int64(a.index_gen), self._keys, a.rows, self._versions,
+            got = seqlock.read_rows(a.ctrl, index, np.int64(a.index_gen), self._keys, a.rows, self._versions,
                                     self._stamps, keys, out.vectors, out.versions, out.found, row_ids)
             if got >= 0:
                 break
-            if got == kernels.READ_REMAP:
+            if got == seqlock.READ_REMAP:
                 self._remap()
                 continue
             self.retries += 1
@@ -211,14 +213,14 @@ class TableReader:
                 time.sleep(sleep)
                 sleep = min(2 * sleep, _READ_SLEEP_CAP_S)
         if a.reader_stamps is not None and got:
-            kernels.stamp_reads(a.reader_stamps, row_ids, kernels.tick(a.ctrl) if not self._lfu else np.int64(0),
+            seqlock.stamp_reads(a.reader_stamps, row_ids, seqlock.tick(a.ctrl) if not self._lfu else np.int64(0),
                                 self._lfu)
         return out
 
     def _remap(self) -> None:
         """Map the index generation the writer published (its length is its file's)."""
         a = self.arrays
-        gen = int(a.ctrl[kernels.CTRL_INDEX_GEN])
+        gen = int(a.ctrl[seqlock.CTRL_INDEX_GEN])
         try:
             index = self._open_index(gen)
         except Exception:  # noqa: BLE001 - replaced again meanwhile (the file is gone): read the newer one
@@ -322,7 +324,7 @@ class HashMapTier(Tier):
             found=np.empty(query.size, dtype=bool),
         )
         with t.lock:
-            kernels.get_rows(
+            row_ops.get_rows(
                 t.index, t.keys, t.rows, t.versions, t.stamps, query,
                 out.vectors, out.versions, out.found, t.tick(), self._lfu,
             )  # fmt: skip
@@ -342,7 +344,7 @@ class HashMapTier(Tier):
             self._make_room(t, query)
             clock = t.tick()
             with t.changing():
-                n, revived = kernels.put_rows(
+                n, revived = row_ops.put_rows(
                     t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows),
                     np.int64(min(self.capacity_rows, t.row_capacity)),
                     query, vecs, vers, written, clock, self._lfu,
@@ -354,7 +356,7 @@ class HashMapTier(Tier):
     def _make_room(self, t: _Table, query: np.ndarray) -> None:
         """Evict and grow storage so that the keys of ``query`` not yet held fit (up to the capacity)."""
         present_rows = np.empty(query.size, dtype=np.int64)
-        missing = int(kernels.locate_rows(t.index, t.keys, query, present_rows))
+        missing = int(index_ops.locate_rows(t.index, t.keys, query, present_rows))
         if t.n_rows + missing > self.capacity_rows:
             self._evict(t, present_rows, t.n_rows + missing - self.capacity_rows)
         t.reserve(min(self.capacity_rows, t.n_rows + missing))
@@ -376,7 +378,7 @@ class HashMapTier(Tier):
         victims = np.sort(victims)[::-1].copy()
         t.n_tombstones -= int(np.count_nonzero(t.stamps[victims] < 0))
         with t.changing():
-            n = kernels.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(n), victims)
+            n = row_ops.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(n), victims)
         t.set_rows(int(n))
         t.evictions += count
 
@@ -388,7 +390,7 @@ class HashMapTier(Tier):
         with t.lock:
             if tomb_versions is None:
                 with t.changing():
-                    n, removed, tombstones = kernels.delete_keys(
+                    n, removed, tombstones = row_ops.delete_keys(
                         t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows), query
                     )
                 t.n_tombstones -= int(tombstones)
@@ -397,7 +399,7 @@ class HashMapTier(Tier):
                 self._make_room(t, query)
                 clock = t.tick()
                 with t.changing():
-                    n, removed, added = kernels.tombstone_keys(
+                    n, removed, added = row_ops.tombstone_keys(
                         t.index, t.keys, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows),
                         np.int64(min(self.capacity_rows, t.row_capacity)), query, tomb_versions, clock,
                     )  # fmt: skip
