@@ -35,7 +35,7 @@ def _redis_cluster(cfg: VolatileConfig) -> Tier:
     from redis.exceptions import RedisClusterException, RedisError
 
     from hps_service.tiers.deferred import DeferredTier
-    from hps_service.tiers.redis_cluster import RedisClusterTier
+    from hps_service.tiers.redis import RedisClusterTier
 
     def connect() -> Tier:
         return RedisClusterTier(

@@ -10,7 +10,7 @@ import numpy as np
 
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.engine import LookupEngine, Source
-from hps_service.tiers.redis_cluster import RedisClusterTier
+from hps_service.tiers.redis import RedisClusterTier
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 DIM = 4

@@ -21,7 +21,7 @@ from hps_service.config import UpdatesConfig, VolatileConfig, load_config
 from hps_service.serve.process import HPSServer
 from hps_service.tiers.deferred import DeferredTier
 from hps_service.tiers.factory import build_volatile
-from hps_service.tiers.redis_cluster import RedisClusterTier
+from hps_service.tiers.redis import RedisClusterTier
 from hps_service.updates import Publisher
 from tests.faults.support import readyz, wait_for
 from tests.fixtures.redis_cluster import _free_cluster_port

@@ -15,7 +15,7 @@ from hps_service.node.reader_tiers import CaughtUpSecondary, SharedVolatile
 from hps_service.tiers.base import Tier, TierCapability, tier_can
 from hps_service.tiers.deferred import DeferredTier
 from hps_service.tiers.hashmap.tier import HashMapTier
-from hps_service.tiers.redis_cluster import RedisClusterTier
+from hps_service.tiers.redis import RedisClusterTier
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 #: The capabilities that name an optional :class:`Tier` method (WRITES names put, delete and write, which all have).

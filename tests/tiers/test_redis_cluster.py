@@ -11,7 +11,7 @@ import pytest
 from redis.crc import key_slot
 
 from hps_service.errors import InvalidArgumentError, NotFoundError
-from hps_service.tiers.redis_cluster import RedisClusterTier
+from hps_service.tiers.redis import RedisClusterTier
 from tests.fixtures.redis_cluster import RedisClusterProcess
 
 PARTITIONS = 64
