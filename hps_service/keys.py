@@ -56,7 +56,7 @@ def unique_with_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 def warm_up_kernels() -> None:
     """Compile (or load) the dedup kernel for the key arrays lookups pass: writable and read-only (see warmup)."""
-    from hps_service.warmup import read_only
+    from hps_service.jit.warmup import read_only
 
     keys = np.array([3, 1, 3], dtype=np.int64)
     unique_with_inverse(keys)

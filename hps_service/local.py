@@ -36,12 +36,12 @@ from hps_service.engine.levels import CACHE, VOLATILE
 from hps_service.errors import HPSError
 from hps_service.keys import unique_with_inverse
 from hps_service.node.shared_l1 import SharedL1Reader
+from hps_service.node.store import layout
+from hps_service.node.store.node_store import T_L1_GEN
+from hps_service.node.store.view import StoreView
 from hps_service.node.worker_engine import PublishedGeneration
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.store import layout
-from hps_service.store.node_store import T_L1_GEN
-from hps_service.store.view import StoreView
 
 #: How often the store's owner is checked to be alive (its lock), and a missing store looked for again.
 LIVENESS_PERIOD_S = 0.01

@@ -47,9 +47,9 @@ from rich.console import Console
 from rich.table import Table
 
 from hps_service.config import load_config
-from hps_service.cpus import usable_cpus
-from hps_service.local_processes import process_tree
-from hps_service.server.app import build_engine
+from hps_service.runtime.cpus import usable_cpus
+from hps_service.runtime.processes import process_tree
+from hps_service.serve.process import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.embedded import EmbeddedServer
 from loadtest.loadgen import RESULTS, LoadSpec, run_load
@@ -430,7 +430,7 @@ def _resident_bytes() -> int:
 def bench_memory(p: Plan) -> dict[str, Any]:
     """Bytes held per stored row by the hash-map tier and by the L1 cache arrays, over dim * 4."""
     from hps_service.cache import SetAssociativeCache
-    from hps_service.tiers.hashmap import HashMapTier
+    from hps_service.tiers.hashmap.tier import HashMapTier
 
     rows = p.rows
     raw_row = DIM * 4

@@ -25,7 +25,7 @@ import numpy as np
 import yaml
 
 from hps_client import HPSClient, UnavailableError
-from hps_service.local_processes import free_port, stop_process
+from hps_service.runtime.processes import free_port, stop_process
 
 ADMIN, TOKEN, DIM, KEYS = "bench-admin-token-0000", "bench-read-token-00000", 64, 1024
 
@@ -58,7 +58,7 @@ class Variant:
         env = dict(os.environ)
         if code is not None:
             env["PYTHONPATH"] = f"{code}:{code / 'clients' / 'python'}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "hps_service.cli", "serve", "--config",
+        self.proc = subprocess.Popen([sys.executable, "-m", "hps_service.cli.main", "serve", "--config",
                                       str(_config(tmp, grpc_port, http_port, auth)), "--log-level", "warning"],
                                      env=env, cwd=code or Path.cwd(), stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)

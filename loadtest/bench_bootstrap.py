@@ -23,12 +23,12 @@ from pathlib import Path
 
 import numpy as np
 
+from hps_service.admin.importer import import_table, read_model_source, synthesize_model
 from hps_service.config import HPSConfig, UpdatesConfig
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
-from hps_service.fleet.store import SnapshotBucket
-from hps_service.importer import import_table, read_model_source, synthesize_model
-from hps_service.server.app import build_engine
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.fleet.bucket import SnapshotBucket
+from hps_service.serve.process import build_engine
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from hps_service.updates import Publisher, UpdateConsumer
 from hps_service.updates.local_broker import running_tansu
 from tests.fixtures.seaweedfs import running_seaweedfs

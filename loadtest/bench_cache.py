@@ -27,8 +27,8 @@ import numpy as np
 
 from hps_service.cache import SetAssociativeCache, SetAssocTableCache
 from hps_service.cache.cpu_kernels import PREFETCH_AHEAD
-from hps_service.hashing import mix64
-from hps_service.numba_prefetch import prefetch
+from hps_service.jit.hashing import mix64
+from hps_service.jit.prefetch import prefetch
 
 #: Different batches each contender cycles through (the same ones for every contender).
 DISTINCT_BATCHES = 64

@@ -33,11 +33,11 @@ import grpc
 import numpy as np
 import yaml
 
+from hps_service.admin.importer import import_table, synthesize_model
 from hps_service.config import HPSConfig, load_config
-from hps_service.importer import import_table, synthesize_model
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 MODES = ("sync", "aio", "aio-inline")
 BATCH, DIM = 1024, 64
@@ -57,7 +57,7 @@ def _config(workdir: Path, port: int, rows: int, cache_fraction: float) -> dict:
 async def _serve_aio(config: HPSConfig, inline: bool) -> None:
     """A grpc.aio server over the same engine and request handling as the sync servicer."""
     from hps_service.errors import HPSError
-    from hps_service.server.app import build_engine, message_limits
+    from hps_service.serve.process import build_engine, message_limits
     from hps_service.server.grpc_service import EmbeddingServicer, ServingGate, status_for
 
     engine = build_engine(config)
@@ -96,7 +96,7 @@ async def _serve_aio(config: HPSConfig, inline: bool) -> None:
 def serve(mode: str, config_path: Path) -> None:
     config = load_config(config_path)
     if mode == "sync":
-        from hps_service.server.app import HPSServer
+        from hps_service.serve.process import HPSServer
 
         server = HPSServer(config)
         server.start()

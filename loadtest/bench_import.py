@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 from rocksdict import IngestExternalFileOptions, Options, Rdict, SstFileWriter
 
-from hps_service.importer import import_table, read_model_source, synthesize_model
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.admin.importer import import_table, read_model_source, synthesize_model
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 TABLE = "bench.item"
 

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hps_service.local_processes import process_tree
+from hps_service.runtime.processes import process_tree
 from hps_service.updates import Publisher
 from loadtest.embedded import EmbeddedServer
 from loadtest.loadgen import RESULTS, LoadSpec, process_cpu_s, run_load

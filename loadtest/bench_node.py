@@ -39,8 +39,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from hps_service.cpus import usable_cpus
-from hps_service.local_processes import process_tree, pss_bytes
+from hps_service.runtime.cpus import usable_cpus
+from hps_service.runtime.processes import process_tree, pss_bytes
 from loadtest.bench import FloorServer
 from loadtest.embedded import EmbeddedServer
 from loadtest.loadgen import LoadSpec, run_load

@@ -12,8 +12,8 @@ import json
 
 import torch
 
+from hps_service.cli.demo import DemoSettings
 from hps_service.config import ModelConfig, TableConfig
-from hps_service.demo import DemoSettings
 from hps_service.trainer.factory import RunSpec, build_run
 from hps_service.trainer.rowstore import LatestRowStore
 from hps_service.trainer.train import TrainConfig, Trainer

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from rocksdict import BlockBasedOptions, DataBlockIndexType, DBCompressionType, Options
 
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 TABLE = "m.t"
 

@@ -37,7 +37,7 @@ from loadtest.loadgen import process_cpu_s
 
 MODEL, TABLE, DIM = "demo", "item", 64
 REPO = Path(__file__).resolve().parents[1]
-HPS = [sys.executable, "-m", "hps_service.cli"]
+HPS = [sys.executable, "-m", "hps_service.cli.main"]
 
 
 @dataclass(frozen=True)

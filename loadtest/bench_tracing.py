@@ -30,7 +30,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from hps_service.local_processes import process_tree
+from hps_service.runtime.processes import process_tree
 from loadtest.bench_node import NodePlan, _load, _point, _stats
 from loadtest.embedded import REPO, EmbeddedServer
 from loadtest.loadgen import run_load

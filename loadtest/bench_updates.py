@@ -23,7 +23,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 
 from hps_service.config import HPSConfig, ModelConfig, TableConfig, UpdatesConfig
 from hps_service.engine import LookupEngine
-from hps_service.server.app import build_engine
+from hps_service.serve.process import build_engine
 from hps_service.updates import Publisher, UpdateConsumer
 from hps_service.updates.consumer import _CONSUMER_DEFAULTS
 from hps_service.updates.message import decode_update, rows_per_message

@@ -15,12 +15,12 @@ from typing import Any, Self
 import yaml
 
 from hps_service.errors import InvalidArgumentError, UnavailableError
-from hps_service.local_processes import stop_process
+from hps_service.runtime.processes import stop_process
 from tests.helpers import free_port, wait_serving
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_CONFIG = REPO / "examples" / "embedded.yaml"
-HPS = [sys.executable, "-m", "hps_service.cli"]
+HPS = [sys.executable, "-m", "hps_service.cli.main"]
 
 
 def _run(*args: str, timeout: float = 1800, source: Path = REPO) -> None:

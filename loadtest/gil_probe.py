@@ -25,7 +25,7 @@ import numpy as np
 from rocksdict import WriteBatch, WriteOptions
 
 from hps_service.tiers.codec import encode_keys, encode_rows
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 TABLE = "m.t"
 

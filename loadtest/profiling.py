@@ -17,7 +17,7 @@ RATE = 200
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("L1 cache", ("hps_service/cache/",)),
     ("volatile/persistent tiers", ("hps_service/tiers/", "rocksdict")),
-    ("lookup engine", ("hps_service/engine/", "hps_service/defaults.py")),
+    ("lookup engine", ("hps_service/engine/", "hps_service/engine/defaults.py")),
     ("servicer + metrics", ("hps_service/server/",)),
     ("protobuf", ("google/protobuf", "_pb2")),
     ("numpy", ("numpy/",)),

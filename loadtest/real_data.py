@@ -229,7 +229,7 @@ def wait_served(target: str, checkpoints: Path, timeout: float = 120.0) -> None:
 
 def _predict(target: str, export: Path, data: Path) -> float:
     """The AUC ``hps predict`` prints for ``data`` scored over gRPC."""
-    predicted = subprocess.run([sys.executable, "-m", "hps_service.cli", "predict", "--export-dir", str(export),
+    predicted = subprocess.run([sys.executable, "-m", "hps_service.cli.main", "predict", "--export-dir", str(export),
                                 "--target", target, "--data", str(data)], capture_output=True, text=True, cwd=REPO)
     printed = re.search(r"AUC (\S+)\s+log-loss (\S+)", predicted.stdout)
     if not printed:
@@ -241,7 +241,7 @@ def ours(train: Path, tests: dict[str, Path], work: Path, args: argparse.Namespa
     """hps train (publishing to a broker that hps serve consumes) then hps predict over gRPC of each of ``tests``
     (the first is the trainer's held-out set too)."""
     sys.path.insert(0, str(REPO))
-    from hps_service.local_processes import free_port
+    from hps_service.runtime.processes import free_port
     from hps_service.updates.local_broker import running_tansu
     from tests.e2e.test_updates_serve import wait_ready
     from tests.helpers import ServerProcess
@@ -259,7 +259,7 @@ def ours(train: Path, tests: dict[str, Path], work: Path, args: argparse.Namespa
         with ServerProcess(config, grpc_port) as srv:
             wait_ready(f"http://127.0.0.1:{http_port}/readyz")
             metrics = work / "train.json"
-            train_args = [sys.executable, "-m", "hps_service.cli", "train", "--config", str(config), "--data",
+            train_args = [sys.executable, "-m", "hps_service.cli.main", "train", "--config", str(config), "--data",
                           str(train), "--eval-data", str(next(iter(tests.values()))), "--holdout-size", "1000000",
                           "--batch-size", str(args.batch), "--no-progress", "--metrics-out", str(metrics),
                           "--export-dir", str(work / "export"), "--eval-every", "1000000", "--checkpoint-dir",

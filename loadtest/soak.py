@@ -45,7 +45,7 @@ import yaml
 
 from hps_service.client import HPSClient
 from hps_service.errors import HPSError
-from hps_service.local_processes import free_port, process_tree, pss_bytes, stop_process
+from hps_service.runtime.processes import free_port, process_tree, pss_bytes, stop_process
 from hps_service.updates import Publisher
 from loadtest.loadgen import process_cpu_s
 
@@ -441,7 +441,7 @@ def run_soak(duration_s: float, interval_s: float, out_dir: Path, brokers: str |
         publisher.flush(60)
         published: deque[tuple[int, float]] = deque([(1, time.monotonic())])
         with open(out_dir / "server.log", "wb") as server_log:
-            server = subprocess.Popen([sys.executable, "-m", "hps_service.cli", "serve", "--config", str(cfg),
+            server = subprocess.Popen([sys.executable, "-m", "hps_service.cli.main", "serve", "--config", str(cfg),
                                        "--log-level", "warning"], cwd=REPO, stdout=server_log,
                                       stderr=subprocess.STDOUT, env=dict(os.environ))
         target = f"127.0.0.1:{grpc_port}"

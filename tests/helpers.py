@@ -14,10 +14,10 @@ import grpc
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from hps_service.local_processes import free_port, stop_process  # noqa: F401  (free_port is re-exported)
+from hps_service.runtime.processes import free_port, stop_process  # noqa: F401  (free_port is re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
-HPS = [sys.executable, "-m", "hps_service.cli"]
+HPS = [sys.executable, "-m", "hps_service.cli.main"]
 
 
 def load_script(name: str, path: Path) -> ModuleType:

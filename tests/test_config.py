@@ -101,7 +101,7 @@ def test_kafka_updates_without_a_persistent_tier_are_refused_in_one_line(tmp_pat
 
 
 def test_worker_processes_default_to_the_usable_cpus_and_local_reads_need_them(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hps_service.cpus import usable_cpus
+    from hps_service.runtime.cpus import usable_cpus
 
     cfg = load_config(None)
     assert cfg.server.workers is None and cfg.server.worker_processes() == usable_cpus()

@@ -7,9 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hps_service.admin.importer import import_table, read_model_source, synthesize_model, write_hugectr_dir
 from hps_service.errors import InvalidArgumentError
-from hps_service.importer import import_table, read_model_source, synthesize_model, write_hugectr_dir
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 
 @pytest.fixture

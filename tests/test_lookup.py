@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 
 from hps_service.config import ConstantDefault, ModelConfig, TableConfig
-from hps_service.defaults import default_rows, hashed_random_rows
 from hps_service.engine import NO_ROW_VERSION, LookupEngine, ServedTable, Source, latest_per_key
+from hps_service.engine.defaults import default_rows, hashed_random_rows
 from hps_service.engine.promote import promote
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.tiers.base import Rows
-from hps_service.tiers.hashmap import HashMapTier
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.hashmap.tier import HashMapTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 DIM = 8
 

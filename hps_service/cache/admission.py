@@ -16,8 +16,8 @@ import numba
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
-from hps_service.hashing import mix64
-from hps_service.numba_prefetch import prefetch
+from hps_service.jit.hashing import mix64
+from hps_service.jit.prefetch import prefetch
 
 _S32 = np.uint64(32)
 #: Counters per key, all in one 64-byte block of the sketch so that counting a miss costs one cache line.

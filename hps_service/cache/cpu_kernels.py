@@ -20,9 +20,9 @@ import numba
 import numpy as np
 
 from hps_service.cache.layout import META_EVICTIONS, META_ROWS, META_SEQ, META_TICK, TAG_BIT, TAG_HASH_MASK
-from hps_service.hashing import mix64
-from hps_service.numba_atomic import acquire_fence, atomic_fetch_add, atomic_load
-from hps_service.numba_prefetch import prefetch
+from hps_service.jit.atomic import acquire_fence, atomic_fetch_add, atomic_load
+from hps_service.jit.hashing import mix64
+from hps_service.jit.prefetch import prefetch
 
 _S32 = np.uint64(32)
 _TAG_BIT = np.uint64(TAG_BIT)

@@ -68,8 +68,8 @@ def build_table_cache(
 def warm_up_table_cache() -> None:
     """Compile (or load) what a table's NumPy L1 runs on the serving paths, with the argument types those pass:
     lookups of read-only keys (gRPC requests), admission into a full cache (the miss sketch), updates and deletes
-    with read-only arrays (Kafka messages) and writable ones (REST); LRU and LFU. See hps_service.warmup."""
-    from hps_service.warmup import read_only
+    with read-only arrays (Kafka messages) and writable ones (REST); LRU and LFU. See hps_service.jit.warmup."""
+    from hps_service.jit.warmup import read_only
 
     dim = 2
     for policy in ("lru", "lfu"):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from hps_service.defaults import default_rows
+from hps_service.engine.defaults import default_rows
 from hps_service.engine.levels import (
     CACHE,
     DEFAULT,

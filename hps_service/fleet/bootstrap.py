@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from hps_service.errors import HPSError
-from hps_service.fleet.store import CorruptSnapshotError, SnapshotBucket
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.fleet.bucket import CorruptSnapshotError, SnapshotBucket
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 log = logging.getLogger(__name__)
 

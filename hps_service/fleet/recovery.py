@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from hps_service.background import BackgroundThread
 from hps_service.errors import HPSError
+from hps_service.fleet.bucket import SnapshotBucket
 from hps_service.fleet.positions import positions_from_json
-from hps_service.fleet.store import SnapshotBucket
+from hps_service.runtime.background import BackgroundThread
 from hps_service.updates.consumer import UpdateConsumer
 from hps_service.updates.partitioning import partition_of
 

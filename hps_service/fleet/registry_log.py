@@ -30,10 +30,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Produ
 from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter
 
-from hps_service.background import BackgroundThread
 from hps_service.config import ModelConfig, UpdatesConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, UnavailableError
+from hps_service.runtime.background import BackgroundThread
 from hps_service.tiers.base import Tier
 from hps_service.updates.admin_signature import REASONS, Signature, registry_context
 from hps_service.updates.catch_up import CatchUp

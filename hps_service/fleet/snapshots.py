@@ -17,9 +17,9 @@ import numpy as np
 
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
+from hps_service.fleet.bucket import Progress, SnapshotBucket
 from hps_service.fleet.positions import positions_to_json
 from hps_service.fleet.registrations import registration_key
-from hps_service.fleet.store import Progress, SnapshotBucket
 from hps_service.tiers.base import TierCapability, table_id, tier_can
 from hps_service.updates.watermarks import topic_id_key
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from hps_service.errors import UnavailableError
-from hps_service.store.node_store import NodeStore
+from hps_service.node.store.node_store import NodeStore
 
 #: How long a registration waits for the workers (a worker reopens its RocksDB secondary for new tables).
 WORKERS_SERVE_TIMEOUT_S = 30.0

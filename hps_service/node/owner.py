@@ -30,18 +30,18 @@ from hps_service.engine import LEVELS, LookupEngine, ServedTable
 from hps_service.engine.promote import promote
 from hps_service.node.manifest_wait import wait_workers_serve
 from hps_service.node.shared_l1 import cache_entry
+from hps_service.node.store import layout
+from hps_service.node.store import node_store as ns
+from hps_service.node.store.l3_events import L3Announcer
+from hps_service.node.store.node_store import T_L1_GEN, T_WRITE_GEN, NodeStore, TableSlot
 from hps_service.node.supervisor import WorkerSupervisor, reserve_port
 from hps_service.node.worker_engine import KIND_ADMIT, KIND_PROMOTE
 from hps_service.server.grpc_service import ServingGate
-from hps_service.store import layout
-from hps_service.store import node_store as ns
-from hps_service.store.counters import REQ_LATENCY, REQ_STATUS, TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES
-from hps_service.store.l3_events import L3Announcer
-from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, NodeStore, TableSlot
-from hps_service.store.permissions import local_access
-from hps_service.store.queue import Record
-from hps_service.store.region import array_spec
-from hps_service.store.usage import resident_bytes
+from hps_service.shm.counters import REQ_LATENCY, REQ_STATUS, TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES
+from hps_service.shm.permissions import local_access
+from hps_service.shm.queue import Record
+from hps_service.shm.region import array_spec
+from hps_service.shm.usage import resident_bytes
 from hps_service.tiers.factory import build_persistent, build_volatile
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The tiers as a process that is not the owner reads them: the shared hash map (lock-free, never written here)
 and RocksDB through a secondary instance that catches up when the owner's change rings say it must, and trusts a
-catch-up only when the owner announced no file change during it (:mod:`hps_service.store.l3_events`)."""
+catch-up only when the owner announced no file change during it (:mod:`hps_service.node.store.l3_events`)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import numpy as np
 from hps_service.config import PersistentConfig
 from hps_service.errors import UnavailableError
 from hps_service.keys import as_keys
-from hps_service.store.changes import ChangeRing
-from hps_service.store.view import StoreView
+from hps_service.node.store.view import StoreView
+from hps_service.shm.changes import ChangeRing
 from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ RING_POLL_S, RING_SHARE_READING, RING_SHARE_IDLE = 0.02, 0.25, 0.5
 #: flushed logs, an ingest, a reopen: milliseconds, an ingest's flush longer) before the read fails UNAVAILABLE.
 ANNOUNCED_WAIT_S, _ANNOUNCED_POLL_S = 30.0, 0.001
 
-#: ``epochs()``: the owner's (files, opens) announcement counters (see :mod:`hps_service.store.l3_events`).
+#: ``epochs()``: the owner's (files, opens) announcement counters (see :mod:`hps_service.node.store.l3_events`).
 Epochs = Callable[[], tuple[int, int]]
 
 
@@ -92,7 +92,7 @@ class CaughtUpSecondary(Tier):
     that check and that catch-up short; otherwise only before a ring laps.
 
     A catch-up during which the owner changed files it could not follow (``epochs``' files counter odd, or moved)
-    may keep rows replayed from before a flush (RocksDB 10.4; see :mod:`hps_service.tiers.rocksdb_flush`): it is
+    may keep rows replayed from before a flush (RocksDB 10.4; see :mod:`hps_service.tiers.rocksdb.flush`): it is
     made again once the owner is done, and the instance is opened afresh when the owner reopened its store."""
 
     kind = "persistent"

@@ -2,7 +2,7 @@
 
 Workers are forked from a fork server (``multiprocessing``'s ``forkserver``): a fresh interpreter started at the
 beginning of ``hps serve``, which imports the worker's modules, loads the compiled kernels and freezes its heap
-(:mod:`hps_service.node.preload`), then forks one worker per request. So every worker starts from a process with no
+(:mod:`hps_service.serve.fork_preload`), then forks one worker per request. So every worker starts from a process with no
 gRPC state and no threads (gRPC does not survive a fork of a process that used it), in milliseconds, and shares
 the fork server's pages of code and compiled kernels instead of holding its own copy; restarting one later does
 not fork the owner, whose threads (the consumer, RocksDB, the REST server) could hold locks at that moment.
@@ -26,8 +26,8 @@ from typing import Any
 
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
-from hps_service.sockets import bound_socket
-from hps_service.store import node_store as ns
+from hps_service.node.store import node_store as ns
+from hps_service.runtime.sockets import bound_socket
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class WorkerSupervisor:
     @staticmethod
     def prepare() -> None:
         """Start the fork server now, so that it imports and warms up while the owner loads its tables."""
-        forkserver.set_forkserver_preload(["hps_service.node.preload"])
+        forkserver.set_forkserver_preload(["hps_service.serve.fork_preload"])
         forkserver.ensure_running()
 
     def start(self, port: int, timeout: float = 120.0) -> None:
@@ -83,7 +83,7 @@ class WorkerSupervisor:
         self._monitor.start()
 
     def _spawn(self, i: int) -> None:
-        from hps_service.node.worker import worker_main
+        from hps_service.serve.worker import worker_main
 
         self.store.workers[i, ns.W_STATE] = ns.W_STARTING
         self.store.workers[i, ns.W_STARTS] += 1

@@ -1,6 +1,6 @@
 """Every compiled kernel of the node's store and of its readers (the workers' and a LocalClient's paths: shared
 hash-map and L1 reads with read-only arrays and keys, counters, queues, change rings), run once on tiny arrays: the
-owner runs it before it says ready (``hps_service.warmup``), the fork server before it forks workers."""
+owner runs it before it says ready (``hps_service.jit.warmup``), the fork server before it forks workers."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 from hps_service.cache.layout import CacheArrays
 from hps_service.keys import unique_with_inverse
 from hps_service.node.shared_l1 import WORKER_WRITABLE, SharedL1Reader, cache_entry
-from hps_service.store import changes, counters, queue
-from hps_service.store.l3_events import L3Announcer, l3_events
-from hps_service.tiers import _hashmap_kernels as hk
+from hps_service.node.store.l3_events import L3Announcer, l3_events
+from hps_service.shm import changes, counters, queue
+from hps_service.tiers.hashmap import kernels as hk
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:

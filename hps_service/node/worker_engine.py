@@ -24,13 +24,13 @@ from hps_service.engine.table import ServedTable
 from hps_service.errors import NotFoundError
 from hps_service.node.reader_tiers import CaughtUpSecondary, SharedVolatile
 from hps_service.node.shared_l1 import SharedL1Reader
-from hps_service.store import layout
-from hps_service.store.changes import ChangeRing
-from hps_service.store.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES, ThreadRows
-from hps_service.store.l3_events import l3_events
-from hps_service.store.node_store import T_L1_GEN, T_WRITE_GEN, W_MANIFEST
-from hps_service.store.queue import record_bytes
-from hps_service.store.view import StoreView, TableView
+from hps_service.node.store import layout
+from hps_service.node.store.l3_events import l3_events
+from hps_service.node.store.node_store import T_L1_GEN, T_WRITE_GEN, W_MANIFEST
+from hps_service.node.store.view import StoreView, TableView
+from hps_service.shm.changes import ChangeRing
+from hps_service.shm.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES, ThreadRows
+from hps_service.shm.queue import record_bytes
 from hps_service.tiers.base import Tier, TierCapability, tier_can, tier_health, tier_memory
 from hps_service.tiers.factory import build_volatile
 

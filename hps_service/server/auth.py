@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hps_service.config import ServerConfig
-from hps_service.config_security import ADMIN, ReaderConfig
+from hps_service.config.secrets import WatchedSecret
+from hps_service.config.security import ADMIN, ReaderConfig
 from hps_service.errors import PermissionDeniedError, UnauthenticatedError
-from hps_service.secret_files import WatchedSecret
 
 #: How often tokens from files are looked at for a change.
 TOKEN_RECHECK_S = 1.0

@@ -25,13 +25,13 @@ from hps_service.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from hps_service.fleet.sharding import ShardMap
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.server.auth import Authenticator, Principal
 from hps_service.server.grpc_auth import grpc_principal
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.wire import ResponseBuffer, encode_lookup_response
-from hps_service.sharding import ShardMap
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ import uvicorn
 
 from hps_service.config import TLSConfig
 from hps_service.errors import UnavailableError
+from hps_service.runtime.sockets import bound_socket
+from hps_service.server.tls import SSLContextReloader, uvicorn_ssl_options
 from hps_service.server.tls_peer import PeerIdentityProtocol
-from hps_service.sockets import bound_socket
-from hps_service.tls import SSLContextReloader, uvicorn_ssl_options
 
 
 class HttpListener:

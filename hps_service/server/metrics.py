@@ -20,7 +20,7 @@ from prometheus_client.registry import Collector
 
 from hps_service import __version__
 from hps_service.engine import LEVELS, LookupEngine
-from hps_service.store.counters import (
+from hps_service.shm.counters import (
     KEYS_BUCKETS,
     LATENCY_BUCKETS,
     METHOD_INDEX,
@@ -109,7 +109,7 @@ class EngineCollector(Collector):
 class RequestCollector(Collector):
     """``hps_lookup_requests_total``, ``hps_lookup_latency_seconds``, ``hps_lookup_keys`` and
     ``hps_lookup_in_flight``, summed at scrape time over every process and thread that counted (see
-    :mod:`hps_service.store.counters`)."""
+    :mod:`hps_service.shm.counters`)."""
 
     def __init__(self, counters: RequestCounters) -> None:
         self.counters = counters

@@ -26,6 +26,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from hps_service.admin.checkpoints import SnapshotStore
+from hps_service.admin.jobs import JobRunner, import_job, import_tier
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, as_rows
 from hps_service.errors import (
@@ -39,12 +41,12 @@ from hps_service.errors import (
     UnavailableError,
 )
 from hps_service.fleet.registry_log import ModelRegistrations
+from hps_service.fleet.sharding import ShardMap, WrongShardError
 from hps_service.server.audit import AuditLog
 from hps_service.server.auth import Authenticator
 from hps_service.server.docs import add_offline_docs
 from hps_service.server.gatekeeper import Gatekeeper, caller_of
 from hps_service.server.grpc_service import ServingGate, status_for
-from hps_service.server.jobs import JobRunner, import_job, import_tier
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import Readiness, ReadinessCheck, add_probe_routes
 from hps_service.server.problems import PROBLEM_JSON
@@ -58,8 +60,6 @@ from hps_service.server.rest_bodies import (
     json_body,
     rows_bodies,
 )
-from hps_service.server.snapshots import SnapshotStore
-from hps_service.sharding import ShardMap, WrongShardError
 
 __all__ = ["PROBLEM_JSON", "AdminContext", "ReadinessCheck", "SwitchableApp", "create_app", "create_starting_app"]
 

@@ -16,7 +16,7 @@ def build_volatile(cfg: VolatileConfig, placement: tuple[Any, Any] | None = None
     """The L2 tier named by ``volatile.type``, or None when disabled. ``placement``: (allocator, release) for the
     hash map's arrays (the node's shared store), else private memory."""
     if cfg.type == "hashmap":
-        from hps_service.tiers.hashmap import HashMapTier
+        from hps_service.tiers.hashmap.tier import HashMapTier
 
         extra = {"allocator": placement[0], "release": placement[1]} if placement is not None else {}
         return HashMapTier(
@@ -72,7 +72,7 @@ def build_persistent(cfg: PersistentConfig, on_write: Any | None = None, file_ev
     """The L3 tier (RocksDB), or None when disabled; ``on_write(table, keys)`` after each write batch,
     ``file_events`` around the file changes its readers' secondary instances must know of."""
     if cfg.type == "rocksdb":
-        from hps_service.tiers.rocksdb import RocksDBTier
+        from hps_service.tiers.rocksdb.tier import RocksDBTier
 
         return RocksDBTier(
             path=cfg.path, read_only=cfg.read_only, block_cache_mb=cfg.block_cache_mb, sync_writes=cfg.sync_writes,

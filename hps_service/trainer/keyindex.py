@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from hps_service.hashing import mix64
+from hps_service.jit.hashing import mix64
 
 _EMPTY = np.int32(-1)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hps_service.defaults import hashed_random_rows
+from hps_service.engine.defaults import hashed_random_rows
 from hps_service.errors import InvalidArgumentError, NotFoundError
 from hps_service.trainer.keyindex import KeyIndex
 

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 
 from hps_service.errors import InvalidArgumentError
-from hps_service.hashing import mix64
+from hps_service.jit.hashing import mix64
 
 _SEEDS = np.array([0x243F6A8885A308D3, 0x13198A2E03707344, 0xA4093822299F31D0, 0x082EFA98EC4E6C89,
                    0x452821E638D01377, 0xBE5466CF34E90C6C, 0xC0AC29B7C97C50DD, 0x3F84D5B5B5470917],

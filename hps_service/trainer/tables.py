@@ -18,7 +18,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from hps_service.defaults import hashed_random_rows
+from hps_service.engine.defaults import hashed_random_rows
 from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.keyindex import KeyIndex
 from hps_service.trainer.sketch import CountMinSketch

@@ -18,7 +18,7 @@ from pathlib import Path
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from hps_service.local_processes import free_port, stop_process
+from hps_service.runtime.processes import free_port, stop_process
 from hps_service.updates.kafka_log import with_logging
 
 #: Partitions given to every topic the tests create.

@@ -33,7 +33,7 @@ from typing import Any
 from confluent_kafka import KafkaException, TopicCollection
 from prometheus_client import Counter
 
-from hps_service.background import BackgroundThread
+from hps_service.runtime.background import BackgroundThread
 from hps_service.tiers.base import Tier
 from hps_service.updates.stall import BrokerOffsets
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from hps_service.admin.importer import synthesize_model
 from hps_service.client import HPSClient
 from hps_service.config import load_config
-from hps_service.importer import synthesize_model
-from hps_service.server.app import HPSServer
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.serve.process import HPSServer
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.cache.cache_model import CacheModel
 
 ROWS, DIM, CAPACITY, WAYS = 20_000, 16, 1024, 8

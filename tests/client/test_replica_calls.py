@@ -32,7 +32,7 @@ from hps_client import (
 )
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.server.conftest import AUTH, ITEM_DIM, OpenStream, base_url, running, server_config, target
 
 KEYS = np.arange(1, 9, dtype=np.int64)

@@ -340,8 +340,8 @@ def test_images_compile_the_kernels_at_build_time_for_any_cpu(dockerfile) -> Non
     (numba ignores a cache compiled for another CPU name)."""
     path, _, stages = dockerfile
     build, final = stages[0], stages[-1]
-    runs = [i.args for i in build.all("RUN") if "-m hps_service.warmup" in i.args]
-    assert len(runs) == 1, f"{path.name}: the build stage does not run python -m hps_service.warmup"
+    runs = [i.args for i in build.all("RUN") if "-m hps_service.jit.warmup" in i.args]
+    assert len(runs) == 1, f"{path.name}: the build stage does not run python -m hps_service.jit.warmup"
     cache_dir = re.search(r"NUMBA_CACHE_DIR=(\S+)", runs[0]).group(1)
     assert cache_dir.startswith("/opt/hps/")
     env = " ".join(i.args for i in final.all("ENV"))

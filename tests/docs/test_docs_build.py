@@ -14,11 +14,11 @@ import pytest
 import yaml
 from pydantic import BaseModel, Field
 
+from hps_service.admin.jobs import JobRunner
 from hps_service.config import HPSConfig, load_config
 from hps_service.engine import LookupEngine
 from hps_service.fleet.registry_log import ModelRegistrations
 from hps_service.server.grpc_service import ServingGate
-from hps_service.server.jobs import JobRunner
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.rest import AdminContext, create_app
 from tests.helpers import load_script

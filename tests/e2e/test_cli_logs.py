@@ -15,8 +15,8 @@ import httpx
 import numpy as np
 
 from hps_service import __version__
-from hps_service.local_processes import stop_process
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.runtime.processes import stop_process
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.helpers import HPS, REPO, free_port, run_hps, write_config
 
 TOKEN = "cli-token"
@@ -67,7 +67,7 @@ def test_json_logs_kafka_through_logging_and_cli_verbs(tmp_path: Path) -> None:
         assert "demo.item" in shown.stdout and "hit rate" in shown.stdout and "updates:" in shown.stdout
         # httpx is a dependency of the tests only, not of hps-service: `hps stats` works without it
         bare = subprocess.run([sys.executable, "-c", "import sys; sys.modules['httpx'] = None; "
-                               "from hps_service.cli import app; app()", "stats", "--url", http],
+                               "from hps_service.cli.main import app; app()", "stats", "--url", http],
                               capture_output=True, text=True, timeout=60)
         assert bare.returncode == 0 and "demo.item" in bare.stdout, bare.stderr
         raw = run_hps("stats", "--url", http, "--json")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hps_service.client import HPSClient
-from hps_service.defaults import hashed_random_rows
+from hps_service.engine.defaults import hashed_random_rows
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
@@ -166,7 +166,7 @@ def test_import_errors_are_one_line_and_write_nothing(model_files: dict, tmp_pat
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     r = run_hps("import", "--config", str(cfg), "--model", "m", "--table", "nope", str(bad))
     assert r.returncode != 0 and "no table 'nope'" in r.stderr
-    from hps_service.tiers.rocksdb import RocksDBTier
+    from hps_service.tiers.rocksdb.tier import RocksDBTier
 
     tier = RocksDBTier(tmp_path / "db")
     try:

@@ -27,9 +27,9 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from hps_service.admin.importer import synthesize_model
 from hps_service.client import HPSClient
 from hps_service.errors import HPSError, UnavailableError
-from hps_service.importer import synthesize_model
 from hps_service.updates import Publisher, make_version
 from hps_service.updates.partitioning import shard_of
 from tests.fixtures.dns import loopback_dns

@@ -20,7 +20,7 @@ from numba.core.registry import CPUDispatcher
 import hps_service
 from hps_service.client import HPSClient
 from hps_service.config import load_config
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from hps_service.updates import Publisher
 from tests.helpers import free_port
 
@@ -95,7 +95,7 @@ def drive(srv: HPSServer, broker: str, workdir: Path) -> None:
 
 def main(broker: str, workdir: str) -> int:
     for info in pkgutil.walk_packages(hps_service.__path__, "hps_service."):
-        if not info.name.startswith(("hps_service.trainer", "hps_service.demo")):
+        if not info.name.startswith(("hps_service.trainer", "hps_service.cli.demo")):
             importlib.import_module(info.name)
     work = Path(workdir)
     cfg = load_config(

@@ -12,12 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hps_service.admin.jobs import Job, import_job
 from hps_service.cache import build_table_cache
 from hps_service.config import CacheConfig, ModelConfig, TableConfig
 from hps_service.engine import LookupEngine, Source
-from hps_service.server.jobs import Job, import_job
-from hps_service.tiers.hashmap import HashMapTier
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.hashmap.tier import HashMapTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.engine.seams import PATIENCE_S, Pause, Side, finished_or_blocked
 
 DIM = 8

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hps_service.importer import write_hugectr_dir
+from hps_service.admin.importer import write_hugectr_dir
 from tests.helpers import REPO, ServerProcess, free_port, run_hps, write_config
 
 #: Kernels no serving path calls from Python, and why.
@@ -26,7 +26,7 @@ def test_no_kernel_compiles_on_a_serving_path_after_ready(kafka_broker, tmp_path
     after SERVING; no numba kernel of hps_service gains a compiled version meanwhile (before: the key dedup, the hash
     map, the admission sketch and the query of read-only keys compiled on the first requests). And every kernel was
     compiled by the warm-up unless only other kernels call it or it is listed above with a reason: a kernel added
-    without a warm-up fails here (list its module's warm-up in hps_service.warmup.WARM_UPS)."""
+    without a warm-up fails here (list its module's warm-up in hps_service.jit.warmup.WARM_UPS)."""
     probe = subprocess.run(
         [sys.executable, "-m", "tests.engine.serving_probe", kafka_broker.bootstrap, str(tmp_path)],
         cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)},
@@ -82,7 +82,7 @@ def test_first_lookup_after_serving_with_a_cold_numba_cache_is_fast(tmp_path: Pa
 def test_seed_kernel_cache_copies_the_build_time_kernels_into_the_writable_cache(tmp_path: Path, monkeypatch) -> None:
     """numba only uses a cache directory it can write to: hps serve copies the image's kernels into NUMBA_CACHE_DIR,
     keeping files already there."""
-    from hps_service.warmup import seed_kernel_cache
+    from hps_service.jit.warmup import seed_kernel_cache
 
     seed, target = tmp_path / "seed", tmp_path / "cache"
     (seed / "a").mkdir(parents=True)

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hps_service.client import HPSClient
 from hps_service.engine import Source
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.faults.support import readyz, rows_for, wait_for
 from tests.helpers import ServerProcess, free_port, write_config
 

@@ -11,7 +11,7 @@ import numpy as np
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.engine import LookupEngine, Source
 from hps_service.tiers.redis_cluster import RedisClusterTier
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 DIM = 4
 

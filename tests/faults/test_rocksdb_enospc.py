@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from hps_service.errors import UnavailableError
-from hps_service.tiers import rocksdb_recovery
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb import recovery as rocksdb_recovery
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 DIM = 64
 VOLUME_MB = 16

@@ -14,7 +14,7 @@ from confluent_kafka import Consumer, TopicPartition
 
 from hps_service.client import HPSClient
 from hps_service.errors import HPSError
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from hps_service.updates import Publisher
 from hps_service.updates.message import topic_name
 from tests.faults.support import readyz, rows_for, wait_for

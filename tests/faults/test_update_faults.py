@@ -17,7 +17,7 @@ from confluent_kafka import Consumer, TopicPartition
 from hps_service.client import HPSClient
 from hps_service.engine import Source
 from hps_service.errors import UnavailableError
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from hps_service.updates import Publisher
 from hps_service.updates.message import decode_update, topic_name
 from tests.faults.support import LookupLoad, readyz, rows_for, wait_for

@@ -17,7 +17,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from hps_service.client import HPSClient
-from hps_service.local_processes import stop_process
+from hps_service.runtime.processes import stop_process
 from hps_service.updates import Publisher
 from tests.faults.support import readyz, rows_for, wait_for
 from tests.fixtures.kafka_proxy import broker_behind_proxy

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hps_service.fleet.store import SnapshotBucket
+from hps_service.fleet.bucket import SnapshotBucket
 
 
 @pytest.fixture

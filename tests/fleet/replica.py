@@ -9,7 +9,7 @@ import httpx
 
 from hps_service.client import HPSClient
 from hps_service.config import load_config
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.helpers import free_port
 
 TOKEN = "registrations-token"

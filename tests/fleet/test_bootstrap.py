@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap, bootstrap_states
-from hps_service.fleet.store import SnapshotBucket
+from hps_service.fleet.bucket import SnapshotBucket
 from hps_service.tiers.base import TableWrite
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 DIM = 4
 

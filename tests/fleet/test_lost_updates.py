@@ -23,9 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hps_service.client import HPSClient
 from hps_service.config import UpdatesConfig, load_config
 from hps_service.engine import LookupEngine
+from hps_service.fleet.bucket import SnapshotBucket
 from hps_service.fleet.snapshots import Snapshotter
-from hps_service.fleet.store import SnapshotBucket
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from hps_service.updates import Publisher, UpdateConsumer
 from tests.helpers import free_port
 from tests.updates.conftest import make_engine, rows_for, wait_until

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
+from hps_service.fleet.bucket import MANIFEST, CorruptSnapshotError, SnapshotBucket, sha256_file
 from hps_service.fleet.manifests import MAX_FILES, MAX_MANIFEST_BYTES
-from hps_service.fleet.store import MANIFEST, CorruptSnapshotError, SnapshotBucket, sha256_file
 
 
 def _checkpoint(root: Path) -> Path:

@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from hps_service.client import HPSClient
 from hps_service.engine import Source
-from hps_service.fleet.store import SnapshotBucket
+from hps_service.fleet.bucket import SnapshotBucket
 from hps_service.updates import Publisher
 from tests.faults.support import readyz, rows_for, wait_for
 from tests.helpers import HPS, REPO, free_port, write_config

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hps_service.errors import NotFoundError
-from hps_service.fleet.store import CorruptSnapshotError
+from hps_service.fleet.bucket import CorruptSnapshotError
 
 
 def _files(root: Path) -> Path:

@@ -68,7 +68,7 @@ def topic_log(broker: str, model: str, keys: np.ndarray, timeout: float = 30.0) 
 
 def stored_versions(db: Path, table_id: str, keys: np.ndarray) -> np.ndarray:
     """What RocksDB holds for every key (the server stopped): the row's version, or DEFAULT."""
-    from hps_service.tiers.rocksdb import RocksDBTier
+    from hps_service.tiers.rocksdb.tier import RocksDBTier
 
     store = RocksDBTier(db, read_only=True)
     try:

@@ -90,7 +90,7 @@ class HistoryServer:
         path = self.workdir / f"{self.name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         log = open(self.log_path, "ab")  # noqa: SIM115  (owned by the child process)
-        self.proc = subprocess.Popen([sys.executable, "-m", "hps_service.cli", "serve", "--config", str(path)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "hps_service.cli.main", "serve", "--config", str(path)],
                                      stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env={**os.environ, **self.env})
         log.close()
         self.starts += 1
@@ -126,7 +126,7 @@ class HistoryServer:
         self.proc.wait(30)
 
     def stop(self) -> int:
-        from hps_service.local_processes import stop_process
+        from hps_service.runtime.processes import stop_process
 
         assert self.proc is not None
         return stop_process(self.proc, 60)

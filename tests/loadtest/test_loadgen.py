@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from hps_service.config import load_config
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from loadtest.loadgen import LoadSpec, run_load, save
 from loadtest.workload import KeySampler
 from tests.helpers import free_port

@@ -18,11 +18,11 @@ import httpx
 import numpy as np
 import pytest
 
+from hps_service.admin.importer import synthesize_model
 from hps_service.client import HPSClient
 from hps_service.errors import UnavailableError
-from hps_service.importer import synthesize_model
 from hps_service.local import LocalClient
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.helpers import ServerProcess, free_port, write_config
 
 TOKEN = "local-token"

@@ -15,10 +15,10 @@ import httpx
 import numpy as np
 import pytest
 
+from hps_service.admin.importer import synthesize_model
 from hps_service.client import HPSClient
-from hps_service.importer import synthesize_model
-from hps_service.local_processes import process_tree, pss_bytes
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.runtime.processes import process_tree, pss_bytes
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.helpers import ServerProcess, free_port, write_config
 
 ROWS, DIM = 1_000_000, 64

@@ -16,8 +16,8 @@ import pytest
 from hps_service.config import PersistentConfig
 from hps_service.node import reader_tiers
 from hps_service.node.reader_tiers import CaughtUpSecondary
-from hps_service.store.changes import ChangeRing
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.shm.changes import ChangeRing
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 DIM = 4
 
@@ -143,7 +143,7 @@ class AnnouncingOwner(Owner):
     """An owner whose primary announces its file changes in a store header, as a node's owner does."""
 
     def __init__(self, path: Path) -> None:
-        from hps_service.store.l3_events import L3Announcer
+        from hps_service.node.store.l3_events import L3Announcer
 
         self.header = np.zeros(16, np.int64)
         self.announcer = L3Announcer(self.header)
@@ -163,7 +163,7 @@ class AnnouncingOwner(Owner):
 
 @pytest.fixture
 def announcing(tmp_path: Path) -> Iterator[tuple[AnnouncingOwner, CaughtUpSecondary]]:
-    from hps_service.store.l3_events import l3_events
+    from hps_service.node.store.l3_events import l3_events
 
     o = AnnouncingOwner(tmp_path / "db")
     s = CaughtUpSecondary(PersistentConfig(path=tmp_path / "db"), lambda: {"t": o.ring}, block_cache_mb=8,

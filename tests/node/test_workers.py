@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hps_service.admin.importer import synthesize_model
 from hps_service.client import HPSClient
-from hps_service.importer import synthesize_model
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.helpers import ServerProcess, free_port, run_hps, write_config
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

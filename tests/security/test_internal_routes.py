@@ -10,7 +10,7 @@ import httpx
 from fastapi.routing import APIRoute
 
 from hps_service.config import load_config
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from hps_service.server.rest_access import ROUTES
 from tests.helpers import free_port
 

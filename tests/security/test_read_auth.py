@@ -25,7 +25,7 @@ from hps_client import AsyncHPSClient, HPSClient, PermissionDeniedError, Unauthe
 from hps_service.config import load_config
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.helpers import free_port, run_hps
 from tests.security.certs import PKI, make_pki
 

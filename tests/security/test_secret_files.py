@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hps_service.config import ConfigError, load_config
-from hps_service.secret_files import WatchedSecret
+from hps_service.config.secrets import WatchedSecret
 
 VALUE = "a-secret-value-that-must-not-leak"
 

@@ -18,7 +18,7 @@ import redis
 
 from hps_service.client import HPSClient
 from hps_service.config import UpdatesConfig, VolatileConfig, load_config
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from hps_service.tiers.deferred import DeferredTier
 from hps_service.tiers.factory import build_volatile
 from hps_service.tiers.redis_cluster import RedisClusterTier

@@ -16,7 +16,7 @@ from hps_service.aio_client import AsyncHPSClient
 from hps_service.client import HPSClient
 from hps_service.config import load_config
 from hps_service.errors import InvalidArgumentError, UnavailableError
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.helpers import free_port, run_hps
 from tests.security.certs import PKI, make_pki
 

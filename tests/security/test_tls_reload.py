@@ -15,7 +15,7 @@ import pytest
 
 from hps_client import HPSClient, UnavailableError
 from hps_service.config import load_config
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.helpers import free_port
 from tests.security.certs import make_pki
 

@@ -15,7 +15,7 @@ import pytest
 from hps_service.config import HPSConfig, load_config
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.helpers import free_port
 
 TOKEN = "test-admin-token"

@@ -17,7 +17,7 @@ from hps_service.aio_client import AsyncHPSClient
 from hps_service.client import HPSClient, build_request
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.helpers import free_port
 from tests.server.conftest import AUTH, ITEM_DIM, OpenStream, base_url, running, server_config, target
 

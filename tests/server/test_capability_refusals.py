@@ -9,15 +9,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hps_service.admin.checkpoints import SnapshotStore
+from hps_service.admin.jobs import Job, import_tier
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import UnavailableError
+from hps_service.fleet.bucket import SnapshotBucket
 from hps_service.fleet.snapshots import Snapshotter
-from hps_service.fleet.store import SnapshotBucket
-from hps_service.server.jobs import Job, import_tier
-from hps_service.server.snapshots import SnapshotStore
-from hps_service.tiers.hashmap import HashMapTier
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.hashmap.tier import HashMapTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 NOT_ROCKSDB = "persistent.type rocksdb"
 READ_ONLY = "needs a writable persistent tier, but persistent.read_only is true"

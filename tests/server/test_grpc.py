@@ -14,7 +14,7 @@ import pytest
 from hps_service.client import HPSClient, build_request, decode_answer
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.server.conftest import (
     AUTH,
     ITEM_DIM,

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from hps_service.admin.jobs import JobRunner
 from hps_service.errors import UnavailableError
-from hps_service.server.jobs import JobRunner
 
 
 def test_close_is_bounded_by_its_timeout_and_refuses_new_jobs() -> None:

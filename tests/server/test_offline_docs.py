@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.server.conftest import base_url
 
 OUTSIDE = re.compile(r"""(?:src|href)=["'](?:https?:)?//""")

@@ -11,7 +11,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.server.conftest import AUTH, base_url
 
 EXAMPLES_PER_OPERATION = 4

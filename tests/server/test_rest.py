@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hps_service.admin.importer import synthesize_model, write_hugectr_dir
 from hps_service.client import HPSClient
-from hps_service.importer import synthesize_model, write_hugectr_dir
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from tests.helpers import ServerProcess, free_port, write_config
 from tests.server.conftest import (
     AUTH,

@@ -19,7 +19,7 @@ from hps_service.aio_client import AsyncHPSClient
 from hps_service.client import HPSClient
 from hps_service.config import HPSConfig
 from hps_service.errors import InvalidArgumentError, UnavailableError
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from hps_service.updates.partitioning import shard_of
 from tests.helpers import free_port
 from tests.server.conftest import AUTH, ITEM_DIM, USER_DIM, base_url, running, server_config, target

@@ -12,11 +12,11 @@ import httpx
 import numpy as np
 import pytest
 
+from hps_service.admin.importer import synthesize_model
 from hps_service.config import HPSConfig
-from hps_service.importer import synthesize_model
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_service.server.app import HPSServer
+from hps_service.serve.process import HPSServer
 from hps_service.updates.partitioning import shard_of
 from tests.server.conftest import AUTH, ITEM_DIM, base_url, running, server_config, target, wait_job
 

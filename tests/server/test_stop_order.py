@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.config import load_config
-from hps_service.server.app import HPSServer
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.serve.process import HPSServer
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from hps_service.updates import Publisher
 from tests.engine.seams import PATIENCE_S, Pause, Side, Watch, finished_or_blocked
 from tests.helpers import free_port

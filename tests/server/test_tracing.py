@@ -38,6 +38,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor  # noqa: E402
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
 
 from hps_client import AsyncHPSClient, HPSClient, InvalidArgumentError  # noqa: E402
+from hps_service.admin.jobs import JobRunner  # noqa: E402
 from hps_service.config import ConfigError, load_config  # noqa: E402
 from hps_service.engine import LookupEngine  # noqa: E402
 from hps_service.fleet.registry_log import ModelRegistrations
@@ -46,7 +47,6 @@ from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc  # noqa: E402
 from hps_service.server.call_tracing import admin_app, grpc_tracing  # noqa: E402
 from hps_service.server.grpc_server import build_grpc_server  # noqa: E402
 from hps_service.server.grpc_service import EmbeddingServicer, ServingGate  # noqa: E402
-from hps_service.server.jobs import JobRunner  # noqa: E402
 from hps_service.server.metrics import ServerMetrics  # noqa: E402
 from hps_service.server.rest import AdminContext  # noqa: E402
 from tests.fixtures.otlp_collector import Collector, OtlpCollector, Span  # noqa: E402
@@ -288,8 +288,8 @@ def test_tracing_without_the_otel_extra_names_it(monkeypatch) -> None:
 
 def test_text_log_lines_name_the_call() -> None:
     """Text lines get the ids as a suffix while a call is served, and nothing outside one."""
-    from hps_service.call_context import CallInfo, serving
-    from hps_service.logs import CallFilter, TextFormatter
+    from hps_service.runtime.call_context import CallInfo, serving
+    from hps_service.runtime.logs import CallFilter, TextFormatter
 
     formatter, only = TextFormatter("%(levelname)s %(message)s"), CallFilter()
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hps_service.store.changes import ChangeRing
+from hps_service.shm.changes import ChangeRing
 
 
 class _AfterCopy(np.ndarray):

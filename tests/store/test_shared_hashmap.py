@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from hps_service.store.region import Region
-from hps_service.tiers import _hashmap_kernels as hk
-from hps_service.tiers.hashmap import HashMapTier, TableArrays, TableReader
+from hps_service.shm.region import Region
+from hps_service.tiers.hashmap import kernels as hk
+from hps_service.tiers.hashmap.tier import HashMapTier, TableArrays, TableReader
 from tests.helpers import REPO
 
 TABLE = "m.t"

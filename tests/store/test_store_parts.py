@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hps_service.cpus import affinity_cpus, cgroup_cpu_limit, usable_cpus
-from hps_service.store.changes import ChangeRing
-from hps_service.store.counters import REQ_FIELDS, STATUS_INDEX, RequestCounters, new_counters, request_totals
-from hps_service.store.node_store import NodeStore
-from hps_service.store.permissions import PRIVATE, StoreAccess
-from hps_service.store.queue import CTRL_LEN, Ring, record_bytes
-from hps_service.store.region import Region
+from hps_service.node.store.node_store import NodeStore
+from hps_service.runtime.cpus import affinity_cpus, cgroup_cpu_limit, usable_cpus
+from hps_service.shm.changes import ChangeRing
+from hps_service.shm.counters import REQ_FIELDS, STATUS_INDEX, RequestCounters, new_counters, request_totals
+from hps_service.shm.permissions import PRIVATE, StoreAccess
+from hps_service.shm.queue import CTRL_LEN, Ring, record_bytes
+from hps_service.shm.region import Region
 
 #: The interpreter a probe runs under as another user (the project's virtualenv may be private to its owner).
 SYSTEM_PYTHON = "/usr/bin/python3"

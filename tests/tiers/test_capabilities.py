@@ -14,9 +14,9 @@ from hps_service.errors import UnavailableError
 from hps_service.node.reader_tiers import CaughtUpSecondary, SharedVolatile
 from hps_service.tiers.base import Tier, TierCapability, tier_can
 from hps_service.tiers.deferred import DeferredTier
-from hps_service.tiers.hashmap import HashMapTier
+from hps_service.tiers.hashmap.tier import HashMapTier
 from hps_service.tiers.redis_cluster import RedisClusterTier
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 #: The capabilities that name an optional :class:`Tier` method (WRITES names put, delete and write, which all have).
 METHODS = {TierCapability.CHECKPOINT: "checkpoint", TierCapability.EXPORT: "export",

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
-from hps_service.tiers.hashmap import HashMapTier
+from hps_service.tiers.hashmap.tier import HashMapTier
 
 TABLE = "demo.item"
 I64 = np.iinfo(np.int64)

@@ -14,7 +14,7 @@ import pytest
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.tiers.base import TableWrite
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 _MiB = 1 << 20
@@ -121,7 +121,7 @@ def test_bulk_import_respects_tombstones(tier: RocksDBTier) -> None:
 
 
 def test_purge_tombstones_below_a_version(tier: RocksDBTier, monkeypatch) -> None:
-    monkeypatch.setattr("hps_service.tiers.rocksdb_staging.SCAN_CHUNK", 7)  # several scan steps
+    monkeypatch.setattr("hps_service.tiers.rocksdb.staging.SCAN_CHUNK", 7)  # several scan steps
     tier.create_table("m.t", 2)
     keys = np.arange(40, dtype=np.int64)
     tier.put("m.t", keys, np.ones((40, 2), np.float32), np.zeros(40, np.int64))
@@ -214,7 +214,7 @@ def test_read_only_mode(tmp_path: Path) -> None:
 
 
 def test_bulk_import_duplicates_last_wins_and_progress(tier: RocksDBTier, monkeypatch) -> None:
-    monkeypatch.setattr("hps_service.tiers.rocksdb_files.IMPORT_CHUNK_ROWS", 100)
+    monkeypatch.setattr("hps_service.tiers.rocksdb.files.IMPORT_CHUNK_ROWS", 100)
     tier.create_table("m.t", 4)
     keys, vecs = _rows(350, 4)
     keys[-5:] = keys[:5]  # five duplicates: later rows must win
@@ -244,7 +244,7 @@ def test_bulk_import_into_filled_table_keeps_newer_rows(tier: RocksDBTier) -> No
 
 
 def test_bulk_import_is_atomic(tier: RocksDBTier, monkeypatch) -> None:
-    monkeypatch.setattr("hps_service.tiers.rocksdb_files.IMPORT_CHUNK_ROWS", 10)
+    monkeypatch.setattr("hps_service.tiers.rocksdb.files.IMPORT_CHUNK_ROWS", 10)
     tier.create_table("m.t", 4)
     keys = np.arange(100, dtype=np.int64)
     vecs = np.ones((100, 4), np.float32)
@@ -302,7 +302,7 @@ _WRITER = textwrap.dedent(
     """
     import sys
     import numpy as np
-    from hps_service.tiers.rocksdb import RocksDBTier
+    from hps_service.tiers.rocksdb.tier import RocksDBTier
 
     tier = RocksDBTier(sys.argv[1], block_cache_mb=8, sync_writes=True)
     tier.create_table("m.t", 4)

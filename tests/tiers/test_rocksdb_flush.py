@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.tiers.base import TableWrite
-from hps_service.tiers.rocksdb import RocksDBTier
-from hps_service.tiers.rocksdb_flush import wal_bytes, wal_numbers
+from hps_service.tiers.rocksdb.flush import wal_bytes, wal_numbers
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 DIM = 4
 EMPTY = np.zeros(0, np.int64)

@@ -19,9 +19,9 @@ pytest.importorskip("torch")
 
 from rich.console import Console
 
+from hps_service.cli.demo import DemoSettings, run_demo
 from hps_service.client import HPSClient
 from hps_service.config import load_config
-from hps_service.demo import DemoSettings, run_demo
 from hps_service.local import LocalClient
 from hps_service.trainer.factory import RunSpec, build_run
 from hps_service.trainer.metrics import auc, log_loss

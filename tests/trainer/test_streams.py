@@ -64,7 +64,7 @@ def test_a_kafka_click_log_is_trained_exactly_once_across_sigterm_and_resume(kaf
     producer.flush(30)
     config = criteo_config(tmp_path / "c.yaml", fields=FIELDS)
     ckpt = tmp_path / "ckpt"
-    base = [sys.executable, "-m", "hps_service.cli", "train", "--config", str(config), "--data",
+    base = [sys.executable, "-m", "hps_service.cli.main", "train", "--config", str(config), "--data",
             f"kafka://{kafka_broker.bootstrap}/{topic}", "--batch-size", "32", "--experts", "0", "--no-progress",
             "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3", "--eval-every", "10", "--kafka-group",
             f"g-{topic}"]

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hps_service.config import TableConfig
-from hps_service.defaults import default_rows
+from hps_service.engine.defaults import default_rows
 from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.keyindex import KeyIndex
 from hps_service.trainer.rowstore import LatestRowStore

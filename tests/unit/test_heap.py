@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from hps_service import heap
-from hps_service.heap import HeapTrimmer, resident_bytes
+from hps_service.runtime import heap
+from hps_service.runtime.heap import HeapTrimmer, resident_bytes
 
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype = ctypes.c_void_p

@@ -12,7 +12,7 @@ import numpy as np
 from confluent_kafka.admin import AdminClient, NewTopic
 from prometheus_client import REGISTRY
 
-from hps_service.tiers.rocksdb import RocksDBTier
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from hps_service.updates import Publisher, UpdateConsumer
 from hps_service.updates.partitioning import partition_of
 from hps_service.updates.readiness import update_consumer_not_ready

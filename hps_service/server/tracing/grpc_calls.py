@@ -13,8 +13,8 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.grpc import filters, server_interceptor
 from opentelemetry.sdk.trace import TracerProvider
 
-from hps_service.call_context import REQUEST_ID, CallInfo, request_id, serving
 from hps_service.errors import InvalidArgumentError
+from hps_service.runtime.call_context import REQUEST_ID, CallInfo, request_id, serving
 
 #: Only lookups and their service are traced: health checks and watches, and reflection, would drown them.
 TRACED_SERVICE = "hps.v1.EmbeddingService"
@@ -44,7 +44,7 @@ def _begin(context: grpc.ServicerContext) -> CallInfo:
 
 
 class RequestIdInterceptor(grpc.ServerInterceptor):
-    """Serves each EmbeddingService call as the current call (see :mod:`hps_service.call_context`)."""
+    """Serves each EmbeddingService call as the current call (see :mod:`hps_service.runtime.call_context`)."""
 
     def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)

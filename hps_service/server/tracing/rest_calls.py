@@ -12,8 +12,8 @@ from opentelemetry import trace
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from opentelemetry.sdk.trace import TracerProvider
 
-from hps_service.call_context import REQUEST_ID, CallInfo, request_id, serving
 from hps_service.errors import InvalidArgumentError
+from hps_service.runtime.call_context import REQUEST_ID, CallInfo, request_id, serving
 from hps_service.server.rest import AdminContext, _error, create_app
 from hps_service.server.tracing.lookups import TracedEngine
 

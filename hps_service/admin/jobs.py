@@ -1,0 +1,178 @@
+"""Background admin jobs (model import, snapshot restore) with progress that ``GET /v1/jobs/{id}`` reports.
+
+Jobs run one at a time on a worker thread, so a long import never holds an HTTP worker or a gRPC thread,
+and two bulk writes into the same store never race each other.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from hps_service.admin.importer import check_import_shape, read_model_source
+from hps_service.engine import LookupEngine
+from hps_service.errors import HPSError, NotFoundError, UnavailableError
+from hps_service.fleet.sharding import ShardMap
+from hps_service.tiers.base import Tier, TierCapability, tier_can
+
+log = logging.getLogger(__name__)
+
+JobState = Literal["pending", "running", "succeeded", "failed"]
+#: Finished jobs remembered for GET /v1/jobs (older ones are forgotten first).
+KEEP_FINISHED = 256
+
+
+@dataclass
+class Job:
+    """One background job and its progress; mutated only by its worker thread (reads see whole values)."""
+
+    id: str
+    kind: str
+    target: dict[str, Any]
+    state: JobState = "pending"
+    rows_total: int | None = None
+    rows_done: int = 0
+    created_at: float = field(default_factory=time.time)
+    started_at: float | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    result: dict[str, Any] = field(default_factory=dict)
+
+    def view(self) -> dict[str, Any]:
+        """The JSON shape served by the REST API."""
+        progress = None
+        if self.rows_total:
+            progress = min(1.0, self.rows_done / self.rows_total)
+        elif self.state == "succeeded":
+            progress = 1.0
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "target": self.target,
+            "state": self.state,
+            "rows_total": self.rows_total,
+            "rows_done": self.rows_done,
+            "progress": progress,
+            "created_at": self.created_at,
+            "started_at": self.started_at,
+            "finished_at": self.finished_at,
+            "error": self.error,
+            "result": self.result,
+        }
+
+
+class JobRunner:
+    """Queues jobs on one worker thread and keeps their state for polling."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hps-job")
+        self._jobs: dict[str, Job] = {}
+        self._futures: set[Future] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(self, kind: str, target: dict[str, Any], work: Callable[[Job], dict[str, Any]]) -> Job:
+        """Queue ``work(job)``; it reports progress through ``job`` and returns the job's result."""
+        job = Job(id=uuid.uuid4().hex[:16], kind=kind, target=target)
+        with self._lock:
+            if self._closed:
+                raise UnavailableError("the server is shutting down; no new jobs")
+            self._jobs[job.id] = job
+            self._forget_old()
+            future = self._pool.submit(self._run, job, work)
+            self._futures.add(future)
+        future.add_done_callback(self._futures.discard)
+        return job
+
+    def _run(self, job: Job, work: Callable[[Job], dict[str, Any]]) -> None:
+        job.started_at = time.time()
+        job.state = "running"
+        try:
+            job.result = work(job)
+            job.state = "succeeded"
+        except HPSError as exc:
+            job.error = str(exc)
+            job.state = "failed"
+        except Exception as exc:  # a job must end in a state, whatever broke
+            log.exception("job %s (%s) failed", job.id, job.kind)
+            job.error = f"{type(exc).__name__}: {exc}"
+            job.state = "failed"
+        finally:
+            job.finished_at = time.time()
+            log.info("job %s (%s) %s", job.id, job.kind, job.state)
+
+    def _forget_old(self) -> None:
+        finished = [j for j in self._jobs.values() if j.state in ("succeeded", "failed")]
+        for j in sorted(finished, key=lambda j: j.created_at)[: max(0, len(finished) - KEEP_FINISHED)]:
+            del self._jobs[j.id]
+
+    def get(self, job_id: str) -> Job:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise NotFoundError(f"no job '{job_id}'") from None
+
+    def list(self) -> list[Job]:
+        with self._lock:
+            return sorted(self._jobs.values(), key=lambda j: j.created_at)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Refuse new jobs, drop queued ones, and let the running one finish within ``timeout_s`` (None: however
+        long it takes); False when it is still running (the server's grace period bounds a shutdown)."""
+        with self._lock:
+            self._closed = True
+            running = list(self._futures)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        _, not_done = wait(running, timeout=timeout_s)
+        if not_done:
+            log.warning("a job was still running when the server stopped waiting for it")
+        return not not_done
+
+
+def writable_persistent(engine: LookupEngine, what: str, needs: TierCapability) -> Tier:
+    """The engine's persistent tier if it ``needs`` and writes, or UnavailableError naming why ``what`` cannot run."""
+    tier = engine.persistent
+    if not tier_can(tier, needs):
+        raise UnavailableError(f"{what} needs persistent.type rocksdb")
+    if TierCapability.WRITES not in tier.capabilities:
+        raise UnavailableError(f"{what} needs a writable persistent tier, but persistent.read_only is true")
+    return tier
+
+
+def import_tier(engine: LookupEngine) -> Tier:
+    """The persistent tier that an import job bulk-loads, or UnavailableError naming why there is none."""
+    return writable_persistent(engine, "import", TierCapability.BULK_IMPORT)
+
+
+def import_job(
+    engine: LookupEngine, model: str, table: str, path: Path, version: int, shard_map: ShardMap | None = None
+) -> Callable[[Job], dict]:
+    """The work of ``POST .../import``: read the file, keep this shard's rows, then bulk-load L3 and evict the keys
+    from L2 and L1 as one write of the table (see :meth:`LookupEngine.import_rows`)."""
+    shard_map = shard_map if shard_map is not None else ShardMap()
+
+    def work(job: Job) -> dict[str, Any]:
+        tier = import_tier(engine)
+        t = engine.table(model, table)
+        keys, vectors = read_model_source(path)
+        check_import_shape(t.id, t.dim, keys, vectors)
+        rows_read = int(keys.shape[0])
+        keys, vectors, skipped = shard_map.keep_owned(keys, vectors)
+        job.rows_total = int(keys.shape[0])
+
+        def progress(done: int) -> None:
+            job.rows_done = done
+
+        written = engine.import_rows(model, table, keys, vectors, version=version, progress=progress)
+        job.rows_done = job.rows_total
+        return {"rows_read": rows_read, "rows_written": int(written), "rows_stored": tier.count(t.id),
+                "rows_skipped_other_shards": skipped}
+
+    return work

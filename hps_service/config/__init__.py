@@ -1,0 +1,495 @@
+"""The whole service configuration as one typed pydantic model.
+
+Loaded from a YAML file; every key can be overridden from the environment as ``HPS_<SECTION>__<KEY>``
+(e.g. ``HPS_SERVER__GRPC_PORT=9000``). Environment values win over the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from hps_service.config.base import NAME_PATTERN, NAME_RE
+from hps_service.config.base import Section as _Section
+from hps_service.config.secrets import load_secret_files
+from hps_service.config.security import AuthMode, InternalListener, ReaderConfig, check_auth
+from hps_service.runtime.cpus import usable_cpus
+
+
+class TLSConfig(_Section):
+    """TLS for both listeners (gRPC and REST); with ``client_ca_file`` clients must present a certificate it signed."""
+
+    cert_file: Path = Field(description="PEM certificate chain of the server")
+    key_file: Path = Field(description="PEM private key of the server")
+    client_ca_file: Path | None = Field(None, description="PEM CA bundle; when set, mutual TLS is required")
+
+
+class LocalStoreConfig(_Section):
+    """Colocated reads: the node's shared store at a fixed path that LocalClient processes of the pod map."""
+
+    enabled: bool = Field(False, description="keep the store at ``path`` for LocalClient readers")
+    path: Path = Field(Path("/dev/shm/hps"), description="directory of the shared store (memory-backed)")
+    group: str | int | None = Field(
+        None, description="the group (name or gid) of the colocated readers: the store is then 0750/0640 with that "
+        "group, and the gRPC socket 0660; unset: 0700/0600, readable by the server's user alone")
+
+
+class TracingConfig(_Section):
+    """OpenTelemetry spans of gRPC and REST calls, exported over OTLP/gRPC (needs the ``otel`` extra). Off by default,
+    and then nothing of it runs on a call: no interceptor, no middleware, no span, no request id."""
+
+    enabled: bool = Field(False, description="trace gRPC and REST calls (needs the otel extra)")
+    endpoint: str | None = Field(
+        None, pattern=r"^https?://[^\s/]+(/.*)?$", description="OTLP/gRPC collector, e.g. http://otel-collector:4317 "
+        "(https:// for TLS); default OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else "
+        "http://localhost:4317. Headers (e.g. a vendor's key) come from OTEL_EXPORTER_OTLP_HEADERS, never the file")
+    service_name: str = Field("hps-service", min_length=1, max_length=128, description="the spans' service.name")
+    sample_ratio: float = Field(
+        1.0, ge=0.0, le=1.0, description="share of calls without a caller's trace decision that are traced; a "
+        "caller's sampled (or not) traceparent is always followed")
+    export_interval_s: float = Field(1.0, gt=0, le=60, description="a process exports its finished spans this often")
+
+
+class ServerConfig(_Section):
+    """Network endpoints and request limits."""
+
+    host: str = Field("127.0.0.1", description="address gRPC and REST listen on (0.0.0.0 in a container)")
+    grpc_port: int = Field(8500, ge=0, le=65535, description="gRPC port (0: a free one, logged)")
+    http_port: int = Field(8000, ge=0, le=65535, description="REST admin API and /metrics port (0: a free one)")
+    admin_token: SecretStr | None = Field(None, description="bearer token of the admin routes (or HPS_ADMIN_TOKEN); unset: they answer 403")
+    admin_token_file: Path | None = Field(
+        None, description="a file holding the admin token (a mounted Secret; re-read when it changes)")
+    auth: AuthMode = Field(
+        "none", description="reads (gRPC lookups, REST reads): none, token (a bearer token of server.readers) or "
+        "mtls (the client certificate's identity, per server.readers); admin routes always need the admin token")
+    readers: list[ReaderConfig] = Field(default_factory=list, description="who may read which models")
+    audit_log: Path | None = Field(
+        None, description="also append the audit log (one JSON line per admin action) to this file")
+    expose_internal_on: list[InternalListener] = Field(
+        default_factory=lambda: ["http"], description="where /metrics, /docs, /v1/stats, /v1/jobs and "
+        "/v1/cache are served: the REST port (http) and/or the probe port (probe, server.probe_port); on the REST "
+        "port they need a read credential when server.auth is on")
+    max_batch_keys: int = Field(65536, ge=1, description="keys per request; more: RESOURCE_EXHAUSTED / 413")
+    max_tables_per_request: int = Field(64, ge=1, description="tables per Lookup; more: RESOURCE_EXHAUSTED")
+    workers: int | None = Field(
+        None, ge=0, le=1024, description="gRPC worker processes sharing the gRPC port (SO_REUSEPORT) and one copy of "
+        "L1 and the hash map in shared memory; default: the CPUs this process may use (cgroup limit, else affinity); "
+        "0 serves gRPC from the owner process itself (one GIL)")
+    grpc_workers: int | None = Field(
+        None, ge=1, description="gRPC handler threads per serving process; default: 2 with worker processes, else "
+        "the CPU cores, at least 2 (more threads only contend for the GIL: measured 12% fewer keys/s with 8 than "
+        "with 2 on 2 cores)"
+    )
+    uds_path: Path | None = Field(
+        None, description="also serve gRPC on this Unix domain socket (from the owner process; LocalClient sends "
+        "its misses there); default with server.local enabled: <local.path>/grpc.sock")
+    local: LocalStoreConfig = Field(default_factory=lambda: LocalStoreConfig())
+    grace_period_s: float = Field(30.0, ge=0, description="SIGTERM waits this long for calls in flight")
+    max_concurrent_requests: int = Field(256, ge=1, description="gRPC calls in flight; more get RESOURCE_EXHAUSTED")
+    max_connection_age_s: float = Field(
+        300.0, ge=0, description="gRPC connections are closed (GOAWAY, with gRPC's 10% jitter) after this long, so "
+        "clients reconnect and reach new replicas; 0: never")
+    max_connection_age_grace_s: float = Field(
+        30.0, ge=0, description="calls still running on a connection past its age get this long to finish")
+    keepalive_time_s: float = Field(60.0, gt=0, description="ping an idle client connection this often")
+    keepalive_timeout_s: float = Field(20.0, gt=0, description="drop a connection whose ping is not answered in time")
+    min_client_ping_interval_s: float = Field(
+        10.0, gt=0, description="clients may send keepalive pings this often (hps-client pings every 30 s)")
+    snapshots_path: Path | None = Field(None, description="RocksDB checkpoints; default: <persistent.path>/../snapshots")
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024, description="REST request bodies larger get 413")
+    max_message_bytes: int | None = Field(
+        None, ge=1024, description="gRPC requests larger get RESOURCE_EXHAUSTED; default: sized from max_batch_keys"
+    )
+    tls: TLSConfig | None = Field(None, description="TLS on both ports (unset: plaintext)")
+    heap_trim_interval_s: float = Field(
+        30.0, ge=0, description="return the C heap's free memory to the operating system this often (glibc "
+        "malloc_trim, in the owner and each worker), so resident memory follows live memory under a steady update "
+        "stream; 0: never")
+    log_format: Literal["text", "json"] = Field(
+        "text", description="stderr log lines as text, or one JSON object per line (librdkafka and uvicorn too)")
+    tracing: TracingConfig = Field(default_factory=lambda: TracingConfig())
+    probe_port: int | None = Field(
+        None, ge=0, le=65535, description="plaintext HTTP port answering only /healthz and /readyz, for probes that "
+        "cannot speak (mutual) TLS; off when unset")
+
+    @model_validator(mode="after")
+    def _admin_token_alias(self) -> ServerConfig:
+        """``admin_token_file`` is read; else ``HPS_ADMIN_TOKEN`` sets the admin token when the config and
+        ``HPS_SERVER__ADMIN_TOKEN`` do not."""
+        load_secret_files(self, "server", "admin_token")
+        alias = os.environ.get("HPS_ADMIN_TOKEN")
+        if self.admin_token is None and alias:
+            self.admin_token = SecretStr(alias)
+        return self
+
+    @model_validator(mode="after")
+    def _auth(self) -> ServerConfig:
+        check_auth(self)
+        return self
+
+    @model_validator(mode="after")
+    def _local_needs_workers(self) -> ServerConfig:
+        """Colocated reads map the node's shared store, which only a server with worker processes keeps."""
+        if self.local.enabled and self.workers == 0:
+            raise ValueError("server.local needs the shared store of a node: server.workers >= 1 (or unset)")
+        return self
+
+    def worker_processes(self) -> int:
+        """gRPC worker processes: ``workers``, or the CPUs this process may use."""
+        if self.workers is not None:
+            return self.workers
+        return usable_cpus()
+
+    def grpc_threads(self) -> int:
+        """gRPC handler threads per serving process: ``grpc_workers``, or 2 per worker process (each has its own
+        GIL), or the CPUs when the owner serves gRPC itself (at least 2)."""
+        if self.grpc_workers is not None:
+            return self.grpc_workers
+        if self.worker_processes() > 0:
+            return 2
+        return max(2, usable_cpus())
+
+    def local_socket(self) -> Path | None:
+        """The Unix domain socket the owner serves gRPC on: ``uds_path``, else ``<local.path>/grpc.sock`` when
+        colocated reads are enabled, else none."""
+        if self.uds_path is not None:
+            return self.uds_path
+        return self.local.path / "grpc.sock" if self.local.enabled else None
+
+
+class CacheConfig(_Section):
+    """L1 embedding cache (device memory on a GPU, host memory on NumPy)."""
+
+    enabled: bool = Field(True, description="keep an L1 cache per table (false: lookups start at L2)")
+    backend: Literal["auto", "numpy", "cupy"] = Field(
+        "auto", description="auto: the GPU when a CUDA device is usable, else host memory (logged); numpy: host "
+        "memory; cupy: the GPU, or fail at start")
+    capacity: int | float = Field(0.2, description="float in (0, 1]: fraction of each table's rows; int: rows")
+    min_rows: int = Field(8192, ge=0, description="a fractional capacity never gives fewer rows than this (so that a "
+                          "table fed only by updates gets a cache)")
+    ways: int = Field(32, ge=1, le=1024, description="slots per set of the set-associative cache")
+    policy: Literal["lru", "lfu"] = Field("lru", description="which slot of a full set is evicted")
+    hit_rate_threshold: float = Field(
+        0.9, ge=0.0, le=1.0, description="a batch with at least this hit rate inserts its misses off the request path")
+    admit_after_misses: int = Field(
+        2, ge=1, le=15,
+        description="once the cache is full, a key enters it after missing this many times lately (a count-min "
+        "sketch of misses, halved every `capacity` misses; 1: every miss)")
+    refresh_interval_s: float = Field(0.0, ge=0.0, description="re-read cached rows from below this often (0: off)")
+    refresh_fraction: float = Field(0.1, gt=0.0, le=1.0, description="share of the cache re-read per refresh")
+    warm_start: bool = Field(True, description="fill L1 at start from the hot-key snapshot, else RocksDB's first rows")
+
+    @field_validator("capacity")
+    @classmethod
+    def _capacity_range(cls, v: float) -> int | float:
+        if isinstance(v, bool):
+            raise ValueError("must be a fraction in (0, 1] or a row count")
+        if isinstance(v, float) and not (0.0 < v <= 1.0):
+            raise ValueError("a fractional capacity must be in (0, 1]; give an integer for a row count")
+        if isinstance(v, int) and v < 0:
+            raise ValueError("a row count must be >= 0")
+        return v
+
+
+class VolatileConfig(_Section):
+    """L2: an in-process bounded hash map, a Redis Cluster shared by all pods, or nothing."""
+
+    type: Literal["hashmap", "redis_cluster", "disabled"] = Field("hashmap", description="which L2, if any")
+    capacity_rows: int = Field(10_000_000, ge=1, description="hashmap: rows per table (address space reserved, "
+                               "memory used as rows arrive; a table that fits is filled from RocksDB at load)")
+    overflow_policy: Literal["lru", "lfu"] = Field("lru", description="hashmap: which rows a full table evicts")
+    overflow_evict_fraction: float = Field(0.1, gt=0.0, le=0.5, description="hashmap: share evicted at once")
+    nodes: list[str] = Field(default_factory=list, description="redis_cluster: host:port seeds")
+    partitions: int = Field(64, ge=1, le=16384, description="redis_cluster: hashes per table")
+    password: SecretStr | None = Field(None, description="redis_cluster: AUTH password (prefer password_file)")
+    password_file: Path | None = Field(None, description="redis_cluster: a file holding the password")
+    username: str | None = Field(None, description="redis_cluster: ACL user (Redis 6+) for AUTH with password")
+    tls: bool = Field(False, description="redis_cluster: connect with TLS")
+    ca_file: Path | None = Field(None, description="redis_cluster: PEM CA bundle that verifies the nodes (TLS)")
+    socket_timeout_s: float = Field(0.5, gt=0, description="redis_cluster: per-command socket timeout")
+    node_retry_after_s: float = Field(1.0, ge=0, description="redis_cluster: skip a failed node this long")
+
+    @model_validator(mode="after")
+    def _nodes_for_redis(self) -> VolatileConfig:
+        load_secret_files(self, "volatile", "password")
+        if self.type == "redis_cluster":
+            if not self.nodes:
+                raise ValueError("volatile.type redis_cluster needs at least one entry in volatile.nodes")
+            for node in self.nodes:
+                host, _, port = node.rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError(f"volatile.nodes entry {node!r} is not host:port")
+        return self
+
+
+class PersistentConfig(_Section):
+    """L3: RocksDB, one column family per model.table."""
+
+    type: Literal["rocksdb", "disabled"] = Field("rocksdb", description="disabled is refused with Kafka updates")
+    path: Path = Field(Path("./var/rocksdb"), description="the RocksDB directory (one writer process)")
+    read_only: bool = Field(False, description="open RocksDB read-only: no imports, updates or admin writes")
+    block_cache_mb: int = Field(256, ge=0, description="RocksDB block cache, divided among the worker processes")
+    sync_writes: bool = Field(True, description="fsync the WAL on every update batch before its offset is committed")
+    max_total_wal_mb: int = Field(
+        256, ge=1, description="RocksDB flushes the column families that keep the oldest write-ahead log once the "
+        "logs total more: the stored positions are written with every batch and never fill a memtable, so without "
+        "this bound every log since their last flush is kept (a soak at 10k rows/s held 2.3 GB of logs for 3 MB of "
+        "rows, which a restart replays and each worker's secondary instance holds as memtables)")
+    write_buffer_mb: float = Field(
+        64.0, ge=0.0625, le=65536, description="a table's rows are flushed from memory (its memtable) to a file once "
+        "they take this much; every flush also sets what a worker's RocksDB secondary instance must replay")
+    change_ring_keys: int = Field(
+        65536, ge=16, le=1 << 24, description="keys of the latest RocksDB writes a node keeps per table for its "
+        "workers (8 bytes each): a worker whose secondary instance fell further behind catches up before any read")
+    snapshot_store: str | None = Field(
+        None, description="s3://BUCKET/PREFIX where snapshots are uploaded and an empty store bootstraps from "
+        "(endpoint and credentials from the standard AWS environment, AWS_ENDPOINT_URL included)")
+    snapshot_interval_s: float = Field(0.0, ge=0.0, description="take and upload a snapshot this often (0 = off)")
+    snapshot_retain: int = Field(3, ge=1, description="newest snapshots kept in the store per model")
+    snapshot_upload_bytes_per_s: int = Field(
+        0, ge=0, description="bandwidth cap of a snapshot upload, so it leaves room for serving (0 = unlimited)")
+    s3_access_key_id: SecretStr | None = Field(None, description="snapshot store credentials; default: the AWS "
+                                               "environment (AWS_ACCESS_KEY_ID, IRSA, ...)")
+    s3_access_key_id_file: Path | None = Field(None, description="a file holding s3_access_key_id")
+    s3_secret_access_key: SecretStr | None = Field(None, description="goes with s3_access_key_id")
+    s3_secret_access_key_file: Path | None = Field(None, description="a file holding s3_secret_access_key")
+
+    @model_validator(mode="after")
+    def _s3_secret_files(self) -> PersistentConfig:
+        load_secret_files(self, "persistent", "s3_access_key_id", "s3_secret_access_key")
+        if (self.s3_access_key_id is None) != (self.s3_secret_access_key is None):
+            raise ValueError("persistent.s3_access_key_id and s3_secret_access_key go together")
+        return self
+
+    @field_validator("snapshot_store")
+    @classmethod
+    def _s3_url(cls, v: str | None) -> str | None:
+        if v is None or v == "":
+            return None
+        if not re.match(r"^s3://[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9](/.*)?$", v):
+            raise ValueError(f"must be s3://BUCKET[/PREFIX] with a valid bucket name, got {v!r}")
+        return v
+
+
+class UpdatesConfig(_Section):
+    """Online updates from Kafka."""
+
+    type: Literal["kafka", "disabled"] = Field("disabled", description="kafka: follow topic <topic_prefix>.<model>")
+    brokers: str = Field("127.0.0.1:9092", description="Kafka bootstrap servers, comma-separated host:port")
+    topic_prefix: str = Field("hps", description="update topics are <topic_prefix>.<model>")
+    group: str | None = Field(None, description="consumer group (lag monitoring); default <topic_prefix>.<hostname>")
+    stall_after_s: float = Field(
+        30.0, gt=0, description="messages waiting and none applied for this long: the stream is stalled (WARNING "
+        "log, hps_update_stalled, /readyz 503)"
+    )
+    max_lag_s: float = Field(
+        60.0, ge=0.0, description="a ready replica whose oldest unapplied update is older than this leaves the "
+        "Service (NOT_SERVING, /readyz 503) until it catches up; 0 = never")
+    offset_gap_recheck_s: float = Field(
+        0.5, ge=0.0, description="a partition whose next message is past the offset expected is read again until "
+        "the gap closes or stays this long (a broker may acknowledge a record before a fetch can see it; tansu does); "
+        "0 = no check")
+    replication_factor: int = Field(
+        3, ge=1, le=32, description="copies of each partition of the update, dead-letter and registration topics "
+        "the server creates (capped at the brokers the cluster has, with a WARNING)")
+    min_insync_replicas: int = Field(
+        2, ge=1, le=32, description="min.insync.replicas of the topics the server creates (capped at "
+        "replication_factor - 1): with acks=all, an acknowledged update is on this many brokers")
+    log_check_interval_s: float = Field(
+        5.0, gt=0, description="how often the consumer asks the broker where each log starts and which topic it "
+        "is: a position below the start, or a topic deleted and created again, means updates were lost")
+    kafka_config: dict[str, str | int | float | bool] = Field(
+        default_factory=dict,
+        description="extra librdkafka settings for every client, e.g. security.protocol, sasl.*, ssl.*",
+    )
+    sasl_username: str | None = Field(None, description="SASL user (sasl.username), e.g. from a Secret's env var")
+    sasl_password: SecretStr | None = Field(
+        None, description="SASL password (sasl.password): HPS_UPDATES__SASL_PASSWORD from a Secret, not the file")
+    sasl_password_file: Path | None = Field(None, description="a file holding the SASL password")
+    admin_key: SecretStr | None = Field(
+        None, description="HMAC key of the admin-only messages (tombstone purges on the update topics, model "
+        "registrations on the registration log): they are signed with it, and applied only with a good signature; "
+        "unset, such messages are refused, and a registration is made on the replica asked only")
+    admin_key_file: Path | None = Field(None, description="a file holding updates.admin_key")
+
+    @model_validator(mode="after")
+    def _sasl_into_client_config(self) -> UpdatesConfig:
+        """SASL credentials given as their own keys (environment variables or files from a Secret) reach every
+        client."""
+        load_secret_files(self, "updates", "sasl_password", "admin_key")
+        if self.admin_key is not None and len(self.admin_key.get_secret_value()) < 16:
+            raise ValueError("updates.admin_key needs at least 16 characters (an HMAC key)")
+        if self.sasl_username is not None:
+            self.kafka_config["sasl.username"] = self.sasl_username
+        if self.sasl_password is not None:
+            self.kafka_config["sasl.password"] = self.sasl_password.get_secret_value()
+        return self
+
+
+#: Partitions of every update topic (cluster.partitions): its divisors are the shard counts a fleet can grow to
+#: without a new topic (1, 2, 3, 4, 6, 8, 12, 24).
+DEFAULT_PARTITIONS = 24
+
+
+class ClusterConfig(_Section):
+    """Sharding: this process serves shard ``shard`` of ``shards``; a key lives on shard ``partition(key) % shards``,
+    where partition is Kafka's murmur2 partitioner over ``partitions`` (see protos/hps/v1/update.proto)."""
+
+    shards: int = Field(1, ge=1, le=4096, description="S: shards the keys are split over (1: every process serves all)")
+    shard: int = Field(0, ge=0, description="the shard this process serves, in [0, shards)")
+    partitions: int = Field(
+        DEFAULT_PARTITIONS, ge=1, le=100_000,
+        description="P: partitions of every update topic (created so, checked where they exist); a multiple of shards",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterConfig:
+        if self.partitions % self.shards:
+            raise ValueError(f"cluster.partitions ({self.partitions}) must be a multiple of cluster.shards "
+                             f"({self.shards}), so that every shard owns whole partitions")
+        if self.shard >= self.shards:
+            raise ValueError(f"cluster.shard ({self.shard}) must be below cluster.shards ({self.shards})")
+        return self
+
+
+class ConstantDefault(_Section):
+    """Every missing key of the table answers a row of this one value."""
+
+    constant: float = Field(description="the value of every element")
+
+
+DefaultSpec = Literal["zeros", "hashed_random"] | ConstantDefault
+
+
+class TableConfig(_Section):
+    """One embedding table of a model."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the table's name in lookups")
+    dim: int = Field(ge=1, le=16384, description="floats per row")
+    default: DefaultSpec = Field("zeros", description="the row of a key no tier holds: zeros, {constant: X} or "
+                                 "hashed_random (a deterministic per-key random row)")
+
+
+class ModelConfig(_Section):
+    """One served model: a name and its embedding tables."""
+
+    name: str = Field(pattern=NAME_PATTERN, description="the model's name in lookups and its update topic")
+    tables: list[TableConfig] = Field(min_length=1, description="its embedding tables")
+
+    @field_validator("tables")
+    @classmethod
+    def _unique_tables(cls, tables: list[TableConfig]) -> list[TableConfig]:
+        names = [t.name for t in tables]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate table name(s): {', '.join(dupes)}")
+        return tables
+
+    def table(self, name: str) -> TableConfig | None:
+        return next((t for t in self.tables if t.name == name), None)
+
+
+class HPSConfig(BaseSettings):
+    """The whole configuration of one hps-service process."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="HPS_", env_nested_delimiter="__", extra="forbid", case_sensitive=False
+    )
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    volatile: VolatileConfig = Field(default_factory=VolatileConfig)
+    persistent: PersistentConfig = Field(default_factory=PersistentConfig)
+    updates: UpdatesConfig = Field(default_factory=UpdatesConfig)
+    models: list[ModelConfig] = Field(default_factory=list)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Earlier sources win: the environment overrides the file (passed as init kwargs).
+        return (env_settings, init_settings)
+
+    @field_validator("models")
+    @classmethod
+    def _unique_models(cls, models: list[ModelConfig]) -> list[ModelConfig]:
+        names = [m.name for m in models]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"duplicate model name(s): {', '.join(dupes)}")
+        return models
+
+    @model_validator(mode="after")
+    def _updates_need_a_durable_store(self) -> HPSConfig:
+        """Kafka updates commit their offsets once applied; with no persistent tier that would acknowledge updates
+        held in memory only, which a restart loses while the committed offsets skip them. Refused."""
+        if self.updates.type == "kafka" and self.persistent.type == "disabled":
+            raise ValueError(
+                "updates.type kafka needs persistent.type rocksdb: with persistent.type disabled, offsets would be "
+                "committed for updates held in memory only, and a restart would lose them")
+        return self
+
+    def model(self, name: str) -> ModelConfig | None:
+        return next((m for m in self.models if m.name == name), None)
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the key and the reason."""
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"config key '{key}': {msg}")
+    return f"invalid configuration ({source}): " + "; ".join(lines)
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> HPSConfig:
+    """Load the YAML file at ``path`` (if any), apply ``HPS_*`` environment overrides, validate.
+
+    Raises ConfigError with a one-line message naming each bad key.
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} does not exist")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {p} is not valid YAML: {exc}".replace("\n", " ")) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(loaded).__name__}")
+        data = loaded
+    data.update(overrides)
+    try:
+        return HPSConfig(**data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(exc, source)) from None
+
+
+def valid_name(name: str) -> bool:
+    """Model and table names: letters, digits, '_' and '-', at most 64 characters."""
+    return bool(NAME_RE.match(name))

@@ -1,0 +1,230 @@
+"""The owner's side of the shared store: creates a generation, places the arrays, publishes the manifest.
+
+The manifest (``manifest.json``, replaced whole by a rename, then announced by bumping the header's manifest
+generation) says what readers attach to:
+
+* ``models``: the served models (their configs), ``served``: model -> table -> table serial;
+* ``tables``: per serial, the model and table names, dim, default, the table's ``control`` array (published change
+  generations and the RocksDB change ring position), its ``changes`` ring, its ``counters`` and its ``l1`` arrays;
+* ``volatile``: per hash-map table, where its arrays are (the index file changes as it grows:
+  ``<prefix>/index.<ctrl[CTRL_INDEX_GEN]>``);
+* ``requests`` (request counters), ``queues`` (one ring per worker), ``uds`` (where misses may be sent).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hps_service.node.store import layout
+from hps_service.shm.changes import RING_KEYS, ChangeRing
+from hps_service.shm.counters import REQ_FIELDS, TABLE_FIELDS, THREAD_ROWS
+from hps_service.shm.permissions import PRIVATE, StoreAccess
+from hps_service.shm.queue import CTRL_LEN as QUEUE_CTRL_LEN
+from hps_service.shm.queue import Ring
+from hps_service.shm.region import NamedAllocator, Region, array_spec
+
+#: Indices into a table's control array (int64, one per cache line): the L1's change generation and the table's
+#: write generation (``engine.write_guard``) as last published, and the position of its RocksDB change ring (its
+#: reservation at ``T_CHANGES + 1``, see :mod:`hps_service.shm.changes`).
+T_L1_GEN, T_WRITE_GEN, T_CHANGES = 0, 8, 16
+TABLE_CTRL_LEN = 24
+#: Bytes of each worker's queue to the owner.
+QUEUE_BYTES = 8 << 20
+#: Worker status fields (int64, one 64-byte row per worker): its pid, its state, how often it was started; as the
+#: worker last reported them: its RocksDB secondary's memtable and block-cache bytes, the admission records it
+#: dropped because its queue to the owner was full, and the manifest generation it serves (models and tables).
+W_PID, W_STATE, W_STARTS, W_MEMTABLE_BYTES, W_BLOCK_CACHE_BYTES, W_ADMISSIONS_DROPPED = 0, 1, 2, 3, 4, 5
+W_MANIFEST = 6
+W_FIELDS = 8
+#: Worker states.
+W_NONE, W_STARTING, W_READY, W_FAILED, W_STOPPED = 0, 1, 2, 3, 4
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return pid > 0
+
+
+@dataclass
+class TableSlot:
+    """What the owner keeps of one served table's shared state."""
+
+    serial: int
+    control: np.ndarray
+    changes: ChangeRing
+    counters: np.ndarray
+    entry: dict[str, Any]
+
+
+class NodeStore:
+    """One generation of the store, created and written by the owner."""
+
+    def __init__(self, root: Path, *, private: bool, processes: int, workers: int,
+                 queue_bytes: int = QUEUE_BYTES, ring_keys: int = RING_KEYS, access: StoreAccess = PRIVATE) -> None:
+        """``processes``: rows of the counter arrays (the owner is 0, worker ``i`` is ``i + 1``); ``ring_keys``: slots
+        of each table's change ring; ``access``: who may read the store beside the server's user (a private store is
+        the server's alone)."""
+        self.ring_keys = ring_keys
+        self.private = private
+        self.access = access = PRIVATE if private else access
+        root = Path(root)
+        if private:
+            layout.remove_dead_private_roots(root)
+            root = root / f"{layout.PRIVATE_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+            root.mkdir(mode=access.dir_mode)
+        access.make_dirs(root)
+        access.apply(root, access.dir_mode)
+        self.root = root
+        self.generation = layout.new_generation_id()
+        self.path, self._lock_fd = layout.make_generation(root, self.generation, access)
+        self.region = Region(self.path, writable=True, access=access)
+        self.header = self.region.create(layout.HEADER, (layout.HEADER_LEN,), np.int64)
+        self.header[layout.H_MAGIC] = layout.MAGIC
+        self.header[layout.H_LAYOUT] = layout.LAYOUT_VERSION
+        self.header[layout.H_GENERATION] = self.generation
+        self.header[layout.H_OWNER_PID] = os.getpid()
+        self.processes = processes
+        self.requests = self.region.create("counters/requests", (processes, THREAD_ROWS, REQ_FIELDS), np.float64)
+        self.workers = self.region.create("counters/workers", (max(1, workers), W_FIELDS), np.int64)
+        self.queues: list[Ring] = []
+        self._queue_specs: list[dict[str, Any]] = []
+        for w in range(workers):
+            ctrl = self.region.create(f"queues/{w}/ctrl", (QUEUE_CTRL_LEN,), np.int64)
+            data = self.region.create(f"queues/{w}/data", (queue_bytes,), np.uint8)
+            self.queues.append(Ring(ctrl, data))
+            self._queue_specs.append({"ctrl": array_spec(f"queues/{w}/ctrl", ctrl),
+                                      "data": array_spec(f"queues/{w}/data", data)})
+        self._tables: dict[int, TableSlot] = {}
+        self._next_serial = 1
+        self._lock = threading.Lock()
+        self._volatile: dict[str, dict[str, Any]] = {}
+        self._volatile_lfu = False
+        self.extra: dict[str, Any] = {}
+        self._closed = False
+
+    # ---- placement ----------------------------------------------------------------------------
+    def volatile_allocator(self, lfu: bool) -> tuple[NamedAllocator, Any]:
+        """(alloc, release) for the hash-map tier: its tables' arrays become files under ``volatile/``."""
+        self._volatile_lfu = lfu
+
+        def alloc(name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+            table, _, part = name.rpartition("/")
+            arr = self.region.create(f"volatile/{name}", shape, dtype)
+            if part == "rows":
+                with self._lock:
+                    self._volatile[table] = {"prefix": f"volatile/{table}", "capacity": int(shape[0]),
+                                             "dim": int(shape[1])}
+            return arr
+
+        def release(name: str) -> None:
+            table, _, part = name.rpartition("/")
+            if part == "ctrl":
+                with self._lock:
+                    self._volatile.pop(table, None)
+            self.region.remove(f"volatile/{name}")
+
+        return alloc, release
+
+    def l1_allocator(self, serial: int, record: dict[str, dict[str, Any]]) -> NamedAllocator:
+        """An allocator for the L1 arrays of table ``serial`` (each allocation noted in ``record``)."""
+        return self.region.allocator(f"l1/{serial}", record)
+
+    def new_table(self, model: str, table: str, dim: int, default: Any) -> TableSlot:
+        """Shared state of a newly served table (a replaced model's tables get new serials)."""
+        with self._lock:
+            serial = self._next_serial
+            self._next_serial += 1
+        base = f"tables/{serial}"
+        control = self.region.create(f"{base}/control", (TABLE_CTRL_LEN,), np.int64)
+        ring = self.region.create(f"{base}/changes", (self.ring_keys,), np.int64)
+        counters = self.region.create(f"{base}/counters", (self.processes, THREAD_ROWS, TABLE_FIELDS), np.float64)
+        entry = {"model": model, "table": table, "dim": int(dim), "default": default, "l1": None,
+                 "control": array_spec(f"{base}/control", control), "changes": array_spec(f"{base}/changes", ring),
+                 "counters": array_spec(f"{base}/counters", counters)}
+        slot = TableSlot(serial, control, ChangeRing(ring, control, T_CHANGES), counters, entry)
+        with self._lock:
+            self._tables[serial] = slot
+        return slot
+
+    def drop_table(self, serial: int) -> None:
+        """Forget a table that is no longer served (after a manifest without it was published)."""
+        with self._lock:
+            slot = self._tables.pop(serial, None)
+        if slot is not None:
+            self.region.remove_tree(f"tables/{serial}")
+            self.region.remove_tree(f"l1/{serial}")
+
+    # ---- publication --------------------------------------------------------------------------
+    def publish(self, models: list[dict[str, Any]], served: dict[str, dict[str, int]]) -> None:
+        """Write the manifest for ``models`` (configs as dicts) and ``served`` (model -> table -> serial) and
+        announce it: readers reload when they next look."""
+        with self._lock:
+            manifest = {
+                "layout": layout.LAYOUT_VERSION, "generation": self.generation, "owner_pid": os.getpid(),
+                "models": models, "served": served,
+                "tables": {str(s): slot.entry for s, slot in self._tables.items()},
+                "volatile": {"lfu": self._volatile_lfu, "tables": dict(self._volatile)},
+                "requests": array_spec("counters/requests", self.requests), "queues": self._queue_specs,
+                "workers": array_spec("counters/workers", self.workers),
+                "processes": self.processes, **self.extra,
+            }
+            self.write_json(layout.MANIFEST, manifest)
+            self.header[layout.H_MANIFEST] += 1
+        if int(self.header[layout.H_MANIFEST]) == 1:
+            layout.point_current(self.root, self.path)
+            if not self.private:
+                layout.remove_dead_generations(self.root, keep=self.path)
+
+    def write_json(self, name: str, data: Any) -> None:
+        """Replace the small JSON file ``name`` of this generation whole (readers see the old or the new one)."""
+        tmp = self.path / f".{name}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, self.access.file_mode)
+        with os.fdopen(fd, "w") as f:
+            self.access.apply_fd(f.fileno(), tmp)
+            json.dump(data, f)
+        os.replace(tmp, self.path / name)
+
+    def workers_behind(self, count: int) -> list[int]:
+        """The ready workers (of the first ``count``) that do not serve the manifest published last yet."""
+        published = int(self.header[layout.H_MANIFEST])
+        rows = self.workers[:count]
+        return [i for i in range(count) if rows[i, W_STATE] == W_READY and rows[i, W_MANIFEST] < published
+                and _alive(int(rows[i, W_PID]))]
+
+    def table_slots(self) -> dict[int, TableSlot]:
+        with self._lock:
+            return dict(self._tables)
+
+    def set_state(self, state: int) -> None:
+        self.header[layout.H_STATE] = state
+
+    @property
+    def state(self) -> int:
+        return int(self.header[layout.H_STATE])
+
+    def close(self) -> None:
+        """Mark the generation closed (readers fall back or wait for the next), release the owner lock and remove
+        it (a private store entirely; a colocated one keeps ``current`` until the next owner replaces it)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.set_state(layout.CLOSED)
+        os.close(self._lock_fd)
+        if self.private:
+            shutil.rmtree(self.root, ignore_errors=True)
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,539 @@
+"""The hps-service process: builds tiers and the engine from config, serves gRPC and the REST admin API, drains on
+SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health, health_pb2
+
+from hps_client.channel import ACCEPTING_SERVICE
+from hps_service.admin.checkpoints import SnapshotStore
+from hps_service.admin.jobs import JobRunner
+from hps_service.cache import FetchBelow, TableCache, build_table_cache
+from hps_service.cache.table_cache import WarmKeys
+from hps_service.config import HPSConfig
+from hps_service.engine import CacheFactory, LookupEngine, ServedTable
+from hps_service.errors import UnavailableError
+from hps_service.fleet.admin_writes import LogWriter
+from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
+from hps_service.fleet.bucket import SnapshotBucket
+from hps_service.fleet.registrations import load_registrations, sync_registrations
+from hps_service.fleet.services import FleetServices
+from hps_service.fleet.sharding import ShardMap
+from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
+from hps_service.jit.warmup import warm_all
+from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.runtime.heap import HeapTrimmer
+from hps_service.server.call_tracing import admin_app
+from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
+    ServingGrpc,
+    build_grpc_server,
+    message_limits,
+)
+from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate
+from hps_service.server.http_listener import HttpListener
+from hps_service.server.metrics import ServerMetrics
+from hps_service.server.probes import ProbeServer
+from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_starting_app
+from hps_service.server.tls import grpc_server_credentials
+from hps_service.shm.permissions import local_access
+from hps_service.tiers.base import Tier
+from hps_service.tiers.factory import build_persistent, build_volatile
+from hps_service.updates import UpdateConsumer
+from hps_service.updates.message import topic_name
+from hps_service.updates.readiness import update_consumer_not_ready
+
+if TYPE_CHECKING:
+    from hps_service.node.owner import NodeOwner
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(config: HPSConfig) -> LookupEngine:
+    """Open the configured tiers and load every configured model into a LookupEngine."""
+    volatile = build_volatile(config.volatile)
+    try:
+        persistent = build_persistent(config.persistent)
+    except Exception:
+        if volatile is not None:
+            volatile.close()
+        raise
+    engine = LookupEngine(
+        volatile=volatile,
+        persistent=persistent,
+        cache_factory=l1_cache_factory(config, volatile, persistent),
+        max_batch_keys=config.server.max_batch_keys,
+    )
+    for model in config.models:
+        engine.register_model(model)
+    configured = {m.name for m in config.models}
+    for model in load_registrations(persistent):
+        if model.name in configured:
+            log.warning("model %s is defined by the config; its stored runtime registration is ignored", model.name)
+            continue
+        log.info("model %s: registered at runtime before the restart", model.name)
+        engine.register_model(model)
+    return engine
+
+
+def l1_cache_factory(config: HPSConfig, volatile: Tier | None, persistent: Tier | None) -> CacheFactory | None:
+    """Builds each table's L1 cache, sized from the rows the lower tiers hold when the table is loaded."""
+    if not config.cache.enabled:
+        return None
+    snapshot_dir = Path(f"{config.persistent.path}.l1") if persistent is not None else None
+
+    def factory(t: ServedTable, fetch_below: FetchBelow, warm_keys: WarmKeys | None) -> TableCache | None:
+        rows = max((tier.count(t.id) for tier in (volatile, persistent) if tier is not None), default=0)
+        if isinstance(config.cache.capacity, float):
+            rows = max(rows, int(np.ceil(config.cache.min_rows / config.cache.capacity)))
+        snapshot = snapshot_dir / f"{t.id}.hot.npy" if snapshot_dir is not None else None
+        return build_table_cache(config.cache, t.dim, rows, fetch_below, warm_keys, snapshot)
+
+    return factory
+
+
+def snapshots_root(config: HPSConfig) -> Path:
+    """Where RocksDB checkpoints go: server.snapshots_path, else a ``snapshots`` directory beside the DB."""
+    if config.server.snapshots_path is not None:
+        return Path(config.server.snapshots_path)
+    return Path(config.persistent.path).parent / "snapshots"
+
+
+class HPSServer:
+    """One server process: the lookup engine behind gRPC (health checking, reflection) and the REST admin API."""
+
+    def __init__(self, config: HPSConfig, engine: LookupEngine | None = None) -> None:
+        self.config = config
+        self.engine = engine
+        self.shard_map = ShardMap.from_config(config.cluster)
+        self.gate = ServingGate()
+        self.health = health.HealthServicer()
+        self._grpc: ServingGrpc | None = None
+        self.grpc_port: int | None = None
+        self.http_port: int | None = None
+        self.metrics: ServerMetrics | None = None
+        self.jobs = JobRunner()
+        #: Readiness checks added by other parts (the update consumer): each returns None or what is not ready.
+        self.readiness: list[ReadinessCheck] = []
+        #: Extra /v1/stats sections, e.g. ``{"updates": consumer.stats}``.
+        self.stats_sections: dict[str, Callable[[], dict]] = {}
+        self._http: HttpListener | None = None
+        self._served_models: set[str] = set()
+        self._health_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self.consumer: UpdateConsumer | None = None
+        self._consumer_lock = threading.Lock()
+        self.bootstrap = BootstrapProgress()
+        self.snapshotter: Snapshotter | None = None
+        self.remote_snapshots: RemoteSnapshots | None = None
+        self.fleet: FleetServices | None = None
+        self.log_writer: LogWriter | None = None
+        self._app = SwitchableApp(create_starting_app(self.readiness_report))
+        self._probes: ProbeServer | None = None
+        self._health_stop = threading.Event()
+        self._health_thread: threading.Thread | None = None
+        self.node: NodeOwner | None = None
+        self.heap_trimmer = HeapTrimmer(config.server.heap_trim_interval_s)
+        self.stats_sections["heap"] = self._heap_stats
+
+    def _heap_stats(self) -> dict[str, Any]:
+        """/v1/stats "heap": what trimming the C heap gave back in this process (the owner)."""
+        return {"trim_supported": self.heap_trimmer.supported, "trim_interval_s": self.heap_trimmer.interval_s,
+                **asdict(self.heap_trimmer.stats)}
+
+    def start(self) -> None:
+        """Bootstrap an empty store from the snapshot store, open tiers, load models, bind the gRPC port, compile the
+        kernels; lookups are accepted once this returns, and health says SERVING once the updates are caught up.
+
+        With ``server.workers`` > 0 (the default: one per usable CPU) this process is the node's owner: the gRPC
+        port is served by that many worker processes over the shared store (:mod:`hps_service.node`), and this
+        one serves only the Unix domain socket (``server.uds_path``), REST and the update consumer. A server
+        given an engine (tests, embedding) serves gRPC itself."""
+        cfg = self.config.server
+        self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        # TLS material is read before any tier opens, so a bad path fails fast and leaves nothing open.
+        credentials = grpc_server_credentials(cfg.tls) if cfg.tls is not None else None
+        # liveness and readiness (with bootstrap progress) answer from here on
+        self._http = HttpListener(self._app, cfg.host, cfg.http_port, "REST port", cfg.tls)
+        self.http_port = self._http.port
+        try:
+            if cfg.probe_port is not None:
+                self._probes = ProbeServer(cfg.host, cfg.probe_port, self._app)
+            if self.engine is None:
+                self._bootstrap()
+                if cfg.worker_processes() > 0:
+                    self._start_node()
+                else:
+                    self.engine = build_engine(self.config)
+            self._start_grpc(credentials)
+            self._make_snapshotter()
+            self.fleet = FleetServices(self.config, self.engine, self.models_changed, self._group())
+            self.readiness.append(self.fleet.not_ready)
+            self.stats_sections["registry"] = self.fleet.stats
+            self._start_updates()  # first: an admin write answered before the log writer exists would bypass the log
+            self._app.target = admin_app(self._admin_context())
+            self.fleet.start()
+            if self.snapshotter is not None:
+                self.snapshotter.start(self.config.persistent.snapshot_interval_s)
+        except Exception:
+            self._stop_listeners()
+            if self._grpc is not None:
+                self._grpc.server.stop(0)
+            if self.node is not None:
+                self.node.stop_workers(0)
+                if self.engine is not None:
+                    self.engine.close()
+                self.node.close()
+            raise
+        # Ready means warm: nothing compiles on a request once health says SERVING (see hps_service.jit.warmup).
+        self.gate.close("compiling the lookup and update kernels")
+        warm_all()
+        self.gate.open()
+        self.update_health()
+        self._health_thread = threading.Thread(target=self._health_loop, name="hps-health", daemon=True)
+        self._health_thread.start()
+        engine = self.engine
+        self.heap_trimmer.watch(lambda: engine.memory_bytes()["memtables"])
+        self.heap_trimmer.start()
+        if self.node is not None:
+            self.node.publish_cluster_info(self.cluster_info)
+        scheme = "TLS" if cfg.tls is not None else "plaintext"
+        where = f"{len(self.node.supervisor.pids())} worker processes" if self.node is not None else "this process"
+        log.info("gRPC listening on %s:%d (%s), REST admin on %s:%d (%s)", cfg.host, self.grpc_port, where, cfg.host,
+                 self.http_port, scheme)
+        self._log_degraded()
+
+    def _start_grpc(self, credentials: grpc.ServerCredentials | None) -> None:
+        """The gRPC server of this process: on the gRPC port (a node's workers serve it instead) and on the Unix
+        domain socket when one is configured."""
+        assert self.engine is not None
+        cfg = self.config.server
+        if self.metrics is None:
+            self.metrics = ServerMetrics(self.engine)
+        servicer = EmbeddingServicer(self.engine, cfg, self.gate, self.metrics, self.shard_map, self.cluster_info)
+        serving = build_grpc_server(self.config, servicer, self.health)
+        server = serving.server
+        port = self.grpc_port
+        if self.node is None:
+            address = f"{cfg.host}:{cfg.grpc_port}"
+            port = server.add_secure_port(address, credentials) if credentials is not None else \
+                server.add_insecure_port(address)
+            if port == 0:
+                raise UnavailableError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
+        uds = cfg.local_socket()
+        if uds is not None:
+            self._bind_uds(server, uds)
+        server.start()
+        if uds is not None:  # the colocated readers' group may connect, as it may map the store
+            access = local_access(cfg.local)
+            access.apply(uds, access.socket_mode)
+        self._grpc = serving
+        self.grpc_port = port
+
+    def _start_node(self) -> None:
+        """Create the shared store, load the tables into it and start the gRPC worker processes on the port."""
+        from hps_service.node.owner import NodeCollector, NodeOwner
+        from hps_service.shm.counters import RequestCounters
+
+        node = NodeOwner(self.config, logging.getLogger().getEffectiveLevel())
+        self.node = node
+        self.gate = node.gate
+        try:
+            self.engine = node.build_engine()
+            self.metrics = ServerMetrics(self.engine, RequestCounters(node.store.requests, 0))
+            self.metrics.registry.register(NodeCollector(node))
+            self.stats_sections["node"] = node.stats
+            self.grpc_port = node.reserve_port()
+            node.start_workers(self.grpc_port)
+        except BaseException:
+            node.stop_workers(0)
+            if self.engine is not None:
+                self.engine.close()
+            node.close()
+            self.node = self.engine = None  # cleaned up: start()'s handler must not close them again
+            raise
+
+    @staticmethod
+    def _bind_uds(server: grpc.Server, path: Path) -> None:
+        """Serve gRPC on a Unix domain socket too (colocated clients' misses), readable by the server's group."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if path.is_socket():
+            path.unlink()
+        if server.add_insecure_port(f"unix:{path}") == 0:
+            raise UnavailableError(f"cannot bind gRPC to the Unix domain socket {path}")
+
+    def _bootstrap(self) -> None:
+        """An empty RocksDB with a snapshot store configured restores each model's newest complete snapshot."""
+        pcfg = self.config.persistent
+        if pcfg.type != "rocksdb" or pcfg.snapshot_store is None or pcfg.read_only:
+            return
+        bucket = SnapshotBucket.from_config(pcfg)
+        bootstrap(Path(pcfg.path), bucket, [m.name for m in self.config.models], self.bootstrap)
+
+    def _make_snapshotter(self) -> None:
+        """With persistent.snapshot_store: the snapshot endpoints use it, and snapshots are taken periodically."""
+        assert self.engine is not None
+        pcfg = self.config.persistent
+        if pcfg.type != "rocksdb" or pcfg.snapshot_store is None:
+            return
+        prefix = self.config.updates.topic_prefix
+        self.snapshotter = Snapshotter(
+            self.engine, SnapshotBucket.from_config(pcfg),
+            snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
+            refuse=lambda model: self.consumer.lost_reason(model) if self.consumer is not None else None,
+        )
+        # made here, not with the admin API: the update path's recovery of lost partitions restores from it too
+        self.remote_snapshots = RemoteSnapshots(self.snapshotter, SnapshotStore(self.engine, snapshots_root(self.config)))
+
+    def _admin_context(self) -> AdminContext:
+        assert self.engine is not None and self.metrics is not None and self.fleet is not None
+        snapshots = self.remote_snapshots or SnapshotStore(self.engine, snapshots_root(self.config))
+        return AdminContext(
+            engine=self.engine,
+            config=self.config,
+            metrics=self.metrics,
+            gate=self.gate,
+            jobs=self.jobs,
+            snapshots=snapshots,
+            readiness=self.readiness_report,
+            stats_sections=self.stats_sections,
+            registrations=self.fleet.registrations,
+            log_writer=lambda: self.log_writer,
+            shard_map=self.shard_map,
+            cluster_info=self.cluster_info,
+        )
+
+    # ---- readiness ----------------------------------------------------------------------------
+    def not_ready(self, model: str | None = None) -> list[str]:
+        """Why the server (or one model) must not receive traffic: starting, bootstrapping, draining, a tier down,
+        no model, updates not caught up or failing, or a check in ``readiness``. Empty when ready."""
+        reasons = self.not_accepting(model)
+        if self.engine is None:
+            return reasons
+        for check in self.readiness:
+            if reason := check():
+                reasons.append(reason)
+        consumer = self.consumer
+        if consumer is not None and (reason := update_consumer_not_ready(consumer, model)) and reason not in reasons:
+            reasons.append(reason)
+        return reasons
+
+    def not_accepting(self, model: str | None = None) -> list[str]:
+        """Why the server would not answer a call now (gRPC health ``ACCEPTING_SERVICE``, which clients balance
+        on): starting, bootstrapping, draining, its persistent tier down, no model, or partitions that lost updates
+        (their rows can be older than acknowledged ones until bootstrapped again). Update lag is not a reason: it
+        hits every replica at once, and taking them all out of the clients' rotation would be an outage."""
+        reasons = []
+        consumer = self.consumer
+        if consumer is not None and (lost := consumer.lost_reason(model)):
+            reasons.append(f"update consumer (group {consumer.group}) {lost}")
+        if (restoring := self.bootstrap.describe()) is not None:
+            reasons.append(restoring)
+        if not self.gate.is_open:
+            reasons.append(self.gate.reason)
+        elif self.gate.draining:
+            reasons.append(DRAINING)
+        engine = self.engine
+        if engine is None:
+            return reasons
+        if not engine.healthy().get("persistent", True):
+            reasons.append("persistent tier is unreachable")
+        loaded = [m.name for m in engine.models()]
+        if not loaded:
+            reasons.append("no model is loaded")
+        elif model is not None and model not in loaded:
+            reasons.append(f"model '{model}' is not loaded")
+        return reasons
+
+    def degraded(self) -> list[str]:
+        """What is down but does not take the replica out of the Service: the shared volatile tier (every replica
+        loses it at once, and RocksDB answers meanwhile)."""
+        engine = self.engine
+        if engine is None or engine.healthy().get("volatile", True):
+            return []
+        return ["volatile tier is unreachable (lookups are answered from the persistent tier)"]
+
+    def readiness_report(self) -> tuple[list[str], dict]:
+        """What /readyz and the probe port answer: the reasons, what is degraded, and the bootstrap's progress."""
+        details: dict = {}
+        if degraded := self.degraded():
+            details["degraded"] = degraded
+        if self.bootstrap.state != "idle":
+            details["bootstrap"] = self.bootstrap.view()
+        return self.not_ready(), details
+
+    def update_health(self) -> None:
+        """gRPC health: service "" and EmbeddingService SERVING only when the server is ready, each loaded model when
+        it is (its updates caught up), NOT_SERVING for a model unloaded since; ``ACCEPTING_SERVICE`` SERVING while
+        it takes calls (what clients balance on)."""
+        if self.engine is None:
+            return
+        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+        with self._health_lock:
+            overall = serving if not self.not_ready() else not_serving
+            statuses = {"": overall, pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name: overall,
+                        ACCEPTING_SERVICE: serving if not self.not_accepting() else not_serving}
+            loaded = {m.name for m in self.engine.models()}
+            for name in loaded:
+                statuses[name] = serving if not self.not_ready(name) else not_serving
+            for name in self._served_models - loaded:
+                statuses[name] = not_serving
+            for name, status in statuses.items():
+                self.health.set(name, status)
+            self._served_models = loaded
+            if self.node is not None:  # the workers answer gRPC health as this process would
+                self.node.publish_health(statuses)
+
+    def _health_loop(self) -> None:
+        while not self._health_stop.wait(0.2):
+            try:
+                self.update_health()
+            except Exception:  # a readiness check that broke must not stop health updates for good
+                log.warning("health update failed", exc_info=True)
+
+    def cluster_info(self) -> dict[str, Any]:
+        """The shard map and readiness (GetClusterInfo, GET /v1/cluster): the fields of hps.v1.ClusterInfo."""
+        assert self.engine is not None
+        m = self.shard_map
+        consumer = self.consumer
+        not_ready = self.not_ready()
+        return {"shards": m.shards, "shard": m.shard, "partitions": m.partitions, "partitioner": "murmur2",
+                "owned_partitions": m.owned_partitions(),
+                "topic_partitions": dict(consumer.topic_partitions) if consumer is not None else {},
+                "ready": not not_ready, "not_ready": not_ready}
+
+    def _log_degraded(self) -> None:
+        """Say in the log when the server starts without a tier it was configured with (it serves from the rest)."""
+        assert self.engine is not None
+        down = [tier for tier, ok in self.engine.healthy().items() if not ok]
+        if down:
+            log.warning("starting degraded: %s tier unreachable; lookups fall through to the next level, "
+                        "/readyz reports it until it reconnects", ", ".join(down))
+
+    def _start_updates(self) -> None:
+        """Run the Kafka update consumer when ``updates.type`` is kafka; /readyz waits for its partitions."""
+        assert self.engine is not None
+        if self.config.updates.type != "kafka" or not self.engine.models():
+            return
+        ucfg, group = self.config.updates, self._group()
+        cluster = self.config.cluster
+        consumer = UpdateConsumer(ucfg, self.engine, [m.name for m in self.engine.models()], group,
+                                  partitions=cluster.partitions, shards=cluster.shards, shard=cluster.shard)
+        consumer.start()
+        self.consumer = consumer
+        self.log_writer = LogWriter(ucfg, self.engine, consumer, partitions=cluster.partitions)
+        self.log_writer.prepare([m.name for m in self.engine.models()])
+        self.stats_sections["updates"] = consumer.stats
+        if self.fleet is not None:
+            self.fleet.watch_losses(consumer, self.remote_snapshots)
+        log.info("consuming updates from %s as group %s (shard %d of %d: partitions %s of %d)", ucfg.brokers, group,
+                 cluster.shard, cluster.shards, self.shard_map.owned_partitions() if cluster.shards > 1 else "all",
+                 cluster.partitions)
+
+    def _group(self) -> str:
+        """This replica's consumer group: updates.group, or one of its own per pod."""
+        return self.config.updates.group or f"{self.config.updates.topic_prefix}.{socket.gethostname()}"
+
+    def models_changed(self) -> None:
+        """After a model is registered or unloaded at runtime: stored registrations (models the config does not
+        define survive a restart), health per model, and the update topics consumed."""
+        assert self.engine is not None
+        if not self.config.persistent.read_only:
+            sync_registrations(self.engine.persistent, {m.name for m in self.config.models}, self.engine.models())
+        self.update_health()
+        with self._consumer_lock:
+            names = [m.name for m in self.engine.models()]
+            if self.consumer is not None:
+                self.consumer.follow(names)
+            elif names:
+                self._start_updates()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Say NOT_SERVING, answer lookups for a lame-duck moment, then refuse them and let in-flight ones finish
+        (see :meth:`ServingGrpc.drain_and_stop`), commit applied updates, close the tiers: all within ``grace``
+        seconds (server.grace_period_s), the budget Kubernetes gives between SIGTERM and SIGKILL.
+
+        The tiers close only once no write is in progress (the engine takes every table's write lock first and
+        refuses later writes), so an update consumer that outlives its join timeout never writes to a closed
+        store; a write that outlives the whole grace leaves the tiers open instead."""
+        if self._stopped.is_set():
+            return
+        grace = self.config.server.grace_period_s if grace is None else grace
+        deadline = time.monotonic() + grace
+
+        def remaining(share: float = 1.0) -> float:
+            return max(0.0, (deadline - time.monotonic()) * share)
+
+        self.gate.begin_draining()
+        self._health_stop.set()
+        self.heap_trimmer.stop()
+        self.health.enter_graceful_shutdown()
+        if self.node is not None:
+            self.node.stop_workers(remaining(0.6))
+        if self._grpc is not None:
+            self._grpc.drain_and_stop(self.gate, remaining(0.6))
+        self.gate.close(DRAINING)
+        if self.fleet is not None:
+            self.fleet.stop(max(remaining(0.3), 0.5))
+        if self.consumer is not None:
+            self.consumer.close_timeout_s = min(self.consumer.close_timeout_s, max(remaining(0.5), 0.5))
+            self.consumer.stop(timeout=max(remaining(0.8), 1.0), commit=True)
+        if self.log_writer is not None:
+            self.log_writer.close()
+        if self.snapshotter is not None:
+            self.snapshotter.stop(max(remaining(0.5), 0.5))
+        self.jobs.close(timeout_s=remaining(0.5))
+        self._stop_listeners(remaining(0.5))
+        if self.engine is not None and not self.engine.close(timeout_s=remaining()):
+            log.error("a write outlived server.grace_period_s; the tiers were left open (RocksDB recovers its WAL)")
+        if self.node is not None:
+            self.node.close()
+        self._stopped.set()
+        log.info("stopped")
+
+    def _stop_listeners(self, timeout: float = 0.5) -> None:
+        """Close the REST and probe listeners."""
+        if self._http is not None:
+            self._http.close(timeout)
+        if self._probes is not None:
+            self._probes.close()
+            self._probes = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until stopped; True if it stopped."""
+        return self._stopped.wait(timeout)
+
+    def catch_stop_signals(self) -> threading.Event:
+        """From now on SIGTERM and SIGINT set the returned event instead of killing the process. Called before
+        start(): a signal sent the moment the server answers (a probe saw it ready) must still drain it."""
+        stop_requested = threading.Event()
+
+        def _on_signal(signum: int, _frame: object) -> None:
+            log.info("received %s, draining", signal.Signals(signum).name)
+            stop_requested.set()
+
+        signal.signal(signal.SIGTERM, _on_signal)
+        signal.signal(signal.SIGINT, _on_signal)
+        return stop_requested
+
+    def run_until_signal(self, stop_requested: threading.Event | None = None) -> None:
+        """After start(): block until SIGTERM or SIGINT (or ``stop_requested`` from :meth:`catch_stop_signals`),
+        then drain and stop."""
+        if stop_requested is None:
+            stop_requested = self.catch_stop_signals()
+        try:
+            while not stop_requested.wait(0.5):
+                pass
+        finally:
+            self.stop()

@@ -1,0 +1,121 @@
+"""A single-producer, single-consumer ring of records in shared memory: how a worker hands rows to the owner.
+
+The producer (one worker process; its threads take a process-local lock) appends records and then advances
+``tail``; the consumer (the owner) reads records up to ``tail`` and then advances ``head``. Both counters only
+grow (a position is the counter modulo the ring size) and are advanced with sequentially consistent atomic adds,
+which are full barriers: the bytes of a record are in place before ``tail`` says so, and they are read before
+``head`` lets the producer overwrite them. A record never wraps: when it does not fit before the end, a padding
+record fills the rest and it starts at 0. A full ring refuses the record (the caller counts it as dropped), so a
+slow owner never blocks a lookup.
+
+Record: eight int64 header fields (``length, kind, table, n, dim, generation, hit_rate as float64 bits, 0``),
+then ``n`` int64 keys, ``n`` int64 versions and ``n * dim`` float32 rows, padded to 8 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from hps_service.jit.atomic import atomic_fetch_add, atomic_load
+
+CTRL_HEAD, CTRL_TAIL = 0, 8
+CTRL_LEN = 16
+_HEADER = 8
+KIND_PAD = 0
+
+
+@numba.njit(cache=True, nogil=True)
+def _advance(ctrl: np.ndarray, which: int, by: int) -> None:
+    atomic_fetch_add(ctrl, which, by)
+
+
+@numba.njit(cache=True, nogil=True)
+def _load(ctrl: np.ndarray, which: int) -> np.int64:
+    return atomic_load(ctrl, which)
+
+
+@dataclass
+class Record:
+    kind: int
+    table: int
+    generation: int
+    hit_rate: float
+    keys: np.ndarray
+    versions: np.ndarray
+    rows: np.ndarray
+
+
+def record_bytes(n: int, dim: int) -> int:
+    """Bytes of a record of ``n`` rows of width ``dim`` (header included, padded)."""
+    return 8 * _HEADER + 16 * n + -(-(4 * n * dim) // 8) * 8
+
+
+class Ring:
+    """One ring: ``ctrl`` int64 (head and tail on their own cache lines) and ``data`` uint8 of a power-of-two size."""
+
+    def __init__(self, ctrl: np.ndarray, data: np.ndarray) -> None:
+        self.ctrl = ctrl
+        self.data = data
+        self.size = data.shape[0]
+        if self.size & (self.size - 1) or self.size < 4096:
+            raise ValueError(f"ring size must be a power of two >= 4096, got {self.size}")
+
+    def push(self, kind: int, table: int, generation: int, hit_rate: float, keys: np.ndarray, versions: np.ndarray,
+             rows: np.ndarray) -> bool:
+        """Append a record (producer only); False when it does not fit now."""
+        n, dim = rows.shape
+        length = record_bytes(n, dim)
+        if length > self.size // 2:
+            return False
+        head = int(_load(self.ctrl, CTRL_HEAD))
+        tail = int(self.ctrl[CTRL_TAIL])
+        pos = tail % self.size
+        pad = self.size - pos if pos + length > self.size else 0
+        if tail + pad + length - head > self.size:
+            return False
+        if pad:
+            self.data[pos:pos + 8].view(np.int64)[0] = pad
+            self.data[pos + 8:pos + 16].view(np.int64)[0] = KIND_PAD
+            pos = 0
+        header = self.data[pos:pos + 8 * _HEADER].view(np.int64)
+        header[:] = (length, kind, table, n, dim, generation, np.float64(hit_rate).view(np.int64), 0)
+        at = pos + 8 * _HEADER
+        self.data[at:at + 8 * n].view(np.int64)[:] = keys
+        at += 8 * n
+        self.data[at:at + 8 * n].view(np.int64)[:] = versions
+        at += 8 * n
+        self.data[at:at + 4 * n * dim].view(np.float32).reshape(n, dim)[:] = rows
+        _advance(self.ctrl, CTRL_TAIL, pad + length)
+        return True
+
+    def empty(self) -> bool:
+        return int(_load(self.ctrl, CTRL_TAIL)) == int(self.ctrl[CTRL_HEAD])
+
+    def pop_all(self, limit_bytes: int = 1 << 26) -> list[Record]:
+        """Copy out the records appended so far (consumer only), up to about ``limit_bytes``, and free their space."""
+        tail = int(_load(self.ctrl, CTRL_TAIL))
+        head = start = int(self.ctrl[CTRL_HEAD])
+        out: list[Record] = []
+        while head < tail and head - start < limit_bytes:
+            pos = head % self.size
+            length, kind = (int(v) for v in self.data[pos:pos + 16].view(np.int64))
+            if length <= 0 or length > self.size:
+                raise RuntimeError(f"corrupt queue record of {length} bytes at {head}")
+            if kind != KIND_PAD:
+                _, _, table, n, dim, generation, hit_bits, _ = (int(v) for v in
+                                                                 self.data[pos:pos + 8 * _HEADER].view(np.int64))
+                at = pos + 8 * _HEADER
+                keys = self.data[at:at + 8 * n].view(np.int64).copy()
+                at += 8 * n
+                versions = self.data[at:at + 8 * n].view(np.int64).copy()
+                at += 8 * n
+                rows = self.data[at:at + 4 * n * dim].view(np.float32).reshape(n, dim).copy()
+                out.append(Record(kind, table, generation, float(np.int64(hit_bits).view(np.float64)), keys,
+                                  versions, rows))
+            head += length
+        if head != start:
+            _advance(self.ctrl, CTRL_HEAD, head - start)
+        return out

@@ -1,0 +1,497 @@
+"""The in-process volatile tier: a bounded hash map of versioned rows per table, with LRU or LFU overflow.
+
+Each table keeps dense row storage (vectors, keys, versions, one access stamp per row) for its whole capacity,
+reserved at creation as zeroed memory the OS backs page by page as rows are first written: a table never copies
+its rows to grow (a copy at 1M rows of dim 64 held the table's lock for 0.1-0.35 s and needed twice the memory
+meanwhile). An open-addressing int32 index (see ``_hashmap_kernels``) grows by doubling as rows arrive. When a
+put would exceed the capacity, the ``evict_fraction`` of rows with the oldest stamp (LRU: the table clock
+at the last access) or the lowest access count (LFU) is removed in one vectorised step.
+
+A versioned delete leaves a tombstone row (key and version, negative stamp; see ``_hashmap_kernels``). It
+takes a row slot until a newer put replaces it or eviction takes it (tombstones go first, oldest first), so
+tombstones never grow beyond the capacity. ``count`` and ``stats().rows`` are live rows only.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from hps_service.keys import as_keys
+from hps_service.shm.region import NamedAllocator, anonymous
+from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats, delete_versions, max_version_per_key
+from hps_service.tiers.hashmap import kernels
+
+#: ``release(name)``: give back an array the allocator made (unlinks a shared file; nothing for private memory).
+Release = Callable[[str], None]
+
+
+def _no_release(_name: str) -> None:
+    return None
+
+#: Rows a new table's index is sized for before it first doubles.
+_INITIAL_ROWS = 1024
+#: The index has at least this many slots per allocated row (load factor at most 0.7 when full).
+_INDEX_SLOTS_PER_ROW = 1.0 / 0.7
+
+
+def _index_size(row_capacity: int) -> int:
+    """The power-of-two index length for ``row_capacity`` rows."""
+    return 1 << max(4, math.ceil(math.log2(row_capacity * _INDEX_SLOTS_PER_ROW)))
+
+
+class _Table:
+    """Storage, index and counters of one table; every access by this process holds ``lock``, every change is
+    bracketed by the control array's sequence lock for readers in other processes (:func:`read_table`)."""
+
+    def __init__(self, name: str, dim: int, max_rows: int, alloc: NamedAllocator, release: Release) -> None:
+        self.name = name
+        self.dim = dim
+        self.lock = threading.RLock()
+        self.n_rows = 0  # rows held, tombstones included
+        self.rows_touched = 0  # the most rows ever held: storage pages in use
+        self.n_tombstones = 0
+        self.evictions = 0
+        self._alloc = alloc
+        self._release = release
+        self.ctrl = alloc(f"{name}/ctrl", (kernels.CTRL_LEN,), np.int64)
+        # Key, version and stamp of a row share one cache line: a lookup misses once for all three.
+        self.meta = alloc(f"{name}/meta", (max_rows, 3), np.int64)
+        self.keys = self.meta[:, 0]
+        self.versions = self.meta[:, 1]
+        self.stamps = self.meta[:, 2]
+        self.rows = alloc(f"{name}/rows", (max_rows, dim), np.float32)
+        #: Accesses by readers in other processes (never written by this one except to move or reset them).
+        self.reader_stamps = alloc(f"{name}/reader_stamps", (max_rows,), np.int64)
+        self.index_gen = 0
+        self.index = self._new_index(_index_size(min(_INITIAL_ROWS, max_rows)))
+        self.index.fill(kernels.EMPTY)
+        self._publish_index()
+        #: Rows the index takes at a load of at most 0.7 (never more than the storage).
+        self.row_capacity = self._index_room(0)
+
+    def _new_index(self, size: int) -> np.ndarray:
+        self.index_gen += 1
+        return self._alloc(index_name(self.name, self.index_gen), (size,), np.int32)
+
+    def _publish_index(self) -> None:
+        """Point readers at the current index (callers hold the sequence lock or nobody reads yet)."""
+        self.ctrl[kernels.CTRL_INDEX_LEN] = self.index.shape[0]
+        self.ctrl[kernels.CTRL_INDEX_GEN] = self.index_gen
+
+    @contextmanager
+    def changing(self) -> Iterator[None]:
+        """The sequence-lock write section around a change (callers hold ``lock``)."""
+        kernels.seq_begin(self.ctrl)
+        try:
+            yield
+        finally:
+            kernels.seq_end(self.ctrl)
+
+    def set_rows(self, n: int) -> None:
+        """Record the rows held after a kernel added or removed some."""
+        self.n_rows = n
+        self.rows_touched = max(self.rows_touched, n)
+
+    def memory_bytes(self) -> int:
+        """Bytes in use: the storage pages rows have been written to, and the index."""
+        per_row = self.meta.strides[0] + self.rows.strides[0] + self.reader_stamps.strides[0]
+        return int(self.rows_touched * per_row + self.index.nbytes)
+
+    def reserve(self, needed_rows: int) -> None:
+        """Make room for ``needed_rows`` rows (callers cap it at the capacity): double the index as needed. The new
+        index is built aside (readers go on using the old one) and swapped in under the sequence lock; readers then
+        map it by its generation."""
+        if needed_rows <= self.row_capacity:
+            return
+        old_gen = self.index_gen
+        index = self._new_index(_index_size(needed_rows))
+        kernels.rebuild_index(index, self.keys, np.int64(self.n_rows))
+        with self.changing():
+            self.index = index
+            self._publish_index()
+        self._release(index_name(self.name, old_gen))
+        self.row_capacity = self._index_room(needed_rows)
+
+    def _index_room(self, needed_rows: int) -> int:
+        """Rows the current index takes at its load limit (at least ``needed_rows``), capped by the storage."""
+        return min(self.keys.shape[0], max(needed_rows, int(self.index.shape[0] / _INDEX_SLOTS_PER_ROW)))
+
+    def tick(self) -> np.int64:
+        """Advance the table clock (one tick per batch, shared with the readers' ticks) and return it."""
+        return kernels.tick(self.ctrl)
+
+    def effective_stamps(self, n: int) -> np.ndarray:
+        """Eviction order of rows ``[0, n)``: this process's stamps combined with the readers' (LRU: the later;
+        LFU: the sum); tombstones keep their own (negative) stamps."""
+        stamps = self.stamps[:n].copy()
+        reader = self.reader_stamps[:n]
+        live = stamps >= 0
+        if live.all():
+            np.maximum(stamps, reader, out=stamps)
+        else:
+            stamps[live] = np.maximum(stamps[live], reader[live])
+        return stamps
+
+    def drop(self) -> None:
+        """Give the arrays back (files of a shared store are unlinked)."""
+        for part in ("ctrl", "meta", "rows", "reader_stamps"):
+            self._release(f"{self.name}/{part}")
+        self._release(index_name(self.name, self.index_gen))
+
+
+def index_name(table: str, generation: int) -> str:
+    """The allocation name of generation ``generation`` of a table's index."""
+    return f"{table}/index.{generation}"
+
+
+@dataclass
+class TableArrays:
+    """The arrays of one table as another process maps them (the index is replaced as it grows)."""
+
+    ctrl: np.ndarray
+    meta: np.ndarray
+    rows: np.ndarray
+    reader_stamps: np.ndarray | None  # None: a read-only reader, whose reads are not recorded for eviction
+    index: np.ndarray
+    index_gen: int
+
+
+#: ``open_index(generation) -> index``: map an index generation a reader has not seen yet (its whole file).
+OpenIndex = Callable[[int], np.ndarray]
+#: Back-off of a reader that keeps overlapping writes: it sleeps this long (then twice as long, up to the cap)
+#: instead of spinning, so a long write (an index rebuild, an eviction) does not burn its CPU.
+_READ_SPINS = 8
+_READ_SLEEP_S, _READ_SLEEP_CAP_S = 20e-6, 2e-3
+
+
+class TableReader:
+    """Lock-free reads of one hash-map table that another process writes (the node's workers and colocated
+    clients); never blocks the writer and never returns a row that a write was changing."""
+
+    def __init__(self, arrays: TableArrays, open_index: OpenIndex, lfu: bool) -> None:
+        self.arrays = arrays
+        self.dim = arrays.rows.shape[1]
+        self._open_index = open_index
+        self._lfu = lfu
+        self._keys = arrays.meta[:, 0]
+        self._versions = arrays.meta[:, 1]
+        self._stamps = arrays.meta[:, 2]
+        self.retries = 0
+
+    def get(self, keys: np.ndarray) -> Rows:
+        """Rows of ``keys`` as of one state of the table (see ``_hashmap_kernels.read_rows``)."""
+        a = self.arrays
+        n = keys.shape[0]
+        out = Rows(vectors=np.empty((n, self.dim), dtype=np.float32), versions=np.empty(n, dtype=np.int64),
+                   found=np.empty(n, dtype=bool))
+        row_ids = np.empty(n, dtype=np.int64)
+        attempt = 0
+        sleep = _READ_SLEEP_S
+        while True:
+            index = a.index
+            got = kernels.read_rows(a.ctrl, index, np.int64(a.index_gen), self._keys, a.rows, self._versions,
+                                    self._stamps, keys, out.vectors, out.versions, out.found, row_ids)
+            if got >= 0:
+                break
+            if got == kernels.READ_REMAP:
+                self._remap()
+                continue
+            self.retries += 1
+            attempt += 1
+            if attempt > _READ_SPINS:
+                time.sleep(sleep)
+                sleep = min(2 * sleep, _READ_SLEEP_CAP_S)
+        if a.reader_stamps is not None and got:
+            kernels.stamp_reads(a.reader_stamps, row_ids, kernels.tick(a.ctrl) if not self._lfu else np.int64(0),
+                                self._lfu)
+        return out
+
+    def _remap(self) -> None:
+        """Map the index generation the writer published (its length is its file's)."""
+        a = self.arrays
+        gen = int(a.ctrl[kernels.CTRL_INDEX_GEN])
+        try:
+            index = self._open_index(gen)
+        except Exception:  # noqa: BLE001 - replaced again meanwhile (the file is gone): read the newer one
+            time.sleep(_READ_SLEEP_S)
+            return
+        a.index, a.index_gen = index, gen
+
+
+class HashMapTier(Tier):
+    """Bounded in-process tier; ``capacity_rows`` applies to each table separately."""
+
+    kind = "volatile"
+    in_process = True
+    capabilities = TierCapability.WRITES
+
+    def __init__(
+        self,
+        capacity_rows: int,
+        overflow_policy: Literal["lru", "lfu"] = "lru",
+        evict_fraction: float = 0.1,
+        allocator: NamedAllocator = anonymous,
+        release: Release = _no_release,
+    ) -> None:
+        """``allocator`` places each table's arrays (private memory by default; files of a shared store for the
+        node's worker processes, which read them with :func:`read_table`), ``release`` gives them back."""
+        if (
+            not isinstance(capacity_rows, (int, np.integer))
+            or isinstance(capacity_rows, bool)
+            or capacity_rows < 1
+        ):
+            raise InvalidArgumentError(f"capacity_rows must be a positive integer, got {capacity_rows!r}")
+        if capacity_rows >= np.iinfo(np.int32).max:
+            raise InvalidArgumentError(
+                f"capacity_rows must be below 2**31-1 (int32 row ids), got {capacity_rows}"
+            )
+        if overflow_policy not in ("lru", "lfu"):
+            raise InvalidArgumentError(f"overflow_policy must be 'lru' or 'lfu', got {overflow_policy!r}")
+        if not 0.0 < evict_fraction <= 1.0:
+            raise InvalidArgumentError(f"evict_fraction must be in (0, 1], got {evict_fraction!r}")
+        self.capacity_rows = int(capacity_rows)
+        self.overflow_policy = overflow_policy
+        self.evict_fraction = float(evict_fraction)
+        self._lfu = overflow_policy == "lfu"
+        self._alloc = allocator
+        self._release = release
+        self._tables: dict[str, _Table] = {}
+        self._tables_lock = threading.Lock()
+
+    def _table(self, table: str) -> _Table:
+        try:
+            return self._tables[table]
+        except KeyError:
+            raise NotFoundError(f"volatile hashmap tier has no table {table!r}") from None
+
+    @staticmethod
+    def _vectors(vectors: np.ndarray, n: int, dim: int) -> np.ndarray:
+        arr = np.asarray(vectors)
+        if arr.shape != (n, dim):
+            raise InvalidArgumentError(f"vectors must have shape ({n}, {dim}) for {n} keys, got {arr.shape}")
+        if arr.dtype.kind != "f":
+            raise InvalidArgumentError(f"vectors must be float32, got dtype {arr.dtype}")
+        return np.ascontiguousarray(arr, dtype=np.float32)
+
+    @staticmethod
+    def _versions(versions: np.ndarray, n: int) -> np.ndarray:
+        arr = np.asarray(versions)
+        if arr.dtype.kind not in "iu":
+            raise InvalidArgumentError(f"versions must be integers (int64), got dtype {arr.dtype}")
+        if arr.ndim == 0:
+            return np.full(n, int(arr), dtype=np.int64)
+        if arr.shape != (n,):
+            raise InvalidArgumentError(f"versions must have shape ({n},) for {n} keys, got {arr.shape}")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+
+    def create_table(self, table: str, dim: int) -> None:
+        """Make ``table`` ready for rows of width ``dim``; idempotent when the dim matches."""
+        if not isinstance(dim, (int, np.integer)) or isinstance(dim, bool) or dim < 1:
+            raise InvalidArgumentError(f"dim of table {table!r} must be a positive integer, got {dim!r}")
+        with self._tables_lock:
+            existing = self._tables.get(table)
+            if existing is not None:
+                if existing.dim != dim:
+                    raise InvalidArgumentError(
+                        f"table {table!r} exists with dim {existing.dim}, asked for dim {dim}"
+                    )
+                return
+            try:
+                self._tables[table] = _Table(table, int(dim), self.capacity_rows, self._alloc, self._release)
+            except ResourceExhaustedError as exc:
+                raise ResourceExhaustedError(
+                    f"{exc}; lower volatile.capacity_rows (memory is only used as rows arrive, but this host refuses "
+                    f"the reservation)") from None
+
+    def get(self, table: str, keys: np.ndarray) -> Rows:
+        """Look up ``keys``; hits get their access stamp refreshed (LRU clock or LFU count)."""
+        t = self._table(table)
+        query = as_keys(keys)
+        out = Rows(
+            vectors=np.empty((query.size, t.dim), dtype=np.float32),
+            versions=np.empty(query.size, dtype=np.int64),
+            found=np.empty(query.size, dtype=bool),
+        )
+        with t.lock:
+            kernels.get_rows(
+                t.index, t.keys, t.rows, t.versions, t.stamps, query,
+                out.vectors, out.versions, out.found, t.tick(), self._lfu,
+            )  # fmt: skip
+        return out
+
+    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Upsert rows unless the stored version is newer; evicts by policy when the table is full.
+
+        Returns the mask of rows written. With duplicate keys in a batch, they apply in batch order.
+        """
+        t = self._table(table)
+        query = as_keys(keys)
+        vecs = self._vectors(vectors, query.size, t.dim)
+        vers = self._versions(versions, query.size)
+        written = np.zeros(query.size, dtype=bool)
+        with t.lock:
+            self._make_room(t, query)
+            clock = t.tick()
+            with t.changing():
+                n, revived = kernels.put_rows(
+                    t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows),
+                    np.int64(min(self.capacity_rows, t.row_capacity)),
+                    query, vecs, vers, written, clock, self._lfu,
+                )  # fmt: skip
+            t.set_rows(int(n))
+            t.n_tombstones -= int(revived)
+        return written
+
+    def _make_room(self, t: _Table, query: np.ndarray) -> None:
+        """Evict and grow storage so that the keys of ``query`` not yet held fit (up to the capacity)."""
+        present_rows = np.empty(query.size, dtype=np.int64)
+        missing = int(kernels.locate_rows(t.index, t.keys, query, present_rows))
+        if t.n_rows + missing > self.capacity_rows:
+            self._evict(t, present_rows, t.n_rows + missing - self.capacity_rows)
+        t.reserve(min(self.capacity_rows, t.n_rows + missing))
+
+    def _evict(self, t: _Table, batch_rows: np.ndarray, overflow: int) -> None:
+        """Remove at least ``overflow`` rows (normally ``evict_fraction`` of capacity), sparing the batch's rows."""
+        n = t.n_rows
+        spared = np.unique(batch_rows[batch_rows >= 0])
+        evictable = n - spared.size
+        count = min(evictable, max(overflow, math.ceil(self.evict_fraction * self.capacity_rows)))
+        if count <= 0:
+            return
+        stamps = t.effective_stamps(n)
+        stamps[spared] = np.iinfo(np.int64).max
+        if count < n:
+            victims = np.argpartition(stamps, count - 1)[:count]
+        else:
+            victims = np.arange(n)
+        victims = np.sort(victims)[::-1].copy()
+        t.n_tombstones -= int(np.count_nonzero(t.stamps[victims] < 0))
+        with t.changing():
+            n = kernels.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(n), victims)
+        t.set_rows(int(n))
+        t.evictions += count
+
+    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
+        """Remove ``keys`` (with ``versions``: rows not newer, leaving tombstones); returns live rows removed."""
+        t = self._table(table)
+        query = as_keys(keys)
+        tomb_versions = delete_versions(versions, query.size)
+        with t.lock:
+            if tomb_versions is None:
+                with t.changing():
+                    n, removed, tombstones = kernels.delete_keys(
+                        t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows), query
+                    )
+                t.n_tombstones -= int(tombstones)
+            else:
+                query, tomb_versions = max_version_per_key(query, tomb_versions)
+                self._make_room(t, query)
+                clock = t.tick()
+                with t.changing():
+                    n, removed, added = kernels.tombstone_keys(
+                        t.index, t.keys, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows),
+                        np.int64(min(self.capacity_rows, t.row_capacity)), query, tomb_versions, clock,
+                    )  # fmt: skip
+                t.n_tombstones += int(added)
+            t.set_rows(int(n))
+        return int(removed)
+
+    def count(self, table: str) -> int:
+        """Live rows held for ``table`` (tombstones excluded)."""
+        t = self._table(table)
+        with t.lock:
+            return t.n_rows - t.n_tombstones
+
+    def memory_bytes(self, table: str) -> int:
+        """Bytes held by every array of ``table``: vectors, keys, versions, stamps and index."""
+        t = self._table(table)
+        with t.lock:
+            return t.memory_bytes()
+
+    def stats(self, table: str) -> TierStats:
+        """Live rows, capacity, evictions, tombstones and memory use per held row (rows and tombstones).
+
+        ``bytes_per_row`` and ``memory_ratio`` divide by the held rows, tombstones included, since each takes
+        a full row slot; ``capacity`` bounds the two together.
+        """
+        t = self._table(table)
+        with t.lock:
+            held, tombstones, memory, evictions = t.n_rows, t.n_tombstones, t.memory_bytes(), t.evictions
+        raw_row_bytes = t.dim * 4
+        extra = {
+            "memory_bytes": float(memory),
+            "raw_row_bytes": float(raw_row_bytes),
+            "tombstones": float(tombstones),
+        }
+        if held:
+            extra["bytes_per_row"] = memory / held
+            extra["memory_ratio"] = memory / (held * raw_row_bytes)
+        return TierStats(
+            rows=held - tombstones, capacity=self.capacity_rows, evictions=evictions, extra=extra
+        )
+
+    def scan_keys(self, table: str, limit: int) -> np.ndarray:
+        """Up to ``limit`` keys of live rows (tombstones skipped), in storage order."""
+        if limit < 0:
+            raise InvalidArgumentError(f"limit must be non-negative, got {limit}")
+        t = self._table(table)
+        with t.lock:
+            if not t.n_tombstones:
+                return t.keys[: min(limit, t.n_rows)].copy()
+            live = t.stamps[: t.n_rows] >= 0
+            return t.keys[: t.n_rows][live][:limit].copy()
+
+    def drop_table(self, table: str) -> None:
+        """Forget ``table`` and free its memory."""
+        with self._tables_lock:
+            t = self._tables.pop(table, None)
+            if t is None:
+                raise NotFoundError(f"volatile hashmap tier has no table {table!r}")
+        t.drop()
+
+    def table_arrays(self, table: str) -> TableArrays:
+        """The arrays of ``table`` as a reader in another process maps them (see :func:`read_table`)."""
+        t = self._table(table)
+        return TableArrays(ctrl=t.ctrl, meta=t.meta, rows=t.rows, reader_stamps=t.reader_stamps, index=t.index,
+                           index_gen=t.index_gen)
+
+    def close(self) -> None:
+        """Free every table."""
+        with self._tables_lock:
+            tables, self._tables = list(self._tables.values()), {}
+        for t in tables:
+            t.drop()
+
+
+def warm_up_kernels() -> None:
+    """Compile (or load) every kernel of the tier with the argument types the engine passes: a table that grows
+    its index and evicts, gets, puts (new, replacing, refused), versioned and unversioned deletes, each with writable
+    and read-only inputs (see hps_service.jit.warmup)."""
+    from hps_service.jit.warmup import read_only
+
+    tier = HashMapTier(capacity_rows=_INITIAL_ROWS * 2)
+    try:
+        tier.create_table("warm.up", 2)
+        for variant in (np.asarray, read_only):
+            keys = np.arange(_INITIAL_ROWS * 3, dtype=np.int64)
+            for lo in range(0, keys.shape[0], _INITIAL_ROWS):
+                chunk = keys[lo : lo + _INITIAL_ROWS]
+                ones = np.ones((chunk.shape[0], 2), np.float32)
+                tier.put("warm.up", variant(chunk), variant(ones), variant(np.full(chunk.shape[0], 2, np.int64)))
+            few = variant(keys[-4:])
+            tier.get("warm.up", few)
+            tier.put("warm.up", few, variant(np.ones((4, 2), np.float32)), variant(np.ones(4, np.int64)))
+            tier.delete("warm.up", few[:2], variant(np.full(2, 3, np.int64)))
+            tier.delete("warm.up", few[2:])
+            tier.scan_keys("warm.up", 4)
+    finally:
+        tier.close()
