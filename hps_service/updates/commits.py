@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+if TYPE_CHECKING:
+    from hps_service.updates.assignment import Assignment
+    from hps_service.updates.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -23,8 +27,8 @@ class OffsetCommits:
     last_error: str | None
     _consumer: Any
     _dlq: Any
-    _assignment: list[TopicPartition]
-    _applied: dict[tuple[str, int], int]
+    assignment: Assignment
+    progress: Progress
     _committed: dict[tuple[str, int], int]
     _commit_in_flight_since: float | None
     _last_commit: float
@@ -36,7 +40,8 @@ class OffsetCommits:
         in_flight = self._commit_in_flight_since
         if in_flight is not None and self._last_commit - in_flight < 5.0:
             return
-        todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
+        todo = [TopicPartition(t, p, o) for (t, p), o in self.progress.applied.items()
+                if o > self._committed.get((t, p), -1)]
         if not todo:
             return
         if not self._dlq.flush(0):
@@ -65,11 +70,12 @@ class OffsetCommits:
         """Commit everything applied, waiting at most ``timeout_s`` (a frozen broker must not block stop())."""
         assert self._consumer is not None and self._dlq is not None
         deadline = time.monotonic() + timeout_s
-        self._consumer.pause(self._assignment)  # nothing more is fetched while we wait for the commit
+        self._consumer.pause(self.assignment.assigned)  # nothing more is fetched while we wait for the commit
         if not self._dlq.flush(timeout_s / 2):
             log.warning("update consumer %s: dead letters undelivered; offsets left uncommitted", self.group)
             return
-        todo = [TopicPartition(t, p, o) for (t, p), o in self._applied.items() if o > self._committed.get((t, p), -1)]
+        todo = [TopicPartition(t, p, o) for (t, p), o in self.progress.applied.items()
+                if o > self._committed.get((t, p), -1)]
         if not todo:
             return
         self._consumer.commit(offsets=todo, asynchronous=True)

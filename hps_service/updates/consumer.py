@@ -19,6 +19,10 @@ An offset is stored (and committed) only once every message before it in its par
 own (it is malformed, or does not fit the loaded model). A message of a model that is not loaded (unloaded, or
 being replaced) is neither: its partition is *parked* at that message (unassigned, nothing after it applied or
 committed) and resumes there once the model is loaded again.
+
+This module is the loop; its parts: which partitions are read and from where (:mod:`assignment`), the applied
+positions (:mod:`progress`), a batch into durable engine changes (:mod:`apply`), lost updates (:mod:`log_losses`)
+and the offset commits (:mod:`commits`).
 """
 
 from __future__ import annotations
@@ -27,10 +31,8 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from confluent_kafka import (
     Consumer,
     KafkaError,
@@ -38,30 +40,27 @@ from confluent_kafka import (
     Message,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient
 
 from hps_service.config import UpdatesConfig
-from hps_service.engine import LookupEngine, TableChange
-from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.engine import LookupEngine
+from hps_service.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_service.updates.admin_signature import AdminMessages
-from hps_service.updates.batch import TableBatch, table_change
+from hps_service.updates.apply import BatchApply, ModelUnloadedError
+from hps_service.updates.assignment import Assignment
 from hps_service.updates.catch_up import CatchUp
 from hps_service.updates.commits import OffsetCommits
 from hps_service.updates.dead_letters import DeadLetters
 from hps_service.updates.gaps import OffsetGaps
 from hps_service.updates.kafka_log import KAFKA_LOG, with_logging
 from hps_service.updates.log_losses import LogLosses
-from hps_service.updates.message import (
-    DecodedUpdate,
-    MalformedUpdateError,
-    decode_update,
-    dlq_topic_name,
-    topic_name,
-)
+from hps_service.updates.message import topic_name
 from hps_service.updates.metrics import FreshnessStats
+from hps_service.updates.progress import Progress
 from hps_service.updates.stall import StallDetector
-from hps_service.updates.topics import DEFAULT_PARTITIONS, ensure_topic
-from hps_service.updates.watermarks import LOG_GAPS, BrokerLogs, LogLedger, LogWatch, LostLog, check_start
+from hps_service.updates.topics import DEFAULT_PARTITIONS
+from hps_service.updates.watermarks import BrokerLogs, LogLedger, LogWatch, LostLog
+
+__all__ = ["ModelUnloadedError", "UpdateConsumer"]
 
 log = logging.getLogger(__name__)
 
@@ -81,17 +80,6 @@ _CONSUMER_DEFAULTS: dict[str, Any] = {
     "reconnect.backoff.ms": 50,
     "reconnect.backoff.max.ms": 1000,
 }
-
-
-class ModelUnloadedError(Exception):
-    """The model of a message is not loaded now (its partition is parked until it is)."""
-
-
-@dataclass
-class _Applied:
-    """What applying a batch left undone: models unloaded meanwhile (their partitions are parked)."""
-
-    unloaded: set[str] = field(default_factory=set)
 
 
 class UpdateConsumer(LogLosses, OffsetCommits):
@@ -130,7 +118,6 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         self.cfg = cfg
         self.engine = engine
         self.group = group
-        self.topics = {topic_name(m, cfg.topic_prefix): m for m in models}
         self.batch_messages = batch_messages
         self.poll_timeout_s = poll_timeout_s
         self.commit_interval_s = commit_interval_s
@@ -138,8 +125,6 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         self.partitions = partitions
         self.shards = shards
         self.shard = shard
-        #: Partition count of each update topic as the broker reported it.
-        self.topic_partitions: dict[str, int] = {}
         self._client_config = with_logging(
             {**cfg.kafka_config, "bootstrap.servers": cfg.brokers, "socket.nagle.disable": True})
         self._consumer_config = {
@@ -161,17 +146,10 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         self._stopping = threading.Event()
         self._ready = threading.Event()
         self._commit_on_stop = True
-        self._assignment: list[TopicPartition] = []
-        self._follow_lock = threading.Lock()
-        self._wanted: dict[str, str] | None = None  # topics asked for by follow(), not yet (re)assigned
-        self._follow_retry_at = 0.0
-        self._start_offsets: dict[tuple[str, int], int] = {}
-        self._applied: dict[tuple[str, int], int] = {}  # next offset to read, per partition, applied to the engine
-        #: Partitions parked at the offset of the first message whose model was not loaded (see the module doc).
-        self._parked: dict[tuple[str, int], int] = {}
         #: Catch-up targets, confirmed log ends and lag per partition.
         self.catch_up = CatchUp(cfg.max_lag_s)
-        self._applied_cond = self.catch_up.cond
+        #: The next offset applied and where each partition was assigned.
+        self.progress = Progress(self.catch_up)
         #: Where the logs start and end and which topics they are; partitions that lost updates (stopped, durable).
         self.logs = BrokerLogs(self._client_config)
         self.ledger = LogLedger(engine.persistent)
@@ -179,8 +157,6 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         self._recovering: dict[tuple[str, int], int] = {}  # partitions bootstrapped again, to resume there
         self._past_end_seen: dict[tuple[str, int], int] = {}
         self.log_watch = LogWatch(self.logs, self.ledger, self._positions, cfg.log_check_interval_s, group)
-        self._replication = {"replication_factor": cfg.replication_factor,
-                             "min_insync_replicas": cfg.min_insync_replicas}
         self._committed: dict[tuple[str, int], int] = {}
         self._commit_in_flight_since: float | None = None
         self._last_commit = 0.0
@@ -188,16 +164,45 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         self.last_error: str | None = None
         #: Unexpected errors the consumer thread survived (each batch then read again from what was applied).
         self.errors = 0
-        #: Why the current batch cannot be applied (a tier write fails); None once it is applied.
-        self.apply_error: str | None = None
         #: Where each partition's next message must be; a gap is read again before it is skipped.
         self.gaps = OffsetGaps(cfg.offset_gap_recheck_s)
+        #: The partitions read, the topics followed, the partitions parked.
+        self.assignment = Assignment(
+            {topic_name(m, cfg.topic_prefix): m for m in models}, group=group, partitions=partitions, shards=shards,
+            shard=shard, client_config=self._client_config,
+            replication={"replication_factor": cfg.replication_factor,
+                         "min_insync_replicas": cfg.min_insync_replicas},
+            engine=engine, logs=self.logs, ledger=self.ledger, progress=self.progress, gaps=self.gaps,
+            metrics=self.metrics, lose=self._lose, forget_lost=self._forget_lost, on_error=self._on_error,
+        )
+        #: Turns polled batches into engine changes and applies them.
+        self.applier = BatchApply(engine, self.metrics, self.admin_messages, self.gaps, group, self._stopping,
+                                  on_error=self._on_error)
         #: Flags a stalled stream: messages waiting and none applied for ``cfg.stall_after_s``.
         self.stall = StallDetector(
             cfg.stall_after_s, client_config=self._client_config, name=group,
-            applied=lambda: dict(self._applied), starts=lambda: dict(self._start_offsets),
-            assigned=lambda: [(tp.topic, tp.partition) for tp in list(self._assignment)],
+            applied=lambda: dict(self.progress.applied), starts=lambda: dict(self.progress.start_offsets),
+            assigned=lambda: [(tp.topic, tp.partition) for tp in list(self.assignment.assigned)],
         )
+
+    @property
+    def topics(self) -> dict[str, str]:
+        """Update topic -> model, of the models followed now."""
+        return self.assignment.topics
+
+    @property
+    def topic_partitions(self) -> dict[str, int]:
+        """Partition count of each update topic as the broker reported it."""
+        return self.assignment.topic_partitions
+
+    @property
+    def apply_error(self) -> str | None:
+        """Why the current batch cannot be applied (a tier write fails); None once it is applied."""
+        return self.applier.apply_error
+
+    def assigned_partitions(self, topic: str, count: int) -> list[int]:
+        """The partitions of ``topic`` (``count`` of them) this consumer reads: its shard's, p % shards == shard."""
+        return self.assignment.assigned_partitions(topic, count)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -218,7 +223,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         if lost := self.lost_reason(model):
             return lost
         topics = self._topics_of(model)
-        return self.catch_up.reason({p for p in self.catch_up.targets if p[0] in topics}, self._applied)
+        return self.catch_up.reason({p for p in self.catch_up.targets if p[0] in topics}, self.progress.applied)
 
     def caught_up(self, model: str | None = None) -> bool:
         """Whether every partition of ``model`` (of every model with None) is applied up to its target."""
@@ -227,19 +232,20 @@ class UpdateConsumer(LogLosses, OffsetCommits):
     def wait_caught_up(self, timeout: float | None = None) -> bool:
         """Block until :meth:`caught_up` (or the timeout); returns it."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._applied_cond:
+        with self.progress.cond:
             while not self.caught_up():
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return False
-                self._applied_cond.wait(0.1 if remaining is None else min(remaining, 0.1))
+                self.progress.cond.wait(0.1 if remaining is None else min(remaining, 0.1))
         return True
 
     def end_offsets(self, model: str) -> dict[tuple[str, int], int]:
         """The end offset of each assigned partition of ``model``, asked of the broker now."""
         if not self.ready:
             raise UnavailableError("the update consumer has no partitions yet")
-        keys = [(tp.topic, tp.partition) for tp in list(self._assignment) if self.topics.get(tp.topic) == model]
+        keys = [(tp.topic, tp.partition) for tp in list(self.assignment.assigned)
+                if self.topics.get(tp.topic) == model]
         out = self.logs.ends(keys)
         if len(out) != len(keys):
             raise UnavailableError(f"the broker did not answer the end offsets of {model}'s partitions")
@@ -248,15 +254,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
     def wait_applied(self, positions: dict[tuple[str, int], int], timeout: float) -> bool:
         """Block until every ``(topic, partition) -> offset`` in ``positions`` is applied (the message at that
         offset included), or the timeout; returns whether it was."""
-        deadline = time.monotonic() + timeout
-        with self._applied_cond:
-            while not all(max(self._applied.get(k, -1), self._start_offsets.get(k, -1)) > o
-                          for k, o in positions.items()):
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                self._applied_cond.wait(min(remaining, 0.1))
-        return True
+        return self.progress.wait_applied(positions, timeout)
 
     def start(self) -> None:
         """Start the background thread (it connects, assigns, then applies batches until stop())."""
@@ -286,8 +284,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         instead of dead-lettering its updates while it is away. The consumer thread makes the change.
         """
         self.metrics.expect(models)
-        with self._follow_lock:
-            self._wanted = {topic_name(m, self.cfg.topic_prefix): m for m in models}
+        self.assignment.request({topic_name(m, self.cfg.topic_prefix): m for m in models})
 
     def stats(self) -> dict:
         """Freshness and ingest state for /v1/stats."""
@@ -296,9 +293,9 @@ class UpdateConsumer(LogLosses, OffsetCommits):
             ready=self.ready,
             group=self.group,
             topics=sorted(self.topics),
-            applied_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self._applied.items())},
+            applied_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self.progress.applied.items())},
             committed_offsets={f"{t}[{p}]": o for (t, p), o in sorted(self._committed.items())},
-            parked_offsets={f"{t}[{p}]": o for (t, p), o in sorted(dict(self._parked).items())},
+            parked_offsets={f"{t}[{p}]": o for (t, p), o in sorted(dict(self.assignment.parked).items())},
             last_error=self.last_error,
             apply_error=self.apply_error,
             errors=self.errors,
@@ -349,128 +346,26 @@ class UpdateConsumer(LogLosses, OffsetCommits):
     def _connect(self) -> None:
         consumer = Consumer(self._consumer_config)
         try:
-            assignment = self._starting_positions(consumer, list(self.topics))
+            assignment = self.assignment.starting_positions(list(self.topics))
             consumer.assign(assignment)
         except Exception:
             consumer.close()
             raise
         self._consumer = consumer
-        self._assignment = assignment
-        self._dlq = DeadLetters(self._client_config, on_error=self._on_dead_letter_error)
+        self.assignment.assigned = assignment
+        self._dlq = DeadLetters(self._client_config, on_error=self._on_error)
         self._ready.set()
         log.info(
             "update consumer %s assigned %d partitions of %s",
             self.group, len(assignment), ", ".join(sorted(self.topics)),
         )
 
-    def _starting_positions(self, consumer: Consumer, topics: list[str]) -> list[TopicPartition]:
-        """The partitions of ``topics`` (created if missing, with their DLQs), each at the position stored with the
-        rows, or the log's start where the store holds none; partitions that lost updates are left out."""
-        admin = AdminClient(self._client_config)
-        partitions: dict[str, int] = {}
-        for topic in topics:
-            partitions[topic] = n = ensure_topic(admin, topic, self.partitions, **self._replication)
-            self.topic_partitions[topic] = n
-            if n != self.partitions and self.shards > 1:
-                raise FailedPreconditionError(
-                    f"topic {topic} has {n} partitions but cluster.partitions is {self.partitions}: a shard owns "
-                    f"partition % {self.shards} == {self.shard}, so every update topic must have exactly P partitions"
-                )
-            ensure_topic(admin, dlq_topic_name(topic), 1, **self._replication)
-        stored = self.engine.positions()
-        keys = [(t, p) for t, count in partitions.items() for p in self.assigned_partitions(t, count)]
-        # where this consumer stopped applying a topic it follows again, else the stored position
-        return self._plan({k: max(stored.get(k, -1), self._applied.get(k, -1)) for k in keys})
-
-    def _plan(self, wanted: dict[tuple[str, int], int]) -> list[TopicPartition]:
-        """Where each partition of ``wanted`` (partition -> the next offset its rows need; negative: none stored)
-        starts, after checking it against its log's start and topic id (see watermarks); notes each one's end to
-        catch up to. Returns the assignment; partitions that lost updates are stopped instead."""
-        keys = list(wanted)
-        highs, lows = self.logs.ends(keys), self.logs.starts(keys)  # one ListOffsets request each
-        missing = [k for k in keys if k not in highs or k not in lows]
-        if missing:
-            raise UnavailableError(f"the broker did not answer the offsets of {len(missing)} partition(s), e.g. "
-                                   f"{missing[0][0]}[{missing[0][1]}]")
-        ids = self.logs.topic_ids({t for t, _ in keys})
-        known = {t: self.ledger.topic_id(t) for t in ids}
-        recorded = self.ledger.lost({t for t, _ in keys})
-        assignment, losses, unpositioned = [], [], {}
-        for key, start in wanted.items():
-            LOG_GAPS.labels(key[0], str(key[1]))  # at 0 from the first assignment on
-            recreated = known.get(key[0]) not in (None, ids.get(key[0]))
-            lost = recorded.get(key) or check_start(key, start, lows[key], recreated)
-            if lost is not None:
-                losses.append(lost)
-                continue
-            begin = start if start >= 0 and not recreated else lows[key]
-            if start < 0 or recreated:
-                unpositioned[key] = begin
-            self.catch_up.assigned(key, begin, highs[key])
-            assignment.append(TopicPartition(key[0], key[1], begin))
-            self._start_offsets[key] = begin
-            self.gaps.expect(key, begin)
-        self._lose(losses)
-        for topic, topic_id in ids.items():  # after the losses are recorded: a crash in between finds them again
-            self.ledger.set_topic_id(topic, topic_id)
-        if unpositioned and self.engine.stores_positions:  # stored from now on, so a later loss is found
-            self.engine.apply_changes([], unpositioned)
-        if late := {k: o for k, o in unpositioned.items() if o > 0}:
-            log.warning("update consumer %s: no position stored for %s; starting at the log's start: the updates "
-                        "before it were deleted from the log before this replica read them", self.group,
-                        ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(late.items())))
-        if assignment:
-            log.info("update consumer %s: %d partition(s) of %s start at their stored positions or the log's "
-                     "start; %d to catch up", self.group, len(assignment), ", ".join(sorted({t for t, _ in keys})),
-                     len(self.catch_up.targets))
-        return assignment
-
-    def assigned_partitions(self, topic: str, count: int) -> list[int]:
-        """The partitions of ``topic`` (``count`` of them) this consumer reads: its shard's, p % shards == shard."""
-        return [p for p in range(count) if p % self.shards == self.shard]
-
-    def _follow_changes(self) -> None:
-        """Assign the partitions of models follow() added and unassign those of models it dropped."""
-        assert self._consumer is not None
-        with self._follow_lock:
-            wanted, self._wanted = self._wanted, None
-        if wanted is None:
-            return
-        dropped = [t for t in self.topics if t not in wanted]
-        added = [t for t in wanted if t not in self.topics]
-        if dropped:
-            gone = [tp for tp in self._assignment if tp.topic in dropped]
-            self._consumer.incremental_unassign(gone)
-            gone += [TopicPartition(t, p) for t, p in list(self._parked) if t in dropped]
-            self._parked = {tp: o for tp, o in self._parked.items() if tp[0] not in dropped}
-            self._assignment = [tp for tp in self._assignment if tp.topic not in dropped]
-            self.topics = {t: m for t, m in self.topics.items() if t not in dropped}  # replaced: stats() reads it
-            self.metrics.forget_partitions([(tp.topic, tp.partition) for tp in gone])
-            self.catch_up.forget([(tp.topic, tp.partition) for tp in gone])
-            self.gaps.forget((tp.topic, tp.partition) for tp in gone)
-            self._lost = {p: x for p, x in self._lost.items() if p[0] not in dropped}  # the ledger keeps them
-        if added:
-            try:
-                assignment = self._starting_positions(self._consumer, added)
-                self._consumer.incremental_assign(assignment)
-            except (UnavailableError, FailedPreconditionError, KafkaException) as exc:
-                self.last_error = f"cannot start consuming {', '.join(added)}: {exc}"
-                log.warning("update consumer %s: %s; retrying", self.group, self.last_error)
-                with self._follow_lock:
-                    if self._wanted is None:
-                        self._wanted = wanted
-                self._follow_retry_at = time.monotonic() + 1.0
-                return
-            self._assignment.extend(assignment)
-            self.topics = {**self.topics, **{t: wanted[t] for t in added}}
-        log.info("update consumer %s now follows %s", self.group, ", ".join(sorted(self.topics)) or "no model")
-
     def _poll_once(self) -> None:
         assert self._consumer is not None and self._dlq is not None
-        if self._wanted is not None and time.monotonic() >= self._follow_retry_at:
-            self._follow_changes()
-        if self._parked:
-            self._resume_parked()
+        if self.assignment.follow_due():
+            self.assignment.follow_changes(self._consumer)
+        if self.assignment.parked:
+            self.assignment.resume_parked(self._consumer)
         self._take_losses(self.log_watch.take())
         if self._recovering:
             self._recover()
@@ -504,224 +399,20 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         return [first, *self._consumer.consume(num_messages=self.batch_messages - 1, timeout=0)]
 
     def _process(self, msgs: list[Message]) -> None:
-        groups: dict[tuple[str, str], TableBatch] = {}
-        purges: dict[tuple[str, str], int] = {}
-        produced_at: dict[str, list[int]] = {}  # per model
-        offsets: dict[tuple[str, int], int] = {}  # per partition, the next offset once this batch is applied
-        first: dict[tuple[str, int], int] = {}  # per partition, its first offset in this batch
-        park: dict[tuple[str, int], int] = {}
-        reread: dict[tuple[str, int], int] = {}  # per partition, where a gap begins: read again from there
-        loaded = {m.name for m in self.engine.models()}
-        assert self._dlq is not None
-        dead_letters = self._dlq.sent
-        for msg in msgs:
-            err = msg.error()
-            if err is not None:
-                if err.code() == KafkaError._AUTO_OFFSET_RESET and msg.topic() in self.topics:
-                    self._out_of_range((msg.topic(), msg.partition()))
-                elif err.code() != KafkaError._PARTITION_EOF:
-                    self.last_error = err.str()
-                    log.warning("update consumer %s: %s", self.group, err.str())
-                continue
-            topic = msg.topic()
-            part = (topic, msg.partition())
-            model = self.topics.get(topic)
-            if model is None or part in self._parked or part in park or part in reread:
-                continue  # fetched before its partition was dropped, parked or sought back: read again from there
-            gap = self.gaps.check(part, msg.offset())
-            if gap is not None:
-                reread[part] = gap
-                continue
-            self.gaps.taken(part, msg.offset())
-            first.setdefault(part, msg.offset())
-            try:
-                if model not in loaded:
-                    raise ModelUnloadedError(model)
-                upd = self._validated(model, msg.value())
-                self.admin_messages.check(model, upd, msg.value(), msg.headers())
-            except ModelUnloadedError:
-                park[part] = msg.offset()
-                continue
-            except MalformedUpdateError as exc:
-                self._dead_letter(msg, model, str(exc))
-            else:
-                if upd.purge_tombstones_below:
-                    purges[(model, upd.table)] = max(purges.get((model, upd.table), 0), upd.purge_tombstones_below)
-                else:
-                    groups.setdefault((model, upd.table), TableBatch()).add(upd, msg)
-                produced_at.setdefault(model, []).append(upd.produced_at_ns)
-            offsets[part] = msg.offset() + 1
-        done = _Applied()
-        changes = self._changes(groups, done)
-        if self._dlq.sent != dead_letters and not self._dlq.delivered(self._stopping):
-            return  # stopping: the batch is read again, its dead letters produced again
-        applied = self._apply(changes, {p: o for p, o in offsets.items() if p not in park}, purges, done)
-        if applied is None:
-            return  # stopping with this batch unapplied: its positions stay unstored and it is read again
-        for model in applied.unloaded:  # unloaded while its batch was applied: read it all again once it is back
-            produced_at.pop(model, None)
-            for part, offset in first.items():
-                if self.topics.get(part[0]) == model:
-                    park[part] = min(offset, park.get(part, offset))
-        for part, offset in park.items():
-            offsets[part] = offset
-        now_ns = time.time_ns()
-        for model, stamps in produced_at.items():
-            lags = (now_ns - np.asarray(stamps, dtype=np.int64)) / 1e9
-            self.metrics.record_lags(np.maximum(lags, 0.0), model)
-        self.metrics.messages_total += sum(len(stamps) for stamps in produced_at.values())
-        self.metrics.batches_total += 1
-        fetched = {k: self._fetched_high(k) for k in offsets}
-        with self._applied_cond:
-            self._applied.update(offsets)
-            self.catch_up.advance(offsets, fetched)
-        if park:
-            self._park(park)
-        for (topic, partition), offset in reread.items():
-            if (topic, partition) not in park:
+        assert self._consumer is not None and self._dlq is not None
+        batch = self.applier.read(msgs, self.assignment, self._dlq, self._out_of_range)
+        if not self.applier.apply(batch, self.topics, self._dlq):
+            return  # stopping: the batch is read again
+        fetched = {k: self._fetched_high(k) for k in batch.offsets}
+        self.progress.advance(batch.offsets, fetched)
+        if batch.park:
+            self.assignment.park(self._consumer, batch.park)
+        for (topic, partition), offset in batch.reread.items():
+            if (topic, partition) not in batch.park:
                 self._consumer.seek(TopicPartition(topic, partition, offset))
 
-    def _park(self, parts: dict[tuple[str, int], int]) -> None:
-        """Stop reading ``parts`` at the given offsets (their model is not loaded) until it is loaded again."""
-        assert self._consumer is not None
-        gone = [TopicPartition(t, p) for t, p in parts]
-        self._consumer.incremental_unassign(gone)
-        self._assignment = [tp for tp in self._assignment if (tp.topic, tp.partition) not in parts]
-        self._parked.update(parts)
-        self.catch_up.forget(list(parts))
-        self.gaps.forget(parts)
-        log.warning("update consumer %s: model %s is not loaded; %s parked until it is", self.group,
-                    ", ".join(sorted({self.topics.get(t, t) for t, _ in parts})),
-                    ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(parts.items())))
-
-    def _resume_parked(self) -> None:
-        """Assign again, at their parked offsets, the parked partitions whose model is loaded now."""
-        assert self._consumer is not None
-        loaded = {m.name for m in self.engine.models()}
-        back = {part: o for part, o in self._parked.items() if self.topics.get(part[0]) in loaded}
-        if not back:
-            return
-        assignment = [TopicPartition(t, p, o) for (t, p), o in back.items()]
-        self._consumer.incremental_assign(assignment)
-        self._assignment.extend(TopicPartition(t, p) for t, p in back)
-        for part, offset in back.items():
-            self.gaps.expect(part, offset)
-        self._parked = {part: o for part, o in self._parked.items() if part not in back}
-        log.info("update consumer %s: resumed %s", self.group,
-                 ", ".join(f"{t}[{p}]@{o}" for (t, p), o in sorted(back.items())))
-
-    def _validated(self, model: str, payload: bytes | None) -> DecodedUpdate:
-        upd = decode_update(payload)
-        if upd.model != model:
-            raise MalformedUpdateError(f"message for model {upd.model!r} on the topic of model {model!r}")
-        dim = self._table_dim(model, upd.table)
-        if upd.keys.shape[0] and upd.dim != dim:
-            raise MalformedUpdateError(f"rows of dim {upd.dim} for table {model}.{upd.table} of dim {dim}")
-        return upd
-
-    def _table_dim(self, model: str, table: str) -> int:
-        """The dim of a loaded table; ModelUnloadedError when the model is not loaded, MalformedUpdateError when it
-        has no such table."""
-        try:
-            return self.engine.table(model, table).dim
-        except NotFoundError as exc:
-            if not any(m.name == model for m in self.engine.models()):
-                raise ModelUnloadedError(model) from None
-            raise MalformedUpdateError(str(exc)) from None
-
-    def _changes(self, groups: dict[tuple[str, str], TableBatch], done: _Applied) -> list[TableChange]:
-        """One change per table. A change the engine refuses is checked message by message, and only the messages
-        it refuses on their own are dead-lettered; a table whose model is not loaded is left out (``done``)."""
-        changes = []
-        for (model, table), batch in groups.items():
-            try:
-                change = self._change(model, table, [batch])
-                self.engine.check_change(change)
-            except ModelUnloadedError:
-                done.unloaded.add(model)
-                continue
-            except (InvalidArgumentError, MalformedUpdateError, NotFoundError) as exc:
-                kept = []
-                for msg in batch.messages:
-                    single = TableBatch()
-                    single.add(decode_update(msg.value()), msg)
-                    try:
-                        self.engine.check_change(self._change(model, table, [single]))
-                        kept.append(single)
-                    except ModelUnloadedError:
-                        done.unloaded.add(model)
-                        break
-                    except (InvalidArgumentError, MalformedUpdateError, NotFoundError) as one:
-                        self._dead_letter(msg, model, f"rejected by the engine: {one if len(batch.messages) > 1 else exc}")
-                if model in done.unloaded or not kept:
-                    continue
-                change = self._change(model, table, kept)
-            changes.append(change)
-        return changes
-
-    def _change(self, model: str, table: str, batches: list[TableBatch]) -> TableChange:
-        return table_change(model, table, batches, self._table_dim(model, table))
-
-    def _apply(self, changes: list[TableChange], positions: dict[tuple[str, int], int],
-               purges: dict[tuple[str, str], int], done: _Applied) -> _Applied | None:
-        """Write the changes and the positions they bring the partitions to in one atomic engine call (purges run
-        between the rows and the positions); retry transient failures until done (None if stopping first). The
-        changes, purges and positions of a model unloaded meanwhile are left for when it is back (``done``)."""
-        backoff = 0.05
-        while True:
-            changes = [c for c in changes if c.model not in done.unloaded]
-            purges = {k: v for k, v in purges.items() if k[0] not in done.unloaded}
-            positions = {p: o for p, o in positions.items() if self.topics.get(p[0]) not in done.unloaded}
-            try:
-                if purges:
-                    self.engine.apply_changes(changes)
-                    for (model, table), below in purges.items():
-                        self.engine.purge_tombstones(model, table, below)
-                    self.engine.apply_changes([], positions)
-                else:
-                    self.engine.apply_changes(changes, positions)
-                break
-            except (NotFoundError, InvalidArgumentError) as exc:
-                # validated a moment ago: a model was unloaded or replaced meanwhile; its partitions are parked at
-                # this batch and read again (and checked again) once it is loaded
-                loaded = {m.name for m in self.engine.models()}
-                gone = {c.model for c in changes} | {m for m, _ in purges}
-                if not gone:
-                    raise
-                done.unloaded |= (gone - loaded) or gone
-                log.warning("update consumer %s: %s changed under a batch (%s); reading it again", self.group,
-                            ", ".join(sorted(gone)), exc)
-            except Exception as exc:  # noqa: BLE001  (a tier is down: retry the same rows, store nothing)
-                self.metrics.apply_failures += 1
-                tables = ", ".join(f"{c.model}.{c.table}" for c in changes) or "positions"
-                self.last_error = self.apply_error = f"apply to {tables} failed: {exc}"
-                log.warning("update consumer %s: %s; retrying in %.2fs", self.group, self.last_error, backoff)
-                if self._stopping.wait(backoff):
-                    return None
-                backoff = min(backoff * 2, 2.0)
-        self.apply_error = None
-        for c in changes:
-            top = max(int(c.versions.max()) if c.versions.shape[0] else -1,
-                      int(c.delete_versions.max()) if c.delete_versions.shape[0] else -1)
-            self.metrics.record_applied(
-                c.model, c.table,
-                rows=int(np.unique(np.concatenate((c.keys, c.delete_keys))).shape[0]),
-                received=int(c.keys.shape[0] + c.delete_keys.shape[0]),
-                max_version=top if top >= 0 else None,
-            )
-        return done
-
-    # ---- dead letters, lag --------------------------------------------------------------------
-    def _dead_letter(self, msg: Message, model: str, reason: str) -> None:
-        assert self._dlq is not None
-        self.metrics.record_malformed(model)
-        log.warning(
-            "update consumer %s: malformed message %s[%d]@%d: %s",
-            self.group, msg.topic(), msg.partition(), msg.offset(), reason,
-        )
-        self._dlq.send(msg, reason)
-
-    def _on_dead_letter_error(self, text: str) -> None:
+    # ---- errors, lag --------------------------------------------------------------------------
+    def _on_error(self, text: str) -> None:
         self.last_error = text
 
     def _on_client_error(self, err: KafkaError) -> None:

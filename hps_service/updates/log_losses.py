@@ -9,8 +9,8 @@ thread, except the public readers and :meth:`LogLosses.recover`, which only leav
 from __future__ import annotations
 
 import logging
-import threading
 import time
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from confluent_kafka import TopicPartition
@@ -19,8 +19,10 @@ from hps_service.errors import UnavailableError
 from hps_service.updates.watermarks import BELOW_START, LOG_GAPS, RECREATED, LostLog, find_losses
 
 if TYPE_CHECKING:
+    from hps_service.updates.assignment import Assignment
     from hps_service.updates.catch_up import CatchUp
     from hps_service.updates.gaps import OffsetGaps
+    from hps_service.updates.progress import Progress
     from hps_service.updates.watermarks import BrokerLogs, LogLedger
 
 log = logging.getLogger(__name__)
@@ -39,15 +41,11 @@ class LogLosses:
     ledger: LogLedger
     catch_up: CatchUp
     gaps: OffsetGaps
+    assignment: Assignment
+    progress: Progress
     _consumer: Any
-    _assignment: list[TopicPartition]
-    _parked: dict[Partition, int]
-    _applied: dict[Partition, int]
-    _start_offsets: dict[Partition, int]
     _lost: dict[Partition, LostLog]
     _recovering: dict[Partition, int]
-    _follow_lock: threading.Lock
-    _applied_cond: threading.Condition
     _past_end_seen: dict[Partition, int]  # partitions seen past their end once, at that position
 
     def _topics_of(self, model: str | None) -> set[str]:
@@ -55,9 +53,7 @@ class LogLosses:
 
     def _positions(self) -> dict[Partition, int]:
         """The next offset of each partition read now (applied, or where it was assigned)."""
-        return {(tp.topic, tp.partition): self._applied.get((tp.topic, tp.partition),
-                                                            self._start_offsets.get((tp.topic, tp.partition), 0))
-                for tp in list(self._assignment)}
+        return self.progress.positions(self.assignment.assigned)
 
     # ---- readers ------------------------------------------------------------------------------
     def lost(self, model: str | None = None) -> dict[Partition, LostLog]:
@@ -77,7 +73,7 @@ class LogLosses:
     def recover(self, positions: dict[Partition, int]) -> None:
         """Lost partitions whose rows were bootstrapped again up to ``positions``: the consumer thread stores the
         positions and resumes them there."""
-        with self._follow_lock:
+        with self.assignment.follow_lock:
             self._recovering.update(positions)
 
     def wait_applied_to_end(self, model: str, timeout: float) -> bool:
@@ -124,11 +120,11 @@ class LogLosses:
             if x.reason == RECREATED and x.topic_id is not None:  # the other partitions read the new topic now
                 self.ledger.set_topic_id(x.topic, x.topic_id)
         parts = {x.part for x in losses}
-        gone = [tp for tp in self._assignment if (tp.topic, tp.partition) in parts]
+        gone = [tp for tp in self.assignment.assigned if (tp.topic, tp.partition) in parts]
         if gone and self._consumer is not None:
             self._consumer.incremental_unassign(gone)
-        self._assignment = [tp for tp in self._assignment if (tp.topic, tp.partition) not in parts]
-        self._parked = {p: o for p, o in self._parked.items() if p not in parts}
+        self.assignment.assigned = [tp for tp in self.assignment.assigned if (tp.topic, tp.partition) not in parts]
+        self.assignment.parked = {p: o for p, o in self.assignment.parked.items() if p not in parts}
         self.catch_up.forget(parts)
         self.gaps.forget(parts)
         self.metrics.forget_partitions(list(parts))  # no lag figure for a partition nobody reads
@@ -138,6 +134,10 @@ class LogLosses:
             log.error("update consumer %s: lost updates on %s; nothing more of the partition is applied and the "
                       "replica is not ready until it is bootstrapped again from a snapshot the log can be replayed "
                       "from", self.group, x.describe())
+
+    def _forget_lost(self, topics: Collection[str]) -> None:
+        """Partitions of ``topics`` (no longer followed) are no longer reported as lost; the ledger keeps them."""
+        self._lost = {p: x for p, x in self._lost.items() if p[0] not in topics}
 
     def _out_of_range(self, part: Partition) -> None:
         """A fetch found the partition's offset out of its log: below its start (lost) or past its end."""
@@ -164,9 +164,9 @@ class LogLosses:
         begin = self.logs.starts([part]).get(part, 0)
         log.warning("update consumer %s: %s[%d] stands at offset %d but its log ends at %d; reading it again from "
                     "offset %d", self.group, part[0], part[1], position, high, begin)
-        with self._applied_cond:
-            self._applied.pop(part, None)
-        self._start_offsets[part] = begin
+        with self.progress.cond:
+            self.progress.applied.pop(part, None)
+        self.progress.start_offsets[part] = begin
         self.catch_up.assigned(part, begin, high)
         self._reassign({part: begin})
 
@@ -180,18 +180,18 @@ class LogLosses:
 
     def _recover(self) -> None:
         """Resume lost partitions bootstrapped again (:meth:`recover`) at the positions their rows stand at now."""
-        with self._follow_lock:
+        with self.assignment.follow_lock:
             todo, self._recovering = {p: o for p, o in self._recovering.items() if p in self._lost}, {}
         if not todo or self._consumer is None:
             return
         self.engine.apply_changes([], todo)
         self.ledger.recovered(list(todo))
-        with self._applied_cond:
+        with self.progress.cond:
             for part in todo:
                 self._lost.pop(part, None)
-                self._applied.pop(part, None)
-        assignment = self._plan(todo)  # type: ignore[attr-defined]
+                self.progress.applied.pop(part, None)
+        assignment = self.assignment.plan(todo)
         self._consumer.incremental_assign(assignment)
-        self._assignment.extend(TopicPartition(tp.topic, tp.partition) for tp in assignment)
+        self.assignment.assigned.extend(TopicPartition(tp.topic, tp.partition) for tp in assignment)
         log.info("update consumer %s: bootstrapped again, resumed %s", self.group,
                  ", ".join(f"{tp.topic}[{tp.partition}]@{tp.offset}" for tp in assignment))

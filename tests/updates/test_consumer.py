@@ -114,7 +114,7 @@ def test_stop_without_commit_then_restart_loses_nothing(
     assert all(stored[k] >= o for k, o in committed.items()), (stored, committed)
     assert total // 3 <= received < total, "stopped too late to exercise a restart"
     second = start_consumer()  # resumes from the positions stored with the rows, not the group's offsets
-    assert {k: second._start_offsets[k] for k in stored} == stored
+    assert {k: second.progress.start_offsets[k] for k in stored} == stored
     assert wait_until(lambda: all_served(engine, model_name, keys, expected), timeout=120), second.stats()
     found, versions = stored_versions(engine, model_name, keys)["persistent"]
     assert found.all() and (versions == expected).all()
@@ -310,7 +310,7 @@ def test_consumer_sigkilled_mid_ingest_loses_nothing(kafka_broker, tmp_path, mod
     try:
         consumer.start()
         assert consumer.wait_ready(30)
-        assert any(o >= 0 for o in consumer._start_offsets.values()), "the killed consumer never committed"
+        assert any(o >= 0 for o in consumer.progress.start_offsets.values()), "the killed consumer never committed"
         assert wait_until(lambda: all_served(engine, model_name, keys, expected), timeout=120), consumer.stats()
         found, versions = stored_versions(engine, model_name, keys)["persistent"]
         assert found.all() and (versions == expected).all()

@@ -165,7 +165,7 @@ def test_a_loss_found_while_running_stops_the_partition_and_only_that_one(
         position = consumer.stats()["applied_offsets"][f"{topic}[0]"]
         consumer.log_watch._found.append(LostLog(topic, 0, position, position + 10, BELOW_START))
         assert wait_until(lambda: (topic, 0) in consumer.lost(), timeout=10), consumer.stats()
-        assert [(tp.topic, tp.partition) for tp in consumer._assignment] == [(topic, 1)]
+        assert [(tp.topic, tp.partition) for tp in consumer.assignment.assigned] == [(topic, 1)]
         assert not consumer.caught_up() and f"{topic}[0]: offsets {position}.." in consumer.catching_up()
         with Publisher(kafka_broker.bootstrap, model_name, partitions=PARTITIONS) as pub:
             pub.publish(TABLE, keys, rows_for(keys, 2), 2)

@@ -16,7 +16,7 @@ def test_a_shard_applies_only_its_partitions(kafka_broker, updates_cfg, engine, 
     consumer.start()
     try:
         assert consumer.wait_ready(30), consumer.stats()
-        assert sorted(tp.partition for tp in consumer._assignment) == [1, 3]
+        assert sorted(tp.partition for tp in consumer.assignment.assigned) == [1, 3]
         assert consumer.topic_partitions == {f"hps.{model_name}": 4}
         keys = np.arange(4000, dtype=np.int64) * 7 + 1
         mine = shard_of(keys, 4, 2) == 1
@@ -45,6 +45,6 @@ def test_a_shard_refuses_a_topic_with_another_partition_count(kafka_broker, upda
     unsharded.start()
     try:  # unsharded, every key is on shard 0 whatever the count: the topic is taken as it is
         assert unsharded.wait_ready(30), unsharded.stats()
-        assert len(unsharded._assignment) == 4
+        assert len(unsharded.assignment.assigned) == 4
     finally:
         unsharded.stop()
