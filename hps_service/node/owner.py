@@ -36,7 +36,7 @@ from hps_service.node.store.l3_events import L3Announcer
 from hps_service.node.store.node_store import T_L1_GEN, T_WRITE_GEN, NodeStore, TableSlot
 from hps_service.node.supervisor import WorkerSupervisor, reserve_port
 from hps_service.node.worker_engine import KIND_ADMIT, KIND_PROMOTE
-from hps_service.server.grpc_service import ServingGate
+from hps_service.runtime.gate import ServingGate
 from hps_service.shm.counters import REQ_LATENCY, REQ_STATUS, TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES
 from hps_service.shm.permissions import local_access
 from hps_service.shm.queue import Record

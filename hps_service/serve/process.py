@@ -34,6 +34,7 @@ from hps_service.fleet.sharding import ShardMap
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.jit.warmup import warm_all
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.runtime.heap import HeapTrimmer
 from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
@@ -41,7 +42,7 @@ from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-e
     build_grpc_server,
     message_limits,
 )
-from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate
+from hps_service.server.grpc_service import EmbeddingServicer
 from hps_service.server.http_listener import HttpListener
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer

@@ -33,11 +33,12 @@ from hps_service.node.store import node_store as ns
 from hps_service.node.store.view import StoreView
 from hps_service.node.worker_engine import WorkerEngine
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.runtime.gate import ServingGate
 from hps_service.runtime.heap import HeapTrimmer
 from hps_service.runtime.logs import setup_logging
 from hps_service.server.call_tracing import flush_spans
 from hps_service.server.grpc_server import build_grpc_server
-from hps_service.server.grpc_service import EmbeddingServicer, ServingGate
+from hps_service.server.grpc_service import EmbeddingServicer
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.tls import grpc_server_credentials
 from hps_service.shm.counters import RequestCounters

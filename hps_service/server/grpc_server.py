@@ -15,8 +15,9 @@ from grpc_reflection.v1alpha import reflection
 
 from hps_service.config import HPSConfig, ServerConfig
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.server.call_tracing import grpc_tracing
-from hps_service.server.grpc_service import DRAINING, EmbeddingServicer, ServingGate, add_embedding_service
+from hps_service.server.grpc_service import EmbeddingServicer, add_embedding_service
 
 _MiB = 1 << 20
 #: How long a draining server waits after its last call answered before it stops (see :meth:`HandlerPool.wait_idle`).

@@ -28,6 +28,7 @@ from hps_service.errors import (
 from hps_service.fleet.sharding import ShardMap
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_service.runtime.gate import ServingGate
 from hps_service.server.auth import Authenticator, Principal
 from hps_service.server.grpc_auth import grpc_principal
 from hps_service.server.metrics import ServerMetrics
@@ -66,39 +67,6 @@ def check_deadline(context: grpc.ServicerContext) -> None:
 #: gRPC's server pushback (gRFC A6) telling a client's retry policy not to retry: sent with the RESOURCE_EXHAUSTED
 #: of a request over a limit, so that only an overloaded server's (gRPC's own, at max_concurrent_requests) is retried.
 NO_RETRY = ((PUSHBACK, "-1"),)
-
-#: Why a server that received SIGTERM is not ready, and why it refuses lookups once its lame-duck moment is over.
-DRAINING = "the server is draining"
-
-
-class ServingGate:
-    """Whether lookups are accepted: closed while starting and while draining. ``draining`` is set the moment a
-    server begins to drain, while it still answers (readiness already says it is going)."""
-
-    def __init__(self) -> None:
-        self._open = threading.Event()
-        self.reason = "the server is starting"
-        self.draining = False
-
-    def begin_draining(self) -> None:
-        """Say the server is going (readiness) while lookups are still answered, until :meth:`close`."""
-        self.draining = True
-
-    def open(self) -> None:
-        self._open.set()
-
-    def close(self, reason: str) -> None:
-        self.reason = reason
-        self._open.clear()
-
-    @property
-    def is_open(self) -> bool:
-        return self._open.is_set()
-
-    def check(self) -> None:
-        if not self._open.is_set():
-            raise UnavailableError(self.reason)
-
 
 class MalformedRequest:
     """Stands for request bytes that are not the expected protobuf message (refused as INVALID_ARGUMENT)."""

@@ -42,11 +42,12 @@ from hps_service.errors import (
 )
 from hps_service.fleet.registry_log import ModelRegistrations
 from hps_service.fleet.sharding import ShardMap, WrongShardError
+from hps_service.runtime.gate import ServingGate
 from hps_service.server.audit import AuditLog
 from hps_service.server.auth import Authenticator
 from hps_service.server.docs import add_offline_docs
 from hps_service.server.gatekeeper import Gatekeeper, caller_of
-from hps_service.server.grpc_service import ServingGate, status_for
+from hps_service.server.grpc_service import status_for
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import Readiness, ReadinessCheck, add_probe_routes
 from hps_service.server.problems import PROBLEM_JSON

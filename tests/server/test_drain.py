@@ -11,8 +11,8 @@ import time
 import grpc
 import pytest
 
+from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.server.grpc_server import DRAIN_SETTLE_S, HandlerPool, ServingGrpc
-from hps_service.server.grpc_service import DRAINING, ServingGate
 from tests.helpers import free_port
 
 

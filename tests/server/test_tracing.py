@@ -44,9 +44,10 @@ from hps_service.engine import LookupEngine  # noqa: E402
 from hps_service.fleet.registry_log import ModelRegistrations
 from hps_service.proto.hps.v1 import embedding_pb2 as pb  # noqa: E402
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc  # noqa: E402
+from hps_service.runtime.gate import ServingGate
 from hps_service.server.call_tracing import admin_app, grpc_tracing  # noqa: E402
 from hps_service.server.grpc_server import build_grpc_server  # noqa: E402
-from hps_service.server.grpc_service import EmbeddingServicer, ServingGate  # noqa: E402
+from hps_service.server.grpc_service import EmbeddingServicer  # noqa: E402
 from hps_service.server.metrics import ServerMetrics  # noqa: E402
 from hps_service.server.rest import AdminContext  # noqa: E402
 from tests.fixtures.otlp_collector import Collector, OtlpCollector, Span  # noqa: E402
