@@ -34,7 +34,7 @@ from hps_service.node.store import layout
 from hps_service.node.store import node_store as ns
 from hps_service.node.store.l3_events import L3Announcer
 from hps_service.node.store.node_store import T_L1_GEN, T_WRITE_GEN, NodeStore, TableSlot
-from hps_service.node.supervisor import WorkerSupervisor, reserve_port
+from hps_service.node.supervisor import WorkerProgram, WorkerSupervisor, reserve_port
 from hps_service.node.worker_engine import KIND_ADMIT, KIND_PROMOTE
 from hps_service.runtime.gate import ServingGate
 from hps_service.shm.counters import REQ_LATENCY, REQ_STATUS, TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES
@@ -269,7 +269,7 @@ class NodeGate(ServingGate):
 class NodeOwner:
     """The owner's part of a node: the store, the engine, the workers and the queue from them."""
 
-    def __init__(self, config: HPSConfig, log_level: int) -> None:
+    def __init__(self, config: HPSConfig, log_level: int, program: WorkerProgram) -> None:
         cfg = config.server
         self.config = config
         self.workers = cfg.worker_processes()
@@ -279,9 +279,9 @@ class NodeOwner:
                                ring_keys=config.persistent.change_ring_keys, access=local_access(local))
         if (uds := cfg.local_socket()) is not None:  # where LocalClient readers send their misses
             self.store.extra["socket"] = str(uds)
-        WorkerSupervisor.prepare()
+        WorkerSupervisor.prepare(program)
         self.wake = multiprocessing.get_context("forkserver").Semaphore(0)
-        self.supervisor = WorkerSupervisor(config, self.store, self.wake, log_level)
+        self.supervisor = WorkerSupervisor(config, self.store, self.wake, log_level, program)
         self.engine: OwnerEngine | None = None
         self._port_sock: Any = None
         self._stop = threading.Event()

@@ -21,6 +21,8 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing import forkserver
 from typing import Any
 
@@ -48,11 +50,23 @@ def reserve_port(host: str, port: int) -> socket.socket:
     return bound_socket(host, port, "gRPC", socket.SO_REUSEPORT)
 
 
+@dataclass(frozen=True)
+class WorkerProgram:
+    """What a worker process runs: ``main(config, store_path, worker, port, wake, log_level)``, and the module the
+    fork server imports (and warms) before it forks one. Given by the process that composes the node (``serve/``),
+    so that the node does not import the gRPC front end it serves."""
+
+    main: Callable[[HPSConfig, str, int, int, Any, int], None]
+    preload: str
+
+
 class WorkerSupervisor:
     """The owner's handle on its worker processes."""
 
-    def __init__(self, config: HPSConfig, store: ns.NodeStore, wake: Any, log_level: int) -> None:
+    def __init__(self, config: HPSConfig, store: ns.NodeStore, wake: Any, log_level: int,
+                 program: WorkerProgram) -> None:
         self.config = config
+        self.program = program
         self.store = store
         self.wake = wake
         self.log_level = log_level
@@ -68,9 +82,9 @@ class WorkerSupervisor:
         self._nudge_r, self._nudge_w = os.pipe()
 
     @staticmethod
-    def prepare() -> None:
+    def prepare(program: WorkerProgram) -> None:
         """Start the fork server now, so that it imports and warms up while the owner loads its tables."""
-        forkserver.set_forkserver_preload(["hps_service.serve.fork_preload"])
+        forkserver.set_forkserver_preload([program.preload])
         forkserver.ensure_running()
 
     def start(self, port: int, timeout: float = 120.0) -> None:
@@ -83,12 +97,10 @@ class WorkerSupervisor:
         self._monitor.start()
 
     def _spawn(self, i: int) -> None:
-        from hps_service.serve.worker import worker_main
-
         self.store.workers[i, ns.W_STATE] = ns.W_STARTING
         self.store.workers[i, ns.W_STARTS] += 1
         proc = self._ctx.Process(
-            target=worker_main, name=f"hps-worker-{i}", daemon=True,
+            target=self.program.main, name=f"hps-worker-{i}", daemon=True,
             args=(self.config, str(self.store.path), i, self.port, self.wake, self.log_level),
         )
         proc.start()

@@ -245,9 +245,12 @@ class HPSServer:
     def _start_node(self) -> None:
         """Create the shared store, load the tables into it and start the gRPC worker processes on the port."""
         from hps_service.node.owner import NodeCollector, NodeOwner
+        from hps_service.node.supervisor import WorkerProgram
+        from hps_service.serve.worker import worker_main
         from hps_service.shm.counters import RequestCounters
 
-        node = NodeOwner(self.config, logging.getLogger().getEffectiveLevel())
+        program = WorkerProgram(worker_main, preload="hps_service.serve.fork_preload")
+        node = NodeOwner(self.config, logging.getLogger().getEffectiveLevel(), program)
         self.node = node
         self.gate = node.gate
         try:
