@@ -27,6 +27,7 @@ from hps_service.cache.protocol import FetchBelow, TableCache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, ServedTable
+from hps_service.engine.l1_sizing import plan_l1
 from hps_service.engine.promote import promote
 from hps_service.node.manifest_wait import wait_workers_serve
 from hps_service.node.shared_l1 import cache_entry
@@ -42,7 +43,7 @@ from hps_service.shm.permissions import local_access
 from hps_service.shm.queue import Record
 from hps_service.shm.region import array_spec
 from hps_service.shm.usage import resident_bytes
-from hps_service.tiers.factory import build_persistent, build_volatile
+from hps_service.tiers.factory import open_tiers
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,8 @@ class OwnerEngine(LookupEngine):
         self._served: dict[int, ServedTable] = {}  # serial -> table
         self._slot_lock = threading.Lock()
         placement = store.volatile_allocator(config.volatile.overflow_policy == "lfu")
-        volatile = build_volatile(config.volatile, placement)
-        try:
-            persistent = build_persistent(config.persistent, on_write=self._l3_written,
+        volatile, persistent = open_tiers(config.volatile, config.persistent, placement, on_write=self._l3_written,
                                           file_events=L3Announcer(store.header))
-        except Exception:
-            if volatile is not None:
-                volatile.close()
-            raise
         super().__init__(volatile, persistent, cache_factory=self._cache_factory if config.cache.enabled else None,
                          max_batch_keys=config.server.max_batch_keys)
 
@@ -93,11 +88,7 @@ class OwnerEngine(LookupEngine):
         for the workers, and its change generation published where they read it."""
         slot = self._slot(t)
         cfg = self.config
-        rows = max((tier.count(t.id) for tier in (self.volatile, self.persistent) if tier is not None), default=0)
-        if isinstance(cfg.cache.capacity, float):
-            rows = max(rows, int(np.ceil(cfg.cache.min_rows / cfg.cache.capacity)))
-        snapshot_dir = Path(f"{cfg.persistent.path}.l1") if self.persistent is not None else None
-        snapshot = snapshot_dir / f"{t.id}.hot.npy" if snapshot_dir is not None else None
+        plan = plan_l1(cfg, t.id, (self.volatile, self.persistent), self.persistent is not None)
         made: list[tuple[np.ndarray, dict[str, Any]]] = []
         region = self.store.region
 
@@ -107,7 +98,7 @@ class OwnerEngine(LookupEngine):
             made.append((arr, array_spec(name, arr)))
             return arr
 
-        cache = build_table_cache(cfg.cache, t.dim, rows, fetch_below, warm_keys, snapshot, alloc=alloc)
+        cache = build_table_cache(cfg.cache, t.dim, plan.rows, fetch_below, warm_keys, plan.snapshot, alloc=alloc)
         arrays = getattr(cache, "arrays", None)
         if cache is not None and arrays is not None:
             specs = {field: next(spec for arr, spec in made if arr is getattr(arrays, field))

@@ -14,21 +14,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
 from grpc_health.v1 import health, health_pb2
 
 from hps_client.channel import ACCEPTING_SERVICE
 from hps_service.admin.checkpoints import SnapshotStore
 from hps_service.admin.jobs import JobRunner
-from hps_service.cache import FetchBelow, TableCache, build_table_cache
-from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
-from hps_service.engine import CacheFactory, LookupEngine, ServedTable
+from hps_service.engine import LookupEngine
 from hps_service.errors import UnavailableError
 from hps_service.fleet.admin_writes import LogWriter
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
 from hps_service.fleet.bucket import SnapshotBucket
-from hps_service.fleet.registrations import load_registrations, sync_registrations
+from hps_service.fleet.registrations import sync_registrations
 from hps_service.fleet.services import FleetServices
 from hps_service.fleet.sharding import ShardMap
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
@@ -36,6 +33,7 @@ from hps_service.jit.warmup import warm_all
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.runtime.heap import HeapTrimmer
+from hps_service.serve.build import build_engine, snapshots_root
 from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
     ServingGrpc,
@@ -49,8 +47,6 @@ from hps_service.server.probes import ProbeServer
 from hps_service.server.rest import AdminContext, ReadinessCheck, SwitchableApp, create_starting_app
 from hps_service.server.tls import grpc_server_credentials
 from hps_service.shm.permissions import local_access
-from hps_service.tiers.base import Tier
-from hps_service.tiers.factory import build_persistent, build_volatile
 from hps_service.updates import UpdateConsumer
 from hps_service.updates.message import topic_name
 from hps_service.updates.readiness import update_consumer_not_ready
@@ -59,56 +55,6 @@ if TYPE_CHECKING:
     from hps_service.node.owner import NodeOwner
 
 log = logging.getLogger(__name__)
-
-
-def build_engine(config: HPSConfig) -> LookupEngine:
-    """Open the configured tiers and load every configured model into a LookupEngine."""
-    volatile = build_volatile(config.volatile)
-    try:
-        persistent = build_persistent(config.persistent)
-    except Exception:
-        if volatile is not None:
-            volatile.close()
-        raise
-    engine = LookupEngine(
-        volatile=volatile,
-        persistent=persistent,
-        cache_factory=l1_cache_factory(config, volatile, persistent),
-        max_batch_keys=config.server.max_batch_keys,
-    )
-    for model in config.models:
-        engine.register_model(model)
-    configured = {m.name for m in config.models}
-    for model in load_registrations(persistent):
-        if model.name in configured:
-            log.warning("model %s is defined by the config; its stored runtime registration is ignored", model.name)
-            continue
-        log.info("model %s: registered at runtime before the restart", model.name)
-        engine.register_model(model)
-    return engine
-
-
-def l1_cache_factory(config: HPSConfig, volatile: Tier | None, persistent: Tier | None) -> CacheFactory | None:
-    """Builds each table's L1 cache, sized from the rows the lower tiers hold when the table is loaded."""
-    if not config.cache.enabled:
-        return None
-    snapshot_dir = Path(f"{config.persistent.path}.l1") if persistent is not None else None
-
-    def factory(t: ServedTable, fetch_below: FetchBelow, warm_keys: WarmKeys | None) -> TableCache | None:
-        rows = max((tier.count(t.id) for tier in (volatile, persistent) if tier is not None), default=0)
-        if isinstance(config.cache.capacity, float):
-            rows = max(rows, int(np.ceil(config.cache.min_rows / config.cache.capacity)))
-        snapshot = snapshot_dir / f"{t.id}.hot.npy" if snapshot_dir is not None else None
-        return build_table_cache(config.cache, t.dim, rows, fetch_below, warm_keys, snapshot)
-
-    return factory
-
-
-def snapshots_root(config: HPSConfig) -> Path:
-    """Where RocksDB checkpoints go: server.snapshots_path, else a ``snapshots`` directory beside the DB."""
-    if config.server.snapshots_path is not None:
-        return Path(config.server.snapshots_path)
-    return Path(config.persistent.path).parent / "snapshots"
 
 
 class HPSServer:

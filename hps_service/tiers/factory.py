@@ -80,3 +80,16 @@ def build_persistent(cfg: PersistentConfig, on_write: Any | None = None, file_ev
             file_events=file_events,
         )
     return None
+
+
+def open_tiers(volatile: VolatileConfig, persistent: PersistentConfig, placement: tuple[Any, Any] | None = None,
+               on_write: Any | None = None, file_events: Any | None = None) -> tuple[Tier | None, Tier | None]:
+    """Both configured tiers, volatile first; a persistent tier that fails to open closes the volatile one."""
+    l2 = build_volatile(volatile, placement)
+    try:
+        l3 = build_persistent(persistent, on_write=on_write, file_events=file_events)
+    except Exception:
+        if l2 is not None:
+            l2.close()
+        raise
+    return l2, l3

@@ -11,7 +11,7 @@ import pytest
 
 from hps_service.config import HPSConfig, ModelConfig, TableConfig, UpdatesConfig
 from hps_service.engine import LookupEngine
-from hps_service.serve.process import build_engine
+from hps_service.serve.build import build_engine
 
 TABLE = "item"
 DIM = 16
