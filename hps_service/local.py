@@ -32,9 +32,11 @@ import numpy as np
 from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import InvalidArgumentError, UnavailableError
 from hps_client.wire import TableAnswer, as_error, as_keys, build_request, decode_answer
-from hps_service.engine.levels import CACHE, VOLATILE
+from hps_service.engine.read import Reader
+from hps_service.engine.table import ServedTable
 from hps_service.errors import HPSError
 from hps_service.keys import unique_with_inverse
+from hps_service.node.reader_tiers import SharedVolatile
 from hps_service.node.shared_l1 import SharedL1Reader
 from hps_service.node.store import layout
 from hps_service.node.store.node_store import T_L1_GEN
@@ -51,16 +53,16 @@ SOCKET_NAME = "grpc.sock"
 
 
 class _Table:
-    """One table as this client reads it from the mapped store."""
+    """One table as this client reads it from the mapped store: its L1 and hash map, read by the engine's reader."""
 
     def __init__(self, view: StoreView, serial: int) -> None:
         tv = view.table(serial)
-        self.dim = tv.dim
-        self.id = f"{tv.model}.{tv.table}"
         entry = view.manifest["tables"][str(serial)].get("l1")
-        self.l1 = (SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read, None, touch=False)
-                   if tv.l1 is not None and entry is not None else None)
-        self.volatile = view.volatile(self.id)
+        l1 = (SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read, None, touch=False)
+              if tv.l1 is not None and entry is not None else None)
+        self.served = ServedTable(model=tv.model, name=tv.table, dim=tv.dim, default=tv.default, cache=l1)
+        volatile = SharedVolatile(lambda: view) if view.volatile(self.served.id) is not None else None
+        self.reader = Reader(volatile, None, max_batch_keys=0)
 
 
 class LocalClient:
@@ -242,28 +244,13 @@ class LocalClient:
                     answers[name].sources[miss] = got.sources[inverse]
         return {name: answers[name] for name in tables}
 
-    def _read_local(self, t: _Table, keys: np.ndarray) -> tuple[TableAnswer, np.ndarray | None]:
+    @staticmethod
+    def _read_local(t: _Table, keys: np.ndarray) -> tuple[TableAnswer, np.ndarray | None]:
         """L1, then the hash map for what L1 missed; returns the answer and the indices still missing (or None)."""
         n = keys.shape[0]
-        out = np.empty((n, t.dim), dtype=np.float32)
+        out = np.empty((n, t.served.dim), dtype=np.float32)
         sources = np.empty(n, dtype=np.uint8)
-        miss: np.ndarray | None = None
-        if t.l1 is not None:
-            hit = t.l1.lookup(keys, out)
-            sources.fill(CACHE)
-            if hit.all():
-                return TableAnswer(out, sources), None
-            miss = np.flatnonzero(~hit)
-        if t.volatile is not None:
-            asked = keys if miss is None else keys[miss]
-            got = t.volatile.get(asked)
-            found = got.found
-            at = np.flatnonzero(found) if miss is None else miss[found]
-            out[at] = got.vectors[found]
-            sources[at] = VOLATILE
-            miss = np.flatnonzero(~found) if miss is None else miss[~found]
-        elif miss is None:
-            miss = np.arange(n)
+        miss = t.reader.lookup_held(t.served, keys, out, sources)
         return TableAnswer(out, sources), (miss if miss.shape[0] else None)
 
     def _call(self, request: pb.LookupRequest, timeout: float | None,

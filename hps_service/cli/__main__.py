@@ -2,4 +2,5 @@
 
 from hps_service.cli.main import app
 
-app(prog_name="hps")
+if __name__ == "__main__":
+    app(prog_name="hps")

@@ -47,19 +47,10 @@ class Reader:
             out = np.empty((n, t.dim), dtype=np.float32)
         if sources is None:
             sources = np.empty(n, dtype=np.uint8)
-        if t.cache is not None and n:
-            fetched_at = t.cache.generation()
-            hit = t.cache.lookup(keys, out)
-            n_hit = int(np.count_nonzero(hit))
-            t.count("cache", n_hit, n - n_hit)
-            sources.fill(CACHE)
-            if n_hit == n:
-                return LookupResult(out, sources)
-            miss_idx = np.flatnonzero(~hit)
-            batch_hit_rate = n_hit / n
-        else:
-            miss_idx = None
-            batch_hit_rate = 0.0
+        fetched_at = t.cache.generation() if t.cache is not None else 0
+        miss_idx, batch_hit_rate = self._from_cache(t, keys, out, sources)
+        if batch_hit_rate == 1.0:
+            return LookupResult(out, sources)
         miss_keys = keys if miss_idx is None else keys[miss_idx]
         if miss_keys.shape[0] == 0:
             return LookupResult(out, sources)
@@ -80,10 +71,41 @@ class Reader:
                               fetched_at=fetched_at)
         return LookupResult(out, sources)
 
-    def fetch_below(self, t: ServedTable, keys: np.ndarray, count: bool = True) -> Fetched:
+    @staticmethod
+    def _from_cache(t: ServedTable, keys: np.ndarray, out: np.ndarray,
+                    sources: np.ndarray) -> tuple[np.ndarray | None, float]:
+        """L1's rows of ``keys`` into ``out``: the indices it missed (None: all of them) and its hit rate."""
+        n = keys.shape[0]
+        if t.cache is None or not n:
+            return None, 0.0
+        hit = t.cache.lookup(keys, out)
+        n_hit = int(np.count_nonzero(hit))
+        t.count("cache", n_hit, n - n_hit)
+        sources.fill(CACHE)
+        if n_hit == n:
+            return np.empty(0, dtype=np.intp), 1.0
+        return np.flatnonzero(~hit), n_hit / n
+
+    def lookup_held(self, t: ServedTable, keys: np.ndarray, out: np.ndarray, sources: np.ndarray) -> np.ndarray:
+        """The rows L1 and the volatile tier hold, into ``out`` and ``sources`` (no promotion, admission or
+        default); returns the indices of the keys neither holds, for the process that reads the tiers below
+        (a colocated reader of a node's store asks its server for them)."""
+        miss_idx, hit_rate = self._from_cache(t, keys, out, sources)
+        if hit_rate == 1.0:
+            return miss_idx if miss_idx is not None else np.empty(0, dtype=np.intp)
+        asked = keys if miss_idx is None else keys[miss_idx]
+        got = self.fetch_below(t, asked, count=False, through=VOLATILE)
+        held = got.sources != DEFAULT
+        at = np.flatnonzero(held) if miss_idx is None else miss_idx[held]
+        out[at] = got.vectors[held]
+        sources[at] = VOLATILE
+        return np.flatnonzero(~held) if miss_idx is None else miss_idx[~held]
+
+    def fetch_below(self, t: ServedTable, keys: np.ndarray, count: bool = True, through: int = PERSISTENT) -> Fetched:
         """Rows and versions of unique ``keys`` from volatile, then persistent, then the default; promotes L3 hits
-        to L2. ``count``: add to the table's per-level counters (lookups do; the cache's own reads do not)."""
-        read_at = t.guard.generation
+        to L2. ``count``: add to the table's per-level counters (lookups do; the cache's own reads do not).
+        ``through=VOLATILE`` stops above the persistent tier: what it misses is left DEFAULT, with no row."""
+        read_at = t.write_generation()
         m = keys.shape[0]
         rows: np.ndarray | None = None
         versions: np.ndarray | None = None
@@ -91,7 +113,7 @@ class Reader:
         src.fill(DEFAULT)
         pending: np.ndarray | None = None  # indices still unanswered; None: all of them
         for level, code, tier in (("volatile", VOLATILE, self.volatile), ("persistent", PERSISTENT, self.persistent)):
-            if tier is None:
+            if tier is None or code > through:
                 continue
             asked = keys if pending is None else keys[pending]
             got = tier.get(t.id, asked)
@@ -120,7 +142,7 @@ class Reader:
         if rows is None or versions is None:
             rows = np.empty((m, t.dim), dtype=np.float32)
             versions = np.full(m, NO_ROW_VERSION, dtype=np.int64)
-        if pending is None or pending.shape[0]:
+        if (pending is None or pending.shape[0]) and through == PERSISTENT:
             missing = slice(None) if pending is None else pending
             rows[missing] = default_rows(t.default, keys[missing], t.dim)
             if count:

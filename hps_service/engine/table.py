@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -19,8 +20,20 @@ _LEVEL_INDEX = {level: 2 * i for i, level in enumerate(LEVELS)}
 _DEFAULTS = 2 * len(LEVELS)
 
 
+class LevelCounters(Protocol):
+    """Where a table's lookups count their hits and misses per level and the keys answered with the default."""
+
+    def add(self, level: str, hits: int, misses: int) -> None: ...
+
+    def add_defaults(self, n: int) -> None: ...
+
+    def totals(self) -> tuple[dict[str, int], dict[str, int], int]:
+        """(hits per level, misses per level, defaults answered)."""
+        ...
+
+
 class TableCounters:
-    """Hits and misses per level and defaults answered, of one table.
+    """Hits and misses per level and defaults answered, of one table, in this process.
 
     Each thread adds to its own list of counts, so a lookup takes no lock and no count is lost; a read sums the
     lists. ``lock`` only guards the list of lists (taken once per thread, and by readers).
@@ -72,10 +85,20 @@ class ServedTable:
     guard: WriteGuard = field(default_factory=WriteGuard)
     #: Guards table metadata (the counters' list of threads); never taken by a lookup once its thread counted.
     lock: threading.Lock = field(default_factory=threading.Lock)
-    counters: TableCounters = field(init=False)
+    #: Where lookups count (None: a :class:`TableCounters` of this process; a node's worker counts in shared memory).
+    counters: LevelCounters = field(default=None)  # type: ignore[assignment]  # None is replaced in __post_init__
+    #: The write generation a reader stamps its reads with (None: the guard's; a node's worker reads the owner's).
+    published_generation: Callable[[], int] | None = None
 
     def __post_init__(self) -> None:
-        self.counters = TableCounters(self.lock)
+        if self.counters is None:
+            self.counters = TableCounters(self.lock)
+
+    def write_generation(self) -> int:
+        """The generation of the table's writes now: rows read after this are checked against writes since."""
+        if self.published_generation is not None:
+            return self.published_generation()
+        return self.guard.generation
 
     @property
     def id(self) -> str:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,36 +41,45 @@ _LEVEL = {name: i for i, name in enumerate(LEVELS)}
 
 
 class PublishedGeneration:
-    """A generation the owner publishes (read where the engine reads ``WriteGuard.generation`` or the L1's)."""
+    """A generation the owner publishes in a table's control array (its writes', or its L1's): ``read()`` it."""
 
     def __init__(self, control: np.ndarray, index: int) -> None:
         self._control = control
         self._index = index
 
-    @property
-    def generation(self) -> int:
-        return int(self._control[self._index])
-
     def read(self) -> int:
         return int(self._control[self._index])
 
 
-@dataclass(eq=False)
-class WorkerTable(ServedTable):
-    """A served table in a worker: counts into the shared counters, knows the owner's published generations."""
+class SharedTableCounters:
+    """A table's per-level counts of this worker, in its rows of the store's shared counters (the owner sums them)."""
 
-    serial: int = 0
-    view: TableView | None = None
-    rows: ThreadRows | None = field(default=None, repr=False)
+    def __init__(self, counters: np.ndarray, process: int) -> None:
+        self._rows = ThreadRows(counters, process)
+        self._process = counters[process]
 
-    def count(self, level: str, hits: int, misses: int) -> None:
-        row = self.rows.row()  # type: ignore[union-attr]
+    def add(self, level: str, hits: int, misses: int) -> None:
+        row = self._rows.row()
         i = _LEVEL[level]
         row[TABLE_HITS + i] += hits
         row[TABLE_MISSES + i] += misses
 
-    def count_defaults(self, n: int) -> None:
-        self.rows.row()[TABLE_DEFAULTS] += n  # type: ignore[union-attr]
+    def add_defaults(self, n: int) -> None:
+        self._rows.row()[TABLE_DEFAULTS] += n
+
+    def totals(self) -> tuple[dict[str, int], dict[str, int], int]:
+        """(hits per level, misses per level, defaults answered) of this worker's threads."""
+        sums = self._process.sum(axis=0)
+        hits = {level: int(sums[TABLE_HITS + i]) for level, i in _LEVEL.items()}
+        misses = {level: int(sums[TABLE_MISSES + i]) for level, i in _LEVEL.items()}
+        return hits, misses, int(sums[TABLE_DEFAULTS])
+
+
+@dataclass(eq=False)
+class WorkerTable(ServedTable):
+    """A served table in a worker: the store's serial of the table, which the owner knows it by."""
+
+    serial: int = 0
 
 
 class WorkerEngine:
@@ -105,6 +114,7 @@ class WorkerEngine:
         self.reader = Reader(self.volatile, self.persistent, self.max_batch_keys, promote=self._promote)
         self._models: dict[str, ModelConfig] = {}
         self._tables: dict[str, dict[str, WorkerTable]] = {}
+        self._views: dict[int, TableView] = {}  # serial -> the table's arrays in the store
         self._load()
 
     # ---- the manifest -------------------------------------------------------------------------
@@ -125,6 +135,7 @@ class WorkerEngine:
         manifest = view.manifest
         models = {m["name"]: ModelConfig.model_validate(m) for m in manifest["models"]}
         tables: dict[str, dict[str, WorkerTable]] = {}
+        views: dict[int, TableView] = {}
         rings: dict[str, ChangeRing] = {}
         for name, mc in models.items():
             tables[name] = {}
@@ -134,20 +145,23 @@ class WorkerEngine:
                     continue
                 old = self._tables.get(name, {}).get(tc.name)
                 if old is not None and old.serial == serial:
-                    t = old
+                    t, tv = old, self._views[serial]
                 else:
                     tv = view.table(serial)
-                    t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial, view=tv,
-                                    rows=ThreadRows(tv.counters, self.process) if tv.counters is not None else None)
-                    if tier_can(self.volatile, TierCapability.WRITES):  # not the owner's hash map, read-only here
-                        self.volatile.create_table(t.id, t.dim)  # this worker's own Redis client
-                    t.guard = PublishedGeneration(tv.control, T_WRITE_GEN)  # type: ignore[assignment]
+                    t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial,
+                                    published_generation=PublishedGeneration(tv.control, T_WRITE_GEN).read)
+                    if tv.counters is not None:
+                        t.counters = SharedTableCounters(tv.counters, self.process)
+                    if self.volatile is not None and tier_can(self.volatile, TierCapability.WRITES):
+                        self.volatile.create_table(t.id, t.dim)  # this worker's own Redis client (not the hash map)
                     if tv.l1 is not None:
                         entry = view.manifest["tables"][str(serial)]["l1"]
                         t.cache = SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read,
                                                  self._offer(t), touch=True)
                 tables[name][tc.name] = t
-                rings[t.id] = t.view.changes  # type: ignore[union-attr]
+                views[serial] = tv
+                rings[t.id] = tv.changes
+        self._views = views
         self._ring_by_table = rings
         if self.persistent is not None and any(tid not in self.persistent.tables() for tid in rings):
             self.persistent.reopen()

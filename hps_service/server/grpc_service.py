@@ -1,4 +1,4 @@
-"""gRPC EmbeddingService: translates protobuf requests to LookupEngine calls and domain errors to status codes."""
+"""gRPC EmbeddingService: translates protobuf requests to ReadEngine calls and domain errors to status codes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from google.protobuf.message import DecodeError
 
 from hps_client.attempts import PUSHBACK
 from hps_service.config import ServerConfig
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import ReadEngine
 from hps_service.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -115,7 +115,7 @@ def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server) -> N
     server.add_registered_method_handlers(service, handlers)
 
 
-def _model_info(engine: LookupEngine, name: str) -> pb.ModelInfo:
+def _model_info(engine: ReadEngine, name: str) -> pb.ModelInfo:
     m = engine.model(name)
     return pb.ModelInfo(name=m.name, tables=[pb.TableInfo(name=t.name, dim=t.dim) for t in m.tables])
 
@@ -125,7 +125,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
 
     def __init__(
         self,
-        engine: LookupEngine,
+        engine: ReadEngine,
         limits: ServerConfig,
         gate: ServingGate,
         metrics: ServerMetrics | None = None,
@@ -137,7 +137,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         self.engine = engine
         self.limits = limits
         self.gate = gate
-        self.metrics = metrics if metrics is not None else ServerMetrics(engine)
+        self.metrics = metrics if metrics is not None else ServerMetrics(None)
         self.shard_map = shard_map if shard_map is not None else ShardMap()
         self.cluster_info = cluster_info
         #: None with server.auth none: the hot path then pays one attribute test for it.

@@ -9,7 +9,7 @@ import numpy as np
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import ReadEngine
 from hps_service.engine.levels import CACHE, DEFAULT, PERSISTENT, VOLATILE, LookupResult
 
 #: Span attributes, and the Source code each counts.
@@ -21,7 +21,7 @@ class TracedEngine:
     """The engine a traced server's handlers call: :meth:`lookup` in an ``hps.lookup`` span, everything else
     passed through. Used only with tracing on, so an untraced server's lookups pay nothing for it."""
 
-    def __init__(self, engine: LookupEngine, provider: TracerProvider) -> None:
+    def __init__(self, engine: ReadEngine, provider: TracerProvider) -> None:
         self._engine = engine
         self._tracer = trace.get_tracer("hps_service.engine", tracer_provider=provider)
 
