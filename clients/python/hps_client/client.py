@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,20 @@ from hps_client.wire import TableAnswer, as_error, build_request, decode_answer
 LOCAL_SCHEME = "local://"
 
 
+#: The entry point group where a package registers the class that ``local://`` targets are read with.
+READERS_GROUP = "hps_client.readers"
+
+
+def colocated_reader(target: str) -> Any:
+    """The class registered for ``local://`` reads (hps-service registers its LocalClient), loaded by entry point so
+    that this distribution imports no server code; InvalidArgumentError when no installed package registers one."""
+    found = entry_points(group=READERS_GROUP, name="local")
+    if not found:
+        raise InvalidArgumentError(f"{target}: colocated reads need the hps-service package "
+                                   f"(pip install hps-service), not only hps-client")
+    return next(iter(found)).load()
+
+
 class HPSClient:
     """A client over one or several targets: replicas of one unsharded service, or the shards of a sharded fleet
     (learned from GetClusterInfo on first use).
@@ -55,8 +70,9 @@ class HPSClient:
     channel per shard over its replicas, balanced and retried the same way) and the answer comes back in the order
     asked. A shard none of whose replicas answers raises UnavailableError naming it.
 
-    ``HPSClient("local:///dev/shm/hps")`` gives a ``hps_service.local.LocalClient`` instead: an inference process in
-    the server's pod reading its shared store (needs the ``hps-service`` package, not only this client).
+    ``HPSClient("local:///dev/shm/hps")`` gives a colocated reader instead (``hps_service.local.LocalClient``): an
+    inference process in the server's pod reading its shared store. The reader is the one an installed package
+    registers under the entry point group ``hps_client.readers`` (name ``local``): ``hps-service`` does.
 
     ``metadata`` is sent on every call (e.g. a token), after which each call's own ``metadata=`` follows;
     ``interceptors`` (``grpc.UnaryUnaryClientInterceptor`` and friends) wrap every channel. For tracing, OpenTelemetry's
@@ -69,14 +85,10 @@ class HPSClient:
 
     def __new__(cls, targets: str | Iterable[str] = "", *args: Any, **kwargs: Any) -> Any:
         if isinstance(targets, str) and targets.startswith(LOCAL_SCHEME):
-            try:
-                from hps_service.local import LocalClient
-            except ImportError:
-                raise InvalidArgumentError(f"{targets}: colocated reads need the hps-service package "
-                                           f"(pip install hps-service), not only hps-client") from None
+            reader = colocated_reader(targets)
             timeout = kwargs.get("timeout", args[0] if args else 5.0)
             passed = {k: kwargs[k] for k in ("metadata", "interceptors") if kwargs.get(k) is not None}
-            return LocalClient(targets[len(LOCAL_SCHEME):] or "/dev/shm/hps", timeout, **passed)
+            return reader(targets[len(LOCAL_SCHEME):] or "/dev/shm/hps", timeout, **passed)
         return super().__new__(cls)
 
     def __init__(
