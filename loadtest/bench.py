@@ -40,7 +40,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -52,7 +52,9 @@ from hps_service.runtime.processes import process_tree
 from hps_service.serve.process import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.embedded import EmbeddedServer
+from loadtest.floor_server import FloorServer
 from loadtest.loadgen import RESULTS, LoadSpec, run_load
+from loadtest.redis_baseline import loaded_cluster
 from loadtest.report import machine, write_json
 from loadtest.workload import KeySampler, load_keys
 
@@ -107,46 +109,6 @@ def bench_l1(p: Plan, console: Console) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- 2. gRPC
-class FloorServer:
-    """loadtest.floor_server as a subprocess."""
-
-    def __init__(self, mode: str, batch: int, workdir: Path, processes: int = 1, threads: int | None = None) -> None:
-        from tests.helpers import free_port
-
-        self.port = free_port()
-        self.log_path = workdir / f"floor-{mode}.log"
-        extra = ["--processes", str(processes)] + (["--workers", str(threads)] if threads else [])
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "loadtest.floor_server", "--port", str(self.port), "--mode", mode,
-                 "--batch", str(batch), "--dim", str(DIM), "--table", TABLE, "--model", MODEL, *extra],
-                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
-            )
-
-    @property
-    def target(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def __enter__(self) -> Self:
-        import grpc
-
-        with grpc.insecure_channel(self.target) as channel:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=30)
-            except grpc.FutureTimeoutError:
-                self.__exit__()
-                raise RuntimeError(f"the floor server on {self.target} did not start; see {self.log_path}") from None
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
 def _summary(report: dict[str, Any]) -> dict[str, Any]:
     return {k: report[k] for k in ("qps", "keys_per_s", "latency_ms", "requests", "responses", "errors", "dropped",
                                    "client_cache_hit_rate", "server_hit_rate", "server_cpu_ms_per_call",
@@ -188,7 +150,7 @@ def bench_grpc(p: Plan, server: EmbeddedServer, workdir: Path, console: Console,
                            "cache_fraction": cache_fraction, "rows": p.rows, "in_flight": p.concurrency,
                            "client_processes": p.workers}
     runs: dict[str, list[dict[str, Any]]] = {"ours": [], "floor_aio": [], "floor_sync": [], "redis": []}
-    redis_ctx = _redis_cluster(server, workdir, console)
+    redis_ctx = loaded_cluster(server.keys_file, workdir, console)
     try:
         redis_seed = redis_ctx.__enter__()
         redis_pids = redis_ctx.pids() if redis_seed is not None else []
@@ -216,60 +178,6 @@ def bench_grpc(p: Plan, server: EmbeddedServer, workdir: Path, console: Console,
                                        if out["floor_sync"] else None)
     out["ratio_vs_redis"] = out["ours"]["keys_per_s"] / out["redis"]["keys_per_s"] if out["redis"] else None
     return out
-
-
-class _NoRedis:
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-    def __enter__(self) -> None:
-        return None
-
-    def pids(self) -> list[int]:
-        return []
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-class _RedisCluster:
-    """A real cluster of ``masters`` masters (tests.fixtures.redis_cluster) holding every row of the table."""
-
-    def __init__(self, server: EmbeddedServer, workdir: Path, console: Console, masters: int = 3) -> None:
-        self.server, self.workdir, self.console = server, workdir / "redis", console
-        self.masters = masters
-        self.cluster = None
-
-    def __enter__(self) -> str:
-        from loadtest.redis_baseline import cluster_layout, load_rows
-        from tests.fixtures.redis_cluster import start_redis_cluster
-
-        self.workdir.mkdir(exist_ok=True)
-        self.cluster = start_redis_cluster(self.workdir, self.masters)
-        t0 = time.perf_counter()
-        with np.load(self.server.keys_file) as archive:
-            keys, vectors = archive["keys"], archive["vectors"]
-        load_rows(cluster_layout(self.cluster.nodes[0]), keys, vectors)
-        self.console.print(f"  Redis Cluster on {', '.join(self.cluster.nodes)}: {keys.shape[0]} rows loaded in "
-                           f"{time.perf_counter() - t0:.1f} s")
-        return self.cluster.nodes[0]
-
-    def pids(self) -> list[int]:
-        """The redis-server processes (their CPU is the baseline's server-side cost)."""
-        return [proc.pid for proc in self.cluster.processes if proc is not None] if self.cluster else []
-
-    def __exit__(self, *exc: object) -> None:
-        if self.cluster is not None:
-            self.cluster.stop()
-        shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def _redis_cluster(server: EmbeddedServer, workdir: Path, console: Console, masters: int = 3) -> Any:
-    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
-        reason = "redis-server/redis-cli not on PATH (make test-deps installs them): Redis baseline skipped"
-        console.print(f"  [yellow]{reason}[/]")
-        return _NoRedis(reason)
-    return _RedisCluster(server, workdir, console, masters)
 
 
 def _profile_server(server: EmbeddedServer, base: LoadSpec, workdir: Path, console: Console) -> dict[str, Any]:

@@ -41,9 +41,10 @@ from rich.table import Table
 
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree, pss_bytes
-from loadtest.bench import FloorServer
 from loadtest.embedded import EmbeddedServer
+from loadtest.floor_server import FloorServer
 from loadtest.loadgen import LoadSpec, run_load
+from loadtest.redis_baseline import loaded_cluster
 from loadtest.report import write_json
 
 MODEL, TABLE, DIM, BATCH = "demo", "item", 64, 1024
@@ -189,8 +190,6 @@ def bench_local(server: EmbeddedServer, store: Path, redis_seed: str | None, p: 
 
 # ---------------------------------------------------------------------------------------------- 10. workers
 def bench_nodes(p: NodePlan, workdir: Path, console: Console) -> dict[str, Any]:
-    from loadtest.bench import _redis_cluster
-
     # L1 twice the table: a set-associative cache exactly the table's size leaves the rows of its fullest sets out
     server = EmbeddedServer(workdir / "node", rows=p.rows, table_dim=DIM,
                             overrides={"cache": {"backend": "numpy", "capacity": 2 * p.rows, "admit_after_misses": 1},
@@ -211,7 +210,7 @@ def bench_nodes(p: NodePlan, workdir: Path, console: Console) -> dict[str, Any]:
                 entry: dict[str, Any] = {"pss_bytes": pss_bytes(pids), "processes": len(pids)}
                 spec = _load(p, server.target, server.keys_file, http_target=server.http_target)
                 runs = {"ours": [], "floor_sync": [], "floor_aio": [], "redis": []}
-                redis = _redis_cluster(server, workdir, console, masters=w)
+                redis = loaded_cluster(server.keys_file, workdir, console, masters=w)
                 redis_seed = redis.__enter__()
                 try:
                     redis_pids = redis.pids() if redis_seed is not None else []

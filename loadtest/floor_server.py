@@ -6,7 +6,8 @@ between it and hps-service is the cost of our server beyond moving the bytes.
     python -m loadtest.floor_server --port 9500 --mode sync --processes 2    # as many processes as a node's workers
 
 With ``--processes N`` it forks N servers (before any gRPC state exists) that share the port with SO_REUSEPORT, as
-``hps serve``'s worker processes do, so a node is compared with a floor of as many processes.
+``hps serve``'s worker processes do, so a node is compared with a floor of as many processes. ``FloorServer`` runs
+it as a subprocess for the benchmarks.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from concurrent import futures
+from pathlib import Path
+from typing import Self
 
 import grpc
 import numpy as np
@@ -83,6 +87,45 @@ def serve_sync(port: int, payload: bytes, workers: int, shared: bool = False) ->
     print(f"floor (sync, {workers} threads) on 127.0.0.1:{port}", flush=True)
     stop.wait()
     server.stop(1).wait()
+
+
+class FloorServer:
+    """loadtest.floor_server as a subprocess (a context manager: entered once it answers)."""
+
+    def __init__(self, mode: str, batch: int, workdir: Path, processes: int = 1, threads: int | None = None,
+                 *, model: str = "demo", table: str = "item", dim: int = 64) -> None:
+        from tests.helpers import free_port
+
+        self.port = free_port()
+        self.log_path = workdir / f"floor-{mode}.log"
+        extra = ["--processes", str(processes)] + (["--workers", str(threads)] if threads else [])
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "loadtest.floor_server", "--port", str(self.port), "--mode", mode,
+                 "--batch", str(batch), "--dim", str(dim), "--table", table, "--model", model, *extra],
+                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+            )
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> Self:
+        with grpc.insecure_channel(self.target) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=30)
+            except grpc.FutureTimeoutError:
+                self.__exit__()
+                raise RuntimeError(f"the floor server on {self.target} did not start; see {self.log_path}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,12 +2,17 @@
 master, so a batch costs one MGET per node; every node's MGET is sent before any answer is read.
 
 This is the fastest layout measured for a plain client (``mget_nonatomic`` sends one command per slot and is
-several times slower); the benchmark compares our served keys/s with it.
+several times slower); the benchmark compares our served keys/s with it. ``loaded_cluster`` starts a real cluster
+holding a table's rows for a benchmark round.
 """
 
 from __future__ import annotations
 
+import shutil
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import redis
@@ -17,6 +22,9 @@ from redis.crc import key_slot
 
 from hps_service.errors import InvalidArgumentError
 from loadtest.drivers import BAD_RESPONSE, CLIENT_ERROR, CallResult
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 #: Key/value pairs per MSET while loading.
 LOAD_CHUNK = 20_000
@@ -170,3 +178,60 @@ def validate_single_table(tables: list[str]) -> None:
     """The Redis baseline stores one table."""
     if len(tables) != 1:
         raise InvalidArgumentError(f"the Redis baseline serves exactly one table, got {len(tables)}")
+
+
+class NoRedis:
+    """Stands in for the cluster when redis-server is not installed: enters as no seed node, no processes."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def __enter__(self) -> None:
+        return None
+
+    def pids(self) -> list[int]:
+        return []
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+class LoadedCluster:
+    """A real cluster of ``masters`` masters (tests.fixtures.redis_cluster) holding every row of the keys file."""
+
+    def __init__(self, keys_file: Path, workdir: Path, console: Console, masters: int = 3) -> None:
+        self.keys_file, self.workdir, self.console = keys_file, workdir / "redis", console
+        self.masters = masters
+        self.cluster = None
+
+    def __enter__(self) -> str:
+        from tests.fixtures.redis_cluster import start_redis_cluster
+
+        self.workdir.mkdir(exist_ok=True)
+        self.cluster = start_redis_cluster(self.workdir, self.masters)
+        t0 = time.perf_counter()
+        with np.load(self.keys_file) as archive:
+            keys, vectors = archive["keys"], archive["vectors"]
+        load_rows(cluster_layout(self.cluster.nodes[0]), keys, vectors)
+        self.console.print(f"  Redis Cluster on {', '.join(self.cluster.nodes)}: {keys.shape[0]} rows loaded in "
+                           f"{time.perf_counter() - t0:.1f} s")
+        return self.cluster.nodes[0]
+
+    def pids(self) -> list[int]:
+        """The redis-server processes (their CPU is the baseline's server-side cost)."""
+        return [proc.pid for proc in self.cluster.processes if proc is not None] if self.cluster else []
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def loaded_cluster(keys_file: Path, workdir: Path, console: Console, masters: int = 3) -> LoadedCluster | NoRedis:
+    """A cluster of ``masters`` masters holding the rows of ``keys_file``, or ``NoRedis`` (said on the console)
+    when redis-server or redis-cli is not on PATH."""
+    if shutil.which("redis-server") is None or shutil.which("redis-cli") is None:
+        reason = "redis-server/redis-cli not on PATH (make test-deps installs them): Redis baseline skipped"
+        console.print(f"  [yellow]{reason}[/]")
+        return NoRedis(reason)
+    return LoadedCluster(keys_file, workdir, console, masters)

@@ -23,7 +23,6 @@ import numpy as np
 from numba import cuda
 
 from hps_service.cache import cpu_kernels, cuda_kernels
-from hps_service.cache.counters import PerThreadCounts
 from hps_service.cache.cuda_kernels import HIT, RETRY
 from hps_service.cache.layout import META_LEN, META_ROWS, Allocator, CacheArrays
 from hps_service.cache.set_assoc import (
@@ -35,6 +34,7 @@ from hps_service.cache.set_assoc import (
     versions_arg,
 )
 from hps_service.errors import InvalidArgumentError
+from hps_service.shm.counters import HitCounts
 
 _S32 = np.uint64(32)
 #: Launch shapes on a GPU: a warp of lanes per key, keys per query block, threads per write block.
@@ -155,7 +155,7 @@ class DeviceCache:
         #: Set by the owner to its writer-excluding context (SetAssocTableCache: its SeqLock.exclusive): a
         #: reader that keeps overlapping writes finishes its retried keys under it.
         self.exclusive: Callable[[], AbstractContextManager[Any]] = nullcontext
-        self.counts = PerThreadCounts()
+        self.counts = HitCounts()
         self._ticks = itertools.count(1)
         self._tick = 0
         self._rows = 0

@@ -27,8 +27,7 @@ import numpy as np
 #: Indices into ``meta``: one int64 per 64-byte line.
 META_SEQ, META_TICK, META_ROWS, META_EVICTIONS = 0, 8, 16, 24
 META_LEN = 32
-#: The tag of a free slot; occupied slots have the high bit set.
-TAG_EMPTY = 0
+#: A free slot's tag is 0; occupied slots have the high bit set.
 TAG_BIT = 0x80
 TAG_HASH_MASK = 0x7F
 
@@ -65,12 +64,6 @@ class CacheArrays:
         )
         arrays.check()
         return arrays
-
-    @staticmethod
-    def nbytes_for(sets: int, ways: int, dim: int) -> int:
-        """Bytes the arrays of such a cache take (for sizing a shared-memory segment)."""
-        slots = sets * ways
-        return slots * (1 + 8 + 8 + 8 + 4 * dim) + 8 * META_LEN
 
     def check(self) -> None:
         """Raise ValueError unless shapes and dtypes fit together (arrays a caller allocated)."""

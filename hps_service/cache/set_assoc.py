@@ -32,7 +32,6 @@ from typing import Literal
 import numpy as np
 
 from hps_service.cache import cpu_kernels
-from hps_service.cache.counters import PerThreadCounts
 from hps_service.cache.layout import (
     META_EVICTIONS,
     META_ROWS,
@@ -46,6 +45,7 @@ from hps_service.cache.layout import (
 )
 from hps_service.errors import InvalidArgumentError
 from hps_service.jit.hashing import mix64_array
+from hps_service.shm.counters import HitCounts
 
 _INT64 = np.dtype(np.int64)
 _FLOAT32 = np.dtype(np.float32)
@@ -159,7 +159,7 @@ class SetAssociativeCache:
         self.capacity = capacity_rows
         self.policy: Policy = policy
         self.compiled = compiled
-        self.counts = PerThreadCounts()
+        self.counts = HitCounts()
         self._lfu = policy == "lfu"
         self._keys_u64 = arrays.keys.view(np.uint64)
 

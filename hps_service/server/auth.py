@@ -96,10 +96,6 @@ class Authenticator:
         return self.mode != "none"
 
     # ---- admin -------------------------------------------------------------------------------------
-    @property
-    def admin_enabled(self) -> bool:
-        return self._admin.get() is not None
-
     def admin(self, token: str | None) -> Principal:
         """The admin, if ``token`` is the admin token; else UnauthenticatedError (none given) or PermissionDeniedError
         (another token, or the admin API disabled)."""

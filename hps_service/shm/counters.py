@@ -1,4 +1,4 @@
-"""Counters that many processes and threads add to without locks, and one process sums.
+"""Counters that many processes and threads add to without locks, and one process sums; per-thread slots.
 
 Each (process, thread) pair owns one row of a shared float64 array and is the only one to write it, so a
 count is never lost to a concurrent ``+=`` and the hot path takes no lock; the owner sums the rows when it is
@@ -9,6 +9,7 @@ grow, as Prometheus counters must. Rows are 64-byte aligned so that two threads 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -79,26 +80,63 @@ def _queued(row: np.ndarray, seconds: float, bounds: np.ndarray) -> None:
     row[REQ_QUEUE_SUM] += seconds
 
 
-class ThreadRows:
+class ThreadSlots:
+    """Each thread's own slot of counts, made once (under ``lock``) by ``new_slot(n)``, n the number of threads
+    given one before it; the thread then adds to it without a lock, and a reader sums :meth:`slots`."""
+
+    def __init__(self, new_slot: Callable[[int], Any], lock: threading.Lock | None = None) -> None:
+        self._new_slot = new_slot
+        self._local = threading.local()
+        self._lock = lock if lock is not None else threading.Lock()
+        self._slots: list[Any] = []
+
+    def mine(self) -> Any:
+        """The calling thread's slot."""
+        try:
+            return self._local.slot
+        except AttributeError:
+            with self._lock:
+                slot = self._new_slot(len(self._slots))
+                self._slots.append(slot)
+            self._local.slot = slot
+            return slot
+
+    def slots(self) -> list[Any]:
+        """Every slot given out so far."""
+        with self._lock:
+            return list(self._slots)
+
+
+class HitCounts(ThreadSlots):
+    """Hits and misses of lookups (one process's own, exact for any number of threads)."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda n: [0, 0])
+
+    def add(self, hits: int, misses: int) -> None:
+        """Count one lookup's hits and misses for the calling thread."""
+        try:
+            counts = self._local.slot  # mine(), without a call on the hit path
+        except AttributeError:
+            counts = self.mine()
+        counts[0] += hits
+        counts[1] += misses
+
+    def totals(self) -> tuple[int, int]:
+        """(hits, misses) summed over every thread that counted."""
+        slots = self.slots()
+        return sum(c[0] for c in slots), sum(c[1] for c in slots)
+
+
+class ThreadRows(ThreadSlots):
     """The calling thread's row of a ``(processes, THREAD_ROWS, fields)`` counter array, for one process."""
 
     def __init__(self, array: np.ndarray, process: int) -> None:
+        mine = array[process]
+        super().__init__(lambda n: mine[min(n, THREAD_ROWS - 1)])
         self.array = array
-        self._mine = array[process]
-        self._local = threading.local()
-        self._next = 0
-        self._lock = threading.Lock()
 
-    def row(self) -> np.ndarray:
-        try:
-            return self._local.row
-        except AttributeError:
-            with self._lock:
-                i = min(self._next, THREAD_ROWS - 1)
-                self._next += 1
-            row = self._mine[i]
-            self._local.row = row
-            return row
+    row = ThreadSlots.mine
 
     def totals(self) -> np.ndarray:
         """Every field summed over every process and thread."""

@@ -41,11 +41,6 @@ class DeferredTier(Tier):
         self._thread = threading.Thread(target=self._reconnect_loop, name=f"hps-connect-{kind}", daemon=True)
         self._thread.start()
 
-    @property
-    def connected(self) -> bool:
-        """True once the backend tier was built."""
-        return self._inner is not None
-
     def _reconnect_loop(self) -> None:
         while not self._closed.wait(self._retry_after_s):
             self.attempts += 1

@@ -402,10 +402,6 @@ class MoELayer(nn.Module):
             out = out + self.shared_expert(x)
         return MoEOutput(output=out, routing=routing)
 
-    def flops_per_token(self) -> int:
-        """Nominal forward FLOPs (2 x multiply-adds) of the router, k routed expert MLPs and the shared expert."""
-        return self.router_flops_per_token() + self.config.top_k * self.expert_flops_per_pair()
-
     def router_flops_per_token(self) -> int:
         """Router GEMM plus the shared expert: work every token costs whatever the routing."""
         h, c = self.hidden, self.config

@@ -1,11 +1,10 @@
-"""Sparse optimizers for embedding tables (row-wise Adagrad or SGD) and the record of rows they touched."""
+"""Sparse optimizers for embedding tables (row-wise Adagrad or SGD)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Literal
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -61,29 +60,3 @@ class SparseRowOptimizer:
             bag.weight.grad = None
             touched[name] = rows
         return touched
-
-
-class TouchedRows:
-    """Which rows of each table changed since the last ``take``: one bit per row, so marking is O(batch)."""
-
-    def __init__(self, cardinalities: Mapping[str, int]) -> None:
-        self._marks = {name: np.zeros(card, dtype=bool) for name, card in cardinalities.items()}
-
-    def mark(self, table: str, rows: np.ndarray | torch.Tensor) -> None:
-        if table not in self._marks:
-            raise InvalidArgumentError(f"unknown table {table!r}")
-        ids = rows.numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
-        self._marks[table][ids] = True
-
-    def pending(self) -> int:
-        return int(sum(int(m.sum()) for m in self._marks.values()))
-
-    def take(self) -> dict[str, np.ndarray]:
-        """Sorted int64 ids touched per table since the last take (tables with none are left out); clears them."""
-        out = {}
-        for name, marks in self._marks.items():
-            ids = np.flatnonzero(marks).astype(np.int64)
-            if ids.size:
-                out[name] = ids
-                marks[ids] = False
-        return out
