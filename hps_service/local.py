@@ -87,7 +87,6 @@ class LocalClient:
         self._lock = threading.Lock()
         self._view: StoreView | None = None
         self._tables: dict[tuple[str, str], _Table] = {}
-        self._manifest_gen = -1
         self._checked_at = 0.0
         self._attach_at = 0.0
         self.remaps = 0  # times a new generation of the store was mapped (the server restarted)
@@ -141,7 +140,7 @@ class LocalClient:
             if self._view is None or self._view.generation != view.generation:
                 self.remaps += self._generation is not None and self._generation != view.generation
                 self._generation = view.generation
-                self._view, self._tables, self._manifest_gen = view, {}, view.manifest_gen
+                self._view, self._tables = view, {}
                 self._follow_socket(view)
 
     def _drop(self) -> None:

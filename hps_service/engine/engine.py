@@ -172,11 +172,6 @@ class LookupEngine:
         with self._writing(model, table) as t:
             return self.writer.purge_tombstones(t, below_version)
 
-    def repair_volatile(self) -> int:
-        """Rewrite from L3 the L2 rows whose writes missed a store node (see :class:`VolatileRepair`)."""
-        assert self.repairer is not None
-        return self.repairer.repair()
-
     # ---- stats and lifecycle ------------------------------------------------------------------
     def table_stats(self, model: str, table: str) -> dict[str, dict[str, float | int | None]]:
         """Per level: hits, misses, hit_rate, rows, capacity, evictions (+ errors for lower tiers)."""

@@ -13,6 +13,7 @@ from hps_service.cache.protocol import TableCache
 from hps_service.config import DefaultSpec
 from hps_service.engine.levels import LEVELS
 from hps_service.engine.write_guard import WriteGuard
+from hps_service.shm.counters import ThreadSlots
 from hps_service.tiers.base import table_id
 
 #: Index of each level's hits in a thread's counts (its misses follow); the defaults come last.
@@ -32,41 +33,29 @@ class LevelCounters(Protocol):
         ...
 
 
-class TableCounters:
+class TableCounters(ThreadSlots):
     """Hits and misses per level and defaults answered, of one table, in this process.
 
-    Each thread adds to its own list of counts, so a lookup takes no lock and no count is lost; a read sums the
-    lists. ``lock`` only guards the list of lists (taken once per thread, and by readers).
+    Each thread adds to its own list of counts (a :class:`~hps_service.shm.counters.ThreadSlots` slot), so a lookup
+    takes no lock and no count is lost; a read sums the lists. ``lock`` only guards the list of lists.
     """
 
     def __init__(self, lock: threading.Lock) -> None:
-        self._lock = lock
-        self._local = threading.local()
-        self._threads: list[list[int]] = []
-
-    def _mine(self) -> list[int]:
-        try:
-            return self._local.counts
-        except AttributeError:
-            counts = [0] * (_DEFAULTS + 1)
-            with self._lock:
-                self._threads.append(counts)
-            self._local.counts = counts
-            return counts
+        super().__init__(lambda n: [0] * (_DEFAULTS + 1), lock)
 
     def add(self, level: str, hits: int, misses: int) -> None:
-        counts = self._mine()
+        counts = self.mine()
         i = _LEVEL_INDEX[level]
         counts[i] += hits
         counts[i + 1] += misses
 
     def add_defaults(self, n: int) -> None:
-        self._mine()[_DEFAULTS] += n
+        self.mine()[_DEFAULTS] += n
 
     def totals(self) -> tuple[dict[str, int], dict[str, int], int]:
         """(hits per level, misses per level, defaults answered), summed over threads."""
-        with self._lock:
-            sums = [sum(col) for col in zip(*self._threads, strict=True)] if self._threads else [0] * (_DEFAULTS + 1)
+        threads = self.slots()
+        sums = [sum(col) for col in zip(*threads, strict=True)] if threads else [0] * (_DEFAULTS + 1)
         hits = {level: sums[i] for level, i in _LEVEL_INDEX.items()}
         misses = {level: sums[i + 1] for level, i in _LEVEL_INDEX.items()}
         return hits, misses, sums[_DEFAULTS]

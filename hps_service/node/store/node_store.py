@@ -139,10 +139,6 @@ class NodeStore:
 
         return alloc, release
 
-    def l1_allocator(self, serial: int, record: dict[str, dict[str, Any]]) -> NamedAllocator:
-        """An allocator for the L1 arrays of table ``serial`` (each allocation noted in ``record``)."""
-        return self.region.allocator(f"l1/{serial}", record)
-
     def new_table(self, model: str, table: str, dim: int, default: Any) -> TableSlot:
         """Shared state of a newly served table (a replaced model's tables get new serials)."""
         with self._lock:
