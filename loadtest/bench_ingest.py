@@ -121,7 +121,7 @@ def _applied_batches(http_target: str) -> int:
 
 
 #: The RocksDB tier's modules whose lines name the update path's steps.
-_ROCKSDB_FILES = ("rocksdb.py", "rocksdb_staging.py")
+_ROCKSDB_FILES = ("rocksdb/tier.py", "rocksdb/staging.py")
 
 
 def _rocksdb_lines() -> dict[tuple[str, int], str]:
@@ -166,7 +166,7 @@ def consumer_breakdown(collapsed: Path) -> dict[str, Any]:
                 line = int(frame.rpartition(":")[2].rstrip(")"))
                 step = lines.get((module, line), "RocksDB: other")
                 break
-            if "tiers/hashmap.py" in frame:
+            if "tiers/hashmap/" in frame:
                 step = "hash map tier"
                 break
             if "hps_service/cache/" in frame:

@@ -1,6 +1,6 @@
 """How keys are hashed: the splitmix64 finalizer, written once and compiled for each caller (NumPy, numba on the CPU,
 numba CUDA device code), and the linear-probing arithmetic of the open-addressing indexes that hash with it (the
-hash map tier's, ``tiers/_hashmap_index``, and the trainer's ``KeyIndex``)."""
+hash map tier's, ``tiers/hashmap/index``, and the trainer's ``KeyIndex``)."""
 
 from __future__ import annotations
 

@@ -228,7 +228,7 @@ def test_bulk_import_duplicates_last_wins_and_progress(tier: RocksDBTier, monkey
     np.testing.assert_array_equal(rows.vectors[:5], vecs[-5:])
     np.testing.assert_array_equal(rows.vectors[5:], vecs[5:-5])
     assert tier.count("m.t") == 345
-    # RocksDB's estimate counts the delete the import's flush wrote as a marker (tiers/rocksdb_flush.py) against it
+    # RocksDB's estimate counts the delete the import's flush wrote as a marker (tiers/rocksdb/flush.py) against it
     assert 344 <= tier.stats("m.t").extra["estimate_num_keys"] <= 345
 
 

@@ -1,6 +1,6 @@
 """A RocksDB secondary instance never answers from before a flush (issue 27, defect 1; RocksDB upstream 14444/15051,
 in rocksdict 0.3.29's RocksDB 10.4.2): the tier's flush policy decides every memtable switch and writes a marker right
-after it (tiers/rocksdb_flush.py), RocksDB's own flushes (a checkpoint's, an ingest's) are marked too, and the
+after it (tiers/rocksdb/flush.py), RocksDB's own flushes (a checkpoint's, an ingest's) are marked too, and the
 policy keeps the memtables and the write-ahead logs within their configured bounds."""
 
 from __future__ import annotations

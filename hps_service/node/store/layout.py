@@ -4,7 +4,7 @@ A store root holds one directory per *generation* (one start of the owner) and a
 live one, replaced atomically when a new owner starts. Each generation has a ``header`` (int64 fields below), a
 ``lock`` file the owner holds an exclusive ``flock`` on for as long as it lives (the kernel drops it when the owner
 dies, however it dies, so a reader that can take a shared lock knows the owner is gone) and a ``manifest.json``
-(:mod:`hps_service.node.store.manifest`).
+(written by :mod:`hps_service.node.store.node_store`, read by :mod:`hps_service.node.store.view`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The index of the hash map tier: an int32 array of row ids (``EMPTY`` = -1), a power of two long, probed linearly
 from the key's :func:`hps_service.jit.hashing.home_slot`; the keys live once, in the row-aligned ``keys`` array.
 
-Kernels that find, place and remove index slots (the row kernels are in ``_hashmap_rows``). Removing a slot shifts
+Kernels that find, place and remove index slots (the row kernels are in ``rows``). Removing a slot shifts
 the rest of its probe run back, so no index tombstones accumulate. Callers hold the table's lock.
 """
 

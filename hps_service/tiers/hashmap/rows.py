@@ -1,13 +1,13 @@
 """Row storage of the hash map tier, kept dense in ``[0, n_rows)``: the owner's batch get, put, delete and eviction.
 
 Keys live once, in the row-aligned ``keys`` array (with ``versions`` and ``stamps`` it may be a strided view of one
-(rows, 3) array, so the three share a cache line); the index (:mod:`._hashmap_index`) maps keys to row ids.
+(rows, 3) array, so the three share a cache line); the index (:mod:`.index`) maps keys to row ids.
 Removing a row moves the last row into its place. A *row* tombstone (a versioned delete) is a row whose stamp is
 negative (the table clock when written minus ``TOMBSTONE_BASE``): it keeps its key and version, is never returned by
 a get, refuses puts at or below its version, and is evicted before live rows, oldest first. Every kernel loops over
 the whole batch inside numba and releases the GIL; callers hold the table's lock. The batch get works in passes and
 prefetches rows ahead, so that the cache misses of different keys overlap. Worker reads record their accesses in a
-separate ``reader_stamps`` array (see :mod:`._hashmap_seqlock`) that eviction takes into account and that moves with
+separate ``reader_stamps`` array (see :mod:`.seqlock`) that eviction takes into account and that moves with
 the rows.
 """
 

@@ -3,11 +3,11 @@
 Each table keeps dense row storage (vectors, keys, versions, one access stamp per row) for its whole capacity,
 reserved at creation as zeroed memory the OS backs page by page as rows are first written: a table never copies
 its rows to grow (a copy at 1M rows of dim 64 held the table's lock for 0.1-0.35 s and needed twice the memory
-meanwhile). An open-addressing int32 index (see ``_hashmap_index``) grows by doubling as rows arrive. When a
+meanwhile). An open-addressing int32 index (see ``index``) grows by doubling as rows arrive. When a
 put would exceed the capacity, the ``evict_fraction`` of rows with the oldest stamp (LRU: the table clock
 at the last access) or the lowest access count (LFU) is removed in one vectorised step.
 
-A versioned delete leaves a tombstone row (key and version, negative stamp; see ``_hashmap_rows``). It
+A versioned delete leaves a tombstone row (key and version, negative stamp; see ``rows``). It
 takes a row slot until a newer put replaces it or eviction takes it (tombstones go first, oldest first), so
 tombstones never grow beyond the capacity. ``count`` and ``stats().rows`` are live rows only.
 """
@@ -190,7 +190,7 @@ class TableReader:
         self.retries = 0
 
     def get(self, keys: np.ndarray) -> Rows:
-        """Rows of ``keys`` as of one state of the table (see ``_hashmap_seqlock.read_rows``)."""
+        """Rows of ``keys`` as of one state of the table (see ``seqlock.read_rows``)."""
         a = self.arrays
         n = keys.shape[0]
         out = Rows(vectors=np.empty((n, self.dim), dtype=np.float32), versions=np.empty(n, dtype=np.int64),

@@ -31,7 +31,7 @@ def tuned_options(block_cache: Cache | None, row_cache: Cache | None, write_buff
         opts.set_row_cache(row_cache)
     opts.set_level_compaction_dynamic_level_bytes(True)
     # Memtable switches are this tier's to make (``persistent.write_buffer_mb``, ``max_total_wal_mb``; see
-    # tiers/rocksdb_flush.py): RocksDB's own would leave a secondary instance answering from before a flush. Its
+    # tiers/rocksdb/flush.py): RocksDB's own would leave a secondary instance answering from before a flush. Its
     # limits are set above the policy's (a table's at twice, which only a batch larger than the memtable crosses;
     # the pin's above the logs' bound, which it never reaches) and the log bound out of reach.
     opts.set_write_buffer_size(max(2 * write_buffer_bytes, 2 * max_total_wal_bytes if pin else 0))
