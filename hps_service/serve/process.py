@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from hps_client.channel import ACCEPTING_SERVICE
 from hps_service.admin.checkpoints import SnapshotStore
 from hps_service.admin.jobs import JobRunner
 from hps_service.config import HPSConfig
@@ -30,9 +29,9 @@ from hps_service.fleet.services import FleetServices
 from hps_service.fleet.sharding import ShardMap
 from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
 from hps_service.jit.warmup import warm_all
-from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.runtime.heap import HeapTrimmer
+from hps_service.serve import readiness
 from hps_service.serve.build import build_engine, snapshots_root
 from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
@@ -49,7 +48,6 @@ from hps_service.server.tls import grpc_server_credentials
 from hps_service.shm.permissions import local_access
 from hps_service.updates import UpdateConsumer
 from hps_service.updates.message import topic_name
-from hps_service.updates.readiness import update_consumer_not_ready
 
 if TYPE_CHECKING:
     from hps_service.node.owner import NodeOwner
@@ -266,53 +264,16 @@ class HPSServer:
 
     # ---- readiness ----------------------------------------------------------------------------
     def not_ready(self, model: str | None = None) -> list[str]:
-        """Why the server (or one model) must not receive traffic: starting, bootstrapping, draining, a tier down,
-        no model, updates not caught up or failing, or a check in ``readiness``. Empty when ready."""
-        reasons = self.not_accepting(model)
-        if self.engine is None:
-            return reasons
-        for check in self.readiness:
-            if reason := check():
-                reasons.append(reason)
-        consumer = self.consumer
-        if consumer is not None and (reason := update_consumer_not_ready(consumer, model)) and reason not in reasons:
-            reasons.append(reason)
-        return reasons
+        """Why the server (or one model) must not receive traffic (see :func:`readiness.not_ready`)."""
+        return readiness.not_ready(self, model)
 
     def not_accepting(self, model: str | None = None) -> list[str]:
-        """Why the server would not answer a call now (gRPC health ``ACCEPTING_SERVICE``, which clients balance
-        on): starting, bootstrapping, draining, its persistent tier down, no model, or partitions that lost updates
-        (their rows can be older than acknowledged ones until bootstrapped again). Update lag is not a reason: it
-        hits every replica at once, and taking them all out of the clients' rotation would be an outage."""
-        reasons = []
-        consumer = self.consumer
-        if consumer is not None and (lost := consumer.lost_reason(model)):
-            reasons.append(f"update consumer (group {consumer.group}) {lost}")
-        if (restoring := self.bootstrap.describe()) is not None:
-            reasons.append(restoring)
-        if not self.gate.is_open:
-            reasons.append(self.gate.reason)
-        elif self.gate.draining:
-            reasons.append(DRAINING)
-        engine = self.engine
-        if engine is None:
-            return reasons
-        if not engine.healthy().get("persistent", True):
-            reasons.append("persistent tier is unreachable")
-        loaded = [m.name for m in engine.models()]
-        if not loaded:
-            reasons.append("no model is loaded")
-        elif model is not None and model not in loaded:
-            reasons.append(f"model '{model}' is not loaded")
-        return reasons
+        """Why the server would not answer a call now (see :func:`readiness.not_accepting`)."""
+        return readiness.not_accepting(self, model)
 
     def degraded(self) -> list[str]:
-        """What is down but does not take the replica out of the Service: the shared volatile tier (every replica
-        loses it at once, and RocksDB answers meanwhile)."""
-        engine = self.engine
-        if engine is None or engine.healthy().get("volatile", True):
-            return []
-        return ["volatile tier is unreachable (lookups are answered from the persistent tier)"]
+        """What is down without taking the replica out of the Service (see :func:`readiness.degraded`)."""
+        return readiness.degraded(self)
 
     def readiness_report(self) -> tuple[list[str], dict]:
         """What /readyz and the probe port answer: the reasons, what is degraded, and the bootstrap's progress."""
@@ -329,19 +290,10 @@ class HPSServer:
         it takes calls (what clients balance on)."""
         if self.engine is None:
             return
-        serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
         with self._health_lock:
-            overall = serving if not self.not_ready() else not_serving
-            statuses = {"": overall, pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name: overall,
-                        ACCEPTING_SERVICE: serving if not self.not_accepting() else not_serving}
-            loaded = {m.name for m in self.engine.models()}
-            for name in loaded:
-                statuses[name] = serving if not self.not_ready(name) else not_serving
-            for name in self._served_models - loaded:
-                statuses[name] = not_serving
+            statuses, self._served_models = readiness.health_statuses(self, self._served_models)
             for name, status in statuses.items():
                 self.health.set(name, status)
-            self._served_models = loaded
             if self.node is not None:  # the workers answer gRPC health as this process would
                 self.node.publish_health(statuses)
 
