@@ -1,0 +1,1 @@
+"""The ``hps`` command (``main``) and ``hps demo`` (``demo``)."""
