@@ -30,7 +30,7 @@ WARM_UPS: dict[str, str] = {
     "hash map tier": "hps_service.tiers.hashmap.tier:warm_up_kernels",
     "L1 cache, CPU kernels": "hps_service.cache.set_assoc:warm_up_kernels",
     "L1 cache, serving paths": "hps_service.cache.factory:warm_up_table_cache",
-    "node store and its readers": "hps_service.node.warm:warm_up_kernels",
+    "node store and its readers": "hps_service.node.kernel_warmup:warm_up_kernels",
 }
 
 
