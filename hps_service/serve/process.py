@@ -18,8 +18,9 @@ import numpy as np
 from grpc_health.v1 import health, health_pb2
 
 from hps_client.channel import ACCEPTING_SERVICE
-from hps_service.admin.checkpoints import SnapshotStore
+from hps_service.admin.checkpoints import DirectoryStore
 from hps_service.admin.jobs import JobRunner
+from hps_service.admin.snapshots import Snapshots
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
@@ -31,7 +32,7 @@ from hps_service.fleet.bucket import SnapshotBucket
 from hps_service.fleet.registrations import load_registrations, sync_registrations
 from hps_service.fleet.services import FleetServices
 from hps_service.fleet.sharding import ShardMap
-from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
+from hps_service.fleet.snapshots import BucketStore
 from hps_service.jit.warmup import warm_all
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.gate import DRAINING, ServingGate
@@ -136,8 +137,8 @@ class HPSServer:
         self.consumer: UpdateConsumer | None = None
         self._consumer_lock = threading.Lock()
         self.bootstrap = BootstrapProgress()
-        self.snapshotter: Snapshotter | None = None
-        self.remote_snapshots: RemoteSnapshots | None = None
+        self.snapshotter: Snapshots[BucketStore] | None = None
+        self.remote_snapshots: Snapshots[BucketStore] | None = None
         self.fleet: FleetServices | None = None
         self.log_writer: LogWriter | None = None
         self._app = SwitchableApp(create_starting_app(self.readiness_report))
@@ -292,17 +293,17 @@ class HPSServer:
         if pcfg.type != "rocksdb" or pcfg.snapshot_store is None:
             return
         prefix = self.config.updates.topic_prefix
-        self.snapshotter = Snapshotter(
-            self.engine, SnapshotBucket.from_config(pcfg),
-            snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
+        store = BucketStore(SnapshotBucket.from_config(pcfg), snapshots_root(self.config),
+                            lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain)
+        # made here, not with the admin API: the update path's recovery of lost partitions restores from it too
+        self.snapshotter = self.remote_snapshots = Snapshots(
+            self.engine, store,
             refuse=lambda model: self.consumer.lost_reason(model) if self.consumer is not None else None,
         )
-        # made here, not with the admin API: the update path's recovery of lost partitions restores from it too
-        self.remote_snapshots = RemoteSnapshots(self.snapshotter, SnapshotStore(self.engine, snapshots_root(self.config)))
 
     def _admin_context(self) -> AdminContext:
         assert self.engine is not None and self.metrics is not None and self.fleet is not None
-        snapshots = self.remote_snapshots or SnapshotStore(self.engine, snapshots_root(self.config))
+        snapshots = self.remote_snapshots or Snapshots(self.engine, DirectoryStore(snapshots_root(self.config)))
         return AdminContext(
             engine=self.engine,
             config=self.config,

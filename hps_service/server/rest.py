@@ -26,8 +26,8 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from hps_service.admin.checkpoints import SnapshotStore
 from hps_service.admin.jobs import JobRunner, import_job, import_tier
+from hps_service.admin.snapshots import Snapshots
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, as_rows
 from hps_service.errors import HPSError, InvalidArgumentError, ResourceExhaustedError
@@ -74,8 +74,8 @@ class AdminContext:
     metrics: ServerMetrics
     gate: ServingGate
     jobs: JobRunner
-    #: Local checkpoints, or the snapshot store in object storage when one is configured (same methods).
-    snapshots: SnapshotStore | Any
+    #: The snapshots: local checkpoints, or the bucket's when persistent.snapshot_store is configured.
+    snapshots: Snapshots
     #: What /readyz reports: the reasons the server is not ready and details (HPSServer.readiness).
     readiness: Readiness
     #: Registers and unloads models (through the registration log in a fleet), keeping health and the consumer in step.
