@@ -303,7 +303,8 @@ class HPSServer:
 
     def _admin_context(self) -> AdminContext:
         assert self.engine is not None and self.metrics is not None and self.fleet is not None
-        snapshots = self.remote_snapshots or Snapshots(self.engine, DirectoryStore(snapshots_root(self.config)))
+        snapshots: Snapshots[Any] = (self.remote_snapshots
+                                     or Snapshots(self.engine, DirectoryStore(snapshots_root(self.config))))
         return AdminContext(
             engine=self.engine,
             config=self.config,
