@@ -13,7 +13,7 @@ from hps_service.config import HPSConfig
 from hps_service.engine import LookupEngine
 from hps_service.fleet.recovery import LostUpdatesRecovery
 from hps_service.fleet.registry_log import ModelRegistrations, RegistryLog
-from hps_service.fleet.snapshots import RemoteSnapshots
+from hps_service.fleet.snapshots import BucketSnapshots
 from hps_service.updates.consumer import UpdateConsumer
 
 log = logging.getLogger(__name__)
@@ -35,12 +35,12 @@ class FleetServices:
         if self.registry is not None:
             self.registry.start()
 
-    def watch_losses(self, consumer: UpdateConsumer, snapshots: RemoteSnapshots | None) -> None:
+    def watch_losses(self, consumer: UpdateConsumer, snapshots: BucketSnapshots | None) -> None:
         """Bootstrap ``consumer``'s lost partitions again from the snapshot store, if there is one (looked at every
         ``updates.log_check_interval_s`` while partitions are lost)."""
         if snapshots is None or self.recovery is not None:
             return
-        self.recovery = LostUpdatesRecovery(consumer, snapshots.bucket, snapshots.restore,
+        self.recovery = LostUpdatesRecovery(consumer, snapshots.store.bucket, snapshots.restore,
                                             self.config.updates.log_check_interval_s)
         self.recovery.start()
 

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from hps_service.admin.checkpoints import SnapshotStore
+from hps_service.admin.checkpoints import DirectoryStore
 from hps_service.admin.jobs import JobRunner
+from hps_service.admin.snapshots import Snapshots
 from hps_service.config import HPSConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import UnavailableError
@@ -27,7 +28,7 @@ from hps_service.fleet.bucket import SnapshotBucket
 from hps_service.fleet.registrations import sync_registrations
 from hps_service.fleet.services import FleetServices
 from hps_service.fleet.sharding import ShardMap
-from hps_service.fleet.snapshots import RemoteSnapshots, Snapshotter
+from hps_service.fleet.snapshots import BucketStore
 from hps_service.jit.warmup import warm_all
 from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.runtime.heap import HeapTrimmer
@@ -80,8 +81,8 @@ class HPSServer:
         self.consumer: UpdateConsumer | None = None
         self._consumer_lock = threading.Lock()
         self.bootstrap = BootstrapProgress()
-        self.snapshotter: Snapshotter | None = None
-        self.remote_snapshots: RemoteSnapshots | None = None
+        #: Snapshots in the bucket (persistent.snapshot_store): taken periodically, restored by recovery and REST.
+        self.bucket_snapshots: Snapshots[BucketStore] | None = None
         self.fleet: FleetServices | None = None
         self.log_writer: LogWriter | None = None
         self._app = SwitchableApp(create_starting_app(self.readiness_report))
@@ -129,8 +130,8 @@ class HPSServer:
             self._start_updates()  # first: an admin write answered before the log writer exists would bypass the log
             self._app.target = admin_app(self._admin_context())
             self.fleet.start()
-            if self.snapshotter is not None:
-                self.snapshotter.start(self.config.persistent.snapshot_interval_s)
+            if self.bucket_snapshots is not None:
+                self.bucket_snapshots.start(self.config.persistent.snapshot_interval_s)
         except Exception:
             self._stop_listeners()
             if self._grpc is not None:
@@ -236,17 +237,18 @@ class HPSServer:
         if pcfg.type != "rocksdb" or pcfg.snapshot_store is None:
             return
         prefix = self.config.updates.topic_prefix
-        self.snapshotter = Snapshotter(
-            self.engine, SnapshotBucket.from_config(pcfg),
-            snapshots_root(self.config), lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain,
+        store = BucketStore(SnapshotBucket.from_config(pcfg), snapshots_root(self.config),
+                            lambda model: [topic_name(model, prefix)], retain=pcfg.snapshot_retain)
+        # made here, not with the admin API: the update path's recovery of lost partitions restores from it too
+        self.bucket_snapshots = Snapshots(
+            self.engine, store,
             refuse=lambda model: self.consumer.lost_reason(model) if self.consumer is not None else None,
         )
-        # made here, not with the admin API: the update path's recovery of lost partitions restores from it too
-        self.remote_snapshots = RemoteSnapshots(self.snapshotter, SnapshotStore(self.engine, snapshots_root(self.config)))
 
     def _admin_context(self) -> AdminContext:
         assert self.engine is not None and self.metrics is not None and self.fleet is not None
-        snapshots = self.remote_snapshots or SnapshotStore(self.engine, snapshots_root(self.config))
+        snapshots: Snapshots[Any] = (self.bucket_snapshots
+                                     or Snapshots(self.engine, DirectoryStore(snapshots_root(self.config))))
         return AdminContext(
             engine=self.engine,
             config=self.config,
@@ -338,7 +340,7 @@ class HPSServer:
         self.log_writer.prepare([m.name for m in self.engine.models()])
         self.stats_sections["updates"] = consumer.stats
         if self.fleet is not None:
-            self.fleet.watch_losses(consumer, self.remote_snapshots)
+            self.fleet.watch_losses(consumer, self.bucket_snapshots)
         log.info("consuming updates from %s as group %s (shard %d of %d: partitions %s of %d)", ucfg.brokers, group,
                  cluster.shard, cluster.shards, self.shard_map.owned_partitions() if cluster.shards > 1 else "all",
                  cluster.partitions)
@@ -393,8 +395,8 @@ class HPSServer:
             self.consumer.stop(timeout=max(remaining(0.8), 1.0), commit=True)
         if self.log_writer is not None:
             self.log_writer.close()
-        if self.snapshotter is not None:
-            self.snapshotter.stop(max(remaining(0.5), 0.5))
+        if self.bucket_snapshots is not None:
+            self.bucket_snapshots.stop(max(remaining(0.5), 0.5))
         self.jobs.close(timeout_s=remaining(0.5))
         self._stop_listeners(remaining(0.5))
         if self.engine is not None and not self.engine.close(timeout_s=remaining()):

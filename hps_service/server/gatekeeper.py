@@ -20,6 +20,7 @@ from hps_service.server.audit import AUDIT_STATE, AuditEntry, AuditLog
 from hps_service.server.auth import Authenticator, Principal, bearer_token
 from hps_service.server.problems import CLOSE, send_problem
 from hps_service.server.rest_access import BodyLimits, RoutePolicy, policy_of
+from hps_service.server.status import http_status_for
 from hps_service.server.tls_peer import PEER_IDENTITIES
 
 #: The ASGI scope key naming the listener a request came in on (set by :class:`Listener`); absent: the REST port.
@@ -100,12 +101,12 @@ class Gatekeeper:
         except UnauthenticatedError as err:
             if entry is not None:
                 entry.who = "anonymous" if token is None else "unknown credential"
-            await send_problem(send, 401, str(err), {"WWW-Authenticate": "Bearer"})
+            await send_problem(send, http_status_for(err), str(err), {"WWW-Authenticate": "Bearer"})
             return
         except PermissionDeniedError as err:
             if entry is not None:
                 entry.who = "invalid admin token" if token is not None else "anonymous"
-            await send_problem(send, 403, str(err))
+            await send_problem(send, http_status_for(err), str(err))
             return
         if entry is not None and principal is not None:
             entry.who = principal.name

@@ -14,17 +14,7 @@ from google.protobuf.message import DecodeError
 from hps_client.attempts import PUSHBACK
 from hps_service.config import ServerConfig
 from hps_service.engine.api import ReadEngine
-from hps_service.errors import (
-    DeadlineExceededError,
-    FailedPreconditionError,
-    HPSError,
-    InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    UnauthenticatedError,
-    UnavailableError,
-)
+from hps_service.errors import DeadlineExceededError, HPSError, InvalidArgumentError, ResourceExhaustedError
 from hps_service.fleet.sharding import ShardMap
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
@@ -32,29 +22,10 @@ from hps_service.runtime.gate import ServingGate
 from hps_service.server.auth import Authenticator, Principal
 from hps_service.server.grpc_auth import grpc_principal
 from hps_service.server.metrics import ServerMetrics
+from hps_service.server.status import status_for
 from hps_service.server.wire import ResponseBuffer, encode_lookup_response
 
 log = logging.getLogger(__name__)
-
-
-_STATUS = {
-    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
-    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFoundError: grpc.StatusCode.NOT_FOUND,
-    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    UnavailableError: grpc.StatusCode.UNAVAILABLE,
-    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
-    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
-    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
-}
-
-
-def status_for(err: HPSError) -> grpc.StatusCode:
-    """The gRPC status code of a domain error."""
-    for cls, code in _STATUS.items():
-        if isinstance(err, cls):
-            return code
-    return grpc.StatusCode.FAILED_PRECONDITION
 
 
 def check_deadline(context: grpc.ServicerContext) -> None:

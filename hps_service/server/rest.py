@@ -19,35 +19,25 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
-from fastapi import Depends, FastAPI, Query, Request, Response, status
+from fastapi import Depends, FastAPI, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from hps_service.admin.checkpoints import SnapshotStore
 from hps_service.admin.jobs import JobRunner, import_job, import_tier
+from hps_service.admin.snapshots import Snapshots
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, as_rows
-from hps_service.errors import (
-    FailedPreconditionError,
-    HPSError,
-    InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
-    ResourceExhaustedError,
-    UnauthenticatedError,
-    UnavailableError,
-)
+from hps_service.errors import HPSError, InvalidArgumentError, ResourceExhaustedError
 from hps_service.fleet.registry_log import ModelRegistrations
-from hps_service.fleet.sharding import ShardMap, WrongShardError
+from hps_service.fleet.sharding import ShardMap
 from hps_service.runtime.gate import ServingGate
 from hps_service.server.audit import AuditLog
 from hps_service.server.auth import Authenticator
 from hps_service.server.docs import add_offline_docs
 from hps_service.server.gatekeeper import Gatekeeper, caller_of
-from hps_service.server.grpc_service import status_for
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import Readiness, ReadinessCheck, add_probe_routes
 from hps_service.server.problems import PROBLEM_JSON
@@ -61,36 +51,18 @@ from hps_service.server.rest_bodies import (
     json_body,
     rows_bodies,
 )
+from hps_service.server.status import http_status_for, status_for
 
 __all__ = ["PROBLEM_JSON", "AdminContext", "ReadinessCheck", "SwitchableApp", "create_app", "create_starting_app"]
 
 log = logging.getLogger(__name__)
 
-_HTTP_STATUS: dict[type[HPSError], int] = {
-    # first match wins: a key of another shard is a request for another server (Misdirected Request)
-    WrongShardError: status.HTTP_421_MISDIRECTED_REQUEST,
-    FailedPreconditionError: status.HTTP_409_CONFLICT,
-    UnauthenticatedError: status.HTTP_401_UNAUTHORIZED,
-    PermissionDeniedError: status.HTTP_403_FORBIDDEN,
-    InvalidArgumentError: status.HTTP_400_BAD_REQUEST,
-    NotFoundError: status.HTTP_404_NOT_FOUND,
-    ResourceExhaustedError: 413,
-    UnavailableError: status.HTTP_503_SERVICE_UNAVAILABLE,
-}
 #: The bearer credentials of a request (None when the header is missing or not a Bearer one).
 AdminCredentials = Annotated[
     HTTPAuthorizationCredentials | None,
     Depends(HTTPBearer(auto_error=False, description="server.admin_token (or HPS_ADMIN_TOKEN)")),
 ]
 _SOURCE_NAMES = np.array(["unspecified", "cache", "volatile", "persistent", "default"])
-
-
-def http_status_for(err: HPSError) -> int:
-    """The HTTP status of a domain error."""
-    for cls, code in _HTTP_STATUS.items():
-        if isinstance(err, cls):
-            return code
-    return status.HTTP_400_BAD_REQUEST
 
 
 @dataclass
@@ -102,8 +74,8 @@ class AdminContext:
     metrics: ServerMetrics
     gate: ServingGate
     jobs: JobRunner
-    #: Local checkpoints, or the snapshot store in object storage when one is configured (same methods).
-    snapshots: SnapshotStore | Any
+    #: The snapshots: local checkpoints, or the bucket's when persistent.snapshot_store is configured.
+    snapshots: Snapshots
     #: What /readyz reports: the reasons the server is not ready and details (HPSServer.readiness).
     readiness: Readiness
     #: Registers and unloads models (through the registration log in a fleet), keeping health and the consumer in step.

@@ -20,11 +20,12 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from hps_service.admin.snapshots import Snapshots
 from hps_service.client import HPSClient
 from hps_service.config import UpdatesConfig, load_config
 from hps_service.engine import LookupEngine
 from hps_service.fleet.bucket import SnapshotBucket
-from hps_service.fleet.snapshots import Snapshotter
+from hps_service.fleet.snapshots import BucketStore
 from hps_service.serve.process import HPSServer
 from hps_service.updates import Publisher, UpdateConsumer
 from tests.helpers import free_port
@@ -107,8 +108,8 @@ def test_a_topic_created_again_under_a_running_replica_is_bootstrapped_again(
         # the lost partitions' rows from it and replays the topic from the snapshot's positions.
         other = caught_up_replica(tmp_path / "b", "replica-b")
         try:
-            Snapshotter(other, SnapshotBucket(store_url), tmp_path / "b-snapshots",
-                        lambda m: [f"{prefix}.{m}"]).take(model)
+            Snapshots(other, BucketStore(SnapshotBucket(store_url), tmp_path / "b-snapshots",
+                                         lambda m: [f"{prefix}.{m}"])).take(model)
         finally:
             other.close()
         assert wait_until(lambda: http.get("/readyz").status_code == 200, timeout=60), http.get("/readyz").json()

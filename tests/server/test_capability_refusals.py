@@ -9,13 +9,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hps_service.admin.checkpoints import SnapshotStore
+from hps_service.admin.checkpoints import DirectoryStore
 from hps_service.admin.jobs import Job, import_tier
+from hps_service.admin.snapshots import Snapshots
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import UnavailableError
 from hps_service.fleet.bucket import SnapshotBucket
-from hps_service.fleet.snapshots import Snapshotter
+from hps_service.fleet.snapshots import BucketStore
 from hps_service.tiers.hashmap.tier import HashMapTier
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
@@ -53,7 +54,7 @@ def test_import_refuses_a_tier_that_cannot_bulk_load(without: LookupEngine) -> N
 
 
 def test_snapshots_refuse_a_tier_that_cannot_checkpoint_or_export(without: LookupEngine, tmp_path: Path) -> None:
-    store = SnapshotStore(without, tmp_path / "snapshots")
+    store = Snapshots(without, DirectoryStore(tmp_path / "snapshots"))
     with pytest.raises(UnavailableError, match=f"^snapshots need {NOT_ROCKSDB}$"):
         store.create("m")
     (tmp_path / "snapshots").mkdir()
@@ -61,7 +62,7 @@ def test_snapshots_refuse_a_tier_that_cannot_checkpoint_or_export(without: Looku
     (tmp_path / "snapshots" / "s1.json").write_text('{"model": "m", "tables": {}}')
     with pytest.raises(UnavailableError, match=f"^restore needs {NOT_ROCKSDB}$"):
         store.restore("m", "s1", Job(id="j", kind="restore", target={}))
-    fleet = Snapshotter(without, SnapshotBucket("s3://never-reached/snapshots"), tmp_path / "work", lambda m: [])
+    fleet = Snapshots(without, BucketStore(SnapshotBucket("s3://never-reached/snapshots"), tmp_path / "work", lambda m: []))
     with pytest.raises(UnavailableError, match=f"^snapshots need {NOT_ROCKSDB}$"):
         fleet.take("m")
 
@@ -71,7 +72,7 @@ def test_a_read_only_rocksdb_refuses_imports_and_restores_but_checkpoints(tmp_pa
     try:
         with pytest.raises(UnavailableError, match=f"^import {READ_ONLY}$"):
             import_tier(engine)
-        store = SnapshotStore(engine, tmp_path / "snapshots")
+        store = Snapshots(engine, DirectoryStore(tmp_path / "snapshots"))
         meta = store.create("m")
         with pytest.raises(UnavailableError, match=f"^restore {READ_ONLY}$"):
             store.restore("m", meta["id"], Job(id="j", kind="restore", target={}))
