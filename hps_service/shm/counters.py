@@ -56,7 +56,7 @@ def _bucket(bounds: np.ndarray, value: float) -> int:
     for b in range(bounds.shape[0]):
         if value <= bounds[b]:
             return b
-    return bounds.shape[0]
+    return len(bounds)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -91,18 +91,20 @@ class ThreadRows:
 
     def row(self) -> np.ndarray:
         try:
-            return self._local.row
+            mine: np.ndarray = self._local.row
+            return mine
         except AttributeError:
             with self._lock:
                 i = min(self._next, THREAD_ROWS - 1)
                 self._next += 1
-            row = self._mine[i]
+            row: np.ndarray = self._mine[i]
             self._local.row = row
             return row
 
     def totals(self) -> np.ndarray:
         """Every field summed over every process and thread."""
-        return self.array.sum(axis=(0, 1))
+        summed: np.ndarray = self.array.sum(axis=(0, 1))
+        return summed
 
 
 class RequestCounters(ThreadRows):
