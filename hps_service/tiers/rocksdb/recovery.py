@@ -92,7 +92,7 @@ def gated(method: _F) -> _F:
         with self._gate.reading():
             return method(self, *args, **kwargs)
 
-    return read  # type: ignore[return-value]
+    return read  # type: ignore[return-value]  # functools.wraps keeps method's signature; mypy sees read's
 
 
 class WriteFailure:

@@ -144,7 +144,7 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         column_families = {name: self._options() for name in existing | {META_CF, POSITIONS_CF}}
         if self.secondary:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
-            Path(self._secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+            Path(self._secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]  # set whenever self.secondary is
             access = AccessType.secondary(str(self._secondary_path))
         elif self.read_only:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
