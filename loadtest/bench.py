@@ -355,8 +355,8 @@ def bench_memory(p: Plan) -> dict[str, Any]:
     for lo in range(0, rows, 65536):
         tier.put("m.t", keys[lo:lo + 65536], vectors[lo:lo + 65536], np.ones(min(65536, rows - lo), np.int64))
     held = tier.count("m.t")
-    hashmap_bytes = tier.memory_bytes("m.t")
-    resident_growth = _resident_bytes() - resident_before  # cross-checks memory_bytes against the OS
+    hashmap_bytes = tier.table_bytes("m.t")
+    resident_growth = _resident_bytes() - resident_before  # cross-checks table_bytes against the OS
     tier.close()
     capacity = -(-rows // 32) * 32
     cache = SetAssociativeCache(capacity, DIM, ways=32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from hps_service.cache.layout import META_EVICTIONS, META_ROWS, META_SEQ, META_TICK, TAG_BIT, TAG_HASH_MASK
+from hps_service.cache.layout import META_EVICTIONS, META_ROWS, META_SEQ, META_TICK, TAG_BIT, TAG_HASH_MASK, CacheArrays
 from hps_service.jit.atomic import acquire_fence, atomic_fetch_add, atomic_load
 from hps_service.jit.hashing import mix64
 from hps_service.jit.prefetch import prefetch
@@ -46,7 +46,7 @@ def _tag_of(x: np.uint64) -> np.uint8:
 
 
 @numba.njit(cache=True, inline="always")
-def _find(tags, table, s, tag, key, start):  # type: ignore[no-untyped-def]
+def _find(tags, table, s, tag, key, start):
     for w in range(start, tags.shape[1]):
         if tags[s, w] == tag and table[s, w] == key:
             return w
@@ -54,25 +54,25 @@ def _find(tags, table, s, tag, key, start):  # type: ignore[no-untyped-def]
 
 
 @numba.njit(cache=True, nogil=True)
-def seq_begin(meta):  # type: ignore[no-untyped-def]
+def seq_begin(meta):
     """Writer: make the sequence odd before changing the cache (a full barrier)."""
     atomic_fetch_add(meta, META_SEQ, 1)
 
 
 @numba.njit(cache=True, nogil=True)
-def seq_end(meta):  # type: ignore[no-untyped-def]
+def seq_end(meta):
     """Writer: make the sequence even after changing the cache (a full barrier)."""
     atomic_fetch_add(meta, META_SEQ, 1)
 
 
 @numba.njit(cache=True, nogil=True)
-def next_tick(meta):  # type: ignore[no-untyped-def]
+def next_tick(meta):
     """Draw the next tick (an atomic add: concurrent readers each get their own)."""
     return atomic_fetch_add(meta, META_TICK, 1) + 1
 
 
 @numba.njit(cache=True, nogil=True)
-def query_kernel(tags, table, clock, values, meta, keys, out, hit, sets, lfu, touch):  # type: ignore[no-untyped-def]
+def query_kernel(tags, table, clock, values, meta, keys, out, hit, sets, lfu, touch):
     # Software-pipelined over three stages PREFETCH_AHEAD keys apart: the tag row of key j is prefetched;
     # the tags of key j-D are scanned and the candidate's key slot and value row prefetched; the key of
     # j-2D is compared and its row copied. Returns the number of hits, or -1 if a writer overlapped.
@@ -143,7 +143,7 @@ def query_kernel(tags, table, clock, values, meta, keys, out, hit, sets, lfu, to
 
 
 @numba.njit(cache=True, nogil=True)
-def _insert(tags, table, vers, clock, values, meta, keys, vectors, versions, sets, lfu, evict):  # type: ignore[no-untyped-def]
+def _insert(tags, table, vers, clock, values, meta, keys, vectors, versions, sets, lfu, evict):
     ways = tags.shape[1]
     dim = values.shape[1]
     usets = np.uint64(sets)
@@ -228,7 +228,7 @@ def _insert(tags, table, vers, clock, values, meta, keys, vectors, versions, set
 
 
 @numba.njit(cache=True, nogil=True)
-def _update(tags, table, vers, values, keys, vectors, versions, sets):  # type: ignore[no-untyped-def]
+def _update(tags, table, vers, values, keys, vectors, versions, sets):
     ways = tags.shape[1]
     dim = values.shape[1]
     usets = np.uint64(sets)
@@ -250,7 +250,7 @@ def _update(tags, table, vers, values, keys, vectors, versions, sets):  # type: 
 
 
 @numba.njit(cache=True, nogil=True)
-def _invalidate(tags, table, vers, clock, meta, keys, versions, versioned, sets):  # type: ignore[no-untyped-def]
+def _invalidate(tags, table, vers, clock, meta, keys, versions, versioned, sets):
     usets = np.uint64(sets)
     removed = 0
     for i in range(keys.shape[0]):
@@ -267,7 +267,7 @@ def _invalidate(tags, table, vers, clock, meta, keys, versions, versioned, sets)
 
 
 @numba.njit(cache=True, nogil=True)
-def _latest_per_key(keys, versions, keep):  # type: ignore[no-untyped-def]
+def _latest_per_key(keys, versions, keep):
     # Fills keep and returns a count (returning an array would box it through numba's unpickling per call).
     n = keys.shape[0]
     order = np.argsort(keys, kind="mergesort")  # stable: equal keys stay in batch order
@@ -297,25 +297,28 @@ def _u64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).view(np.uint64)
 
 
-def insert(arrays, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, lfu: bool,  # type: ignore[no-untyped-def]
+def insert(arrays: CacheArrays, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, lfu: bool,
            evict: bool) -> tuple[int, int, int, int, int]:
     """Insert deduplicated keys; returns (written, placed, evicted, dropped, stale)."""
     a = arrays
-    return _insert(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.values, a.meta, _u64(keys),
+    counts: tuple[int, int, int, int, int] = _insert(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.values, a.meta, _u64(keys),
                    np.ascontiguousarray(vectors), np.ascontiguousarray(versions), a.sets, lfu, evict)
+    return counts
 
 
-def update(arrays, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> int:  # type: ignore[no-untyped-def]
+def update(arrays: CacheArrays, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> int:
     """Overwrite rows of cached keys not newer than the update, in batch order; returns distinct keys written."""
     a = arrays
-    return _update(a.tags, a.keys.view(np.uint64), a.versions, a.values, _u64(keys), np.ascontiguousarray(vectors),
+    written: int = _update(a.tags, a.keys.view(np.uint64), a.versions, a.values, _u64(keys), np.ascontiguousarray(vectors),
                    np.ascontiguousarray(versions), a.sets)
+    return written
 
 
-def invalidate(arrays, keys: np.ndarray, versions: np.ndarray | None) -> int:  # type: ignore[no-untyped-def]
+def invalidate(arrays: CacheArrays, keys: np.ndarray, versions: np.ndarray | None) -> int:
     """Free the slots of cached keys (with versions: only rows not newer than the delete); returns how many."""
     a = arrays
     versioned = versions is not None
     vs = np.ascontiguousarray(versions) if versioned else np.zeros(keys.shape[0], np.int64)
-    return _invalidate(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.meta, _u64(keys), vs, versioned,
-                       a.sets)
+    freed: int = _invalidate(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.meta, _u64(keys), vs, versioned,
+                             a.sets)
+    return freed

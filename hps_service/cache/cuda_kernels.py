@@ -33,7 +33,7 @@ MISS, HIT, RETRY = 0, 1, 2
 MAX_KEYS_PER_BLOCK = 64
 #: The cache's ``ways`` limit (config: at most 1024): size of an insert leader's slot-priority snapshot.
 MAX_WAYS = 1024
-SIMULATED = bool(config.ENABLE_CUDASIM)
+SIMULATED = bool(getattr(config, "ENABLE_CUDASIM", 0))  # set from the environment as numba starts: not in its stubs
 
 _S32 = np.uint64(32)
 _TAG_BIT = np.uint64(TAG_BIT)
@@ -44,7 +44,7 @@ _I64_MAX = np.int64(np.iinfo(np.int64).max)
 if SIMULATED:
 
     @cuda.jit(device=True)
-    def load(array, i):  # type: ignore[no-untyped-def]
+    def load(array, i):
         """The simulator has no cache-hinted loads (and no L1 to bypass)."""
         return array[i]
 
@@ -57,17 +57,17 @@ _mix64 = cuda.jit(device=True, inline=True)(mix64_array)
 
 
 @cuda.jit(device=True, inline=True)
-def _set_of(x, sets):  # type: ignore[no-untyped-def]
+def _set_of(x, sets):
     return np.int64(((x >> _S32) * np.uint64(sets)) >> _S32)
 
 
 @cuda.jit(device=True, inline=True)
-def _tag_of(x):  # type: ignore[no-untyped-def]
+def _tag_of(x):
     return np.uint8(_TAG_BIT | (x & _TAG_MASK))
 
 
 @cuda.jit(device=True, inline=True)
-def _find(tags, table, s, ways, tag, key):  # type: ignore[no-untyped-def]
+def _find(tags, table, s, ways, tag, key):
     base = s * ways
     for w in range(ways):
         if tags[base + w] == tag and table[base + w] == key:
@@ -76,7 +76,7 @@ def _find(tags, table, s, ways, tag, key):  # type: ignore[no-untyped-def]
 
 
 @cuda.jit
-def seq_bump(meta):  # type: ignore[no-untyped-def]
+def seq_bump(meta):
     """One thread: the sequence counter goes odd (before a write) or even (after), fenced on both sides."""
     if cuda.grid(1) == 0:
         cuda.threadfence()
@@ -86,7 +86,7 @@ def seq_bump(meta):  # type: ignore[no-untyped-def]
 
 @cuda.jit
 def query_kernel(tags, table, clock, values, meta, keys, out, src, n, sets, ways, dim, tick, lfu, touch,
-                 retry_only):  # type: ignore[no-untyped-def]
+                 retry_only):
     """Probe and copy hit rows straight into ``out`` (flat ``n * dim``); one source byte per key in ``src``."""
     lanes = cuda.blockDim.x
     lane = cuda.threadIdx.x
@@ -142,7 +142,7 @@ def query_kernel(tags, table, clock, values, meta, keys, out, src, n, sets, ways
 
 @cuda.jit
 def insert_kernel(tags, table, vers, clock, values, meta, keys, vectors, versions, set_of, tag_of, order, new,
-                  n, ways, dim, tick, lfu, evict, result):  # type: ignore[no-untyped-def]
+                  n, ways, dim, tick, lfu, evict, result):
     """One thread per set touched (the first of its keys in ``order``, keys sorted by set, batch order kept)
     does what the CPU kernel does for that set: overwrite cached keys not newer, then place new keys by
     (free, clock, way) priority. ``result``: written, placed, evicted, dropped, stale (atomic adds)."""
@@ -224,7 +224,7 @@ def insert_kernel(tags, table, vers, clock, values, meta, keys, vectors, version
 
 
 @cuda.jit
-def update_kernel(tags, table, vers, values, keys, vectors, versions, n, sets, ways, dim, result):  # type: ignore[no-untyped-def]
+def update_kernel(tags, table, vers, values, keys, vectors, versions, n, sets, ways, dim, result):
     """One thread per (distinct) key: overwrite the cached row if its version is not newer."""
     i = cuda.grid(1)
     if i >= n:
@@ -245,7 +245,7 @@ def update_kernel(tags, table, vers, values, keys, vectors, versions, n, sets, w
 
 
 @cuda.jit
-def invalidate_kernel(tags, table, vers, clock, meta, keys, versions, versioned, n, sets, ways, result):  # type: ignore[no-untyped-def]
+def invalidate_kernel(tags, table, vers, clock, meta, keys, versions, versioned, n, sets, ways, result):
     """One thread per (distinct) key: free its slot (versioned: only a row not newer than the delete)."""
     i = cuda.grid(1)
     if i >= n:
@@ -266,7 +266,7 @@ def invalidate_kernel(tags, table, vers, clock, meta, keys, versions, versioned,
 
 
 @cuda.jit
-def fill_kernel(array, value):  # type: ignore[no-untyped-def]
+def fill_kernel(array, value):
     """Grid-stride fill of a flat array (zeroing at allocation, clear)."""
     start = cuda.grid(1)
     step = cuda.gridsize(1)

@@ -167,7 +167,7 @@ class DeviceCache:
     # ------------------------------------------------------------------ reads
     def _buffers(self, n: int) -> _Buffers:
         try:
-            buffers = self._local.buffers
+            buffers: _Buffers = self._local.buffers
         except AttributeError:
             buffers = self._local.buffers = _Buffers(self.dim)
         buffers.reserve(n)
@@ -241,7 +241,8 @@ class DeviceCache:
         cuda_kernels.seq_bump[1, 1, s](self._meta)
         w.result_d.copy_to_host(w.result_h, stream=s)
         s.synchronize()
-        return w.result_h.copy()
+        result: np.ndarray = w.result_h.copy()
+        return result
 
     def _grid(self, n: int) -> int:
         return max(1, -(-n // self._write_threads))
@@ -250,15 +251,15 @@ class DeviceCache:
                evict: bool = True) -> InsertResult:
         """Insert rows with their versions (the placement, version and eviction rules of SetAssociativeCache)."""
         keys, vectors = self._check_rows(keys, vectors)
-        versions = versions_arg(versions, keys.shape[0])
+        row_versions = versions_arg(versions, keys.shape[0])
         tick = next(self._ticks)
         self._tick = max(self._tick, tick)
         n = keys.shape[0]
         if n == 0:
             return InsertResult(0, 0, 0, 0, 0)
-        keep = cpu_kernels.latest_per_key(keys, versions)
+        keep = cpu_kernels.latest_per_key(keys, row_versions)
         if keep.shape[0] != n:
-            keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+            keys, vectors, row_versions = keys[keep], vectors[keep], row_versions[keep]
             n = keys.shape[0]
         x = mix(keys)
         set_of = (((x >> _S32) * np.uint64(self.sets)) >> _S32).astype(np.int64)
@@ -267,7 +268,7 @@ class DeviceCache:
 
         def launch(w: _WriteBuffers) -> None:
             args = (w.upload("keys", keys.view(np.uint64)), w.upload("vectors", vectors),
-                    w.upload("versions", versions), w.upload("set_of", set_of), w.upload("tag_of", tag_of),
+                    w.upload("versions", row_versions), w.upload("set_of", set_of), w.upload("tag_of", tag_of),
                     w.upload("order", order), w.scratch("new", n, np.uint8))
             cuda_kernels.insert_kernel[self._grid(n), self._write_threads, w.stream](
                 self._tags, self._keys, self._vers, self._clock, self._values, self._meta, *args,
@@ -282,17 +283,17 @@ class DeviceCache:
     def update(self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int = 0) -> int:
         """Overwrite rows of cached keys whose version is not newer; returns distinct keys written."""
         keys, vectors = self._check_rows(keys, vectors)
-        versions = versions_arg(versions, keys.shape[0])
+        row_versions = versions_arg(versions, keys.shape[0])
         if keys.shape[0] == 0:
             return 0
-        keep = cpu_kernels.latest_per_key(keys, versions)
-        keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+        keep = cpu_kernels.latest_per_key(keys, row_versions)
+        keys, vectors, row_versions = keys[keep], vectors[keep], row_versions[keep]
         n = keys.shape[0]
 
         def launch(w: _WriteBuffers) -> None:
             cuda_kernels.update_kernel[self._grid(n), self._write_threads, w.stream](
                 self._tags, self._keys, self._vers, self._values, w.upload("keys", keys.view(np.uint64)),
-                w.upload("vectors", vectors), w.upload("versions", versions), n, self.sets, self.ways, self.dim,
+                w.upload("vectors", vectors), w.upload("versions", row_versions), n, self.sets, self.ways, self.dim,
                 w.result_d)
 
         return int(self._write(launch)[0])
@@ -303,7 +304,7 @@ class DeviceCache:
         if keys.shape[0] == 0:
             return 0
         versioned = versions is not None
-        if versioned:
+        if versions is not None:
             vs = versions_arg(versions, keys.shape[0])
             keep = cpu_kernels.latest_per_key(keys, vs)
             keys, vs = keys[keep], vs[keep]

@@ -47,8 +47,9 @@ def build_table_cache(
     if backend == "cuda":
         from hps_service.cache.device import DeviceCache
 
-        cache: SetAssociativeCache | DeviceCache = DeviceCache(rows, dim, ways=cfg.ways, policy=cfg.policy)
-        cache.warm_up()  # compiles the device kernels while the table loads, before the server says ready
+        device = DeviceCache(rows, dim, ways=cfg.ways, policy=cfg.policy)
+        device.warm_up()  # compiles the device kernels while the table loads, before the server says ready
+        cache: SetAssociativeCache | DeviceCache = device
     else:
         warm_up_kernels()
         cache = SetAssociativeCache(rows, dim, ways=cfg.ways, policy=cfg.policy, alloc=alloc)
@@ -65,6 +66,16 @@ def build_table_cache(
     )
 
 
+def _nothing_below(dim: int) -> FetchBelow:
+    """A fetch from below that stores nothing: every row the default (zeros), version 0, not stored."""
+
+    def fetch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        n = keys.shape[0]
+        return np.zeros((n, dim), np.float32), np.zeros(n, np.int64), np.zeros(n, np.bool_)
+
+    return fetch
+
+
 def warm_up_table_cache() -> None:
     """Compile (or load) what a table's NumPy L1 runs on the serving paths, with the argument types those pass:
     lookups of read-only keys (gRPC requests), admission into a full cache (the miss sketch), updates and deletes
@@ -75,7 +86,7 @@ def warm_up_table_cache() -> None:
     for policy in ("lru", "lfu"):
         cfg = CacheConfig(backend="numpy", capacity=64, ways=8, policy=policy, admit_after_misses=2,
                           hit_rate_threshold=1.0, warm_start=False)
-        cache = build_table_cache(cfg, dim, 0, lambda keys: np.zeros((keys.shape[0], dim), np.float32), None, None)
+        cache = build_table_cache(cfg, dim, 0, _nothing_below(dim), None, None)
         assert cache is not None
         try:
             keys = np.arange(256, dtype=np.int64)

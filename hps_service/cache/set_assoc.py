@@ -166,27 +166,33 @@ class SetAssociativeCache:
     # ------------------------------------------------------------------ views
     @property
     def tags(self) -> np.ndarray:
-        return self.arrays.tags
+        tags: np.ndarray = self.arrays.tags
+        return tags
 
     @property
     def keys(self) -> np.ndarray:
-        return self.arrays.keys
+        keys: np.ndarray = self.arrays.keys
+        return keys
 
     @property
     def versions(self) -> np.ndarray:
-        return self.arrays.versions
+        versions: np.ndarray = self.arrays.versions
+        return versions
 
     @property
     def clock(self) -> np.ndarray:
-        return self.arrays.clock
+        clock: np.ndarray = self.arrays.clock
+        return clock
 
     @property
     def values(self) -> np.ndarray:
-        return self.arrays.values
+        values: np.ndarray = self.arrays.values
+        return values
 
     @property
     def meta(self) -> np.ndarray:
-        return self.arrays.meta
+        meta: np.ndarray = self.arrays.meta
+        return meta
 
     @property
     def tick(self) -> int:
@@ -281,6 +287,7 @@ class SetAssociativeCache:
             self.clock[sets, ways] = tick
             return
         flat = sets * self.ways + ways
+        counts: np.ndarray | int
         if unique:
             counted, counts = flat, 1
         else:
@@ -293,17 +300,17 @@ class SetAssociativeCache:
         """Insert rows with their versions (see the module docstring for placement, versions and eviction)."""
         keys = self._check_keys(keys)
         vectors = self._check_rows(keys, vectors)
-        versions = versions_arg(versions, keys.shape[0])
+        row_versions = versions_arg(versions, keys.shape[0])
         if keys.shape[0] == 0:
             self._draw_tick()
             return InsertResult(0, 0, 0, 0, 0)
-        keep = cpu_kernels.latest_per_key(keys, versions) if self.compiled else latest_per_key(keys, versions)
+        keep = cpu_kernels.latest_per_key(keys, row_versions) if self.compiled else latest_per_key(keys, row_versions)
         if keep.shape[0] != keys.shape[0]:
-            keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+            keys, vectors, row_versions = keys[keep], vectors[keep], row_versions[keep]
         if self.compiled:
             return InsertResult(*(int(v) for v in cpu_kernels.insert(
-                self.arrays, keys, vectors, versions, self._lfu, evict)))
-        return self._insert_reference(keys, vectors, versions, evict)
+                self.arrays, keys, vectors, row_versions, self._lfu, evict)))
+        return self._insert_reference(keys, vectors, row_versions, evict)
 
     def _insert_reference(self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
                           evict: bool) -> InsertResult:
@@ -361,40 +368,39 @@ class SetAssociativeCache:
         """Overwrite rows of cached keys whose version is not newer, in batch order; returns distinct keys written."""
         keys = self._check_keys(keys)
         vectors = self._check_rows(keys, vectors)
-        versions = versions_arg(versions, keys.shape[0])
+        row_versions = versions_arg(versions, keys.shape[0])
         if keys.shape[0] == 0:
             return 0
         if self.compiled:
-            return int(cpu_kernels.update(self.arrays, keys, vectors, versions))
-        keep = latest_per_key(keys, versions)
-        keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+            return int(cpu_kernels.update(self.arrays, keys, vectors, row_versions))
+        keep = latest_per_key(keys, row_versions)
+        keys, vectors, row_versions = keys[keep], vectors[keep], row_versions[keep]
         sets, _, way, present = self._probe(keys)
         cached = np.flatnonzero(present)
-        cached = cached[self.versions[sets[cached], way[cached]] <= versions[cached]]
+        cached = cached[self.versions[sets[cached], way[cached]] <= row_versions[cached]]
         ps, pw = sets[cached], way[cached]
         self.values[ps * self.ways + pw] = vectors[cached]
-        self.versions[ps, pw] = versions[cached]
+        self.versions[ps, pw] = row_versions[cached]
         return int(cached.shape[0])
 
     def invalidate(self, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
         """Free the slots of cached keys (with ``versions``: only rows not newer than the delete); returns how
         many slots were freed."""
         keys = self._check_keys(keys)
-        if versions is not None:
-            versions = versions_arg(versions, keys.shape[0])
+        row_versions = versions_arg(versions, keys.shape[0]) if versions is not None else None
         if keys.shape[0] == 0:
             return 0
         if self.compiled:
-            return int(cpu_kernels.invalidate(self.arrays, keys, versions))
-        if versions is not None:
-            keep = latest_per_key(keys, versions)
-            keys, versions = keys[keep], versions[keep]
+            return int(cpu_kernels.invalidate(self.arrays, keys, row_versions))
+        if row_versions is not None:
+            keep = latest_per_key(keys, row_versions)
+            keys, row_versions = keys[keep], row_versions[keep]
         else:
             keys = np.unique(keys)
         sets, _, way, present = self._probe(keys)
         cached = np.flatnonzero(present)
-        if versions is not None:
-            cached = cached[self.versions[sets[cached], way[cached]] <= versions[cached]]
+        if row_versions is not None:
+            cached = cached[self.versions[sets[cached], way[cached]] <= row_versions[cached]]
         ps, pw = sets[cached], way[cached]
         self.tags[ps, pw] = 0
         self.clock[ps, pw] = 0

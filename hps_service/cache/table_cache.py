@@ -199,11 +199,12 @@ class SetAssocTableCache:
         if batch_hit_rate < self._threshold and not grouping:
             self._count("admitted_inline", self._insert_offers([(keys, vectors, versions, generation)]))
             return
-        offers: list[Offer] | None = [(keys.copy(), vectors.copy(), versions.copy(), generation)]
+        offers: list[Offer] = [(keys.copy(), vectors.copy(), versions.copy(), generation)]
         if grouping:
-            offers = self._add_to_group(offers[0])
-            if offers is None:
+            grouped = self._add_to_group(offers[0])
+            if grouped is None:
                 return
+            offers = grouped
         if batch_hit_rate < self._threshold:
             self._count("admitted_inline", self._insert_offers(offers))
             return
@@ -425,7 +426,7 @@ class SetAssocTableCache:
         if path is None or not path.is_file():
             return None
         try:
-            keys = np.load(path, allow_pickle=False)
+            keys: np.ndarray = np.load(path, allow_pickle=False)
         except (OSError, ValueError) as exc:
             log.warning("L1 snapshot %s unreadable (%s); warming from the table instead", path, exc)
             return None

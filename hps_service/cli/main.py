@@ -271,8 +271,8 @@ def stats(
         console.print("updates: off", highlight=False)
 
 
-def _count(value: object) -> str:
-    return "-" if value is None else f"{int(value):,}"  # type: ignore[call-overload]
+def _count(value: float | str | None) -> str:
+    return "-" if value is None else f"{int(value):,}"
 
 
 def _seconds(value: float | None) -> str:

@@ -78,7 +78,7 @@ class ServerConfig(_Section):
     audit_log: Path | None = Field(
         None, description="also append the audit log (one JSON line per admin action) to this file")
     expose_internal_on: list[InternalListener] = Field(
-        default_factory=lambda: ["http"], description="where /metrics, /docs, /v1/stats, /v1/jobs and "
+        default_factory=lambda: list[InternalListener](["http"]), description="where /metrics, /docs, /v1/stats, /v1/jobs and "
         "/v1/cache are served: the REST port (http) and/or the probe port (probe, server.probe_port); on the REST "
         "port they need a read credential when server.auth is on")
     max_batch_keys: int = Field(65536, ge=1, description="keys per request; more: RESOURCE_EXHAUSTED / 413")

@@ -12,6 +12,7 @@ a download writes no more bytes per file than the manifest gives it.
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import json
 import logging
@@ -153,7 +154,7 @@ class SnapshotBucket:
         list); returns the manifest. Nothing is listed as a snapshot until the manifest is written."""
         snapshot_id = new_snapshot_id()
         files = uploaded_files(Path(source))  # smallest first; the manifest goes after the largest
-        entries = []
+        entries: list[dict[str, Any]] = []
         for path in files:
             entries.append({"name": path.relative_to(source).as_posix(), "size": path.stat().st_size,
                             "sha256": sha256_file(path)})
@@ -270,7 +271,7 @@ class SnapshotBucket:
         if sha256_file(target) != entry["sha256"]:
             raise CorruptSnapshotError(f"file {entry['name']} of snapshot {snapshot_id} fails its SHA-256")
 
-    def _snapshot_ids(self, model: str) -> list[str]:
+    def _snapshot_ids(self, model: str) -> builtins.list[str]:  # "list" is the method above here
         """Ids of every snapshot prefix of ``model``, complete or not."""
         prefix = self._key(model) + "/"
         ids = []
@@ -285,7 +286,7 @@ class SnapshotBucket:
             raise UnavailableError(f"listing snapshots of {model} in {self.url} failed: {exc}") from None
         return ids
 
-    def _object_keys(self, prefix: str) -> list[str]:
+    def _object_keys(self, prefix: str) -> builtins.list[str]:
         keys = []
         paginator = self.client.get_paginator("list_objects_v2")
         try:

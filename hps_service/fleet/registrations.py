@@ -53,10 +53,10 @@ def sync_registrations(tier: Tier | None, configured: Collection[str], loaded: I
     """Persist the loaded models the config does not define, and forget the stored ones no longer loaded."""
     if tier is None:
         return
-    loaded = {m.name: m for m in loaded}
-    for name, model in loaded.items():
+    by_name = {m.name: m for m in loaded}
+    for name, model in by_name.items():
         if name not in configured:
             save_registration(tier, model)
     for model in load_registrations(tier):
-        if model.name not in loaded:
+        if model.name not in by_name:
             forget_registration(tier, model.name)

@@ -37,6 +37,8 @@ from hps_service.runtime.background import BackgroundThread
 from hps_service.tiers.base import Tier
 from hps_service.updates.admin_signature import REASONS, Signature, registry_context
 from hps_service.updates.catch_up import CatchUp
+from hps_service.updates.consumed import headers as consumed_headers
+from hps_service.updates.consumed import position
 from hps_service.updates.kafka_log import KAFKA_LOG, with_logging
 from hps_service.updates.publisher import connection_settings
 from hps_service.updates.topics import ensure_topic
@@ -310,24 +312,26 @@ class RegistryLog:
     def _poll(self, consumer: Consumer) -> None:
         msgs = consumer.consume(num_messages=500, timeout=0.1)
         for msg in msgs:
-            if msg.error() is not None:
-                if msg.error().code() != KafkaError._PARTITION_EOF:
-                    self.last_error = msg.error().str()
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    self.last_error = err.str()
                 continue
-            if msg.offset() < self.applied:
+            offset = position(msg).offset
+            if offset < self.applied:
                 continue
-            reason = self._signature.refusal(msg.value() or b"", msg.headers())
+            reason = self._signature.refusal(msg.value() or b"", consumed_headers(msg))
             if reason is not None:
                 self._refuse(msg, reason)
             else:
                 try:
                     self._apply(RegistryChange.decode(msg.value()))
                 except Exception as exc:  # noqa: BLE001  (logged and skipped: one change must not stop the others)
-                    self.failed = {**dict(list(self.failed.items())[-99:]), msg.offset(): str(exc)}
+                    self.failed = {**dict(list(self.failed.items())[-99:]), offset: str(exc)}
                     log.error("registration log %s: the change at offset %d was not applied here: %s", self.topic,
-                              msg.offset(), exc)
+                              offset, exc)
             with self.catch_up.cond:
-                self.applied = msg.offset() + 1
+                self.applied = offset + 1
         high = consumer.get_watermark_offsets(TopicPartition(self.topic, 0), cached=True)[1]
         if 0 <= high < self.applied:  # another topic of that name, shorter: read it from its start
             log.warning("registration log %s: position %d is past its end %d; reading it again", self.topic,

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.typing.templates import Signature
 from numba.extending import intrinsic
 
+from hps_service.jit.atomic import IR, Index, Lowering
 
-@intrinsic
-def prefetch(typingctx, array, row, col):  # type: ignore[no-untyped-def]
+
+def _prefetch(typingctx: object, array: types.Array, row: types.Integer, col: types.Integer) -> Lowering:
     """Hint the CPU to load the cache line holding ``array[row, col]`` (LLVM prefetch; no effect on results)."""
     sig = types.void(array, row, col)
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context: IR, builder: IR, signature: Signature, args: Sequence[IR]) -> IR:
         array_type = signature.args[0]
         view = context.make_array(array_type)(context, builder, args[0])
         indices = [args[1], args[2]][: array_type.ndim]
@@ -26,3 +32,7 @@ def prefetch(typingctx, array, row, col):  # type: ignore[no-untyped-def]
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+#: As jitted kernels call it (numba passes the typing context: see :mod:`hps_service.jit.atomic`).
+prefetch = cast(Callable[[np.ndarray, Index, Index], None], intrinsic(_prefetch))

@@ -43,7 +43,8 @@ def read_only(arr: np.ndarray) -> np.ndarray:
 
 def _resolve(target: str) -> Callable[[], object]:
     module, _, name = target.partition(":")
-    return getattr(importlib.import_module(module), name)
+    warm_up: Callable[[], object] = getattr(importlib.import_module(module), name)
+    return warm_up
 
 
 def warm_all() -> dict[str, float]:

@@ -23,7 +23,7 @@ def affinity_cpus() -> int:
 
 def _mounts(proc: Path) -> list[tuple[str, str, str, str]]:
     """(root, mount point, fs type, super options) of every cgroup mount in ``proc/self/mountinfo``."""
-    out = []
+    out: list[tuple[str, str, str, str]] = []
     try:
         lines = (proc / "self" / "mountinfo").read_text().splitlines()
     except OSError:

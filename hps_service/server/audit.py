@@ -12,6 +12,7 @@ import logging
 import logging.handlers
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,6 +22,15 @@ AUDIT_STATE = "hps_audit"
 log = logging.getLogger(AUDIT_LOGGER)
 _files: dict[Path, logging.Handler] = {}
 _files_lock = threading.Lock()
+
+
+def _for_file(path: str) -> Callable[[logging.LogRecord], bool]:
+    """A log filter passing the records meant for the audit file ``path``."""
+
+    def passes(record: logging.LogRecord) -> bool:
+        return getattr(record, "audit_file", None) == path
+
+    return passes
 
 
 @dataclass
@@ -60,7 +70,7 @@ class AuditLog:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     handler = logging.handlers.WatchedFileHandler(path, encoding="utf-8")
                     handler.setFormatter(logging.Formatter("%(message)s"))
-                    handler.addFilter(lambda record, p=str(path): getattr(record, "audit_file", None) == p)
+                    handler.addFilter(_for_file(str(path)))
                     log.addHandler(handler)
                     _files[path] = handler
         if log.level == logging.NOTSET:

@@ -9,7 +9,7 @@ entry in the audit log.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from starlette.exceptions import HTTPException
@@ -54,7 +54,7 @@ class Gatekeeper:
     """Per route (:mod:`hps_service.server.rest_access`): served here? caller allowed? body within bound?"""
 
     def __init__(self, app: Callable, *, router: Router, auth: Authenticator, limits: BodyLimits, audit: AuditLog,
-                 internal_on: list[str]) -> None:
+                 internal_on: Collection[str]) -> None:
         self.app = app
         self.router = router
         self.auth = auth

@@ -4,6 +4,8 @@ socket comes from a colocated reader, whom the socket's file permissions admit (
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+
 import grpc
 
 from hps_service.server.auth import COLOCATED, Authenticator, Principal, bearer_token
@@ -22,7 +24,8 @@ def metadata_token(context: grpc.ServicerContext) -> str | None:
 
 def certificate_identities(context: grpc.ServicerContext) -> list[str]:
     """The subject CN and subject alternative names of the client certificate gRPC verified (none without one)."""
-    auth = context.auth_context()
+    # grpc gives each property the list of its values (typeshed types one bytes value)
+    auth: Mapping[str, Iterable[bytes]] = context.auth_context()  # type: ignore[assignment]  # as above
     return [v.decode(errors="replace") for prop in _IDENTITY_PROPERTIES for v in auth.get(prop, ())]
 
 

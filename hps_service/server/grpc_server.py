@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -29,8 +30,8 @@ class HandlerPool(futures.ThreadPoolExecutor):
     submits a call the moment it arrives), and it counts the calls not yet answered, so a draining server knows when
     its last answer went out."""
 
-    def __init__(self, observe_queue_wait: Callable[[float], None], **kwargs: object) -> None:
-        super().__init__(**kwargs)  # type: ignore[arg-type]
+    def __init__(self, observe_queue_wait: Callable[[float], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._observe = observe_queue_wait
         self._calls_lock = threading.Lock()
         self._unanswered = 0

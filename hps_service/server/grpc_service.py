@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError
+from google.protobuf.message import DecodeError, Message
 
 from hps_client.attempts import PUSHBACK
 from hps_service.config import ServerConfig
@@ -50,7 +50,7 @@ class MalformedRequest:
         return InvalidArgumentError(f"the request is not a valid {self.message_type}: {self.reason}")
 
 
-def tolerant_parser(message_cls: type) -> Callable[[bytes], object]:
+def tolerant_parser(message_cls: type[Message]) -> Callable[[bytes], object]:
     """A request deserializer that returns a MalformedRequest instead of raising (gRPC would answer INTERNAL)."""
     name = message_cls.DESCRIPTOR.full_name
 

@@ -100,8 +100,9 @@ class EngineCollector(Collector):
                     depth = cache.get("queued_rows")
                     if depth is not None:
                         queue.add_metric(mt, float(depth))
-                    if cache.get("memory_bytes") is not None:
-                        cache_memory.add_metric([*mt, str(cache.get("backend", ""))], float(cache["memory_bytes"]))
+                    memory = cache.get("memory_bytes")
+                    if memory is not None:
+                        cache_memory.add_metric([*mt, str(cache.get("backend", ""))], float(memory))
         yield from (hits, misses, rows, evictions, defaults, cache_rows, cache_capacity, cache_evictions, refused,
                     queue, cache_memory)
 

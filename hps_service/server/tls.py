@@ -87,8 +87,8 @@ def grpc_server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
     """Server credentials from ``server.tls``, following its files; with ``client_ca_file`` a client certificate is
     required."""
     material = _Material(tls)
-    return grpc.dynamic_ssl_server_credentials(
-        material.grpc_config(), lambda: material.grpc_config() if material.reload() else None,
+    return grpc.dynamic_ssl_server_credentials(  # the fetcher returns None for "unchanged" (grpc's docs; not its stubs)
+        material.grpc_config(), lambda: material.grpc_config() if material.reload() else None,  # type: ignore[arg-type, return-value]  # None: unchanged
         require_client_authentication=material.ca is not None)
 
 

@@ -24,7 +24,7 @@ def certificate_identities(cert: dict[str, Any] | None) -> list[str]:
 class PeerIdentityProtocol(H11Protocol):
     """H11Protocol whose requests carry ``state[PEER_IDENTITIES]`` of the connection's client certificate."""
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn types BaseTransport; it passes a Transport
         super().connection_made(transport)
         identities = certificate_identities(transport.get_extra_info("peercert"))
         if identities:  # this connection's own copy: app_state is shared by every connection of the server

@@ -51,11 +51,11 @@ def encode_table(name: str, vectors: np.ndarray, sources: np.ndarray) -> list[by
     vec = np.ascontiguousarray(vectors, dtype="<f4")
     if vec.nbytes:
         parts.append(_len_field(_TABLE_VECTORS, vec.nbytes))
-        parts.append(memoryview(vec).cast("B"))
+        parts.append(vec.data.cast("B"))
     src = np.ascontiguousarray(sources, dtype=np.uint8)
     if src.nbytes:
         parts.append(_len_field(_TABLE_SOURCES, src.nbytes))
-        parts.append(memoryview(src).cast("B"))
+        parts.append(src.data.cast("B"))
     return parts
 
 

@@ -57,7 +57,7 @@ def _bucket(bounds: np.ndarray, value: float) -> int:
     for b in range(bounds.shape[0]):
         if value <= bounds[b]:
             return b
-    return bounds.shape[0]
+    return len(bounds)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -140,7 +140,8 @@ class ThreadRows(ThreadSlots):
 
     def totals(self) -> np.ndarray:
         """Every field summed over every process and thread."""
-        return self.array.sum(axis=(0, 1))
+        summed: np.ndarray = self.array.sum(axis=(0, 1))
+        return summed
 
 
 class RequestCounters(ThreadRows):

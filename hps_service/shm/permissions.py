@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import grp
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,14 +49,16 @@ class StoreAccess:
     def apply(self, path: Path, mode: int) -> None:
         """Give ``path`` ``mode`` and the group."""
         os.chmod(path, mode)
-        if self.gid is not None:
-            self._chown(lambda: os.chown(path, -1, self.gid), path)
+        gid = self.gid
+        if gid is not None:
+            self._chown(lambda: os.chown(path, -1, gid), path)
 
     def apply_fd(self, fd: int, name: Path | str) -> None:
         """Give the open file ``fd`` (``name``, for a message) the file mode and the group."""
         os.fchmod(fd, self.file_mode)
-        if self.gid is not None:
-            self._chown(lambda: os.fchown(fd, -1, self.gid), name)
+        gid = self.gid
+        if gid is not None:
+            self._chown(lambda: os.fchown(fd, -1, gid), name)
 
     def make_dirs(self, path: Path) -> None:
         """``path`` and each of its missing parents, created with the directory mode and the group."""
@@ -71,9 +74,9 @@ class StoreAccess:
                 pass  # made by another process meanwhile: its bits are set below all the same
             self.apply(d, self.dir_mode)
 
-    def _chown(self, change: object, name: Path | str) -> None:
+    def _chown(self, change: Callable[[], None], name: Path | str) -> None:
         try:
-            change()  # type: ignore[operator]
+            change()
         except PermissionError:
             raise InvalidArgumentError(f"cannot give {name} to server.local.group {self.gid}: the server's user is "
                                        f"not a member of that group") from None

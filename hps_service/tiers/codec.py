@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress
+from typing import cast
 
 import numpy as np
 
@@ -27,7 +28,8 @@ def row_dtype(dim: int) -> np.dtype:
 
 def encode_keys(keys: np.ndarray) -> list[bytes]:
     """int64 keys -> list of 8-byte big-endian bytes (one C-level pass, no Python loop)."""
-    return np.ascontiguousarray(keys, dtype=">i8").view("V8").tolist()
+    encoded: list[bytes] = np.ascontiguousarray(keys, dtype=">i8").view("V8").tolist()
+    return encoded
 
 
 def encode_rows(vectors: np.ndarray, versions: np.ndarray) -> list[bytes]:
@@ -36,24 +38,27 @@ def encode_rows(vectors: np.ndarray, versions: np.ndarray) -> list[bytes]:
     rec = np.empty(n, dtype=row_dtype(dim))
     rec["version"] = versions
     rec["vector"] = vectors
-    return rec.view(f"V{rec.dtype.itemsize}").tolist()
+    encoded: list[bytes] = rec.view(f"V{rec.dtype.itemsize}").tolist()
+    return encoded
 
 
 def encode_tombstones(versions: np.ndarray) -> list[bytes]:
     """(n,) int64 versions -> list of tombstone values (8 bytes little-endian each)."""
-    return np.ascontiguousarray(versions, dtype="<i8").view("V8").tolist()
+    encoded: list[bytes] = np.ascontiguousarray(versions, dtype="<i8").view("V8").tolist()
+    return encoded
 
 
 def _present(values: Sequence[bytes | None]) -> tuple[np.ndarray | None, list[bytes]]:
     """(mask of non-None values or None when all are present, the present values in order)."""
     n = len(values)
     missing = values.count(None) if isinstance(values, list) else sum(v is None for v in values)
-    if missing == 0:
-        return None, values if isinstance(values, list) else list(values)
+    if missing == 0:  # no None among them
+        return None, cast(list[bytes], values) if isinstance(values, list) else cast(list[bytes], list(values))
     arr = np.empty(n, dtype=object)
     arr[:] = values
     found = arr != None  # element-wise on an object array: where a value is present
-    return found, arr[found].tolist()
+    present: list[bytes] = arr[found].tolist()
+    return found, present
 
 
 def _lengths(present: list[bytes], row_bytes: int, dim: int) -> np.ndarray:

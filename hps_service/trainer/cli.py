@@ -233,10 +233,10 @@ def train_command(
                               "trainer has not published yet will read differently from the server")
         train_cfg = TrainConfig(
             steps=steps if steps is not None or fmt != "synthetic" else 1000, batch_size=batch_size,
-            embedding_optimizer=embedding_optimizer,  # type: ignore[arg-type]
+            embedding_optimizer=embedding_optimizer,  # type: ignore[arg-type]  # a CLI string; TrainConfig checks it against the Literal
             embedding_lr=embedding_lr, dense_lr=dense_lr, publish_every_steps=publish_every_steps,
             publish_every_s=publish_every_s, eval_every=eval_every, holdout_size=holdout_size,
-            generation=generation, progress=progress, device=device, precision=precision,  # type: ignore[arg-type]
+            generation=generation, progress=progress, device=device, precision=precision,  # type: ignore[arg-type]  # CLI strings; TrainConfig checks them against the Literals
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, export_dir=export_dir,
             export_every=export_every, warmup_steps=warmup_steps, progressive_window=progressive_window,
             admit_after=admit_after, expire_after_steps=expire_after_steps,
@@ -316,7 +316,7 @@ def predict_command(
             raise InvalidArgumentError(f"--data-format must be criteo or parquet, not {fmt!r}")
         with Predictor(export_dir, target, model=model, timeout=timeout) as predictor:
             probs, labels = [], []
-            for p, y in predictor.score_files(data, fmt, batch_size, limit):  # type: ignore[arg-type]
+            for p, y in predictor.score_files(data, fmt, batch_size, limit):  # type: ignore[arg-type]  # fmt is criteo or parquet (checked above)
                 probs.append(p)
                 labels.append(y)
             prob, label = np.concatenate(probs), np.concatenate(labels)

@@ -102,6 +102,9 @@ class TowerOutput:
 class DenseTower(nn.Module):
     """Everything in DLRM except the embedding tables: it maps dense features + pooled rows to a logit."""
 
+    pair_rows: torch.Tensor  # buffers, registered in __init__
+    pair_cols: torch.Tensor
+
     def __init__(self, config: DLRMConfig) -> None:
         super().__init__()
         self.config = config

@@ -267,6 +267,9 @@ def apply_token_dropping(
 class TopKRouter(nn.Module):
     """Linear gate over the hidden state, top-k selection, aux and z losses, and the aux-loss-free expert bias."""
 
+    expert_bias: torch.Tensor | None  # buffers, registered in __init__
+    local_tokens_per_expert: torch.Tensor
+
     def __init__(self, hidden: int, config: MoEConfig) -> None:
         super().__init__()
         self.config = config

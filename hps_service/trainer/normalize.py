@@ -21,6 +21,10 @@ MIN_VARIANCE = 1e-6
 class DenseNormalizer(nn.Module):
     """``(x - mean) / std`` with float64 running statistics (identity before the first update)."""
 
+    count: torch.Tensor  # buffers, registered in __init__
+    mean: torch.Tensor
+    var: torch.Tensor
+
     def __init__(self, num_dense: int) -> None:
         super().__init__()
         self.register_buffer("count", torch.zeros((), dtype=torch.float64))

@@ -99,7 +99,7 @@ class Predictor:
 
     def close(self) -> None:
         if self._owns_client:
-            self.client.close()  # type: ignore[attr-defined]
+            self.client.close()  # type: ignore[attr-defined]  # the client it made itself has close()
 
     def __enter__(self) -> Predictor:
         return self

@@ -91,7 +91,7 @@ def assemble(chunks: Iterator[Chunk | None], batch_size: int, max_wait_s: float,
 
 def _format_of(path: Path, data_format: str | None) -> FileFormat:
     if data_format is not None:
-        return data_format  # type: ignore[return-value]
+        return data_format  # type: ignore[return-value]  # the CLI and config check it against FileFormat
     return "parquet" if path.name.endswith((".parquet", ".pq")) else "criteo"
 
 

@@ -23,6 +23,7 @@ from prometheus_client import Counter
 from pydantic import SecretStr
 
 from hps_service.errors import FailedPreconditionError
+from hps_service.updates.consumed import ProduceHeaders
 from hps_service.updates.message import DecodedUpdate, MalformedUpdateError
 
 HEADER = "hps-admin-hmac"
@@ -62,7 +63,7 @@ class Signature:
     def can_sign(self) -> bool:
         return self._key is not None
 
-    def headers(self, payload: bytes) -> list[tuple[str, bytes]]:
+    def headers(self, payload: bytes) -> ProduceHeaders:
         """The Kafka headers that sign ``payload``; FailedPreconditionError without a key."""
         if self._key is None:
             raise FailedPreconditionError("signing needs updates.admin_key (the same on every replica)")

@@ -22,6 +22,8 @@ from hps_service.engine import LookupEngine, TableChange
 from hps_service.errors import InvalidArgumentError, NotFoundError
 from hps_service.updates.admin_signature import AdminMessages
 from hps_service.updates.batch import TableBatch, table_change
+from hps_service.updates.consumed import headers as consumed_headers
+from hps_service.updates.consumed import position
 from hps_service.updates.dead_letters import DeadLetters
 from hps_service.updates.gaps import OffsetGaps
 from hps_service.updates.message import DecodedUpdate, MalformedUpdateError, decode_update
@@ -93,30 +95,33 @@ class BatchApply:
         for msg in msgs:
             err = msg.error()
             if err is not None:
-                if err.code() == KafkaError._AUTO_OFFSET_RESET and msg.topic() in assignment.topics:
-                    out_of_range((msg.topic(), msg.partition()))
+                err_topic, err_partition = msg.topic(), msg.partition()
+                if (err.code() == KafkaError._AUTO_OFFSET_RESET and err_topic in assignment.topics
+                        and err_topic is not None and err_partition is not None):
+                    out_of_range((err_topic, err_partition))
                 elif err.code() != KafkaError._PARTITION_EOF:
                     self._on_error(err.str())
                     log.warning("update consumer %s: %s", self.group, err.str())
                 continue
-            topic = msg.topic()
-            part = (topic, msg.partition())
+            topic, partition, offset = position(msg)
+            part = (topic, partition)
             model = assignment.topics.get(topic)
             if model is None or part in assignment.parked or part in park or part in reread:
                 continue  # fetched before its partition was dropped, parked or sought back: read again from there
-            gap = self.gaps.check(part, msg.offset())
+            gap = self.gaps.check(part, offset)
             if gap is not None:
                 reread[part] = gap
                 continue
-            self.gaps.taken(part, msg.offset())
-            first.setdefault(part, msg.offset())
+            self.gaps.taken(part, offset)
+            first.setdefault(part, offset)
+            value = msg.value() or b""
             try:
                 if model not in loaded:
                     raise ModelUnloadedError(model)
-                upd = self._validated(model, msg.value())
-                self.admin_messages.check(model, upd, msg.value(), msg.headers())
+                upd = self._validated(model, value)
+                self.admin_messages.check(model, upd, value, consumed_headers(msg))
             except ModelUnloadedError:
-                park[part] = msg.offset()
+                park[part] = offset
                 continue
             except MalformedUpdateError as exc:
                 self._dead_letter(dlq, msg, model, str(exc))
@@ -126,7 +131,7 @@ class BatchApply:
                 else:
                     groups.setdefault((model, upd.table), TableBatch()).add(upd, msg)
                 produced_at.setdefault(model, []).append(upd.produced_at_ns)
-            offsets[part] = msg.offset() + 1
+            offsets[part] = offset + 1
         return PolledBatch(groups, purges, produced_at, offsets, first, park, reread, letters)
 
     def apply(self, batch: PolledBatch, topics: dict[str, str], dlq: DeadLetters) -> bool:

@@ -23,7 +23,7 @@ from hps_service.updates.gaps import OffsetGaps
 from hps_service.updates.message import dlq_topic_name
 from hps_service.updates.metrics import FreshnessStats
 from hps_service.updates.progress import Progress
-from hps_service.updates.topics import ensure_topic
+from hps_service.updates.topics import Replication, ensure_topic
 from hps_service.updates.watermarks import LOG_GAPS, BrokerLogs, LogLedger, LostLog, check_start
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,7 @@ class Assignment:
         shards: int,
         shard: int,
         client_config: dict[str, Any],
-        replication: dict[str, int],
+        replication: Replication,
         engine: LookupEngine,
         logs: BrokerLogs,
         ledger: LogLedger,

@@ -123,11 +123,13 @@ class CatchUp:
                 return {}
             late = {models.get(p[0]) for p, age in ages.items() if age > self.max_lag_s and p not in self.targets}
             out: dict[str, tuple[float, int]] = {}
-            for model in late - {None}:
+            for model in late:
+                if model is None:
+                    continue
                 behind = {p: high for p, high in highs.items() if models.get(p[0]) == model and
                           high > positions.get(p, 0)}
-                out[model] = (max((ages[p] for p in behind), default=0.0), len(behind))  # type: ignore[index]
+                out[model] = (max((ages[p] for p in behind), default=0.0), len(behind))
                 self.targets.update(behind)
                 self._confirmed.update(behind)  # the fetch responses' own watermarks: nothing to confirm
-                self.lagged_s = out[model][0]  # type: ignore[index]
+                self.lagged_s = out[model][0]
             return out

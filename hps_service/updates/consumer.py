@@ -436,6 +436,8 @@ class UpdateConsumer(LogLosses, OffsetCommits):
 
     def _fetched_high(self, part: tuple[str, int]) -> int:
         """The high watermark of the latest fetch response of ``part`` (negative while there is none)."""
+        if self._consumer is None:
+            return -1
         try:
             return self._consumer.get_watermark_offsets(TopicPartition(*part), cached=True)[1]
         except KafkaException:

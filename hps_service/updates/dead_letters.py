@@ -11,6 +11,8 @@ from typing import Any
 
 from confluent_kafka import KafkaError, Message, Producer
 
+from hps_service.updates.consumed import ProduceHeaders, position
+from hps_service.updates.consumed import headers as consumed_headers
 from hps_service.updates.message import dlq_topic_name
 
 log = logging.getLogger(__name__)
@@ -22,7 +24,7 @@ class DeadLetters:
     def __init__(self, client_config: dict[str, Any], on_error: Callable[[str], None]) -> None:
         """``on_error(text)`` hears of every refused letter (which is then produced again)."""
         self._producer = Producer({**client_config, "acks": "all", "enable.idempotence": True, "linger.ms": 5})
-        self._failed: list[tuple[str, bytes | None, list]] = []
+        self._failed: list[tuple[str, bytes | None, ProduceHeaders]] = []
         self._on_error = on_error
         #: Letters produced so far (a change tells the consumer its batch has some to wait for).
         self.sent = 0
@@ -30,11 +32,12 @@ class DeadLetters:
     def send(self, msg: Message, reason: str) -> None:
         """Produce ``msg`` to its topic's dead-letter topic, with ``reason`` and its source position as headers."""
         self.sent += 1
-        headers = [
+        source = position(msg)
+        headers: ProduceHeaders = [
             ("hps-error", reason.encode()),
-            ("hps-source", f"{msg.topic()}[{msg.partition()}]@{msg.offset()}".encode()),
+            ("hps-source", f"{source.topic}[{source.partition}]@{source.offset}".encode()),
         ]
-        self._produce(dlq_topic_name(msg.topic()), msg.value(), headers)
+        self._produce(dlq_topic_name(source.topic), msg.value(), headers)
 
     def poll(self) -> None:
         """Serve delivery reports and produce again what the broker refused."""
@@ -68,7 +71,7 @@ class DeadLetters:
             for topic, value, headers in retry:
                 self._produce(topic, value, headers)
 
-    def _produce(self, topic: str, value: bytes | None, headers: list) -> None:
+    def _produce(self, topic: str, value: bytes | None, headers: ProduceHeaders) -> None:
         while True:
             try:
                 self._producer.produce(topic, value=value, headers=headers, on_delivery=self._on_delivery)
@@ -81,4 +84,6 @@ class DeadLetters:
             text = f"dead letter to {msg.topic()} failed: {err.str()}"
             log.warning("%s; producing it again", text)
             self._on_error(text)
-            self._failed.append((msg.topic(), msg.value(), list(msg.headers() or [])))
+            topic = msg.topic()
+            if topic is not None:  # set on every message produced
+                self._failed.append((topic, msg.value(), list(consumed_headers(msg) or [])))

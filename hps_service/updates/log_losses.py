@@ -36,7 +36,6 @@ class LogLosses:
     group: str
     engine: Any
     metrics: Any
-    topics: dict[str, str]
     logs: BrokerLogs
     ledger: LogLedger
     catch_up: CatchUp
@@ -47,6 +46,15 @@ class LogLosses:
     _lost: dict[Partition, LostLog]
     _recovering: dict[Partition, int]
     _past_end_seen: dict[Partition, int]  # partitions seen past their end once, at that position
+
+    if TYPE_CHECKING:  # the consumer's, which this is mixed into
+
+        @property
+        def topics(self) -> dict[str, str]: ...
+
+        def end_offsets(self, model: str) -> dict[Partition, int]: ...
+
+        def wait_applied(self, positions: dict[Partition, int], timeout: float) -> bool: ...
 
     def _topics_of(self, model: str | None) -> set[str]:
         return set(self.topics) if model is None else {t for t, m in self.topics.items() if m == model}
@@ -83,10 +91,10 @@ class LogLosses:
         if reason := self.lost_reason(model):
             raise UnavailableError(reason)
         deadline = time.monotonic() + timeout
-        listed = self.end_offsets(model)  # type: ignore[attr-defined]
+        listed = self.end_offsets(model)
         for _ in range(2):
             ends = {k: self.catch_up.end(k, end) for k, end in listed.items()}
-            if not self.wait_applied(  # type: ignore[attr-defined]
+            if not self.wait_applied(
                     {k: end - 1 for k, end in ends.items() if end > 0}, deadline - time.monotonic()):
                 return False
         return True

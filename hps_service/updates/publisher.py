@@ -15,6 +15,7 @@ from hps_service.config import valid_name
 from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.updates.admin_signature import HEADER as SIGNATURE_HEADER
 from hps_service.updates.admin_signature import sign
+from hps_service.updates.consumed import ProduceHeaders, position
 from hps_service.updates.kafka_log import with_logging
 from hps_service.updates.message import MAX_MESSAGE_BYTES, encode_update, rows_per_message, topic_name
 from hps_service.updates.partitioning import group_by_partition, partition_of
@@ -63,7 +64,8 @@ class Deliveries:
                 self.errors.append(f"{msg.topic()}[{msg.partition()}]: {err.str()}")
                 self.fatal = self.fatal or err.fatal()
             else:
-                self.offsets[msg.partition()] = max(self.offsets.get(msg.partition(), -1), msg.offset())
+                _, partition, offset = position(msg)
+                self.offsets[partition] = max(self.offsets.get(partition, -1), offset)
 
 
 class Publisher:
@@ -148,7 +150,8 @@ class Publisher:
         none = np.empty(0, dtype=np.int64)
         payload = encode_update(self.model, table, none, np.empty((0, 0), dtype=np.float32), none,
                                 purge_tombstones_below=int(below))
-        headers = [(SIGNATURE_HEADER, sign(self._admin_key, payload))] if self._admin_key is not None else None
+        headers: ProduceHeaders | None = (
+            [(SIGNATURE_HEADER, sign(self._admin_key, payload))] if self._admin_key is not None else None)
         for p in range(self.partitions):
             self._produce(p, payload, deliveries, headers)
         self.messages_sent += self.partitions
@@ -202,6 +205,7 @@ class Publisher:
         order, starts = group_by_partition(part, self.partitions)
         cap = rows_per_message(rows.shape[1] if rows is not None else 0)
         empty_rows = np.empty((0, 0), dtype=np.float32)
+        put_rows = empty_rows if rows is None else rows  # None only with deletes
         no_keys = np.empty(0, dtype=np.int64)
         sent = 0
         for p in np.flatnonzero(starts[1:] > starts[:-1]):
@@ -210,7 +214,7 @@ class Publisher:
                 if deletes:
                     payload = encode_update(self.model, table, no_keys, empty_rows, no_keys, keys[idx], versions[idx])
                 else:
-                    payload = encode_update(self.model, table, keys[idx], rows[idx], versions[idx])
+                    payload = encode_update(self.model, table, keys[idx], put_rows[idx], versions[idx])
                 self._produce(int(p), payload, deliveries)
                 sent += 1
         self.messages_sent += sent
@@ -218,7 +222,7 @@ class Publisher:
         return sent
 
     def _produce(self, partition: int, payload: bytes, deliveries: Deliveries | None = None,
-                 headers: list[tuple[str, bytes]] | None = None) -> None:
+                 headers: ProduceHeaders | None = None) -> None:
         deadline = time.monotonic() + 60.0
         while True:
             try:

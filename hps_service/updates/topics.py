@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TypedDict
 
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient, NewTopic
@@ -25,6 +26,13 @@ log = logging.getLogger(__name__)
 DEFAULT_REPLICATION_FACTOR = 3
 #: ``min.insync.replicas`` of the topics hps-service creates (``updates.min_insync_replicas``).
 DEFAULT_MIN_INSYNC_REPLICAS = 2
+
+
+class Replication(TypedDict):
+    """How the topics a consumer creates are replicated (``ensure_topic``'s keyword arguments)."""
+
+    replication_factor: int
+    min_insync_replicas: int
 
 
 def replication_for(wanted: int, brokers: int, min_insync: int = DEFAULT_MIN_INSYNC_REPLICAS) -> tuple[int, int]:

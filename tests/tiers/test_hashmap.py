@@ -316,7 +316,7 @@ def test_memory_within_target_at_200k_rows() -> None:
         keys = np.arange(start, start + step, dtype=np.int64) * 7919
         tier.put(TABLE, keys, np.ones((step, dim), np.float32), np.ones(step, np.int64))
         if start + step >= 50_000:
-            ratios.append(tier.memory_bytes(TABLE) / (tier.count(TABLE) * dim * 4))
+            ratios.append(tier.table_bytes(TABLE) / (tier.count(TABLE) * dim * 4))
     assert tier.count(TABLE) == 200_000
     assert max(ratios) <= 1.3, ratios
     all_keys = np.arange(200_000, dtype=np.int64) * 7919
@@ -332,7 +332,7 @@ def _resident_bytes() -> int:
 
 
 def test_capacity_is_reserved_not_resident_and_rows_never_move() -> None:
-    """A 10M-row table (2.7 GB of storage) uses memory only for the rows it holds, reported by memory_bytes, and
+    """A 10M-row table (2.7 GB of storage) uses memory only for the rows it holds, reported by table_bytes, and
     its storage is never reallocated (copied) as rows arrive."""
     dim, n, step = 64, 200_000, 10_000
     before = _resident_bytes()
@@ -343,7 +343,7 @@ def test_capacity_is_reserved_not_resident_and_rows_never_move() -> None:
         tier.put(TABLE, keys, _rows(keys, dim), np.ones(step, np.int64))
     grown = _resident_bytes() - before
     assert tier._tables[TABLE].rows is storage
-    assert n * dim * 4 * 0.5 < grown < 2 * tier.memory_bytes(TABLE) + (32 << 20), (grown, tier.memory_bytes(TABLE))
+    assert n * dim * 4 * 0.5 < grown < 2 * tier.table_bytes(TABLE) + (32 << 20), (grown, tier.table_bytes(TABLE))
     keys = np.arange(n, dtype=np.int64)
     np.testing.assert_array_equal(tier.get(TABLE, keys).vectors, _rows(keys, dim))
 

@@ -73,7 +73,7 @@ def rebuild_index(index: np.ndarray, keys: np.ndarray, n_rows: np.int64) -> None
 
 
 @njit(cache=True, nogil=True)
-def locate_rows(index: np.ndarray, keys: np.ndarray, query: np.ndarray, out_rows: np.ndarray) -> np.int64:
+def locate_rows(index: np.ndarray, keys: np.ndarray, query: np.ndarray, out_rows: np.ndarray) -> int:
     """Write the row id of each ``query`` key (-1 if absent) into ``out_rows``; returns how many are absent."""
     mask = np.int64(index.size - 1)
     missing = 0

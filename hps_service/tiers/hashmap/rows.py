@@ -75,7 +75,7 @@ def get_rows(
     found: np.ndarray,
     clock: np.int64,
     lfu: bool,
-) -> np.int64:
+) -> int:
     """Copy the rows of ``query`` into the outputs and stamp every hit; returns the number of hits.
 
     Tombstones count as misses and keep their stamp.
@@ -141,7 +141,7 @@ def put_rows(
     written: np.ndarray,
     clock: np.int64,
     lfu: bool,
-) -> tuple[np.int64, np.int64]:
+) -> tuple[np.int64, int]:
     """Upsert rows in batch order; returns (new row count, tombstones replaced by rows).
 
     A stored row with a newer version is kept; a tombstone is kept unless the offered version is newer than
@@ -196,7 +196,7 @@ def tombstone_keys(
     query: np.ndarray,
     delete_versions: np.ndarray,
     clock: np.int64,
-) -> tuple[np.int64, np.int64, np.int64]:
+) -> tuple[np.int64, int, int]:
     """Versioned delete: turn rows at or below each delete's version into tombstones at that version.
 
     A newer row is kept; an older tombstone is raised to the delete's version; an absent key gets a new
@@ -245,7 +245,7 @@ def delete_keys(
     reader_stamps: np.ndarray,
     n_rows: np.int64,
     query: np.ndarray,
-) -> tuple[np.int64, np.int64, np.int64]:
+) -> tuple[np.int64, int, int]:
     """Remove the ``query`` keys, rows and tombstones alike; returns (new row count, rows, tombstones removed)."""
     mask = np.int64(index.size - 1)
     n = n_rows

@@ -60,7 +60,7 @@ def read_rows(
     out_versions: np.ndarray,
     found: np.ndarray,
     row_ids: np.ndarray,
-) -> np.int64:
+) -> int:
     """A lock-free read of ``query`` by a process that is not the writer; returns the number of hits, or
     ``READ_OVERLAPPED`` (a write overlapped: run again) or ``READ_REMAP`` (the index was replaced: map
     generation ``ctrl[CTRL_INDEX_GEN]`` and run again). Writes only its outputs; ``row_ids[i]`` is the row of

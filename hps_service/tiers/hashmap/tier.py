@@ -125,7 +125,7 @@ class _Table:
 
     def _index_room(self, needed_rows: int) -> int:
         """Rows the current index takes at its load limit (at least ``needed_rows``), capped by the storage."""
-        return min(self.keys.shape[0], max(needed_rows, int(self.index.shape[0] / _INDEX_SLOTS_PER_ROW)))
+        return min(int(self.keys.shape[0]), max(needed_rows, int(self.index.shape[0] / _INDEX_SLOTS_PER_ROW)))
 
     def tick(self) -> np.int64:
         """Advance the table clock (one tick per batch, shared with the readers' ticks) and return it."""
@@ -378,8 +378,8 @@ class HashMapTier(Tier):
         victims = np.sort(victims)[::-1].copy()
         t.n_tombstones -= int(np.count_nonzero(t.stamps[victims] < 0))
         with t.changing():
-            n = row_ops.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(n), victims)
-        t.set_rows(int(n))
+            kept = row_ops.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(n), victims)
+        t.set_rows(int(kept))
         t.evictions += count
 
     def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
@@ -413,7 +413,7 @@ class HashMapTier(Tier):
         with t.lock:
             return t.n_rows - t.n_tombstones
 
-    def memory_bytes(self, table: str) -> int:
+    def table_bytes(self, table: str) -> int:
         """Bytes held by every array of ``table``: vectors, keys, versions, stamps and index."""
         t = self._table(table)
         with t.lock:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from redis.crc import key_slot
@@ -104,7 +105,8 @@ class RedisClusterTier(Tier):
             raise InvalidArgumentError(f"dim of table {table!r} must be positive, got {dim}")
         try:
             self._rc.set(self._meta_key(table), str(dim).encode(), nx=True)
-            stored = int(self._rc.get(self._meta_key(table)))
+            raw = self._rc.get(self._meta_key(table))
+            stored = dim if raw is None else int(raw)  # None: the meta key was deleted since the SET NX
         except RedisError as e:
             log.warning(
                 "redis_cluster: meta of table %s not reachable (%s); using dim %d locally", table, e, dim
@@ -291,7 +293,7 @@ class RedisClusterTier(Tier):
 
     # ------------------------------------------------------------------ internals
 
-    def _note_missed(self, table: str, results: list, bounds: np.ndarray, sorted_keys: np.ndarray) -> None:
+    def _note_missed(self, table: str, results: list[Any], bounds: np.ndarray, sorted_keys: np.ndarray) -> None:
         """Remember the keys of partition writes that failed or were skipped."""
         bad = [i for i, r in enumerate(results) if not isinstance(r, (bytes, int, list))]
         if not bad:
@@ -313,7 +315,7 @@ class RedisClusterTier(Tier):
         bounds: np.ndarray,
         args: np.ndarray,
         args_per_key: int,
-    ) -> list:
+    ) -> list[Any]:
         """Call ``script`` once per partition run, its keys' RESP ``args`` rows as ARGV; returns the replies."""
         head = script.evalsha_head()
         commands = [
@@ -326,7 +328,7 @@ class RedisClusterTier(Tier):
         return self._nodes.execute_script(table, script, commands, np.diff(bounds))
 
     @staticmethod
-    def _flags(results: list, bounds: np.ndarray, n: int) -> np.ndarray:
+    def _flags(results: list[Any], bounds: np.ndarray, n: int) -> np.ndarray:
         """The '1'/'0' replies of per-partition script calls as one bool mask in sorted order (failed: False)."""
         mask = np.zeros(n, dtype=bool)
         for res, s, e in zip(results, bounds[:-1], bounds[1:]):

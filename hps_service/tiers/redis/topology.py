@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from redis.backoff import NoBackoff
@@ -68,7 +69,7 @@ class ClusterNodes:
         password: str | None,
         socket_timeout_s: float,
         node_retry_after_s: float,
-        **connection_options: object,
+        **connection_options: Any,
     ) -> None:
         startup = [parse_node(n) for n in nodes]
         self._retry_after = node_retry_after_s
@@ -131,13 +132,13 @@ class ClusterNodes:
         self.rc.close()
 
     def execute(
-        self, table: str, commands: list[tuple[int, list]], keys_per_command: np.ndarray | None
-    ) -> list:
+        self, table: str, commands: list[tuple[int, list[Any]]], keys_per_command: np.ndarray | None
+    ) -> list[Any]:
         """Run ``(slot, RESP pieces)`` commands: group by node, write to every node, then read every reply.
 
         Results are the replies, an exception instance for an error reply, or ``FAILED`` where the node failed.
         """
-        results: list = [FAILED] * len(commands)
+        results: list[Any] = [FAILED] * len(commands)
         slots_cache = self.rc.nodes_manager.slots_cache
         by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
         for i, (slot, _) in enumerate(commands):
@@ -200,9 +201,9 @@ class ClusterNodes:
         self,
         table: str,
         script: Script,
-        commands: list[tuple[int, list]],
+        commands: list[tuple[int, list[Any]]],
         keys_per_command: np.ndarray | None,
-    ) -> list:
+    ) -> list[Any]:
         """Run EVALSHA ``commands``; where a node lost its script cache (restarted), EVAL loads it again."""
         results = self.execute(table, commands, keys_per_command=keys_per_command)
         retry = [i for i, r in enumerate(results) if isinstance(r, NoScriptError)]
@@ -243,7 +244,7 @@ class ClusterNodes:
         failed_nodes: list[tuple[str, list[int]]],
         skipped_nodes: list[list[int]],
         unrouted: list[int],
-        results: list,
+        results: list[Any],
         keys_per_command: np.ndarray | None,
     ) -> None:
         """Count what fell through and put failed nodes in back-off."""

@@ -36,7 +36,7 @@ IMPORT_CHUNK_ROWS = 262_144
 class FileOperations:
     """Checkpoint, export, adopt and bulk import of :class:`RocksDBTier` (which this is mixed into)."""
 
-    def checkpoint(self: RocksDBTier, dest: Path) -> None:
+    def checkpoint(self: RocksDBTier, dest: Path) -> None:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """A consistent, hard-linked snapshot of the whole store at ``dest`` (which must not exist)."""
         self._check_open()
         dest = Path(dest)
@@ -54,7 +54,7 @@ class FileOperations:
             Checkpoint(self._db).create_checkpoint(str(dest))
             flusher.mark(flusher.families())
 
-    def _ingest(self: RocksDBTier, table: str, files: list[str]) -> None:
+    def _ingest(self: RocksDBTier, table: str, files: list[str]) -> None:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """Ingest sorted SST files into ``table`` (moved, not copied); the flush RocksDB makes of an overlapping
         memtable is announced and marked as the flush policy's own are, and the secondaries open afresh after it:
         one that only caught up kept answering rows replayed from before the ingest for seconds (make history:
@@ -67,7 +67,7 @@ class FileOperations:
             self._flusher.mark([table])
         self._wrote(table, None)
 
-    def export(
+    def export(  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         self: RocksDBTier, dest: Path, tables: Sequence[str], sources: Collection[str], metadata_keys: Collection[str] = ()
     ) -> dict[str, Any]:
         """A checkpoint at ``dest`` that holds only ``tables``, the positions of ``sources`` and the metadata entries
@@ -115,7 +115,7 @@ class FileOperations:
             db.close()
         return {"tables": described, "positions": kept_positions}
 
-    def adopt(self: RocksDBTier, src: Path) -> list[str]:
+    def adopt(self: RocksDBTier, src: Path) -> list[str]:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """Copy every table, metadata entry and position of the store at ``src`` into this one, rows as stored
         (versions and tombstones included), as sorted SST files ingested per table. The tables must not exist
         here yet (this merges a restored snapshot into a store that holds other models). Returns the tables."""
@@ -130,7 +130,7 @@ class FileOperations:
                 tmp = self.path / f"import-{uuid.uuid4().hex}"
                 tmp.mkdir()
                 try:
-                    files = []
+                    files: list[str] = []
                     items = other._cfs[table].items()
                     while chunk := list(islice(items, IMPORT_CHUNK_ROWS)):
                         sst = tmp / f"{len(files):06d}.sst"
@@ -157,7 +157,7 @@ class FileOperations:
             other.close()
 
 
-    def bulk_import(
+    def bulk_import(  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         self: RocksDBTier,
         table: str,
         keys: np.ndarray,
@@ -190,7 +190,8 @@ class FileOperations:
             with self._lock:
                 count_before = self._meta_int("count", table) or 0
                 tombstones_before = self._meta_int("tombstones", table) or 0
-                files, written, new_rows, replaced_tombstones = [], 0, 0, 0
+                files: list[str] = []
+                written, new_rows, replaced_tombstones = 0, 0, 0
                 for start in range(0, order.size, IMPORT_CHUNK_ROWS):
                     chunk = order[start : start + IMPORT_CHUNK_ROWS]
                     chunk_vectors = vectors[chunk]

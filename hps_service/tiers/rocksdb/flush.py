@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -124,7 +124,7 @@ class Flusher:
         assert self._db is not None
         batch.delete(MARKER, self._db.get_column_family_handle("default"))
 
-    def written(self, batch_bytes: int, families: list[str]) -> None:
+    def written(self, batch_bytes: int, families: Sequence[str]) -> None:
         """A batch of ``batch_bytes`` reached the store, writing to ``families``: switch what is full."""
         self._wal_bytes += batch_bytes
         if self._wal_bytes >= self.max_total_wal_bytes:
@@ -217,6 +217,7 @@ class Flusher:
                     self._idle.set()
                     return
                 below, self._reclaim_below = self._reclaim_below, None
+                assert below is not None  # the wait above ends on a request or on stop
             try:
                 self._reclaim(below)
             except Exception:  # a store closed meanwhile, or an I/O error the next write will meet

@@ -4,6 +4,7 @@ metadata and log positions it keeps in them."""
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 
 #: Column family holding ``dim:<table>``, ``count:<table>`` and ``tombstones:<table>`` entries (int64 LE values),
 #: and the ``app:`` entries of :meth:`RocksDBTier.set_metadata`.
@@ -31,6 +32,6 @@ def parse_position_key(key: bytes) -> tuple[str, int]:
     return key[:-5].decode(), int.from_bytes(key[-4:], "big")
 
 
-def drain(iterator) -> None:
+def drain(iterator: Iterable[object]) -> None:
     """Run an iterator of side effects to completion at C speed."""
     deque(iterator, maxlen=0)

@@ -92,7 +92,7 @@ def gated(method: _F) -> _F:
         with self._gate.reading():
             return method(self, *args, **kwargs)
 
-    return read  # type: ignore[return-value]
+    return read  # type: ignore[return-value]  # functools.wraps keeps method's signature; mypy sees read's
 
 
 class WriteFailure:
@@ -149,7 +149,10 @@ class WriteFailure:
 class Reopening:
     """The reopen of :class:`RocksDBTier` after a failed write (mixed into it)."""
 
-    def _heal(self: RocksDBTier) -> None:
+    #: The store failed and is not reopened yet.
+    _down: bool
+
+    def _heal(self: RocksDBTier) -> None:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """After a failed write: reopen the store when due (see :mod:`hps_service.tiers.rocksdb.recovery`), else
         refuse the write."""
         with self._lock:
@@ -171,7 +174,7 @@ class Reopening:
                 self._down = False
             self._failure.healed()
 
-    def _close_db(self: RocksDBTier) -> bool:
+    def _close_db(self: RocksDBTier) -> bool:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """Release the open store (every column family object first: the DB closes only once none is left);
         whether it closed: rocksdict keeps it open when the flush its close makes fails, and then it stays in use."""
         names = [*self._cfs, META_CF, POSITIONS_CF]

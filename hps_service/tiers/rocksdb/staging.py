@@ -35,6 +35,9 @@ SCAN_CHUNK = 65_536
 class WriteStaging:
     """The staging of writes into batches, their commit, and the tombstone sweep of :class:`RocksDBTier`."""
 
+    #: (table, keys) of each batch staged since the last commit, for the tier's ``on_write``.
+    _staged: list[tuple[str, np.ndarray]]
+
     @staticmethod
     def _stored_states(cf: Rdict, encoded_keys: list[bytes], dim: int) -> tuple[np.ndarray, np.ndarray]:
         """(codec state, stored version) of the encoded keys, read with one multi-get."""
@@ -47,11 +50,11 @@ class WriteStaging:
             states == LIVE, offered >= stored, np.where(states == TOMBSTONE, offered > stored, True)
         )
 
-    def _add_counts(self: RocksDBTier, batch: WriteBatch, table: str, rows: int, tombstones: int) -> None:
+    def _add_counts(self: RocksDBTier, batch: WriteBatch, table: str, rows: int, tombstones: int) -> None:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """Adjust the row and tombstone counts of ``table`` inside ``batch`` (caller holds the lock)."""
         self._stage_counts(batch, {("count", table): rows, ("tombstones", table): tombstones})
 
-    def _stage_counts(self: RocksDBTier, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:
+    def _stage_counts(self: RocksDBTier, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """Put the counts changed by ``deltas`` ((kind, table) -> change) into ``batch`` (caller holds the lock)."""
         meta = self._db.get_column_family_handle(META_CF)
         for (kind, table), delta in deltas.items():
@@ -59,7 +62,7 @@ class WriteStaging:
                 count = max(0, (self._meta_int(kind, table) or 0) + delta)
                 batch.put(meta_key(kind, table), int_value(count), meta)
 
-    def _stage_put(
+    def _stage_put(  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         self: RocksDBTier, batch: WriteBatch, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
         deltas: dict[tuple[str, str], int],
     ) -> np.ndarray:
@@ -90,7 +93,7 @@ class WriteStaging:
                                              - int(np.count_nonzero(replaced == TOMBSTONE)))
         return written
 
-    def _stage_delete(
+    def _stage_delete(  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         self: RocksDBTier, batch: WriteBatch, table: str, keys: np.ndarray, versions: np.ndarray | None,
         deltas: dict[tuple[str, str], int],
     ) -> int:
@@ -128,7 +131,7 @@ class WriteStaging:
         deltas[("tombstones", table)] = deltas.get(("tombstones", table), 0) + tombstones
         return removed
 
-    def _commit(self: RocksDBTier, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:
+    def _commit(self: RocksDBTier, batch: WriteBatch, deltas: dict[tuple[str, str], int]) -> None:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """Add the count changes to ``batch`` and write it (synced when sync_writes); caller holds the lock. Then
         name the keys written to ``on_write``."""
         staged, self._staged = self._staged, []
@@ -138,11 +141,11 @@ class WriteStaging:
             for table, keys in staged:
                 self._wrote(table, keys)
 
-    def _wrote(self: RocksDBTier, table: str, keys: np.ndarray | None) -> None:
+    def _wrote(self: RocksDBTier, table: str, keys: np.ndarray | None) -> None:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         if self._on_write is not None:
             self._on_write(table, keys)
 
-    def purge_tombstones(self: RocksDBTier, table: str, below_version: int) -> int:
+    def purge_tombstones(self: RocksDBTier, table: str, below_version: int) -> int:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """Remove the tombstones of ``table`` whose version is below ``below_version``; returns how many.
 
         A tombstone only matters while a put older than it can still arrive (a replay of the update log), so

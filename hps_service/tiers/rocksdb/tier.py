@@ -112,7 +112,7 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         if read_only:
             self.capabilities = type(self).capabilities & ~TierCapability.WRITES
         self._on_write = on_write
-        self._staged: list[tuple[str, np.ndarray]] = []
+        self._staged = []
         self.sync_writes = sync_writes
         self._lock = threading.RLock()  # writes; a reopen after a write error (from a write) takes it too
         self._gate = ReadGate()
@@ -130,7 +130,8 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         if read_only and not (self.path / "CURRENT").exists():
             raise UnavailableError(f"no RocksDB store at {self.path} to open read-only")
         self.path.mkdir(parents=True, exist_ok=True)
-        self._closed = self._down = False
+        self._closed = False
+        self._down = False
         self._open()
         if not read_only:  # SST files of an import that a crash interrupted (never ingested)
             drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
@@ -143,7 +144,7 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         column_families = {name: self._options() for name in existing | {META_CF, POSITIONS_CF}}
         if self.secondary:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
-            Path(self._secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]
+            Path(self._secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]  # set whenever self.secondary is
             access = AccessType.secondary(str(self._secondary_path))
         elif self.read_only:
             column_families = {name: opts for name, opts in column_families.items() if name in existing}
@@ -290,7 +291,7 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         self._check_writable(f"write to {table}")
         self._table(table)
         with self._lock:
-            batch, deltas = WriteBatch(raw_mode=True), {}
+            batch, deltas = WriteBatch(raw_mode=True), dict[tuple[str, str], int]()
             written = self._stage_put(batch, table, keys, vectors, versions, deltas)
             self._commit(batch, deltas)
         return written
@@ -304,7 +305,7 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         self._check_writable(f"delete from {table}")
         self._table(table)
         with self._lock:
-            batch, deltas = WriteBatch(raw_mode=True), {}
+            batch, deltas = WriteBatch(raw_mode=True), dict[tuple[str, str], int]()
             removed = self._stage_delete(batch, table, keys, versions, deltas)
             self._commit(batch, deltas)
         return removed
@@ -320,7 +321,7 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         for w in writes:
             self._table(w.table)
         with self._lock:
-            batch, deltas = WriteBatch(raw_mode=True), {}
+            batch, deltas = WriteBatch(raw_mode=True), dict[tuple[str, str], int]()
             results = []
             for w in writes:
                 written = (self._stage_put(batch, w.table, w.keys, w.vectors, w.versions, deltas)
