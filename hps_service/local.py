@@ -219,18 +219,18 @@ class LocalClient:
         view = self._current()
         answers: dict[str, TableAnswer] = {}
         missing: dict[str, np.ndarray] = {}
-        positions: dict[str, np.ndarray] = {}
+        positions: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
         for name, raw in tables.items():
             keys = as_keys(raw)
             t = self._table(view, model, name) if view is not None else None
             if t is None or keys.shape[0] == 0:
-                missing[name], positions[name] = keys, None  # type: ignore[assignment]
+                missing[name], positions[name] = keys, None
                 continue
             answer, miss = self._read_local(t, keys)
             answers[name] = answer
             if miss is not None:
                 uniq, inverse = unique_with_inverse(keys[miss])
-                missing[name], positions[name] = uniq, (miss, inverse)  # type: ignore[assignment]
+                missing[name], positions[name] = uniq, (miss, inverse)
         if missing:
             fetched = self._call(build_request(model, missing), timeout, metadata)
             for name, where in positions.items():

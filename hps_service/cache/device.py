@@ -120,6 +120,8 @@ class DeviceCache:
     :class:`hps_service.cache.set_assoc.SetAssociativeCache` (host arrays in and out), same semantics."""
 
     backend = "cuda"
+    #: In device memory: no other process maps these arrays (see ``SetAssociativeCache.mappable_arrays``).
+    mappable_arrays = None
 
     def __init__(
         self,
@@ -339,6 +341,11 @@ class DeviceCache:
         if keys.ndim != 1 or vectors.shape != (keys.shape[0], self.dim):
             raise InvalidArgumentError(f"vectors must have shape ({keys.shape[0]}, {self.dim}), got {vectors.shape}")
         return keys, np.ascontiguousarray(vectors, dtype=np.float32)
+
+    def finish_reads_under(self, exclusive: Callable[[], AbstractContextManager[Any]]) -> None:
+        """A read that keeps overlapping writes finishes its retried keys under ``exclusive`` (the owner's
+        writer-excluding context: SetAssocTableCache's SeqLock)."""
+        self.exclusive = exclusive
 
     # ------------------------------------------------------------------ bulk views (copies to the host)
     def host_arrays(self) -> dict[str, np.ndarray]:

@@ -8,14 +8,26 @@ their versions, and L1 never replaces a row with an older version (as L2 and L3 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
+from hps_service.cache.layout import CacheArrays
 
 #: Reads true rows for keys from the tiers below L1: ``fetch(keys) -> ((n, dim) float32 rows, (n,) int64
 #: versions, (n,) bool stored)``; rows not stored anywhere (``stored`` False) are the table default and are
 #: never cached.
 FetchBelow = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+@dataclass(frozen=True)
+class HostShare:
+    """A cache whose arrays are in host memory that other processes of a node map: the arrays, and how it keeps a
+    shared integer at its change generation for them."""
+
+    arrays: CacheArrays
+    publish_generation_to: Callable[[np.ndarray, int], None]
 
 
 @runtime_checkable
@@ -57,3 +69,7 @@ class TableCache(Protocol):
 
     def close(self) -> None:
         """Stop background work; persist what warm start needs."""
+
+    def host_share(self) -> HostShare | None:
+        """What a node's workers map of this cache; None when they cannot (its arrays are in device memory, or this
+        process only reads them)."""

@@ -26,8 +26,10 @@ Semantics every path follows exactly:
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -153,6 +155,8 @@ class SetAssociativeCache:
             raise InvalidArgumentError(
                 f"cache arrays hold {arrays.sets}x{arrays.ways} slots of dim {arrays.dim}, not {sets}x{ways} of {dim}")
         self.arrays = arrays
+        #: In host memory, which other processes of a node may map (a device cache has None here).
+        self.mappable_arrays: CacheArrays | None = arrays
         self.dim = int(dim)
         self.ways = int(ways)
         self.sets = sets
@@ -162,6 +166,10 @@ class SetAssociativeCache:
         self.counts = HitCounts()
         self._lfu = policy == "lfu"
         self._keys_u64 = arrays.keys.view(np.uint64)
+
+    def finish_reads_under(self, exclusive: Callable[[], AbstractContextManager[Any]]) -> None:
+        """Nothing to do: a read here retries until it sees no writer (the device cache's finishes under a lock)."""
+        return None
 
     # ------------------------------------------------------------------ views
     @property

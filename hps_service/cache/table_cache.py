@@ -25,7 +25,8 @@ import numpy as np
 
 from hps_service.cache.admission import MissSketch
 from hps_service.cache.change_log import ChangeLog
-from hps_service.cache.protocol import FetchBelow
+from hps_service.cache.layout import CacheArrays
+from hps_service.cache.protocol import FetchBelow, HostShare
 from hps_service.cache.seqlock import SeqLock
 from hps_service.cache.set_assoc import READ_ATTEMPTS, InsertResult, SetAssociativeCache, versions_arg
 from hps_service.errors import InvalidArgumentError
@@ -85,8 +86,7 @@ class SetAssocTableCache:
         self._refresh_cursor = 0
         self._snapshot_path = snapshot_path
         self._lock = SeqLock(cache.meta)
-        if hasattr(cache, "exclusive"):  # the device cache finishes reads that keep losing to writers under it
-            cache.exclusive = self._lock.exclusive
+        cache.finish_reads_under(self._lock.exclusive)
         self._changes = ChangeLog()
         self._counter_lock = threading.Lock()
         self._queued_rows = 0
@@ -159,9 +159,15 @@ class SetAssocTableCache:
         return self._changes.generation
 
     @property
-    def arrays(self) -> Any:
-        """The cache's arrays (``layout.CacheArrays``), as its allocator placed them; None for a device cache."""
-        return getattr(self._cache, "arrays", None)
+    def arrays(self) -> CacheArrays | None:
+        """The cache's arrays, as its allocator placed them in host memory; None for a device cache."""
+        mappable: CacheArrays | None = self._cache.mappable_arrays
+        return mappable
+
+    def host_share(self) -> HostShare | None:
+        """The arrays and the generation a node's workers read, when the arrays are in host memory."""
+        arrays = self.arrays
+        return HostShare(arrays, self.publish_generation_to) if arrays is not None else None
 
     def publish_generation_to(self, array: np.ndarray, index: int) -> None:
         """Keep ``array[index]`` at the change generation, for readers in other processes (never ahead of it)."""

@@ -15,6 +15,7 @@ import numpy as np
 
 from hps_service.config import ModelConfig
 from hps_service.engine.levels import LookupResult
+from hps_service.engine.stats import TableStats
 from hps_service.engine.table import ServedTable
 from hps_service.engine.write import TableChange
 from hps_service.tiers.base import Positions, Tier, WriteResult
@@ -81,7 +82,7 @@ class Engine(ReadEngine, Protocol):
 
     def purge_tombstones(self, model: str, table: str, below_version: int) -> dict[str, int]: ...
 
-    def table_stats(self, model: str, table: str) -> dict[str, dict[str, float | int | None]]: ...
+    def table_stats(self, model: str, table: str) -> TableStats: ...
 
     def stats(self) -> dict[str, Any]: ...
 

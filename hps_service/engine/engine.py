@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -16,7 +17,7 @@ from hps_service.engine.preload import Preloader
 from hps_service.engine.read import Reader
 from hps_service.engine.registry import ModelRegistry, close_tables, make_table
 from hps_service.engine.repair import VolatileRepair
-from hps_service.engine.stats import table_stats
+from hps_service.engine.stats import TableStats, table_stats
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write import TableChange, Writer, table_write
 from hps_service.errors import UnavailableError
@@ -173,11 +174,11 @@ class LookupEngine:
             return self.writer.purge_tombstones(t, below_version)
 
     # ---- stats and lifecycle ------------------------------------------------------------------
-    def table_stats(self, model: str, table: str) -> dict[str, dict[str, float | int | None]]:
+    def table_stats(self, model: str, table: str) -> TableStats:
         """Per level: hits, misses, hit_rate, rows, capacity, evictions (+ errors for lower tiers)."""
         return table_stats(self.table(model, table), self.volatile, self.persistent)
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """The ``/v1/stats`` shape: ``{"models": {M: {"tables": {T: {level: {...}}}}}}``."""
         return {
             "models": {

@@ -6,14 +6,19 @@ from hps_service.engine.levels import LEVELS
 from hps_service.engine.table import ServedTable
 from hps_service.tiers.base import Tier
 
+#: One level's figures: counts and rates, and what the cache or tier adds (its policy, whether it is enabled).
+LevelStats = dict[str, float | int | str | None]
+#: Per level (and "default"): its figures.
+TableStats = dict[str, LevelStats]
 
-def table_stats(t: ServedTable, volatile: Tier | None, persistent: Tier | None) -> dict[str, dict[str, float | int | None]]:
+
+def table_stats(t: ServedTable, volatile: Tier | None, persistent: Tier | None) -> TableStats:
     """Per level: hits, misses, hit_rate, rows, capacity, evictions (+ errors for lower tiers); defaults answered."""
     hits, misses, defaults = t.counters.totals()
-    out: dict[str, dict[str, float | int | None]] = {}
+    out: TableStats = {}
     for level in LEVELS:
         h, m = hits[level], misses[level]
-        entry: dict[str, float | int | None] = {
+        entry: LevelStats = {
             "hits": h,
             "misses": m,
             "hit_rate": (h / (h + m)) if (h + m) else 0.0,

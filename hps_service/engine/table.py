@@ -7,9 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
-from hps_service.cache.protocol import TableCache
+from hps_service.cache.protocol import FetchBelow, TableCache
+from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import DefaultSpec
 from hps_service.engine.levels import LEVELS
 from hps_service.engine.write_guard import WriteGuard
@@ -103,6 +102,4 @@ class ServedTable:
 
 
 #: Builds the L1 cache of a table, or None: ``factory(table, fetch_below, warm_keys)``.
-CacheFactory = Callable[
-    [ServedTable, Callable[[np.ndarray], np.ndarray], Callable[[int], np.ndarray] | None], TableCache | None
-]
+CacheFactory = Callable[[ServedTable, FetchBelow, WarmKeys | None], TableCache | None]

@@ -112,26 +112,26 @@ class Writer:
         keys = as_keys(keys)
         n = keys.shape[0]
         vectors = as_rows(vectors, n, t.dim, f"update of {t.id}")
-        versions = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,))
+        stamped = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,))
         if n == 0:
             return 0
-        keep = latest_per_key(keys, versions)
+        keep = latest_per_key(keys, stamped)
         if keep.shape[0] != n:
-            keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+            keys, vectors, stamped = keys[keep], vectors[keep], stamped[keep]
         else:
-            versions = np.ascontiguousarray(versions)
+            stamped = np.ascontiguousarray(stamped)
         with t.guard.writing(keys):
             written = np.ones(keys.shape[0], dtype=bool)
             if self.persistent is not None:
-                written = self.persistent.put(t.id, keys, vectors, versions)
+                written = self.persistent.put(t.id, keys, vectors, stamped)
             if self.volatile is not None:
                 if self.persistent is None:
-                    written = self.volatile.put(t.id, keys, vectors, versions)
+                    written = self.volatile.put(t.id, keys, vectors, stamped)
                 elif written.any():
                     # only rows L3 accepted: an older replay must not reach L2 where an evicted tombstone left a gap
-                    self.volatile.put(t.id, keys[written], vectors[written], versions[written])
+                    self.volatile.put(t.id, keys[written], vectors[written], stamped[written])
             if t.cache is not None and written.any():
-                t.cache.update(keys[written], vectors[written], versions[written])
+                t.cache.update(keys[written], vectors[written], stamped[written])
         return int(np.count_nonzero(written))
 
     def apply_deletes(self, t: ServedTable, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:

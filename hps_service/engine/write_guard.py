@@ -70,4 +70,5 @@ class WriteGuard:
 
     def changed_since(self, generation: int, keys: np.ndarray) -> np.ndarray:
         """Mask of ``keys`` a write touched (or is touching) after ``generation``; may include a few others."""
-        return self._stamps[self._slots(keys)] > generation
+        changed: np.ndarray = self._stamps[self._slots(keys)] > generation
+        return changed

@@ -29,6 +29,7 @@ from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, ServedTable
 from hps_service.engine.l1_sizing import plan_l1
 from hps_service.engine.promote import promote
+from hps_service.engine.stats import TableStats
 from hps_service.node.manifest_wait import wait_workers_serve
 from hps_service.node.shared_l1 import cache_entry
 from hps_service.node.store import layout
@@ -99,12 +100,12 @@ class OwnerEngine(LookupEngine):
             return arr
 
         cache = build_table_cache(cfg.cache, t.dim, plan.rows, fetch_below, warm_keys, plan.snapshot, alloc=alloc)
-        arrays = getattr(cache, "arrays", None)
-        if cache is not None and arrays is not None:
-            specs = {field: next(spec for arr, spec in made if arr is getattr(arrays, field))
+        share = cache.host_share() if cache is not None else None
+        if share is not None:
+            specs = {field: next(spec for arr, spec in made if arr is getattr(share.arrays, field))
                      for field in ("tags", "keys", "versions", "clock", "values", "meta")}
-            slot.entry["l1"] = cache_entry(specs, arrays, cfg.cache.policy)
-            cache.publish_generation_to(slot.control, T_L1_GEN)  # type: ignore[attr-defined]
+            slot.entry["l1"] = cache_entry(specs, share.arrays, cfg.cache.policy)
+            share.publish_generation_to(slot.control, T_L1_GEN)
         elif cache is not None:
             log.warning("L1 of %s is in device memory, which the gRPC worker processes do not share (CUDA IPC is not "
                         "implemented): they answer from the hash map and RocksDB. Use cache.backend: numpy, or "
@@ -175,7 +176,7 @@ class OwnerEngine(LookupEngine):
             promote(self.volatile, t, record.keys, record.rows, record.versions, record.generation)
 
     # ---- statistics ---------------------------------------------------------------------------
-    def table_stats(self, model: str, table: str) -> dict[str, dict[str, float | int | None]]:
+    def table_stats(self, model: str, table: str) -> TableStats:
         """The engine's figures plus every worker's hits, misses and defaults."""
         t = self.table(model, table)
         out = super().table_stats(model, table)
@@ -186,14 +187,14 @@ class OwnerEngine(LookupEngine):
         sums = slot.counters.sum(axis=(0, 1))
         for i, level in enumerate(LEVELS):
             entry = out[level]
-            entry["hits"] = int(entry["hits"] or 0) + int(sums[TABLE_HITS + i])
-            entry["misses"] = int(entry["misses"] or 0) + int(sums[TABLE_MISSES + i])
-            total = entry["hits"] + entry["misses"]
-            entry["hit_rate"] = entry["hits"] / total if total else 0.0
+            hits = int(entry["hits"] or 0) + int(sums[TABLE_HITS + i])
+            misses = int(entry["misses"] or 0) + int(sums[TABLE_MISSES + i])
+            entry["hits"], entry["misses"] = hits, misses
+            entry["hit_rate"] = hits / (hits + misses) if hits + misses else 0.0
         out["default"]["hits"] = int(out["default"]["hits"] or 0) + int(sums[TABLE_DEFAULTS])
         return out
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         return {"models": {m: {"tables": {name: self.table_stats(m, name) for name in tables}}
                            for m, tables in self.registry.tables().items()}}
 

@@ -102,5 +102,9 @@ class SharedL1Reader:
     def stats(self) -> dict[str, float | str]:
         return self._cache.stats()
 
+    def host_share(self) -> None:
+        """A reader shares nothing on: the owner publishes these arrays."""
+        return None
+
     def close(self) -> None:
         return None

@@ -123,6 +123,7 @@ class HPSServer:
                 else:
                     self.engine = build_engine(self.config)
             self._start_grpc(credentials)
+            assert self.engine is not None  # built above, by the node or in this process
             self._make_snapshotter()
             self.fleet = FleetServices(self.config, self.engine, self.models_changed, self._group())
             self.readiness.append(self.fleet.not_ready)

@@ -24,7 +24,7 @@ def grpc_tracing(servicer: EmbeddingServicer, role: str) -> list[grpc.ServerInte
     from hps_service.server import tracing
 
     provider = tracing.tracer_provider(cfg, role)
-    servicer.engine = tracing.TracedEngine(servicer.engine, provider)  # type: ignore[assignment]  # passes the rest through; no engine protocol yet
+    servicer.engine = tracing.TracedEngine(servicer.engine, provider)
     return tracing.grpc_interceptors(provider)
 
 

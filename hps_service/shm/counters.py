@@ -149,7 +149,7 @@ class RequestCounters(ThreadRows):
 
     def begin(self) -> np.ndarray:
         """A request starts on this thread; returns the row to pass to :meth:`finish`."""
-        row = self.row()
+        row: np.ndarray = self.row()
         row[REQ_IN_FLIGHT] += 1.0
         return row
 

@@ -97,7 +97,8 @@ class StoreView:
     # ---- tables -------------------------------------------------------------------------------
     def served(self, model: str, table: str) -> int | None:
         """The serial of a served table, or None."""
-        return self.manifest["served"].get(model, {}).get(table)
+        serial = self.manifest["served"].get(model, {}).get(table)
+        return None if serial is None else int(serial)
 
     def table(self, serial: int) -> TableView:
         view = self._tables.get(serial)
