@@ -400,9 +400,9 @@ def bench_ingest(p: Plan, workdir: Path, console: Console, profile: bool) -> dic
 
 
 # ---------------------------------------------------------------------------------------------- 9. replicas
-def bench_replicas(p: Plan) -> dict[str, Any]:
+def bench_replicas(quick: bool) -> dict[str, Any]:
     """loadtest.bench_bootstrap as a subprocess (its own S3 server and broker); its printed lines parsed."""
-    rows, catch_up = (200_000, 50_000) if p.quick else (1_000_000, 200_000)
+    rows, catch_up = (200_000, 50_000) if quick else (1_000_000, 200_000)
     cmd = [sys.executable, "-m", "loadtest.bench_bootstrap", "--rows", str(rows), "--catch-up-rows", str(catch_up)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
             res["shards"] = bench_shards.run(args.quick, console)
         if "replicas" not in skip:
             console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up (loadtest.bench_bootstrap)")
-            res["replicas"] = bench_replicas(p)
+            res["replicas"] = bench_replicas(args.quick)
         if "node" not in skip:
             from loadtest import bench_node
 
