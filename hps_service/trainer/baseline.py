@@ -18,11 +18,11 @@ class LogisticRegression(nn.Module):
     def __init__(self, fields: tuple[str, ...], cardinalities: tuple[int, ...], num_dense: int) -> None:
         super().__init__()
         self.fields = fields
-        self.id_weights = nn.ModuleDict(
-            {name: nn.EmbeddingBag(card, 1, mode="sum", sparse=True) for name, card in zip(fields, cardinalities)}
-        )
-        for bag in self.id_weights.values():
+        bags = {name: nn.EmbeddingBag(card, 1, mode="sum", sparse=True) for name, card in zip(fields, cardinalities)}
+        for bag in bags.values():
             nn.init.zeros_(bag.weight)
+        self.id_weights = nn.ModuleDict(bags)
+        self.bags = bags  # the same modules, as EmbeddingBags (a ModuleDict yields them as plain Modules)
         self.dense = nn.Linear(num_dense, 1)
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -45,7 +45,7 @@ def train_logistic_baseline(
     torch.manual_seed(seed)
     cfg = data.config
     model = LogisticRegression(cfg.fields, cfg.cardinalities, cfg.num_dense)
-    sparse_opt = SparseRowOptimizer(dict(model.id_weights.items()), lr=lr)
+    sparse_opt = SparseRowOptimizer(model.bags, lr=lr)
     dense_opt = torch.optim.Adam(model.dense.parameters(), lr=1e-2)
     for step in range(steps):
         batch = data.batch(step, batch_size)

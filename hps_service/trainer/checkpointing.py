@@ -71,7 +71,9 @@ def _shape_difference(saved: dict, current: dict) -> str:
 def restore(trainer: Trainer) -> bool:
     """Load the newest checkpoint when resuming; refuse to start over a directory that has one otherwise."""
     directory = trainer.config.checkpoint_dir
-    latest = ckpt.latest_checkpoint(directory) if directory is not None else None
+    if directory is None:
+        return False
+    latest = ckpt.latest_checkpoint(directory)
     if latest is None:
         return False
     meta = ckpt.read_meta(latest)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import typer
 from rich.console import Console
@@ -16,6 +17,18 @@ from rich.markup import escape
 
 from hps_service.config import ConfigError, load_config
 from hps_service.errors import HPSError, InvalidArgumentError
+
+if TYPE_CHECKING:  # the trainer's modules import torch, which the rest of hps starts without
+    from hps_service.trainer.criteo import FileFormat
+    from hps_service.trainer.factory import DataFormat
+    from hps_service.trainer.precision import Precision
+    from hps_service.trainer.tables import EmbeddingOptimizer
+
+_Choice = TypeVar("_Choice", bound=str)
+_DATA_FORMATS: tuple[DataFormat, ...] = ("synthetic", "criteo", "parquet")
+_FILE_FORMATS: tuple[FileFormat, ...] = ("criteo", "parquet")
+_PRECISIONS: tuple[Precision, ...] = ("fp32", "bf16", "fp16")
+_EMBEDDING_OPTIMIZERS: tuple[EmbeddingOptimizer, ...] = ("adagrad", "sgd")
 
 CONFIG_OPTION = typer.Option(..., "--config", "-c", help="hps config YAML: the model's tables (names, dims) and "
                              "updates.brokers / updates.topic_prefix for publishing.")
@@ -49,14 +62,21 @@ def _holdout_last(text: str | None) -> int:
     return int(count)
 
 
-def _data_format(data_format: str | None, data: list[str] | None) -> str:
-    if data_format is not None:
-        return data_format
-    if not data:
-        return "synthetic"
-    if all(str(p).endswith((".parquet", ".pq")) for p in data):
-        return "parquet"
-    return "criteo"
+def _choice(value: str, choices: tuple[_Choice, ...], option: str) -> _Choice:
+    """``value`` as the one of ``choices`` it names."""
+    for choice in choices:
+        if value == choice:
+            return choice
+    raise InvalidArgumentError(f"{option} must be {', '.join(choices[:-1])} or {choices[-1]}, not {value!r}")
+
+
+def _data_format(data_format: str | None, data: list[str] | None, choices: tuple[_Choice, ...]) -> _Choice:
+    """``--data-format`` (one of ``choices``), else synthetic without data, parquet for .parquet/.pq files, criteo."""
+    if data_format is None and not data:
+        data_format = "synthetic"
+    elif data_format is None:
+        data_format = "parquet" if all(str(p).endswith((".parquet", ".pq")) for p in data or ()) else "criteo"
+    return _choice(data_format, choices, "--data-format")
 
 
 def _init_distributed(device: str) -> str:
@@ -205,9 +225,8 @@ def train_command(
         model_cfg = cfg.model(model) if model else cfg.models[0]
         if model_cfg is None:
             raise InvalidArgumentError(f"model {model!r} is not in {config}")
-        if embedding_optimizer not in ("adagrad", "sgd"):
-            raise InvalidArgumentError(f"--embedding-optimizer must be adagrad or sgd, not {embedding_optimizer!r}")
-        fmt = _data_format(data_format, data)
+        embedding_opt = _choice(embedding_optimizer, _EMBEDDING_OPTIMIZERS, "--embedding-optimizer")
+        fmt = _data_format(data_format, data, _DATA_FORMATS)
         moe = {
             "score_function": score_function, "pre_softmax": pre_softmax, "expert_bias": expert_bias,
             "bias_update_rate": bias_update_rate, "aux_loss_coeff": aux_loss_coeff,
@@ -233,10 +252,11 @@ def train_command(
                               "trainer has not published yet will read differently from the server")
         train_cfg = TrainConfig(
             steps=steps if steps is not None or fmt != "synthetic" else 1000, batch_size=batch_size,
-            embedding_optimizer=embedding_optimizer,  # type: ignore[arg-type]  # a CLI string; TrainConfig checks it against the Literal
+            embedding_optimizer=embedding_opt,
             embedding_lr=embedding_lr, dense_lr=dense_lr, publish_every_steps=publish_every_steps,
             publish_every_s=publish_every_s, eval_every=eval_every, holdout_size=holdout_size,
-            generation=generation, progress=progress, device=device, precision=precision,  # type: ignore[arg-type]  # CLI strings; TrainConfig checks them against the Literals
+            generation=generation, progress=progress, device=device,
+            precision=_choice(precision, _PRECISIONS, "--precision"),
             checkpoint_dir=checkpoint_dir, checkpoint_every=checkpoint_every, resume=resume, export_dir=export_dir,
             export_every=export_every, warmup_steps=warmup_steps, progressive_window=progressive_window,
             admit_after=admit_after, expire_after_steps=expire_after_steps,
@@ -245,9 +265,11 @@ def train_command(
         if publish and target:
             from hps_service.updates import Publisher
 
+            # librdkafka's settings, passed on to the producer: their dotted names are none of Publisher's parameters
+            producer_config: dict[str, Any] = dict(cfg.updates.kafka_config)
             publisher = Publisher(target, model_cfg.name, cfg.updates.topic_prefix,
                                   partitions=cfg.cluster.partitions, replication_factor=cfg.updates.replication_factor,
-                                  min_insync_replicas=cfg.updates.min_insync_replicas, **cfg.updates.kafka_config)
+                                  min_insync_replicas=cfg.updates.min_insync_replicas, **producer_config)
         elif publish and rank == 0:
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
         trainer = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,
@@ -310,13 +332,11 @@ def predict_command(
     except ImportError as exc:
         console.print("[red]error:[/red] " + escape(f"hps predict needs the trainer extra: {exc}"))
         raise typer.Exit(2) from None
-    fmt = _data_format(data_format, data)
     try:
-        if fmt not in ("criteo", "parquet"):
-            raise InvalidArgumentError(f"--data-format must be criteo or parquet, not {fmt!r}")
+        fmt = _data_format(data_format, data, _FILE_FORMATS)
         with Predictor(export_dir, target, model=model, timeout=timeout) as predictor:
             probs, labels = [], []
-            for p, y in predictor.score_files(data, fmt, batch_size, limit):  # type: ignore[arg-type]  # fmt is criteo or parquet (checked above)
+            for p, y in predictor.score_files(data, fmt, batch_size, limit):
                 probs.append(p)
                 labels.append(y)
             prob, label = np.concatenate(probs), np.concatenate(labels)

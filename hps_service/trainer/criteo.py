@@ -18,13 +18,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 from numba import njit
 
 from hps_service.errors import InvalidArgumentError
 from hps_service.trainer.data import Batch
+
+if TYPE_CHECKING:  # pyarrow ships no type information: these names are Any to mypy, and say what is meant
+    import pyarrow as pa
+    from pyarrow import csv
 
 LABEL = "label"
 TIME = "timestamp"  # optional: when the sample happened (progressive validation reports AUC per day)
@@ -47,7 +51,7 @@ def _fnv1a_offsets(data: np.ndarray, offsets: np.ndarray, valid: np.ndarray, out
         out[i] = h
 
 
-def fnv1a64(values: object) -> np.ndarray:
+def fnv1a64(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """FNV-1a 64 of every string of a pyarrow string array (nulls hash as ""), as int64 keys."""
     import pyarrow as pa
 
@@ -74,7 +78,7 @@ def dense_transform(values: np.ndarray) -> np.ndarray:
     return np.log1p(np.maximum(x, 0.0)).astype(np.float32)
 
 
-def _column_keys(column: object) -> np.ndarray:
+def _column_keys(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     import pyarrow as pa
 
     col = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
@@ -87,7 +91,7 @@ def _column_keys(column: object) -> np.ndarray:
     raise InvalidArgumentError(f"categorical column of type {col.type}: expected strings or integers")
 
 
-def encode(table: object, sparse_fields: Sequence[str], require_label: bool = True) -> Batch:
+def encode(table: pa.Table | pa.RecordBatch, sparse_fields: Sequence[str], require_label: bool = True) -> Batch:
     """A pyarrow Table/RecordBatch of Criteo columns -> a Batch (labels, transformed dense, int64 keys (n, 1)).
 
     Without ``require_label`` a table may lack the label column (rows to score): the labels are then zeros.
@@ -117,7 +121,7 @@ def encode(table: object, sparse_fields: Sequence[str], require_label: bool = Tr
                  time=_event_times(table) if TIME in names else None)
 
 
-def _event_times(table: object) -> np.ndarray:
+def _event_times(table: pa.Table | pa.RecordBatch) -> np.ndarray:
     """The optional ``timestamp`` column as int64 Unix seconds (a timestamp type, or integer seconds)."""
     import pyarrow as pa
 
@@ -142,7 +146,7 @@ def expand_paths(paths: Sequence[str | Path]) -> list[Path]:
     return out
 
 
-def tsv_options(block_rows: int) -> tuple[object, object, object]:
+def tsv_options(block_rows: int) -> tuple[csv.ReadOptions, csv.ParseOptions, csv.ConvertOptions]:
     """pyarrow csv (read, parse, convert) options of the Criteo TSV layout: no header, tabs, no quoting."""
     import pyarrow as pa
     from pyarrow import csv
@@ -153,14 +157,14 @@ def tsv_options(block_rows: int) -> tuple[object, object, object]:
             csv.ConvertOptions(column_types=types, strings_can_be_null=True))
 
 
-def _tsv_batches(path: Path, block_rows: int) -> Iterator[object]:
+def _tsv_batches(path: Path, block_rows: int) -> Iterator[pa.RecordBatch]:
     from pyarrow import csv
 
     read, parse, convert = tsv_options(block_rows)
     yield from csv.open_csv(path, read_options=read, parse_options=parse, convert_options=convert)
 
 
-def _parquet_batches(path: Path, block_rows: int, columns: list[str]) -> Iterator[object]:
+def _parquet_batches(path: Path, block_rows: int, columns: list[str]) -> Iterator[pa.RecordBatch]:
     import pyarrow.parquet as pq
 
     yield from pq.ParquetFile(path).iter_batches(batch_size=block_rows, columns=columns)
@@ -183,7 +187,7 @@ class CriteoFiles:
                 f"table(s) {unknown} are not Criteo categorical fields: name the model's tables C1..C26"
             )
 
-    def record_batches(self, block_rows: int) -> Iterator[object]:
+    def record_batches(self, block_rows: int) -> Iterator[pa.RecordBatch]:
         """pyarrow record batches of about ``block_rows`` rows, file after file, with the columns the model reads."""
         columns = [LABEL, *DENSE_FIELDS, *self.sparse_fields]
         for path in self.paths:
@@ -199,13 +203,13 @@ class CriteoFiles:
             except (OSError, ValueError) as exc:  # pyarrow's parse errors are ValueError subclasses
                 raise InvalidArgumentError(f"cannot read {path} as {self.file_format}: {exc}") from None
 
-    def tables(self, batch_size: int, skip_rows: int = 0) -> Iterator[object]:
+    def tables(self, batch_size: int, skip_rows: int = 0) -> Iterator[pa.Table]:
         """Raw pyarrow tables of ``batch_size`` rows (the last may be shorter), starting ``skip_rows`` rows in."""
         import pyarrow as pa
 
         if batch_size < 1:
             raise InvalidArgumentError(f"batch_size must be >= 1, got {batch_size}")
-        pending: list[object] = []
+        pending: list[pa.RecordBatch] = []
         held = 0
         to_skip = skip_rows
         for rb in self.record_batches(max(batch_size, 4096)):
@@ -234,6 +238,12 @@ class CriteoFiles:
     def head(self, rows: int) -> Batch:
         """The first ``rows`` rows as one batch (fewer if the files are shorter)."""
         return next(iter(self.batches(rows)))
+
+    @overload
+    def count_rows(self, exact: Literal[True] = True) -> int: ...
+
+    @overload
+    def count_rows(self, exact: bool) -> int | None: ...
 
     def count_rows(self, exact: bool = True) -> int | None:
         """Rows the files hold: from Parquet metadata, or (``exact``) a pass counting TSV lines; else None."""

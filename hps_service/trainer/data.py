@@ -113,7 +113,8 @@ class Batch:
             return parts[0]
 
         def join(values: list[np.ndarray | None]) -> np.ndarray | None:
-            return None if any(v is None for v in values) else np.concatenate(values)
+            present = [v for v in values if v is not None]
+            return np.concatenate(present) if len(present) == len(values) else None
 
         return Batch(
             dense=np.concatenate([p.dense for p in parts]),

@@ -15,10 +15,11 @@ class CrossNetwork(nn.Module):
 
     def __init__(self, width: int, layers: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-        for layer in self.layers:
+        linears = [nn.Linear(width, width) for _ in range(layers)]
+        for layer in linears:
             nn.init.xavier_uniform_(layer.weight, gain=0.5)
             nn.init.zeros_(layer.bias)
+        self.layers = nn.ModuleList(linears)
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0

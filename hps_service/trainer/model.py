@@ -125,8 +125,8 @@ class DenseTower(nn.Module):
             self.cross = None
             inter_out = d + rows.numel()
         if config.moe is not None:
-            self.moe_in = nn.Linear(inter_out, config.moe_hidden)
-            self.moe = MoELayer(config.moe_hidden, config.moe)
+            self.moe_in: nn.Linear | None = nn.Linear(inter_out, config.moe_hidden)
+            self.moe: MoELayer | None = MoELayer(config.moe_hidden, config.moe)
             top_in = config.moe_hidden
         else:
             self.moe_in = None
@@ -145,6 +145,7 @@ class DenseTower(nn.Module):
             features = torch.cat([bottom, gram[:, self.pair_rows, self.pair_cols]], dim=1)
         routing = None
         if self.moe is not None:
+            assert self.moe_in is not None, "moe_in and moe are built together"
             hidden = F.relu(self.moe_in(features))
             moe_out = self.moe(hidden)
             features = hidden + moe_out.output

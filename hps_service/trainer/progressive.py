@@ -10,7 +10,7 @@ probabilities where the data has them (the planted teacher).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -19,6 +19,16 @@ from hps_service.trainer.metrics import auc, log_loss
 _BINS = 1 << 16
 _LOGIT_RANGE = 16.0
 _EPS = 1e-7
+
+
+class Rolling(TypedDict):
+    """Quality over the last ``window`` samples (None where it is not defined yet, or the data has no oracle)."""
+
+    samples: int
+    auc: float | None
+    log_loss: float | None
+    oracle_auc: float | None
+    oracle_log_loss: float | None
 
 
 def _bin(prob: np.ndarray) -> np.ndarray:
@@ -97,7 +107,7 @@ class ProgressiveMetrics:
         self._at = int((self._at + take) % self.window)
         self._filled = min(self.window, self._filled + take)
 
-    def rolling(self) -> dict[str, float | int | None]:
+    def rolling(self) -> Rolling:
         """AUC and log-loss over the last ``window`` samples, and the oracle's on the same samples."""
         prob, labels, oracle = self._prob[: self._filled], self._labels[: self._filled], self._oracle[: self._filled]
         both = self._filled and 0 < labels.sum() < self._filled

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from hps_service.trainer.precision import peak_flops
 
 if TYPE_CHECKING:
+    from hps_service.trainer.run_config import EvalPoint
     from hps_service.trainer.train import Trainer
 
 
@@ -25,6 +26,8 @@ def progress_bar() -> Progress:
 def _final(trainer: Trainer) -> dict[str, Any]:
     """Held-out quality of the last evaluation where there is a held-out set, else the rolling progressive one."""
     last = trainer.history[-1]
+    auc: float | None
+    loss: float | None
     if last.auc is not None:
         auc, loss, oracle_auc, oracle_loss, kind = (last.auc, last.log_loss, last.oracle_auc, last.oracle_log_loss,
                                                     "holdout")
@@ -122,25 +125,32 @@ def moe_metrics(trainer: Trainer) -> dict[str, Any] | None:
     }
 
 
+def _auc_gap(point: EvalPoint) -> float | None:
+    """How far the held-out AUC is below the oracle's; None where either is unknown."""
+    return None if point.oracle_auc is None or point.auc is None else point.oracle_auc - point.auc
+
+
 def drift_metrics(trainer: Trainer) -> dict[str, Any] | None:
+    """How the held-out AUC gap to the oracle moved at the drift step, and when it came back (points with both)."""
     drift = trainer.data.drift
     if drift is None:
         return None
-    before = [p for p in trainer.history if p.step < drift.step]
-    after = [p for p in trainer.history if p.step >= drift.step]
+    gaps = [(p, gap) for p in trainer.history if (gap := _auc_gap(p)) is not None]
+    before = [(p, gap) for p, gap in gaps if p.step < drift.step]
+    after = [(p, gap) for p, gap in gaps if p.step >= drift.step]
     if not before or not after:
         return {"step": drift.step, "field": drift.field, "ids": len(drift.ids), "recovered_at_step": None}
-    gap_before = before[-1].oracle_auc - before[-1].auc
-    at_drift = after[0]
+    gap_before = before[-1][1]
+    at_drift, gap_at_drift = after[0]
     recovered = next(
-        (p for p in after[1:] if p.oracle_auc - p.auc <= gap_before + trainer.config.recovery_tolerance), None
+        (p for p, gap in after[1:] if gap <= gap_before + trainer.config.recovery_tolerance), None
     )
     return {
         "step": drift.step,
         "field": drift.field,
         "ids": len(drift.ids),
         "auc_gap_before": gap_before,
-        "auc_gap_at_drift": at_drift.oracle_auc - at_drift.auc,
+        "auc_gap_at_drift": gap_at_drift,
         "recovered_at_step": recovered.step if recovered else None,
         "recovery_steps": recovered.step - drift.step if recovered else None,
         "recovery_s": recovered.elapsed_s - at_drift.elapsed_s if recovered else None,

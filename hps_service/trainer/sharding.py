@@ -10,6 +10,7 @@ the world size (DDP averages the dense gradients the same way), then applies row
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -56,6 +57,17 @@ class LocalExchange:
             self.tables[name].apply_gradients(self._slots[name], g)
 
 
+@dataclass
+class _FetchedStep:
+    """What a training fetch leaves for its push: the splits of both sides and the rows this rank owns."""
+
+    send_counts: np.ndarray  # [dest, table]
+    recv_counts: np.ndarray  # [source, table]
+    orders: list[np.ndarray]  # per table: the permutation that groups the keys given by owner
+    starts: np.ndarray  # [dest + 1, table]: where each owner's keys start in the grouped order
+    owned: dict[str, tuple[np.ndarray, np.ndarray]]  # per table: (slots, inverse) of the rows asked of this rank
+
+
 class AllToAllExchange:
     """Each rank owns the keys with ``partition_of(key, partitions) % world == rank``; the rest come by all-to-all."""
 
@@ -71,7 +83,7 @@ class AllToAllExchange:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        self._step: dict[str, object] | None = None
+        self._step: _FetchedStep | None = None
 
     def owner(self, keys: np.ndarray) -> np.ndarray:
         """The rank that owns each key."""
@@ -89,7 +101,7 @@ class AllToAllExchange:
         """Rows of each table's distinct ``keys`` from their owners (every rank must call this together). For
         admission an owner counts an id once per rank whose share of the batch holds it (``counts`` unused)."""
         world, names = self.world, self.names
-        counts = np.zeros((world, len(names)), dtype=np.int64)  # [dest, table]
+        send_counts = np.zeros((world, len(names)), dtype=np.int64)  # [dest, table]
         orders, grouped = [], []
         for t, name in enumerate(names):
             k = np.ascontiguousarray(keys[name], dtype=np.int64)
@@ -97,14 +109,14 @@ class AllToAllExchange:
             order = np.argsort(owner, kind="stable")
             orders.append(order)
             grouped.append(k[order])
-            counts[:, t] = np.bincount(owner, minlength=world)
-        starts = np.concatenate([np.zeros((1, len(names)), dtype=np.int64), np.cumsum(counts, axis=0)])
+            send_counts[:, t] = np.bincount(owner, minlength=world)
+        starts = np.concatenate([np.zeros((1, len(names)), dtype=np.int64), np.cumsum(send_counts, axis=0)])
         send_keys = np.concatenate(
             [grouped[t][starts[r, t]:starts[r + 1, t]] for r in range(world) for t in range(len(names))]
         )
-        recv_counts = self._all_to_all(counts.ravel(), np.full(world, len(names)), np.full(world, len(names)))
+        recv_counts = self._all_to_all(send_counts.ravel(), np.full(world, len(names)), np.full(world, len(names)))
         recv_counts = recv_counts.reshape(world, len(names))  # [source, table]
-        recv_keys = self._all_to_all(send_keys, counts.sum(axis=1), recv_counts.sum(axis=1))
+        recv_keys = self._all_to_all(send_keys, send_counts.sum(axis=1), recv_counts.sum(axis=1))
         # owner side: the keys each source asked for, per table, source-major
         offsets = np.concatenate([[0], np.cumsum(recv_counts.ravel())]).reshape(-1)
         asked: list[np.ndarray] = []
@@ -126,14 +138,14 @@ class AllToAllExchange:
             [served[t][row_offsets[t][s]:row_offsets[t][s + 1]].ravel() for s in range(world)
              for t in range(len(names))]
         ).astype(np.float32, copy=False)
-        got = self._all_to_all(send_rows, recv_counts @ self.dims, counts @ self.dims)
+        got = self._all_to_all(send_rows, recv_counts @ self.dims, send_counts @ self.dims)
         # requester side: put the rows back in the order the keys were given
         out: dict[str, np.ndarray] = {}
         pieces: dict[int, list[np.ndarray]] = {t: [] for t in range(len(names))}
         pos = 0
         for r in range(world):
             for t in range(len(names)):
-                n = int(counts[r, t]) * int(self.dims[t])
+                n = int(send_counts[r, t]) * int(self.dims[t])
                 pieces[t].append(got[pos:pos + n].reshape(-1, int(self.dims[t])))
                 pos += n
         for t, name in enumerate(names):
@@ -141,15 +153,14 @@ class AllToAllExchange:
             rows[orders[t]] = np.concatenate(pieces[t])
             out[name] = rows
         if train:
-            self._step = {"counts": counts, "recv_counts": recv_counts, "orders": orders, "starts": starts,
-                          "owned": owned}
+            self._step = _FetchedStep(send_counts, recv_counts, orders, starts, owned)
         return out
 
     def push(self, grads: Mapping[str, torch.Tensor]) -> None:
         """Send the gradients of the last training fetch to the owners, who apply them (all ranks together)."""
         assert self._step is not None, "push without a training fetch"
         st = self._step
-        counts, recv_counts, orders, starts = st["counts"], st["recv_counts"], st["orders"], st["starts"]
+        counts, recv_counts, orders, starts = st.send_counts, st.recv_counts, st.orders, st.starts
         names = self.names
         grouped = [grads[n].detach().to("cpu", torch.float32).numpy()[orders[t]] for t, n in enumerate(names)]
         send = np.concatenate(
@@ -164,7 +175,7 @@ class AllToAllExchange:
                 pieces[t].append(got[pos:pos + n].reshape(-1, int(self.dims[t])))
                 pos += n
         for t, name in enumerate(names):
-            slots, inverse = st["owned"][name]
+            slots, inverse = st.owned[name]
             summed = torch.zeros(slots.size, int(self.dims[t]))
             summed.index_add_(0, torch.from_numpy(inverse.astype(np.int64)), torch.from_numpy(np.concatenate(pieces[t])))
             self.tables[name].apply_gradients(slots, summed / self.world)

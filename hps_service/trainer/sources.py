@@ -25,11 +25,17 @@ BatchItem = tuple[Batch | None, Any, int]
 
 
 class DataSource(Protocol):
-    """What the trainer reads."""
+    """What the trainer reads (the properties may be plain attributes of a source)."""
 
-    num_dense: int
-    drift: DriftSpec | None
-    bounded: bool  # False: a stream that trains until stopped
+    @property
+    def num_dense(self) -> int: ...
+
+    @property
+    def drift(self) -> DriftSpec | None: ...
+
+    @property
+    def bounded(self) -> bool:
+        """False: a stream that trains until stopped."""
 
     def batches(self, batch_size: int, position: Any, rank: int = 0, world: int = 1,
                 stop: threading.Event | None = None) -> Iterator[BatchItem]: ...
@@ -119,14 +125,17 @@ class FileSource(SourceBase):
         return len(DENSE_FIELDS)
 
     def _train_rows(self) -> int | None:
-        """Rows trained on: all but the held-out tail (counted once: Parquet metadata, or a pass over TSV lines)."""
-        if not self.holdout_last:
-            return None
+        """Rows trained on when the files' tail is held out (``_rows_before_holdout``); None: all of them."""
+        return self._rows_before_holdout() if self.holdout_last else None
+
+    def _rows_before_holdout(self) -> int:
+        """All rows but the held-out tail (counted once: Parquet metadata, or a pass over TSV lines)."""
         if self._rows is None:
-            self._rows = self.files.count_rows()
-            if self._rows <= self.holdout_last:
-                raise InvalidArgumentError(f"--holdout last:{self.holdout_last} holds back all {self._rows} rows of "
+            rows = self.files.count_rows()
+            if rows <= self.holdout_last:
+                raise InvalidArgumentError(f"--holdout last:{self.holdout_last} holds back all {rows} rows of "
                                            "the data: nothing is left to train on")
+            self._rows = rows
         return self._rows - self.holdout_last
 
     def batches(self, batch_size: int, position: Any, rank: int = 0, world: int = 1,
@@ -149,7 +158,7 @@ class FileSource(SourceBase):
             if self.eval_files is not None:
                 self._holdout = self.eval_files.head(size)
             elif self.holdout_last:
-                start = self._train_rows()
+                start = self._rows_before_holdout()
                 self._holdout = next(iter(self.files.batches(self.holdout_last, skip_rows=start)))
             else:
                 return None

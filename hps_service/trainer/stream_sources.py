@@ -89,10 +89,21 @@ def assemble(chunks: Iterator[Chunk | None], batch_size: int, max_wait_s: float,
             yield None, dict(position), 0
 
 
-def _format_of(path: Path, data_format: str | None) -> FileFormat:
+def _format_of(path: Path, data_format: FileFormat | None) -> FileFormat:
     if data_format is not None:
-        return data_format  # type: ignore[return-value]  # the CLI and config check it against FileFormat
+        return data_format
     return "parquet" if path.name.endswith((".parquet", ".pq")) else "criteo"
+
+
+def _file_position(name: str, first_row: int) -> Callable[[int], dict[str, Any]]:
+    """A directory's position after the first j rows of a chunk that starts at row ``first_row`` of file ``name``."""
+    return lambda j: {"file": name, "row": first_row + j}
+
+
+def _message_position(partition: int, offset: int, base: int, rows: int) -> Callable[[int], dict[str, Any]]:
+    """A partition's position after the first j rows of a chunk: the message's rows ``base`` onwards, of ``rows``
+    (the next message once all are trained)."""
+    return lambda j: {str(partition): [offset + 1, 0]} if base + j >= rows else {str(partition): [offset, base + j]}
 
 
 @dataclass
@@ -102,7 +113,7 @@ class DirectorySource(SourceBase):
     directory: Path
     sparse_fields: tuple[str, ...]
     follow: bool = True
-    data_format: str | None = None
+    data_format: FileFormat | None = None
     poll_s: float = 0.5
     max_wait_s: float = 1.0
     drift: None = None
@@ -148,10 +159,9 @@ class DirectorySource(SourceBase):
                         continue
                     rb = rb.slice(to_skip)
                     to_skip = 0
-                    yield Chunk(encode(rb, self.sparse_fields),
-                                lambda j, n=path.name, r0=rows: {"file": n, "row": r0 + j})
+                    yield Chunk(encode(rb, self.sparse_fields), _file_position(path.name, rows))
                     rows += rb.num_rows
-                yield Chunk(_empty(self.sparse_fields), lambda j, n=path.name, r=rows: {"file": n, "row": r})
+                yield Chunk(_empty(self.sparse_fields), _file_position(path.name, rows))  # called with 0 only
                 done, skip = path.name, 0
             if not self.follow:
                 return
@@ -245,8 +255,8 @@ class KafkaSource(SourceBase):
         from confluent_kafka import KafkaError, TopicPartition
 
         start = self._start(position)
-        for p, (offset, skip) in start.items():
-            position[str(p)] = [offset, skip]  # a logical offset (the start) until a message is read
+        for part, (first, skip) in start.items():
+            position[str(part)] = [first, skip]  # a logical offset (the start) until a message is read
         self._consumer.assign([TopicPartition(self.topic, p, o) for p, (o, _) in start.items()])
         skips = {p: (o, s) for p, (o, s) in start.items() if s}
         while not stop.is_set():
@@ -265,12 +275,13 @@ class KafkaSource(SourceBase):
                 yield None
                 continue
             p, offset = msg.partition(), msg.offset()
+            assert p is not None and offset is not None, "a consumed message without an error has both"
             try:
                 batch = self._decode(msg.value() or b"", msg.timestamp()[1])
             except (InvalidArgumentError, ValueError, OSError) as exc:  # pyarrow's errors are ValueError/OSError
                 self.malformed += 1
                 log.warning("skipping %s[%d]@%d: not a click log (%s)", self.topic, p, offset, exc)
-                yield Chunk(_empty(self.sparse_fields), lambda j, p=p, o=offset: {str(p): [o + 1, 0]})
+                yield Chunk(_empty(self.sparse_fields), _message_position(p, offset, 0, 0))  # on to the next one
                 continue
             expected = skips.pop(p, None)
             if expected is not None:
@@ -282,8 +293,7 @@ class KafkaSource(SourceBase):
             else:
                 base = 0
             n = len(batch) + base
-            yield Chunk(batch, lambda j, p=p, o=offset, b=base, n=n: {str(p): [o + 1, 0]} if b + j >= n
-                        else {str(p): [o, b + j]})
+            yield Chunk(batch, _message_position(p, offset, base, n))
 
     def batches(self, batch_size: int, position: Any, rank: int = 0, world: int = 1,
                 stop: threading.Event | None = None) -> Iterator[BatchItem]:

@@ -220,13 +220,15 @@ class Trainer:
 
     def _progressive(self, batch: Batch, scores: np.ndarray) -> None:
         """Record the scores a batch got before its training step (gathered from every rank)."""
-        parts = (scores, batch.labels, batch.prob, batch.time)
+        parts: tuple[np.ndarray | None, ...] = (scores, batch.labels, batch.prob, batch.time)
         if self.distributed:
             gathered: list[Any] = [None] * self.world
             dist.all_gather_object(gathered, parts)
             parts = tuple(None if gathered[0][i] is None else np.concatenate([g[i] for g in gathered])
                           for i in range(4))
-        self.progressive.add(parts[0], parts[1], oracle=parts[2], time=parts[3])
+        prob, labels, oracle, times = parts
+        assert prob is not None and labels is not None, "every rank has scores and labels"
+        self.progressive.add(prob, labels, oracle=oracle, time=times)
 
     # ---- publishing ---------------------------------------------------------------------------------------
     def publish_changes(self) -> int:
@@ -407,7 +409,10 @@ class Trainer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             dt = time.perf_counter() - t0
-            self._progressive(batch, scores if scores is not None else trained_scores)
+            if scores is None:
+                scores = trained_scores
+            assert scores is not None, "the training step scores the batch where predict did not"
+            self._progressive(batch, scores)
             self.cpu_s += time.process_time() - cpu_ready
             flops = self._step_flops(len(batch))
             self.window.append((data_s + dt, global_size, flops))
