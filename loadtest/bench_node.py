@@ -8,7 +8,9 @@
        processes as the server has workers; targets <= 1.25x the CPU, >= 0.8x the keys/s;
     b. keys/s with each worker count of ``--workers`` under that load, and against a Redis Cluster with as many
        masters as workers (hash-tagged MGET per master); target >= 1.0x;
-    c. the server's PSS (/proc/PID/smaps_rollup, all its processes) for each worker count.
+    c. the server's PSS (/proc/PID/smaps_rollup, all its processes) for each worker count;
+    d. unary p99 of that load with 2x``workers`` idle streams open vs none (``loadtest.bench_streams``); target
+       <= 1.2x.
 11. One caller, batches of 1024 L1 hits: ``LocalClient`` (the store mapped read-only) vs ``HPSClient`` over gRPC vs
     a plain Redis Cluster client vs the raw NumPy gather of the same rows from a preallocated array; targets
     >= 10x gRPC, >= 0.3x the gather.
@@ -41,6 +43,7 @@ from rich.table import Table
 
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree, pss_bytes
+from loadtest import bench_streams
 from loadtest.embedded import EmbeddedServer
 from loadtest.floor_server import FloorServer
 from loadtest.loadgen import LoadSpec, run_load
@@ -228,6 +231,8 @@ def bench_nodes(p: NodePlan, workdir: Path, console: Console) -> dict[str, Any]:
                             runs["redis"].append(_point(run_load(
                                 replace(spec, backend="redis", target=redis_seed, http_target=None, channels=1),
                                 redis_pids)))
+                    console.print(f"  workers {w}: unary p99 without and with {2 * w} idle streams open")
+                    entry["idle_streams"] = bench_streams.measure(spec, 2 * w, p.rounds)
                     if w == widest:
                         console.print("  11. colocated reads: LocalClient, gRPC, Redis, raw gather")
                         out["local"] = bench_local(server, store, redis_seed, p)
@@ -279,6 +284,8 @@ def table(res: dict[str, Any]) -> Table:
             e["keys_vs_first"], "grows", None)
         row(f"10c. server PSS, workers {w} ({e['processes']} processes)", f"{e['pss_bytes'] / 2**20:.0f} MiB", "",
             e["pss_vs_first"], "<= 1.15 (2 vs 1)", None if w == 1 else e["pss_vs_first"] <= 1.15)
+        if e.get("idle_streams"):
+            row(*bench_streams.report_row(w, e["idle_streams"]))
     loc = res.get("local")
     if loc:
         r, us = loc["keys_per_s"], loc["us_per_call"]

@@ -98,6 +98,11 @@ class ServerConfig(_Section):
     local: LocalStoreConfig = Field(default_factory=lambda: LocalStoreConfig())
     grace_period_s: float = Field(30.0, ge=0, description="SIGTERM waits this long for calls in flight")
     max_concurrent_requests: int = Field(256, ge=1, description="gRPC calls in flight; more get RESOURCE_EXHAUSTED")
+    max_streams: int = Field(
+        16, ge=1, description="StreamLookup calls open at once per serving process (the owner, or each worker); "
+        "more get RESOURCE_EXHAUSTED. Each open stream has a thread of its own beside the grpc_workers handler "
+        "threads (and is not counted in max_concurrent_requests), so idle streams never delay a unary call; a "
+        "stream waiting for its next request costs a blocked thread and no CPU")
     max_connection_age_s: float = Field(
         300.0, ge=0, description="gRPC connections are closed (GOAWAY, with gRPC's 10% jitter) after this long, so "
         "clients reconnect and reach new replicas; 0: never")

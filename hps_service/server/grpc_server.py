@@ -19,6 +19,7 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.server.call_tracing import grpc_tracing
 from hps_service.server.grpc_service import EmbeddingServicer, add_embedding_service
+from hps_service.server.stream_lane import REFUSAL_THREADS, StreamLane
 
 _MiB = 1 << 20
 #: How long a draining server waits after its last call answered before it stops (see :meth:`HandlerPool.wait_idle`).
@@ -58,21 +59,28 @@ class HandlerPool(futures.ThreadPoolExecutor):
                 self._unanswered -= 1
             raise
 
+    def is_idle(self, settle_s: float) -> bool:
+        """No call is unanswered, and the last answer went out ``settle_s`` ago."""
+        with self._calls_lock:
+            return self._unanswered == 0 and time.monotonic() - self._last_answer >= settle_s
+
     def wait_idle(self, settle_s: float, timeout_s: float) -> bool:
-        """Block until no call is unanswered and the last answer went out ``settle_s`` ago (or ``timeout_s``
-        passed; False then). gRPC closes a connection the moment its last call ends after the server's GOAWAY, and a
-        client still reading a large answer then gets a TCP reset in place of the answer's tail; a server that waits
-        here before it stops lets its clients read what it answered."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            now = time.monotonic()
-            with self._calls_lock:
-                idle = self._unanswered == 0 and now - self._last_answer >= settle_s
-            if idle:
-                return True
-            if now >= deadline:
-                return False
-            time.sleep(0.005)
+        """Block until :meth:`is_idle` (or ``timeout_s`` passed; False then). gRPC closes a connection the moment
+        its last call ends after the server's GOAWAY, and a client still reading a large answer then gets a TCP reset
+        in place of the answer's tail; a server that waits here before it stops lets its clients read what it
+        answered."""
+        return wait_all_idle((self,), settle_s, timeout_s)
+
+
+def wait_all_idle(pools: tuple[HandlerPool, ...], settle_s: float, timeout_s: float) -> bool:
+    """Block until every pool :meth:`~HandlerPool.is_idle` at once (or ``timeout_s`` passed; False then)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if all(pool.is_idle(settle_s) for pool in pools):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
 
 
 def message_limits(config: HPSConfig) -> tuple[int, int]:
@@ -106,10 +114,11 @@ def grpc_connection_options(cfg: ServerConfig) -> list[tuple[str, int]]:
 
 @dataclass
 class ServingGrpc:
-    """A serving process's gRPC server and the handler pool it runs on."""
+    """A serving process's gRPC server, the handler pool its unary calls run on and the one of its streams."""
 
     server: grpc.Server
     pool: HandlerPool
+    streams: HandlerPool | None = None
 
     def drain_and_stop(self, gate: ServingGate, grace_s: float) -> None:
         """Stop serving within ``grace_s``, losing no call and no answer.
@@ -121,7 +130,8 @@ class ServingGrpc:
         then gets a TCP reset in place of the answer's tail. Then the gate refuses lookups and the server stops (its
         GOAWAY sends clients' new calls elsewhere) with what is left of ``grace_s`` for calls still running."""
         deadline = time.monotonic() + grace_s
-        self.pool.wait_idle(DRAIN_SETTLE_S, min(grace_s / 3, 2.0))
+        pools = (self.pool,) if self.streams is None else (self.pool, self.streams)
+        wait_all_idle(pools, DRAIN_SETTLE_S, min(grace_s / 3, 2.0))
         gate.close(DRAINING)
         left = max(0.0, deadline - time.monotonic())
         self.server.stop(left).wait(left + 0.5)
@@ -130,8 +140,13 @@ def build_grpc_server(
     config: HPSConfig, servicer: EmbeddingServicer, health_servicer: health.HealthServicer, *, reuseport: bool = False,
     role: str = "owner",
 ) -> ServingGrpc:
-    """A thread-pool gRPC server with the EmbeddingService, health and reflection (no port bound yet), on its
-    handler pool.
+    """A thread-pool gRPC server with the EmbeddingService, health and reflection (no port bound yet): unary calls
+    on ``grpc_threads()`` handler threads, StreamLookup calls on threads of their own (``max_streams`` of them, and
+    :data:`~hps_service.server.stream_lane.REFUSAL_THREADS` for the streams past it, refused at once). gRPC's
+    sync server holds a thread for a stream's whole life (its handler blocks for each next request), so a stream on
+    the handler pool would take a thread from the unary calls; and a shared pool of both sizes would let unary
+    calls spread over more threads than ``grpc_threads()``, which only contend for the GIL. gRPC's limit of calls
+    in flight counts streams too: it is ``max_concurrent_requests`` plus ``max_streams``.
 
     ``reuseport``: let the node's worker processes bind one port together (SO_REUSEPORT; the kernel spreads the
     connections over them). ``role``: the process (``owner``, ``worker-N``) its spans name, with tracing on; then the
@@ -139,10 +154,13 @@ def build_grpc_server(
     cfg = config.server
     receive, send = message_limits(config)
     pool = HandlerPool(servicer.metrics.queue_wait, max_workers=cfg.grpc_threads(), thread_name_prefix="grpc")
+    streams = HandlerPool(servicer.metrics.queue_wait, max_workers=cfg.max_streams + REFUSAL_THREADS,
+                          thread_name_prefix="grpc-stream")
+    interceptors = grpc_tracing(servicer, role)
     server = grpc.server(
         pool,
-        interceptors=grpc_tracing(servicer, role),
-        maximum_concurrent_rpcs=cfg.max_concurrent_requests,
+        interceptors=[StreamLane(streams), *interceptors] if interceptors else [],
+        maximum_concurrent_rpcs=cfg.max_concurrent_requests + cfg.max_streams,
         options=[
             ("grpc.max_receive_message_length", receive),
             ("grpc.max_send_message_length", send),
@@ -150,11 +168,11 @@ def build_grpc_server(
             *grpc_connection_options(cfg),
         ],
     )
-    add_embedding_service(servicer, server)
+    add_embedding_service(servicer, server, streams)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
         server,
     )
-    return ServingGrpc(server, pool)
+    return ServingGrpc(server, pool, streams)
 

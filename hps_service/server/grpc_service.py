@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from typing import Any
 
 import grpc
@@ -23,6 +24,7 @@ from hps_service.server.auth import Authenticator, Principal
 from hps_service.server.grpc_auth import grpc_principal
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.status import status_for
+from hps_service.server.stream_lane import StreamSlots, on_pool
 from hps_service.server.wire import ResponseBuffer, encode_lookup_response
 
 log = logging.getLogger(__name__)
@@ -63,14 +65,17 @@ def tolerant_parser(message_cls: type[Message]) -> Callable[[bytes], object]:
     return parse
 
 
-def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server) -> None:
-    """Register ``servicer`` as hps.v1.EmbeddingService, with request parsing that refuses bad bytes cleanly."""
+def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server,
+                          stream_pool: futures.ThreadPoolExecutor | None = None) -> None:
+    """Register ``servicer`` as hps.v1.EmbeddingService, with request parsing that refuses bad bytes cleanly;
+    StreamLookup calls run on ``stream_pool`` (else on the server's pool)."""
     handlers = {
         # lookups answer with LookupResponse bytes already encoded by server.wire (no serializer)
         "Lookup": grpc.unary_unary_rpc_method_handler(
             servicer.Lookup, request_deserializer=tolerant_parser(pb.LookupRequest), response_serializer=None),
         "StreamLookup": grpc.stream_stream_rpc_method_handler(
-            servicer.StreamLookup, request_deserializer=tolerant_parser(pb.LookupRequest), response_serializer=None),
+            on_pool(servicer.StreamLookup, stream_pool), request_deserializer=tolerant_parser(pb.LookupRequest),
+            response_serializer=None),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels, request_deserializer=tolerant_parser(pb.ListModelsRequest),
             response_serializer=pb.ListModelsResponse.SerializeToString),
@@ -114,6 +119,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         #: None with server.auth none: the hot path then pays one attribute test for it.
         self.auth = Authenticator(limits) if limits.auth != "none" else None
         self._local = threading.local()
+        self.streams = StreamSlots(limits.max_streams)
 
     def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> bytes:
         """Answer one LookupRequest as serialized LookupResponse bytes (raises domain errors); with ``context``,
@@ -200,14 +206,21 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
     def StreamLookup(
         self, request_iterator: Iterator[pb.LookupRequest], context: grpc.ServicerContext
     ) -> Iterator[bytes]:
-        principal = None
-        if self.auth is not None:  # the stream's metadata and certificate are its own: resolved once
-            try:
-                principal = grpc_principal(self.auth, context)
-            except HPSError as err:
-                self._abort(context, err)
-        for request in request_iterator:
-            yield self._serve_one("StreamLookup", request, context, principal)
+        if not self.streams.take():  # counted as one refused StreamLookup request
+            with self.metrics.observe("StreamLookup") as status:
+                status[0] = grpc.StatusCode.RESOURCE_EXHAUSTED.name
+            self._abort(context, ResourceExhaustedError(self.streams.refusal()))
+        try:
+            principal = None
+            if self.auth is not None:  # the stream's metadata and certificate are its own: resolved once
+                try:
+                    principal = grpc_principal(self.auth, context)
+                except HPSError as err:
+                    self._abort(context, err)
+            for request in request_iterator:
+                yield self._serve_one("StreamLookup", request, context, principal)
+        finally:
+            self.streams.give_back()
 
     def _allowed(self, request: object, context: grpc.ServicerContext, principal: Principal | None) -> Principal:
         """The caller, if ``server.auth`` admits it and it may read the request's model (when it names one)."""

@@ -4,15 +4,16 @@ other (a request over a limit not retried), hedging past a stuck replica, errors
 ``metadata=`` and ``interceptors=``.
 
 Replica A is a node (one worker process, 2 handler threads); replica B serves gRPC from its own process with one
-handler thread and ``max_concurrent_requests: 2``, so an open stream makes it slow, and two make it refuse. Each
-holds rows of its own value (1.0 on A, 2.0 on B), so every answer says which replica gave it.
+handler thread, ``max_concurrent_requests: 2`` and ``max_streams: 1`` (gRPC's limit of calls in flight is their
+sum), so a held lookup makes it slow, and three calls in flight make it refuse. Each holds rows of its own value
+(1.0 on A, 2.0 on B), so every answer says which replica gave it.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import grpc
@@ -33,7 +34,7 @@ from hps_client import (
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.serve.process import HPSServer
-from tests.server.conftest import AUTH, ITEM_DIM, OpenStream, base_url, running, server_config, target
+from tests.server.conftest import AUTH, ITEM_DIM, HeldLookups, base_url, running, server_config, target
 
 KEYS = np.arange(1, 9, dtype=np.int64)
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -45,7 +46,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HPSServer, 
     with ExitStack() as stack:
         a = stack.enter_context(running(server_config(tmp / "a", workers=1, grpc_workers=2, max_batch_keys=64)))
         b = stack.enter_context(running(server_config(tmp / "b", workers=0, grpc_workers=1,
-                                                      max_concurrent_requests=2, max_batch_keys=64)))
+                                                      max_concurrent_requests=2, max_streams=1,
+                                                      max_batch_keys=64)))
         for value, srv in ((1.0, a), (2.0, b)):
             with httpx.Client(base_url=base_url(srv)) as http:
                 body = {"keys": KEYS.tolist(), "vectors": np.full((KEYS.size, ITEM_DIM), value).tolist()}
@@ -73,6 +75,24 @@ def _until(predicate: Any, timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, what
         time.sleep(0.01)
+
+
+@contextmanager
+def _busy(b: HPSServer, queued: int = 0) -> Iterator[None]:
+    """B's one handler thread held by a lookup, and ``queued`` more calls waiting for it (an open stream would
+    not do: it has a thread of its own)."""
+    with HeldLookups(b) as held, grpc.insecure_channel(target(b)) as channel:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        calls = [stub.Lookup.future(hps_client.build_request("demo", {"item": KEYS}), timeout=60)]
+        held.wait_entered()
+        calls += [stub.Lookup.future(hps_client.build_request("demo", {"item": KEYS}), timeout=60)
+                  for _ in range(queued)]
+        try:
+            yield
+        finally:
+            held.release()
+            for call in calls:
+                call.exception()
 
 
 def _accepting(srv: HPSServer) -> int:
@@ -137,15 +157,9 @@ def test_health_watches_do_not_hold_the_handler_threads(pair: tuple[HPSServer, H
 
 def test_overloaded_replica_is_retried_elsewhere_and_a_limit_is_not(pair: tuple[HPSServer, HPSServer]) -> None:
     a, b = pair
-    with HPSClient([target(a), target(b)], timeout=10) as client, grpc.insecure_channel(target(b)) as channel:
+    with HPSClient([target(a), target(b)], timeout=10) as client:
         _connected(client)
-        stub = pb_grpc.EmbeddingServiceStub(channel)
-        streams = [OpenStream(stub, timeout=60)]
-        try:
-            # B's one handler thread is held by the first stream, then a second call is in flight: it refuses more.
-            # (Both opened at once, the second could take the thread first and the first never be answered.)
-            streams[0].ask(hps_client.build_request("demo", {"item": KEYS}))
-            streams.append(OpenStream(stub, timeout=60))
+        with _busy(b, queued=2):  # B's one handler thread is held, two more calls wait: it refuses more
             _until(lambda: _refused(b), 10.0, "B never refused a call")
             assert {_who(client) for _ in range(20)} == {"a"}  # every call B refused went on to A
             refusals = sum(s.metrics.requests_served("Lookup", "RESOURCE_EXHAUSTED") for s in pair)
@@ -154,9 +168,6 @@ def test_overloaded_replica_is_retried_elsewhere_and_a_limit_is_not(pair: tuple[
             assert raised.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             # the server's pushback stopped the retry policy: one attempt refused by a server, not four
             assert sum(s.metrics.requests_served("Lookup", "RESOURCE_EXHAUSTED") for s in pair) - refusals == 1
-        finally:
-            for stream in streams:
-                stream._requests.put(None)
 
 
 def _refused(srv: HPSServer) -> bool:
@@ -169,20 +180,17 @@ def _refused(srv: HPSServer) -> bool:
 
 
 def test_hedging_answers_past_a_stuck_replica(pair: tuple[HPSServer, HPSServer]) -> None:
-    """B's one handler thread is held by a stream, so a call that lands on B waits there. Without hedging such a
+    """B's one handler thread is held by a lookup, so a call that lands on B waits there. Without hedging such a
     call runs into its deadline; with ``hedging=`` (gRPC's hedgingPolicy) a second copy goes to A after 50 ms (and
     one at once when B refuses, RESOURCE_EXHAUSTED being non-fatal here)."""
     a, b = pair
     policy = {"maxAttempts": 2, "hedgingDelay": "0.05s", "nonFatalStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}
     _until(lambda: not _refused(b), 30.0, "B is still busy with an earlier test's calls")
     with HPSClient([target(a), target(b)], timeout=10, hedging=policy) as hedged, \
-            HPSClient([target(a), target(b)], timeout=0.5, retries=0) as plain, \
-            grpc.insecure_channel(target(b)) as channel:
+            HPSClient([target(a), target(b)], timeout=0.5, retries=0) as plain:
         _connected(hedged)
         _connected(plain)
-        stream = OpenStream(pb_grpc.EmbeddingServiceStub(channel), timeout=60)
-        stream.ask(hps_client.build_request("demo", {"item": KEYS}))  # B's only thread is now held
-        try:
+        with _busy(b):  # B's only thread is now held
             with pytest.raises(DeadlineExceededError) as raised:
                 for _ in range(4):
                     _who(plain)
@@ -190,8 +198,6 @@ def test_hedging_answers_past_a_stuck_replica(pair: tuple[HPSServer, HPSServer])
             started = time.monotonic()
             assert {_who(hedged) for _ in range(6)} == {"a"}
             assert time.monotonic() - started < 5.0
-        finally:
-            stream._requests.put(None)
     with pytest.raises(InvalidArgumentError, match="maxAttempts"):
         HPSClient(target(a), hedging={"maxAttempts": 9})
 
@@ -209,18 +215,13 @@ class _Recorder(grpc.UnaryUnaryClientInterceptor):
 
 def _late_lookup(b: HPSServer) -> DeadlineExceededError:
     """The error of a lookup that cannot be answered within its deadline: B's one handler thread is held by a
-    stream, so the call waits for it (a deadline of microseconds is no test: gRPC rounds it up to a millisecond, and
+    lookup, so the call waits for it (a deadline of microseconds is no test: gRPC rounds it up to a millisecond, and
     a loopback answer can beat that)."""
     _until(lambda: not _refused(b), 30.0, "B is still busy with an earlier test's calls")
-    with HPSClient(target(b), timeout=10, retries=0) as client, grpc.insecure_channel(target(b)) as channel:
+    with HPSClient(target(b), timeout=10, retries=0) as client:
         assert _who(client) == "b"  # connected
-        stream = OpenStream(pb_grpc.EmbeddingServiceStub(channel), timeout=60)
-        stream.ask(hps_client.build_request("demo", {"item": KEYS}))  # B's only thread is now held
-        try:
-            with pytest.raises(DeadlineExceededError) as late:
-                client.lookup("demo", "item", KEYS, timeout=0.3)
-        finally:
-            stream._requests.put(None)
+        with _busy(b), pytest.raises(DeadlineExceededError) as late:  # B's only thread is now held
+            client.lookup("demo", "item", KEYS, timeout=0.3)
     return late.value
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -86,6 +87,40 @@ class OpenStream:
         self._requests.put(None)
         for _ in self.responses:
             pass
+
+
+class HeldLookups:
+    """While entered, lookups of ``table`` on an in-process server (``workers: 0``) wait on their handler thread
+    until :meth:`release`: how a test takes a unary handler thread (an open stream has a thread of its own)."""
+
+    def __init__(self, srv: HPSServer, table: str = "item") -> None:
+        self._engine = srv.engine
+        self._table = table
+        self._released = threading.Event()
+        self._entered = threading.Semaphore(0)
+
+    def __enter__(self) -> HeldLookups:
+        original = self._engine.lookup
+
+        def held(model: str, table: str, *args: Any, **kwargs: Any) -> Any:
+            if table == self._table:
+                self._entered.release()
+                self._released.wait(60)
+            return original(model, table, *args, **kwargs)
+
+        self._engine.lookup = held
+        return self
+
+    def wait_entered(self, timeout: float = 10.0) -> None:
+        """Until one more lookup is held on a handler thread."""
+        assert self._entered.acquire(timeout=timeout), "no lookup reached a handler thread"
+
+    def release(self) -> None:
+        self._released.set()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+        del self._engine.lookup
 
 
 @pytest.fixture(scope="module")

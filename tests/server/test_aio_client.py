@@ -19,7 +19,7 @@ from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableE
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.serve.process import HPSServer
 from tests.helpers import free_port
-from tests.server.conftest import AUTH, ITEM_DIM, OpenStream, base_url, running, server_config, target
+from tests.server.conftest import AUTH, ITEM_DIM, HeldLookups, base_url, running, server_config, target
 
 KEYS = np.arange(1, 21, dtype=np.int64)
 ROWS = np.arange(20 * ITEM_DIM, dtype=np.float32).reshape(20, ITEM_DIM)
@@ -102,22 +102,24 @@ def test_errors_timeouts_and_no_live_target(replicas: list[HPSServer]) -> None:
 
 
 def test_per_call_timeout(tmp_path: Path) -> None:
-    """The only handler thread (one worker process of one thread) is held by an open stream: a lookup with a short
+    """The only handler thread (gRPC served by the owner, on one thread) is held by a lookup: a lookup with a short
     per-call timeout fails with DEADLINE_EXCEEDED (not retried), and the next one, with the default timeout, is
     answered."""
-    with running(server_config(tmp_path, grpc_workers=1, workers=1)) as srv, grpc.insecure_channel(target(srv)) as channel:
-        stream = OpenStream(pb_grpc.EmbeddingServiceStub(channel))
-        stream.ask(build_request("demo", {"item": [1]}))
+    with running(server_config(tmp_path, grpc_workers=1, workers=0)) as srv, HeldLookups(srv, "user") as held, \
+            grpc.insecure_channel(target(srv)) as channel:
+        holder = pb_grpc.EmbeddingServiceStub(channel).Lookup.future(build_request("demo", {"user": [1]}), timeout=30)
+        held.wait_entered()
 
         async def main() -> None:
             async with AsyncHPSClient(target(srv), timeout=30) as client:
                 with pytest.raises(DeadlineExceededError, match="DEADLINE_EXCEEDED") as raised:
                     await client.lookup("demo", "item", KEYS, timeout=0.3)
                 assert raised.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and isinstance(raised.value, TimeoutError)
-                stream.close()
+                held.release()
                 assert (await client.lookup("demo", "item", KEYS)).shape == (KEYS.shape[0], ITEM_DIM)
 
         asyncio.run(main())
+        assert holder.result().tables[0].count == 1
 
 
 def test_a_draining_replica_answers_unavailable_and_calls_go_to_the_other(replicas: list[HPSServer]) -> None:

@@ -19,6 +19,7 @@ from tests.server.conftest import (
     AUTH,
     ITEM_DIM,
     USER_DIM,
+    HeldLookups,
     OpenStream,
     base_url,
     running,
@@ -77,17 +78,19 @@ def test_list_models_and_get_model(server: HPSServer) -> None:
 
 
 def test_deadline_passed_while_queued_is_not_served(tmp_path: Path) -> None:
-    """One worker busy with an open stream: a Lookup queued behind it past its deadline gets DEADLINE_EXCEEDED
-    and never reaches the engine; the server then serves normally."""
-    with running(server_config(tmp_path, grpc_workers=1)) as srv, grpc.insecure_channel(target(srv)) as channel:
+    """The one handler thread busy with a held lookup: a Lookup queued behind it past its deadline gets
+    DEADLINE_EXCEEDED and never reaches the engine; the server then serves normally."""
+    with running(server_config(tmp_path, workers=0, grpc_workers=1)) as srv, HeldLookups(srv) as held, \
+            grpc.insecure_channel(target(srv)) as channel:
         stub = pb_grpc.EmbeddingServiceStub(channel)
-        stream = OpenStream(stub)
-        stream.ask(build_request("demo", {"item": [1]}))
+        holder = stub.Lookup.future(build_request("demo", {"item": [1]}), timeout=30)
+        held.wait_entered()
         before = srv.engine.table_stats("demo", "user")["cache"]
         queued = stub.Lookup.future(build_request("demo", {"user": [1, 2, 3]}), timeout=0.2)
         with pytest.raises(grpc.RpcError) as err:
             queued.result()
-        stream.close()
+        held.release()
+        assert holder.result().tables[0].count == 1
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         after = srv.engine.table_stats("demo", "user")["cache"]
         assert (after["hits"], after["misses"]) == (before["hits"], before["misses"])
@@ -96,17 +99,23 @@ def test_deadline_passed_while_queued_is_not_served(tmp_path: Path) -> None:
 
 
 def test_over_max_concurrent_requests_is_resource_exhausted(tmp_path: Path) -> None:
-    with running(server_config(tmp_path, max_concurrent_requests=1)) as srv, \
-            grpc.insecure_channel(target(srv)) as channel:
+    """gRPC's limit of calls in flight is max_concurrent_requests plus max_streams: an open stream leaves the
+    unary calls their own, and the unary call past it is refused."""
+    config = server_config(tmp_path, workers=0, max_concurrent_requests=1, max_streams=1)
+    with running(config) as srv, HeldLookups(srv) as held, grpc.insecure_channel(target(srv)) as channel:
         stub = pb_grpc.EmbeddingServiceStub(channel)
         stream = OpenStream(stub)
-        stream.ask(build_request("demo", {"item": [1]}))
+        stream.ask(build_request("demo", {"user": [1]}))
+        holder = stub.Lookup.future(build_request("demo", {"item": [1]}), timeout=30)
+        held.wait_entered()
         with pytest.raises(grpc.RpcError) as err:
-            stub.Lookup(build_request("demo", {"item": [1]}), timeout=10)
+            stub.Lookup(build_request("demo", {"user": [1]}), timeout=10)
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        held.release()
+        assert holder.result().tables[0].count == 1
         stream.close()
         deadline = time.monotonic() + 10
-        while True:  # the slot is released once the stream's handler has returned
+        while True:  # the slot is released once the held call's handler has returned
             try:
                 assert stub.Lookup(build_request("demo", {"item": [1]}), timeout=10).tables[0].count == 1
                 break
