@@ -82,9 +82,9 @@ def test_a_kafka_click_log_is_trained_exactly_once_across_sigterm_and_resume(kaf
         write_parquet(buf, {k: v[lo:lo + 150] for k, v in second.items()})
         producer.produce(topic, value=buf.getvalue(), partition=i % 2)
     producer.flush(30)
-    watcher = Consumer({"bootstrap.servers": kafka_broker.bootstrap, "group.id": f"w-{topic}"})
-    ends = {p: watcher.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(2)}
-    watcher.close()
+    # the log ends after what was produced: tansu's ListOffsets answers the last record batch's base offset + 1 as
+    # the high watermark (15 lines produced in one batch read as 1), so it is counted here, not asked of the broker
+    ends = {p: len(range(p, ROWS // 20, 2)) + len(range(p, len(range(0, ROWS, 150)), 2)) for p in range(2)}
     # the resumed run, in this process: the same options (shape) as the CLI's, stopped as SIGTERM stops it
     dlrm, source = build_run(load_config(config).models[0], RunSpec(
         data=(f"kafka://{kafka_broker.bootstrap}/{topic}",), data_format="criteo", experts=0,
