@@ -159,9 +159,11 @@ class AsyncHPSClient:
                                                **self._auth(self.metadata)) for t in self.targets]
         answers = await asyncio.gather(*probes, return_exceptions=True)
         infos = {i: a for i, a in enumerate(answers) if isinstance(a, pb.ClusterInfo)}
-        errors = {i: a for i, a in enumerate(answers) if not isinstance(a, pb.ClusterInfo)}
-        for a in errors.values():
-            if not isinstance(a, grpc.aio.AioRpcError):
+        errors: dict[int, grpc.aio.AioRpcError] = {}
+        for i, a in enumerate(answers):
+            if isinstance(a, grpc.aio.AioRpcError):
+                errors[i] = a
+            elif not isinstance(a, pb.ClusterInfo):
                 raise a
         if not infos:
             if stub is not None:

@@ -16,7 +16,7 @@ import asyncio
 import queue
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,8 +81,9 @@ def retry_elsewhere(err: grpc.RpcError) -> bool:
         return True
     if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return False
-    trailing = err.trailing_metadata() if hasattr(err, "trailing_metadata") else None
-    return not any(key == PUSHBACK and str(value).startswith("-") for key, value in trailing or ())
+    trailing: Sequence[tuple[str, Any]] = (
+        err.trailing_metadata() or () if hasattr(err, "trailing_metadata") else ())  # type: ignore[assignment]  # grpc-stubs say _Metadatum; at run time (key, value) tuples
+    return not any(key == PUSHBACK and str(value).startswith("-") for key, value in trailing)
 
 
 def _left(deadline: float | None) -> float | None:
@@ -117,7 +118,7 @@ def call_hedged(start: Callable[[], grpc.Future], policy: HedgingPolicy, deadlin
             error = call.exception()
             if error is None:
                 return call.result()
-            if error.code() not in policy.non_fatal_codes:
+            if not isinstance(error, grpc.RpcError) or error.code() not in policy.non_fatal_codes:
                 raise error
             if len(calls) < policy.max_attempts:
                 launch()
