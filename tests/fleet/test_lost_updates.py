@@ -95,9 +95,13 @@ def test_a_topic_created_again_under_a_running_replica_is_bootstrapped_again(
                         headers={"Authorization": f"Bearer {TOKEN}"})
     target = f"127.0.0.1:{srv.grpc_port}"
     try:
-        assert wait_until(lambda: http.get("/readyz").status_code == 503, timeout=30), http.get("/readyz").json()
-        reasons = " ".join(http.get("/readyz").json()["not_ready"])
-        assert f"{topic}[0]: the topic was deleted and created again" in reasons and f"{topic}[1]" in reasons
+        def reasons() -> str:  # 503 from the start: "no partitions yet" until the consumer has checked its log
+            r = http.get("/readyz")
+            return " ".join(r.json()["not_ready"]) if r.status_code == 503 else ""
+
+        lost = f"{topic}[0]: the topic was deleted and created again"
+        assert wait_until(lambda: lost in reasons(), timeout=30), http.get("/readyz").json()
+        assert f"{topic}[1]" in reasons()
         assert health(target, "") == NOT_SERVING and health(target, model) == NOT_SERVING
         metrics = http.get("/metrics").text
         assert f'hps_update_log_gaps_total{{partition="0",topic="{topic}"}} 1.0' in metrics

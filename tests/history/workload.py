@@ -37,6 +37,9 @@ from tests.history.server import TOKEN, VOLATILE_ROWS, HistoryServer
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 #: Calls that fail while a server is down (or restarting, or closing its gate) and are not a defect then.
 _DOWN_ERRORS = (httpx.HTTPError, grpc.RpcError, ClientError, ConnectionError, TimeoutError, OSError)
+#: How long after a server is back a call may still fail: a gRPC channel that saw it down waits out its reconnect
+#: backoff (hps_client's grpc.max_reconnect_backoff_ms, 5 s, with gRPC's 20 % jitter) before it connects again.
+_RECONNECT_S = 6.5
 
 
 def key_space(n: int, seed: int = 14) -> np.ndarray:
@@ -115,7 +118,8 @@ class Workload:
         """A call to ``name`` that began at ``started`` failed with ``exc``: expected when the server was down."""
         if not isinstance(exc, _DOWN_ERRORS):
             return False
-        down = name in self._down or any(n == name and s - 1.0 <= started <= e + 1.0 for n, s, e in self.outages)
+        down = name in self._down or any(n == name and s - 1.0 <= started <= e + _RECONNECT_S
+                                         for n, s, e in self.outages)
         self.failed_calls += down
         return down
 

@@ -314,12 +314,13 @@ def test_no_secret_in_any_log_line_or_response(served: Served) -> None:
     log holds no row."""
     with httpx.Client(base_url=served.base, timeout=30,
                       headers={"Authorization": f"Bearer {SECRETS['ranker']}"}) as http:
-        deadline = time.monotonic() + 30  # the test before registered and unloaded a model: caught up again first
+        deadline = time.monotonic() + 30  # the test before restored a snapshot: caught up again first
         while http.get("/readyz").status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
         for path in ("/v1/stats", "/v1/models", "/openapi.json", "/metrics", "/readyz", "/v1/jobs"):
             r = http.get(path)
-            assert r.status_code == 200, (path, r.text)
+            # /readyz may still say why it is catching up (a slow shared broker): its body is searched either way
+            assert r.status_code == 200 or (path == "/readyz" and r.status_code == 503), (path, r.text)
             served.bodies.append(r.text)
     served.server.stop()  # everything written, the last lines too
     log = served.server.log()
