@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from hps_service.admin.checkpoints import DirectoryStore
 from hps_service.admin.jobs import JobRunner
@@ -41,6 +41,7 @@ from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-e
     message_limits,
 )
 from hps_service.server.grpc_service import EmbeddingServicer
+from hps_service.server.health import HealthServicer
 from hps_service.server.http_listener import HttpListener
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.probes import ProbeServer
@@ -64,7 +65,7 @@ class HPSServer:
         self.engine = engine
         self.shard_map = ShardMap.from_config(config.cluster)
         self.gate = ServingGate()
-        self.health = health.HealthServicer()
+        self.health = HealthServicer()
         self._grpc: ServingGrpc | None = None
         self.grpc_port: int | None = None
         self.http_port: int | None = None

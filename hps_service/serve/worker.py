@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from grpc_health.v1 import health, health_pb2
+from grpc_health.v1 import health_pb2
 
 from hps_service.config import HPSConfig
 from hps_service.errors import UnavailableError
@@ -39,6 +39,7 @@ from hps_service.runtime.logs import setup_logging
 from hps_service.server.call_tracing import flush_spans
 from hps_service.server.grpc_server import build_grpc_server
 from hps_service.server.grpc_service import EmbeddingServicer
+from hps_service.server.health import HealthServicer
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.tls import grpc_server_credentials
 from hps_service.shm.counters import RequestCounters
@@ -166,7 +167,7 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
     os._exit(0)
 
 
-class FollowingHealth(health.HealthServicer):
+class FollowingHealth(HealthServicer):
     """gRPC health of a worker: what the owner answers (it judges readiness: tiers, updates caught up, per model),
     as it last published it, and NOT_SERVING while the store is not SERVING (starting, draining). Brought up to date
     by every Check (so it agrees with the REST call that just returned) and by the worker's poll."""
