@@ -20,7 +20,9 @@ from tests.helpers import free_port, wait_serving
 
 REPO = Path(__file__).resolve().parents[1]
 EMBEDDED_CONFIG = REPO / "examples" / "embedded.yaml"
-HPS = [sys.executable, "-m", "hps_service.cli.main"]
+#: ``python -m hps_service.cli``, which runs ``hps`` in this tree and in older ones (a benchmark's base commit, where
+#: ``hps_service.cli`` was one module).
+HPS = [sys.executable, "-m", "hps_service.cli"]
 
 
 def _run(*args: str, timeout: float = 1800, source: Path = REPO) -> None:
