@@ -36,7 +36,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 from rich.console import Console
 from rich.table import Table
@@ -44,7 +43,7 @@ from rich.table import Table
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree, pss_bytes
 from loadtest import bench_streams
-from loadtest.embedded import EmbeddedServer
+from loadtest.embedded import EmbeddedServer, start_node
 from loadtest.floor_server import FloorServer
 from loadtest.loadgen import LoadSpec, run_load
 from loadtest.redis_baseline import loaded_cluster
@@ -77,25 +76,6 @@ def plan(quick: bool, rows: int | None, workers: str | None, clients: int | None
     if clients is not None:
         p = replace(p, clients=clients, concurrency=max(p.concurrency, 4 * clients))
     return p
-
-
-def _stats(server: EmbeddedServer) -> dict[str, Any]:
-    return httpx.get(f"http://{server.http_target}/v1/stats", timeout=30).json()["models"][MODEL]["tables"][TABLE]
-
-
-def start(server: EmbeddedServer, workers: int, store: Path | None) -> None:
-    """``hps serve`` with ``workers`` worker processes, every row in L1 and the hash map; returns once L1 is warm."""
-    server.overrides["server"] = {"workers": workers, **({"local": {"enabled": True, "path": str(store)}}
-                                                         if store is not None else {})}
-    server.start(timeout=600)
-    deadline = time.monotonic() + 900
-    while True:
-        stats = _stats(server)
-        if stats["cache"]["rows"] >= 0.999 * server.rows and stats["volatile"]["rows"] >= server.rows:
-            return
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"L1 not warm after 900 s: {stats['cache']}")
-        time.sleep(0.5)
 
 
 def _load(p: NodePlan, target: str, keys_file: Path, **kw: Any) -> LoadSpec:
@@ -206,7 +186,7 @@ def bench_nodes(p: NodePlan, workdir: Path, console: Console) -> dict[str, Any]:
     try:
         for w in p.workers:
             console.print(f"  workers {w}: start, warm L1 with all {p.rows:,} rows")
-            start(server, w, store if w == widest else None)
+            start_node(server, w, store if w == widest else None)
             try:
                 assert server.proc is not None
                 pids = process_tree(server.proc.pid)

@@ -25,7 +25,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.embedded import EmbeddedServer
+from loadtest.embedded import EmbeddedServer, start_node
 from loadtest.loadgen import LoadSpec, run_load
 
 #: The ratio of unary p99 with the idle streams open to the p99 without them that the issue asks for, at most.
@@ -122,14 +122,12 @@ def main(argv: list[str] | None = None) -> int:
         t.add_column(col, justify="left" if col == "benchmark" else "right")
     workdir = Path(tempfile.mkdtemp(prefix="hps-bench-streams-"))
     try:
-        from loadtest.bench_node import start
-
         server = EmbeddedServer(workdir / "node", rows=rows, table_dim=64, overrides={
             "cache": {"backend": "numpy", "capacity": 2 * rows, "admit_after_misses": 1},
             "volatile": {"capacity_rows": rows}})
         server.prepare()
         for w in (int(x) for x in args.workers.split(",") if x.strip()):
-            start(server, w, None)  # every row in L1: the calls are all hits
+            start_node(server, w, None)  # every row in L1: the calls are all hits
             try:
                 spec = LoadSpec(target=server.target, model=server.model, tables=(server.table,), batch=1024,
                                 workers=args.clients, concurrency=4 * args.clients, duration_s=measure_s,

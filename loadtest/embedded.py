@@ -9,9 +9,11 @@ import copy
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Self
 
+import httpx
 import yaml
 
 from hps_service.errors import InvalidArgumentError, UnavailableError
@@ -141,3 +143,24 @@ class EmbeddedServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def table_stats(server: EmbeddedServer) -> dict[str, Any]:
+    """``/v1/stats`` of the server's table."""
+    models = httpx.get(f"http://{server.http_target}/v1/stats", timeout=30).json()["models"]
+    return models[server.model]["tables"][server.table]
+
+
+def start_node(server: EmbeddedServer, workers: int, store: Path | None) -> None:
+    """``hps serve`` with ``workers`` worker processes, every row in L1 and the hash map; returns once L1 is warm."""
+    server.overrides["server"] = {"workers": workers, **({"local": {"enabled": True, "path": str(store)}}
+                                                         if store is not None else {})}
+    server.start(timeout=600)
+    deadline = time.monotonic() + 900
+    while True:
+        stats = table_stats(server)
+        if stats["cache"]["rows"] >= 0.999 * server.rows and stats["volatile"]["rows"] >= server.rows:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"L1 not warm after 900 s: {stats['cache']}")
+        time.sleep(0.5)
