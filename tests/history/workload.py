@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from hps_client.channel import channel_options
 from hps_client.errors import HPSError as ClientError
 from hps_service.client import HPSClient
 from hps_service.local import LocalClient
@@ -38,8 +39,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 #: Calls that fail while a server is down (or restarting, or closing its gate) and are not a defect then.
 _DOWN_ERRORS = (httpx.HTTPError, grpc.RpcError, ClientError, ConnectionError, TimeoutError, OSError)
 #: How long after a server is back a call may still fail: a gRPC channel that saw it down waits out its reconnect
-#: backoff (hps_client's grpc.max_reconnect_backoff_ms, 5 s, with gRPC's 20 % jitter) before it connects again.
-_RECONNECT_S = 6.5
+#: backoff (hps_client's grpc.max_reconnect_backoff_ms, with gRPC's 20 % jitter) before it connects again.
+_RECONNECT_S = dict(channel_options())["grpc.max_reconnect_backoff_ms"] / 1000 * 1.2 + 0.5
 
 
 def key_space(n: int, seed: int = 14) -> np.ndarray:
