@@ -161,7 +161,9 @@ def test_a_loss_found_while_running_stops_the_partition_and_only_that_one(
         keys = np.arange(400, dtype=np.int64)
         with Publisher(kafka_broker.bootstrap, model_name, partitions=PARTITIONS) as pub:
             pub.publish(TABLE, keys, rows_for(keys, 1), 1)
-        assert wait_until(lambda: np.array_equal(served(engine, model_name, keys)[0], rows_for(keys, 1)))
+        # the rows are served once a batch is applied; its offsets are recorded just after, so wait for both
+        assert wait_until(lambda: np.array_equal(served(engine, model_name, keys)[0], rows_for(keys, 1))
+                          and f"{topic}[0]" in consumer.stats()["applied_offsets"])
         position = consumer.stats()["applied_offsets"][f"{topic}[0]"]
         consumer.log_watch._found.append(LostLog(topic, 0, position, position + 10, BELOW_START))
         assert wait_until(lambda: (topic, 0) in consumer.lost(), timeout=10), consumer.stats()
