@@ -31,6 +31,7 @@ import numpy as np
 
 from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import InvalidArgumentError, UnavailableError
+from hps_client.stub import EmbeddingStub
 from hps_client.wire import TableAnswer, as_error, as_keys, build_request, decode_answer
 from hps_service.engine.read import Reader
 from hps_service.engine.table import ServedTable
@@ -43,7 +44,6 @@ from hps_service.node.store.node_store import T_L1_GEN
 from hps_service.node.store.view import StoreView
 from hps_service.node.worker_engine import PublishedGeneration
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
-from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 
 #: How often the store's owner is checked to be alive (its lock), and a missing store looked for again.
 LIVENESS_PERIOD_S = 0.01
@@ -93,11 +93,11 @@ class LocalClient:
         self._generation: int | None = None
         self._attach(first=True)
 
-    def _open(self, socket_path: Path) -> tuple[grpc.Channel, pb_grpc.EmbeddingServiceStub]:
+    def _open(self, socket_path: Path) -> tuple[grpc.Channel, EmbeddingStub]:
         channel = grpc.insecure_channel(f"unix:{socket_path}", options=self._channel_options)
         if self._interceptors:
             channel = grpc.intercept_channel(channel, *self._interceptors)
-        return channel, pb_grpc.EmbeddingServiceStub(channel)
+        return channel, EmbeddingStub(channel)
 
     def _follow_socket(self, view: StoreView) -> None:
         """Call the server on the socket the store names (when the caller gave none). A serving store's socket is
@@ -110,7 +110,7 @@ class LocalClient:
             old.close()
         self._socket_seen = self._socket_seen or bool(named) or self.socket_path.is_socket()
 
-    def _server_stub(self) -> pb_grpc.EmbeddingServiceStub:
+    def _server_stub(self) -> EmbeddingStub:
         """The stub over the server's socket; UnavailableError naming the socket at once when it is not there and
         never was (a wrong path, or no server): later, a missing socket is a server restarting, waited for."""
         if not self._socket_seen:

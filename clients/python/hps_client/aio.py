@@ -20,7 +20,6 @@ from hps_client.call_auth import read_credentials
 from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import FailedPreconditionError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
-from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_client.routing import (
     CLUSTER_INFO,
     PROBE_TIMEOUT_S,
@@ -35,8 +34,9 @@ from hps_client.routing import (
     split_batch,
     whole_target,
 )
+from hps_client.stub import EmbeddingStub
 from hps_client.tls import channel_credentials
-from hps_client.wire import TableAnswer, as_error, build_request, decode_answer
+from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer
 
 
 class AsyncHPSClient:
@@ -87,7 +87,7 @@ class AsyncHPSClient:
         """The keyword arguments that carry a call's metadata and the client's call credentials."""
         return {"metadata": metadata, "credentials": self._call_credentials}
 
-    def _open(self, target: str) -> pb_grpc.EmbeddingServiceStub:
+    def _open(self, target: str) -> EmbeddingStub:
         channel = self._channels.get(target)
         if channel is None:
             channel = (grpc.aio.secure_channel(target, self._credentials, options=self._options,
@@ -95,12 +95,12 @@ class AsyncHPSClient:
                        if self._credentials is not None
                        else grpc.aio.insecure_channel(target, options=self._options, interceptors=self._interceptors))
             self._channels[target] = channel
-        return pb_grpc.EmbeddingServiceStub(channel)
+        return EmbeddingStub(channel)
 
-    def _get_stub(self) -> pb_grpc.EmbeddingServiceStub | None:
+    def _get_stub(self) -> EmbeddingStub | None:
         return self._open(self.target) if self.target is not None else None
 
-    async def _any_stub(self, deadline: float | None) -> pb_grpc.EmbeddingServiceStub:
+    async def _any_stub(self, deadline: float | None) -> EmbeddingStub:
         stub = self._get_stub()
         if stub is not None:
             return stub
@@ -253,8 +253,8 @@ class AsyncHPSClient:
                 self._forget()  # a server refused keys of another shard: the fleet changed; learn it again
         raise AssertionError("unreachable")
 
-    async def _lookup_unsharded(self, stub: pb_grpc.EmbeddingServiceStub, request: pb.LookupRequest,
-                         deadline: float | None, metadata: Metadata | None) -> pb.LookupResponse:
+    async def _lookup_unsharded(self, stub: EmbeddingStub, request: pb.LookupRequest,
+                         deadline: float | None, metadata: Metadata | None) -> WireResponse:
         """One Lookup over the channel of every replica, hedged when the client has a policy."""
         try:
             if self.hedging is None:
@@ -265,7 +265,7 @@ class AsyncHPSClient:
             raise as_error(err) from None
 
     async def _answer(self, routes: ShardRoutes, part: ShardPart, deadline: float | None,
-                      total: int, metadata: Metadata | None) -> pb.LookupResponse:
+                      total: int, metadata: Metadata | None) -> WireResponse:
         """The part's answer from the shard's channels in turn (after UNAVAILABLE, or an overloaded replica's
         RESOURCE_EXHAUSTED); UnavailableError naming the shard when none does."""
         detail = "none of the client's targets serves this shard"

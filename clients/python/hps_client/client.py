@@ -24,7 +24,6 @@ from hps_client.call_auth import read_credentials
 from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
-from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_client.routing import (
     CLUSTER_INFO,
     PROBE_TIMEOUT_S,
@@ -39,8 +38,9 @@ from hps_client.routing import (
     split_batch,
     whole_target,
 )
+from hps_client.stub import EmbeddingStub
 from hps_client.tls import channel_credentials
-from hps_client.wire import TableAnswer, as_error, build_request, decode_answer
+from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer
 
 #: Targets ``local:///PATH`` map a colocated server's shared store at PATH (see :class:`HPSClient`).
 LOCAL_SCHEME = "local://"
@@ -145,7 +145,7 @@ class HPSClient:
         """The keyword arguments that carry a call's metadata and the client's call credentials."""
         return {"metadata": metadata, "credentials": self._call_credentials}
 
-    def _open(self, target: str) -> pb_grpc.EmbeddingServiceStub:
+    def _open(self, target: str) -> EmbeddingStub:
         """A stub over the channel of ``target`` (one channel per distinct target, kept until close)."""
         with self._lock:
             channel = self._channels.get(target)
@@ -155,9 +155,9 @@ class HPSClient:
                 if self._interceptors:
                     channel = grpc.intercept_channel(channel, *self._interceptors)
                 self._channels[target] = channel
-        return pb_grpc.EmbeddingServiceStub(channel)
+        return EmbeddingStub(channel)
 
-    def _any_stub(self, deadline: float | None) -> pb_grpc.EmbeddingServiceStub:
+    def _any_stub(self, deadline: float | None) -> EmbeddingStub:
         if self._stub is not None:
             return self._stub
         routes = self._learn(deadline)
@@ -223,7 +223,7 @@ class HPSClient:
 
     def _learn_targets(self, deadline: float | None) -> ShardRoutes | None:
         """Ask every target its shard (concurrently) and build one channel per shard."""
-        stubs = {i: pb_grpc.EmbeddingServiceStub(self._probe_channel(t)) for i, t in enumerate(self.targets)}
+        stubs = {i: EmbeddingStub(self._probe_channel(t)) for i, t in enumerate(self.targets)}
         futures = {i: s.GetClusterInfo.future(CLUSTER_INFO, timeout=remaining(deadline, PROBE_TIMEOUT_S),
                                               **self._auth(self.metadata)) for i, s in stubs.items()}
         infos: dict[int, pb.ClusterInfo] = {}
@@ -264,7 +264,7 @@ class HPSClient:
 
     def _watch(self, i: int) -> None:
         """Learn the shard of target ``i`` (down when first asked) as soon as it answers."""
-        stub = pb_grpc.EmbeddingServiceStub(self._probe_channel(self.targets[i]))
+        stub = EmbeddingStub(self._probe_channel(self.targets[i]))
         fut = stub.GetClusterInfo.future(CLUSTER_INFO, wait_for_ready=True, **self._auth(self.metadata))
 
         def done(f: grpc.Future) -> None:
@@ -336,8 +336,8 @@ class HPSClient:
                 self._forget()  # a server refused keys of another shard: the fleet changed; learn it again
         raise AssertionError("unreachable")
 
-    def _lookup_unsharded(self, stub: pb_grpc.EmbeddingServiceStub, request: pb.LookupRequest, deadline: float | None,
-                   metadata: Metadata | None) -> pb.LookupResponse:
+    def _lookup_unsharded(self, stub: EmbeddingStub, request: pb.LookupRequest, deadline: float | None,
+                   metadata: Metadata | None) -> WireResponse:
         """One Lookup over the channel of every replica, hedged when the client has a policy."""
         try:
             if self.hedging is None:
@@ -351,7 +351,7 @@ class HPSClient:
                         deadline: float | None, metadata: Metadata | None) -> dict[str, TableAnswer]:
         split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
         total = sum(split.sizes)
-        calls: list[tuple[ShardPart, list[pb_grpc.EmbeddingServiceStub], grpc.Future | None]] = []
+        calls: list[tuple[ShardPart, list[EmbeddingStub], grpc.Future | None]] = []
         try:
             for part in split.parts:
                 stubs = routes.stubs_from(part.shard)
@@ -367,9 +367,9 @@ class HPSClient:
                     fut.cancel()  # a no-op for finished calls; stops the others when one shard failed
         return split.merge(responses)
 
-    def _answer(self, routes: ShardRoutes, part: ShardPart, stubs: list[pb_grpc.EmbeddingServiceStub],
+    def _answer(self, routes: ShardRoutes, part: ShardPart, stubs: list[EmbeddingStub],
                 fut: grpc.Future | None, deadline: float | None, total: int,
-                metadata: Metadata | None) -> pb.LookupResponse:
+                metadata: Metadata | None) -> WireResponse:
         """The part's answer: its call, else the shard's other channels in turn (after UNAVAILABLE, or an
         overloaded replica's RESOURCE_EXHAUSTED); UnavailableError naming the shard when none answers."""
         detail = "none of the client's targets serves this shard"

@@ -18,8 +18,8 @@ from hps_client.channel import channel_target
 from hps_client.errors import HPSError, InternalError, InvalidArgumentError, UnavailableError
 from hps_client.partitioning import shard_ids
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
-from hps_client.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from hps_client.wire import TableAnswer, as_error, as_keys, decode_answer
+from hps_client.stub import EmbeddingStub
+from hps_client.wire import TableAnswer, WireResponse, WireTable, as_error, as_keys, decode_answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +53,7 @@ class SplitBatch:
     sizes: list[int]
     parts: list[ShardPart]
 
-    def merge(self, responses: Sequence[pb.LookupResponse]) -> dict[str, TableAnswer]:
+    def merge(self, responses: Sequence[WireResponse]) -> dict[str, TableAnswer]:
         """``{table: TableAnswer}`` with every key's row and source where it was asked (duplicates included)."""
         if len(self.parts) == 1 and self.parts[0].positions is None:  # one shard: its answer as it is (no copy)
             out = {}
@@ -83,7 +83,7 @@ class SplitBatch:
         return out
 
 
-def _table_of(response: pb.LookupResponse, i: int, table: str) -> pb.TableVectors:
+def _table_of(response: WireResponse, i: int, table: str) -> WireTable:
     if i >= len(response.tables) or response.tables[i].table != table:
         raise InternalError(f"a shard's answer lacks table '{table}'")
     return response.tables[i]
@@ -202,10 +202,10 @@ class ShardRoutes:
     shape: ShardShape
     known: dict[int, int]
     targets: dict[int, list[str]]
-    stubs: dict[int, list[pb_grpc.EmbeddingServiceStub]]
+    stubs: dict[int, list[EmbeddingStub]]
     turn: dict[int, itertools.count] = field(default_factory=dict)
 
-    def stubs_from(self, shard: int) -> list[pb_grpc.EmbeddingServiceStub]:
+    def stubs_from(self, shard: int) -> list[EmbeddingStub]:
         """The shard's stubs, starting at the next in turn (round robin when a shard has several channels)."""
         stubs = self.stubs.get(shard, [])
         if len(stubs) < 2:

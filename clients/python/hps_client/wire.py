@@ -44,7 +44,7 @@ def encode_keys(keys: np.ndarray | Sequence[int]) -> bytes:
     return as_keys(keys).tobytes()
 
 
-def decode_answer(tv: pb.TableVectors) -> TableAnswer:
+def decode_answer(tv: pb.TableVectors | WireTable) -> TableAnswer:
     """A TableVectors message as NumPy arrays (zero-copy views of the message bytes)."""
     vectors = np.frombuffer(tv.vectors, dtype="<f4").reshape(tv.count, tv.dim)
     sources = np.frombuffer(tv.sources, dtype=np.uint8)
@@ -54,3 +54,97 @@ def decode_answer(tv: pb.TableVectors) -> TableAnswer:
 def build_request(model: str, tables: Mapping[str, np.ndarray | Sequence[int]]) -> pb.LookupRequest:
     """One LookupRequest for several tables of ``model``."""
     return pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=encode_keys(k)) for t, k in tables.items()])
+
+
+@dataclass(slots=True)
+class WireTable:
+    """One ``hps.v1.TableVectors`` of a response, its ``vectors`` and ``sources`` views of the response's bytes."""
+
+    table: str = ""
+    dim: int = 0
+    count: int = 0
+    vectors: memoryview | bytes = b""
+    sources: memoryview | bytes = b""
+
+
+@dataclass(slots=True)
+class WireResponse:
+    """A parsed ``hps.v1.LookupResponse``: the fields of the protobuf message clients read, without copying rows."""
+
+    model: str
+    tables: list[WireTable]
+    request_id: int
+
+
+def _varint(buf: bytes, i: int, end: int) -> tuple[int, int]:
+    """The base-128 varint at ``buf[i]`` and the index after it."""
+    value = shift = 0
+    while i < end:
+        b = buf[i]
+        i += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            break
+    raise ValueError("a varint is truncated or longer than 10 bytes")
+
+
+def _field(buf: bytes, i: int, end: int) -> tuple[int, int, int, int]:
+    """The field at ``buf[i]``: ``(number, wire type, value or payload start, index after it)``; a length-delimited
+    payload is ``buf[start:after]``."""
+    key, i = _varint(buf, i, end)
+    number, kind = key >> 3, key & 7
+    if kind == 0:
+        value, i = _varint(buf, i, end)
+        return number, kind, value, i
+    if kind == 2:
+        size, i = _varint(buf, i, end)
+        if i + size > end:
+            raise ValueError(f"field {number} runs {i + size - end} bytes past its message")
+        return number, kind, i, i + size
+    width = {1: 8, 5: 4}.get(kind)
+    if width is None or i + width > end:
+        raise ValueError(f"field {number} has wire type {kind}, which a LookupResponse does not use, or is truncated")
+    return number, kind, 0, i + width
+
+
+def _table(buf: bytes, view: memoryview, i: int, end: int) -> WireTable:
+    tv = WireTable()
+    while i < end:
+        number, kind, value, after = _field(buf, i, end)
+        if kind == 2 and number == 1:
+            tv.table = str(view[value:after], "utf-8")
+        elif kind == 2 and number == 4:
+            tv.vectors = view[value:after]
+        elif kind == 2 and number == 5:
+            tv.sources = view[value:after]
+        elif kind == 0 and number == 2:
+            tv.dim = value & 0xFFFFFFFF
+        elif kind == 0 and number == 3:
+            tv.count = value & 0xFFFFFFFF
+        i = after
+    if len(tv.vectors) != 4 * tv.count * tv.dim or len(tv.sources) != tv.count:
+        raise ValueError(f"table '{tv.table}': {len(tv.vectors)} bytes of vectors and {len(tv.sources)} of sources "
+                         f"for {tv.count} rows of dim {tv.dim}")
+    return tv
+
+
+def parse_lookup_response(data: bytes) -> WireResponse:
+    """A serialized LookupResponse read field by field, as protobuf would (unknown fields skipped, the last of a
+    repeated scalar kept); the rows stay in ``data`` (``np.frombuffer`` views, no copy). ValueError when malformed
+    (gRPC then fails the call with INTERNAL, as for any response it cannot deserialize)."""
+    view = memoryview(data)
+    out = WireResponse("", [], 0)
+    i, end = 0, len(data)
+    while i < end:
+        number, kind, value, after = _field(data, i, end)
+        if kind == 2 and number == 2:
+            out.tables.append(_table(data, view, value, after))
+        elif kind == 2 and number == 1:
+            out.model = str(view[value:after], "utf-8")
+        elif kind == 0 and number == 3:
+            out.request_id = value & 0xFFFFFFFFFFFFFFFF
+        i = after
+    return out
