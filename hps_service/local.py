@@ -32,7 +32,7 @@ import numpy as np
 from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import InvalidArgumentError, UnavailableError
 from hps_client.stub import EmbeddingStub
-from hps_client.wire import TableAnswer, as_error, as_keys, build_request, decode_answer
+from hps_client.wire import TableAnswer, as_error, as_keys, build_request, check_out, decode_answer, into
 from hps_service.engine.read import Reader
 from hps_service.engine.table import ServedTable
 from hps_service.errors import HPSError
@@ -187,21 +187,24 @@ class LocalClient:
 
     # ---- lookups ------------------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-               metadata: Metadata | None = None) -> np.ndarray:
-        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
-        return self.lookup_with_sources(model, table, keys, timeout, metadata=metadata).vectors
+               metadata: Metadata | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked; written into ``out`` when given (a
+        writable C-contiguous float32 ``(n, dim)`` array the caller reuses: L1 hits are copied there directly)."""
+        return self.lookup_with_sources(model, table, keys, timeout, metadata=metadata, out=out).vectors
 
     def lookup_with_sources(self, model: str, table: str, keys: np.ndarray | Sequence[int],
-                            timeout: float | None = None, *, metadata: Metadata | None = None) -> TableAnswer:
-        """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
+                            timeout: float | None = None, *, metadata: Metadata | None = None,
+                            out: np.ndarray | None = None) -> TableAnswer:
+        """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default);
+        the rows written into ``out`` when given, as :meth:`lookup`."""
         view = self._current()
         t = self._tables.get((model, table)) if view is not None else None
         if t is None or not model:  # not mapped yet (or a bad request): the general path says why
-            return self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table]
+            return into(out, self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table])
         keys = as_keys(keys)  # the usual call: one table already mapped
         if keys.shape[0] == 0:
-            return self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table]
-        answer, miss = self._read_local(t, keys)
+            return into(out, self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table])
+        answer, miss = self._read_local(t, keys, out)
         if miss is not None:
             uniq, inverse = unique_with_inverse(keys[miss])
             got = self._call(build_request(model, {table: uniq}), timeout, metadata)[table]
@@ -244,10 +247,12 @@ class LocalClient:
         return {name: answers[name] for name in tables}
 
     @staticmethod
-    def _read_local(t: _Table, keys: np.ndarray) -> tuple[TableAnswer, np.ndarray | None]:
-        """L1, then the hash map for what L1 missed; returns the answer and the indices still missing (or None)."""
+    def _read_local(t: _Table, keys: np.ndarray,
+                    out: np.ndarray | None = None) -> tuple[TableAnswer, np.ndarray | None]:
+        """L1, then the hash map for what L1 missed, into ``out`` (or a new array); returns the answer and the
+        indices still missing (or None)."""
         n = keys.shape[0]
-        out = np.empty((n, t.served.dim), dtype=np.float32)
+        out = np.empty((n, t.served.dim), dtype=np.float32) if out is None else check_out(out, n, t.served.dim)
         sources = np.empty(n, dtype=np.uint8)
         miss = t.reader.lookup_held(t.served, keys, out, sources)
         return TableAnswer(out, sources), (miss if miss.shape[0] else None)

@@ -20,7 +20,7 @@ import pytest
 
 from hps_service.admin.importer import synthesize_model
 from hps_service.client import HPSClient
-from hps_service.errors import UnavailableError
+from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.local import LocalClient
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.helpers import ServerProcess, free_port, write_config
@@ -123,6 +123,28 @@ def test_local_reads_answer_exactly_as_grpc_sources_included(server: tuple[Local
     index = {int(k): i for i, k in enumerate(keys)}
     stored = np.array([int(k) in index for k in asked])
     np.testing.assert_array_equal(asked[stored].shape[0], seen[1] + seen[2])
+
+
+def test_rows_go_into_the_callers_buffer_when_given(server: tuple[LocalServer, np.ndarray, np.ndarray]) -> None:
+    """``out=``: L1 and hash-map hits and the server's answers for the rest land in the caller's array, the same
+    rows as without it, on both clients; a buffer of the wrong shape, dtype or layout is refused, naming it."""
+    srv, keys, _ = server
+    rng = np.random.default_rng(11)
+    asked = np.concatenate((keys[rng.integers(0, keys.shape[0], 900)], rng.integers(2**40, 2**41, 124)))
+    out = np.full((asked.shape[0], DIM), np.nan, np.float32)
+    with LocalClient(srv.store) as local, HPSClient(srv.srv.target) as remote:
+        want = remote.lookup("m", "item", asked)
+        assert local.lookup("m", "item", asked, out=out) is out
+        np.testing.assert_array_equal(out, want)
+        out.fill(np.nan)
+        assert remote.lookup("m", "item", asked, out=out) is out
+        np.testing.assert_array_equal(out, want)
+        for bad, why in ((np.empty((asked.shape[0], DIM + 1), np.float32), r"shape \(1024, 16\), got float32"),
+                         (np.empty((asked.shape[0], DIM), np.float64), "got float64"),
+                         (np.empty((DIM, asked.shape[0]), np.float32).T, "not C-contiguous")):
+            for client in (local, remote):
+                with pytest.raises(InvalidArgumentError, match=why):
+                    client.lookup("m", "item", asked, out=bad)
 
 
 def test_no_torn_row_and_every_acknowledged_update_is_read_at_once(server: tuple[LocalServer, np.ndarray, np.ndarray]

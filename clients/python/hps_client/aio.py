@@ -36,7 +36,7 @@ from hps_client.routing import (
 )
 from hps_client.stub import EmbeddingStub
 from hps_client.tls import channel_credentials
-from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer
+from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer, into
 
 
 class AsyncHPSClient:
@@ -207,10 +207,11 @@ class AsyncHPSClient:
     # ---- lookups ------------------------------------------------------------------------------------------
     async def lookup(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-        metadata: Metadata | None = None,
+        metadata: Metadata | None = None, out: np.ndarray | None = None,
     ) -> np.ndarray:
-        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
-        return (await self.lookup_with_sources(model, table, keys, timeout, metadata=metadata)).vectors
+        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked; copied into ``out`` when given, as
+        :meth:`hps_client.HPSClient.lookup`."""
+        return into(out, await self.lookup_with_sources(model, table, keys, timeout, metadata=metadata)).vectors
 
     async def lookup_with_sources(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,

@@ -40,7 +40,7 @@ from hps_client.routing import (
 )
 from hps_client.stub import EmbeddingStub
 from hps_client.tls import channel_credentials
-from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer
+from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer, into
 
 #: Targets ``local:///PATH`` map a colocated server's shared store at PATH (see :class:`HPSClient`).
 LOCAL_SCHEME = "local://"
@@ -302,9 +302,10 @@ class HPSClient:
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-               metadata: Metadata | None = None) -> np.ndarray:
-        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked."""
-        return self.lookup_with_sources(model, table, keys, timeout, metadata=metadata).vectors
+               metadata: Metadata | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows of ``keys`` as an (n, dim) float32 array, in the order asked (a read-only view of the response);
+        copied into ``out`` when given (a writable C-contiguous float32 ``(n, dim)`` array the caller owns)."""
+        return into(out, self.lookup_with_sources(model, table, keys, timeout, metadata=metadata)).vectors
 
     def lookup_with_sources(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
