@@ -13,7 +13,8 @@
        <= 1.2x.
 11. One caller, batches of 1024 L1 hits: ``LocalClient`` (the store mapped read-only) vs ``HPSClient`` over gRPC vs
     a plain Redis Cluster client vs the raw NumPy gather of the same rows from a preallocated array; targets
-    >= 10x gRPC, >= 0.3x the gather.
+    >= 10x gRPC, >= 0.3x the gather; 11e. ``LocalClient(out=)`` vs the gather at batches 256..16384, beside its
+    bare L1 query (``loadtest.bench_local_sizes``); target >= 0.5x at each.
 
     python -m loadtest.bench_node --quick                    # ~5 minutes on 2 cores
     python -m loadtest.bench_node --workers 1,2,4,8,16 --clients 16 --rows 5000000    # a 16-core machine
@@ -42,7 +43,7 @@ from rich.table import Table
 
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree, pss_bytes
-from loadtest import bench_streams
+from loadtest import bench_local_sizes, bench_streams
 from loadtest.embedded import EmbeddedServer, start_node
 from loadtest.floor_server import FloorServer
 from loadtest.loadgen import LoadSpec, run_load
@@ -216,6 +217,9 @@ def bench_nodes(p: NodePlan, workdir: Path, console: Console) -> dict[str, Any]:
                     if w == widest:
                         console.print("  11. colocated reads: LocalClient, gRPC, Redis, raw gather")
                         out["local"] = bench_local(server, store, redis_seed, p)
+                        console.print("  11e. LocalClient vs the raw gather at batches 256..16384")
+                        out["local_sizes"] = bench_local_sizes.measure(store, server.keys_file, MODEL, TABLE,
+                                                                       4 * p.local_s)
                 finally:
                     redis.__exit__(None, None, None)
                 entry.update({name: _mean(rs) for name, rs in runs.items() if rs})
@@ -277,6 +281,12 @@ def table(res: dict[str, Any]) -> Table:
         if loc.get("local_vs_redis"):
             row("11. LocalClient vs Redis Cluster client", "", f"{r['redis'] / 1e6:.2f} M ({us['redis']:.0f} us)",
                 loc["local_vs_redis"], "-", None)
+    for size in res.get("local_sizes") or []:
+        met = size["local_vs_gather"] >= size["target"]
+        row(f"11e. LocalClient(out=) vs raw gather, batch {size['batch']}", f"{size['us']['local']:.1f} us",
+            f"{size['us']['gather']:.1f} us", size["local_vs_gather"], f">= {size['target']}", met)
+        row("     its bare L1 query vs the gather (the client's limit)", f"{size['us']['query']:.1f} us", "",
+            size["query_vs_gather"], "-", None)
     return t
 
 
