@@ -16,8 +16,9 @@ BATCHES = (256, 1024, 4096, 16384)
 TARGET = 0.5
 
 
-def _interleaved_us(contenders: dict[str, Callable[[int], object]], seconds: float) -> dict[str, float]:
-    """Microseconds per call of each contender, in 3 interleaved rounds of ``seconds / 3`` each."""
+def interleaved_us(contenders: dict[str, Callable[[int], object]], seconds: float) -> dict[str, float]:
+    """Microseconds per call of each contender (called with a running count), after 8 warm-up calls each, in 3
+    interleaved rounds of ``seconds / 3`` per contender."""
     spent = {name: 0.0 for name in contenders}
     calls = {name: 0 for name in contenders}
     for fn in contenders.values():
@@ -44,7 +45,7 @@ def _one_batch(local: Any, model: str, table: str, keys: np.ndarray, vectors: np
     assert l1 is not None
     client_out, gather_out, query_out = (np.empty((batch, vectors.shape[1]), np.float32) for _ in range(3))
     hit = np.empty(batch, np.bool_)
-    us = _interleaved_us({
+    us = interleaved_us({
         "gather": lambda j: np.take(vectors, idx[j % 32], axis=0, out=gather_out, mode="clip"),
         "local": lambda j: local.lookup(model, table, asked[j % 32], out=client_out),
         "query": lambda j: l1._cache.query_once(asked[j % 32], query_out, hit, False),

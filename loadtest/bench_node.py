@@ -146,27 +146,14 @@ def bench_local(server: EmbeddedServer, store: Path, redis_seed: str | None, p: 
             loop.run_until_complete(redis_driver.rows(j))
 
         contenders["redis"] = redis_call
-    calls = {name: 0 for name in contenders}
-    spent = {name: 0.0 for name in contenders}
-    for fn in contenders.values():  # warm every path
-        for j in range(8):
-            fn(j)
-    for _ in range(3):
-        for name, fn in contenders.items():
-            t0 = time.perf_counter()
-            j = 0
-            while time.perf_counter() - t0 < p.local_s:
-                fn(j)
-                j += 1
-            spent[name] += time.perf_counter() - t0
-            calls[name] += j
+    us = bench_local_sizes.interleaved_us(contenders, 3 * p.local_s)
     if redis_driver is not None:
         loop.run_until_complete(redis_driver.close())
     loop.close()
     local.close()
     remote.close()
-    rate = {name: calls[name] * BATCH / spent[name] for name in contenders}
-    return {"keys_per_s": rate, "us_per_call": {n: 1e6 * spent[n] / calls[n] for n in contenders},
+    rate = {name: BATCH / (1e-6 * us[name]) for name in contenders}
+    return {"keys_per_s": rate, "us_per_call": us,
             "local_vs_grpc": rate["local"] / rate["grpc"], "local_vs_gather": rate["local"] / rate["gather"],
             "local_vs_redis": rate["local"] / rate["redis"] if "redis" in rate else None,
             "targets": {"local_vs_grpc": 10.0, "local_vs_gather": 0.3}}
