@@ -517,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
-                         "node,tracing")
+                         "node,tracing,storage")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -586,6 +586,11 @@ def main(argv: list[str] | None = None) -> int:
 
             console.rule("12. tracing off vs the base commit, and on (loadtest.bench_tracing)")
             res["tracing"] = bench_tracing.run(args.quick, console)
+        if "storage" not in skip:
+            from loadtest import bench_storage
+
+            console.rule("13. quantised rows: memory, disk and lookup speed per format (loadtest.bench_storage)")
+            res["storage"] = bench_storage.run(200_000 if args.quick else 1_000_000, 64, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started

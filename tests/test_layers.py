@@ -20,7 +20,7 @@ LAYERS: list[set[str]] = [
     {"", "errors", "proto", "jit", "client", "aio_client"},  # leaves: the errors, generated stubs, numba helpers
     {"keys", "runtime"},  # key batches; process plumbing (CPUs, logs, heap, sockets, the serving gate)
     {"config"},  # the typed config
-    {"shm"},  # shared-memory primitives: regions, counters, rings
+    {"shm", "rows"},  # shared-memory primitives: regions, counters, rings; row formats (fp32, fp16, bf16, int8)
     {"cache", "tiers"},  # the L1 data structure; the storage tiers
     {"engine"},  # the hierarchy: registry, read and write paths
     {"updates"},  # the Kafka update path: consumer, publisher, message

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
+from hps_service.rows import row_format, storage_key
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 #: Rows checked per pass when scanning vectors for NaN/inf (bounds the temporary memory on huge files).
@@ -112,11 +113,20 @@ def import_table(
     vectors: np.ndarray,
     version: int = 0,
     progress: Callable[[int], None] | None = None,
+    storage: str = "fp32",
 ) -> int:
-    """Check the file's dim against the configured one, create the table, bulk-load; return rows written."""
+    """Check the file's dim against the configured one, create the table, bulk-load its rows encoded as
+    ``storage``; return rows written."""
     check_import_shape(table, dim, keys, vectors)
-    tier.create_table(table, dim)
-    return tier.bulk_import(table, keys, vectors, version=version, progress=progress)
+    check_finite(vectors)
+    fmt = row_format(storage, dim)
+    tier.create_table(table, fmt.words)
+    held = tier.metadata(storage_key(table)).get(storage_key(table), b"fp32").decode()
+    if held != storage and tier.count(table):
+        raise InvalidArgumentError(f"{table} holds rows stored as {held}, not {storage}; import into an empty store")
+    tier.set_metadata(storage_key(table), storage.encode())
+    stored = fmt.encode(np.ascontiguousarray(vectors, dtype=np.float32))
+    return tier.bulk_import(table, keys, stored, version=version, progress=progress)
 
 
 def write_hugectr_dir(path: Path, keys: np.ndarray, vectors: np.ndarray) -> None:

@@ -122,6 +122,7 @@ def import_model(
     """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
     from hps_service.admin.importer import import_table, read_model_source
     from hps_service.fleet.sharding import ShardMap
+    from hps_service.rows import row_format
     from hps_service.tiers.base import table_id
     from hps_service.tiers.rocksdb.tier import RocksDBTier
 
@@ -146,7 +147,7 @@ def import_model(
         _fail(f"cannot open {cfg.persistent.path}: {exc}")
     tid = table_id(model, table)
     try:
-        tier.create_table(tid, tc.dim)
+        tier.create_table(tid, row_format(tc.storage, tc.dim).words)
         if if_empty and tier.count(tid) > 0:
             out_console.print(f"{tid} already holds rows; skipping import (--if-empty)", highlight=False)
             return
@@ -160,7 +161,7 @@ def import_model(
         ) as progress:
             task = progress.add_task("import", total=int(keys.shape[0]))
             n = import_table(
-                tier, tid, tc.dim, keys, vectors, version=version,
+                tier, tid, tc.dim, keys, vectors, version=version, storage=tc.storage,
                 progress=lambda done: progress.update(task, completed=done),
             )
     except HPSError as exc:

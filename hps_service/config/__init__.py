@@ -21,7 +21,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from hps_service.config.base import NAME_PATTERN, NAME_RE
+from hps_service.config.base import NAME_PATTERN, NAME_RE, Storage
 from hps_service.config.base import Section as _Section
 from hps_service.config.secrets import load_secret_files
 from hps_service.config.security import AuthMode, InternalListener, ReaderConfig, check_auth
@@ -41,9 +41,8 @@ class LocalStoreConfig(_Section):
 
     enabled: bool = Field(False, description="keep the store at ``path`` for LocalClient readers")
     path: Path = Field(Path("/dev/shm/hps"), description="directory of the shared store (memory-backed)")
-    group: str | int | None = Field(
-        None, description="the group (name or gid) of the colocated readers: the store is then 0750/0640 with that "
-        "group, and the gRPC socket 0660; unset: 0700/0600, readable by the server's user alone")
+    group: str | int | None = Field(None, description="the group (name or gid) of the colocated readers: the store "
+                                    "is then 0750/0640 with that group, the socket 0660; unset: 0700/0600, owner only")
 
 
 class TracingConfig(_Section):
@@ -385,6 +384,7 @@ class TableConfig(_Section):
     dim: int = Field(ge=1, le=16384, description="floats per row")
     default: DefaultSpec = Field("zeros", description="the row of a key no tier holds: zeros, {constant: X} or "
                                  "hashed_random (a deterministic per-key random row)")
+    storage: Storage = Field("fp32", description="rows as stored in every tier (int8: row-wise scale and bias)")
 
 
 class ModelConfig(_Section):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -14,3 +15,6 @@ class Section(BaseModel):
     """A config section: a key it does not know is a mistake, reported rather than ignored."""
 
     model_config = ConfigDict(extra="forbid")
+
+#: How a table's rows are stored in every tier (see :mod:`hps_service.rows.formats`).
+Storage = Literal["fp32", "fp16", "bf16", "int8"]

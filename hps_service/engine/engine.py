@@ -97,7 +97,7 @@ class LookupEngine:
         """The L1's own reads below it (refresh, warm start): rows, versions and the stored mask (the cache's
         ``FetchBelow``), not counted as lookups."""
         got = self.reader.fetch_below(t, keys, count=False)
-        return got.vectors, got.versions, got.sources != DEFAULT
+        return got.stored, got.versions, got.sources != DEFAULT
 
     @contextmanager
     def _writing(self, model: str, table: str) -> Iterator[ServedTable]:

@@ -43,6 +43,6 @@ def l1_cache_factory(config: HPSConfig, volatile: Tier | None, persistent: Tier 
 
     def factory(t: ServedTable, fetch_below: FetchBelow, warm_keys: WarmKeys | None) -> TableCache | None:
         plan = plan_l1(config, t.id, (volatile, persistent), persistent is not None)
-        return build_table_cache(config.cache, t.dim, plan.rows, fetch_below, warm_keys, plan.snapshot)
+        return build_table_cache(config.cache, t.format.words, plan.rows, fetch_below, warm_keys, plan.snapshot)
 
     return factory

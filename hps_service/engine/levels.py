@@ -41,3 +41,4 @@ class Fetched:
     vectors: np.ndarray  # (m, dim) float32: the stored row, else the table default
     versions: np.ndarray  # (m,) int64: the stored row's version, NO_ROW_VERSION where the default answered
     sources: np.ndarray  # (m,) uint8 Source values (VOLATILE, PERSISTENT or DEFAULT)
+    stored: np.ndarray  # (m, words): the rows as the tiers store them (see hps_service.rows); undefined at DEFAULT

@@ -65,9 +65,9 @@ class Reader:
         if t.cache is not None:
             stored = got.sources != DEFAULT
             if stored.all():
-                t.cache.admit(uniq, got.vectors, got.versions, batch_hit_rate, fetched_at=fetched_at)
+                t.cache.admit(uniq, got.stored, got.versions, batch_hit_rate, fetched_at=fetched_at)
             elif stored.any():
-                t.cache.admit(uniq[stored], got.vectors[stored], got.versions[stored], batch_hit_rate,
+                t.cache.admit(uniq[stored], got.stored[stored], got.versions[stored], batch_hit_rate,
                               fetched_at=fetched_at)
         return LookupResult(out, sources)
 
@@ -78,7 +78,13 @@ class Reader:
         n = keys.shape[0]
         if t.cache is None or not n:
             return None, 0.0
-        hit = t.cache.lookup(keys, out)
+        fmt = t.format
+        if fmt.identity:
+            hit = t.cache.lookup(keys, out)
+        else:  # L1 holds stored rows: gather them, then decode the batch into out
+            stored = np.empty((n, fmt.words), dtype=np.float32)
+            hit = t.cache.lookup(keys, stored)
+            fmt.decode(stored, out)
         n_hit = int(np.count_nonzero(hit))
         t.count("cache", n_hit, n - n_hit)
         sources.fill(CACHE)
@@ -127,7 +133,7 @@ class Reader:
                 src.fill(code)
             else:
                 if rows is None or versions is None:
-                    rows = np.empty((m, t.dim), dtype=np.float32)
+                    rows = np.empty((m, t.format.words), dtype=np.float32)
                     versions = np.full(m, NO_ROW_VERSION, dtype=np.int64)
                 hit_idx = np.flatnonzero(got.found) if pending is None else pending[got.found]
                 rows[hit_idx] = got.vectors[got.found]
@@ -140,11 +146,12 @@ class Reader:
             if pending.shape[0] == 0:
                 break
         if rows is None or versions is None:
-            rows = np.empty((m, t.dim), dtype=np.float32)
+            rows = np.empty((m, t.format.words), dtype=np.float32)
             versions = np.full(m, NO_ROW_VERSION, dtype=np.int64)
+        vectors = t.format.decoded(rows)  # the stored rows themselves for fp32
         if (pending is None or pending.shape[0]) and through == PERSISTENT:
             missing = slice(None) if pending is None else pending
-            rows[missing] = default_rows(t.default, keys[missing], t.dim)
+            vectors[missing] = default_rows(t.default, keys[missing], t.dim)
             if count:
                 t.count_defaults(m if pending is None else int(pending.shape[0]))
-        return Fetched(rows, versions, src)
+        return Fetched(vectors, versions, src, rows)

@@ -15,8 +15,9 @@ import numpy as np
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write_guard import WriteGuard
-from hps_service.errors import NotFoundError
-from hps_service.tiers.base import Tier
+from hps_service.errors import InvalidArgumentError, NotFoundError
+from hps_service.rows import storage_key
+from hps_service.tiers.base import Tier, TierCapability
 
 T = TypeVar("T")
 
@@ -97,6 +98,28 @@ class ModelRegistry:
         return self._models
 
 
+def _check_storage(tier: Tier, t: ServedTable) -> None:
+    """Record the table's row storage in ``tier`` (where it keeps metadata); InvalidArgumentError if the tier holds
+    rows of the table stored otherwise (a table without a record was written before formats existed: fp32)."""
+    if TierCapability.WRITES not in tier.capabilities:
+        return
+    key = storage_key(t.id)
+    held = tier.metadata(key).get(key)
+    if held is not None and held.decode() == t.storage:
+        return
+    try:
+        rows = tier.count(t.id)
+    except Exception:  # the tier holds no such table yet
+        rows = 0
+    was = "fp32" if held is None else held.decode()
+    if held is None and rows and was != t.storage and not tier.set_metadata(key, was.encode()):
+        return  # a tier that keeps no metadata (Redis, the hash map): nothing tells how its rows were stored
+    if rows and was != t.storage:
+        raise InvalidArgumentError(f"table {t.id} holds {rows} rows stored as {was}, not {t.storage}: serve it as "
+                                   f"{was}, or import it again into an empty store")
+    tier.set_metadata(key, t.storage.encode())
+
+
 def make_table(
     model: str,
     tc: TableConfig,
@@ -108,9 +131,10 @@ def make_table(
 ) -> ServedTable:
     """Create a table in every tier and build its L1 cache, which reads misses through ``fetch_below`` and warms
     from the first keys ``warm_source`` holds."""
-    t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard)
+    t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard, storage=tc.storage)
     for tier in tiers:
-        tier.create_table(t.id, tc.dim)
+        _check_storage(tier, t)
+        tier.create_table(t.id, t.format.words)
     if cache_factory is not None:
 
         def fetch(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -10,8 +10,10 @@ from typing import Protocol
 from hps_service.cache.protocol import FetchBelow, TableCache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import DefaultSpec
+from hps_service.config.base import Storage
 from hps_service.engine.levels import LEVELS
 from hps_service.engine.write_guard import WriteGuard
+from hps_service.rows import RowFormat, row_format
 from hps_service.shm.counters import ThreadSlots
 from hps_service.tiers.base import table_id
 
@@ -77,6 +79,8 @@ class ServedTable:
     counters: LevelCounters = field(default=None)  # type: ignore[assignment]  # None is replaced in __post_init__
     #: The write generation a reader stamps its reads with (None: the guard's; a node's worker reads the owner's).
     published_generation: Callable[[], int] | None = None
+    #: How the tiers and L1 store its rows (they hold ``format.words`` words a row; lookups answer ``dim`` floats).
+    storage: Storage = "fp32"
 
     def __post_init__(self) -> None:
         if self.counters is None:
@@ -87,6 +91,10 @@ class ServedTable:
         if self.published_generation is not None:
             return self.published_generation()
         return self.guard.generation
+
+    @property
+    def format(self) -> RowFormat:
+        return row_format(self.storage, self.dim)
 
     @property
     def id(self) -> str:

@@ -94,7 +94,7 @@ def table_write(t: ServedTable, change: TableChange) -> TableWrite:
     if del_versions is None:
         raise InvalidArgumentError(f"deletes of {t.id} from the log need versions")
     puts, deletes = resolve_latest(keys, versions, del_keys, del_versions)
-    return TableWrite(table=t.id, keys=keys[puts], vectors=vectors[puts], versions=versions[puts],
+    return TableWrite(table=t.id, keys=keys[puts], vectors=t.format.encode(vectors[puts]), versions=versions[puts],
                       delete_keys=del_keys[deletes], delete_versions=del_versions[deletes])
 
 
@@ -120,6 +120,7 @@ class Writer:
             keys, vectors, stamped = keys[keep], vectors[keep], stamped[keep]
         else:
             stamped = np.ascontiguousarray(stamped)
+        vectors = t.format.encode(vectors)  # once: every tier and L1 hold the stored form
         with t.guard.writing(keys):
             written = np.ones(keys.shape[0], dtype=bool)
             if self.persistent is not None:
@@ -171,7 +172,8 @@ class Writer:
             raise UnavailableError("import needs a persistent tier that bulk-loads (persistent.type rocksdb)")
         keys = as_keys(keys)
         with t.guard.writing(keys):
-            written = int(self.persistent.bulk_import(t.id, keys, vectors, version=version, progress=progress))
+            stored = t.format.encode(as_rows(vectors, keys.shape[0], t.dim, f"import into {t.id}"))
+            written = int(self.persistent.bulk_import(t.id, keys, stored, version=version, progress=progress))
             for start in range(0, keys.shape[0], INVALIDATE_CHUNK):
                 chunk = keys[start : start + INVALIDATE_CHUNK]
                 if self.volatile is not None:

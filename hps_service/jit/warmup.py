@@ -31,6 +31,7 @@ WARM_UPS: dict[str, str] = {
     "L1 cache, CPU kernels": "hps_service.cache.set_assoc:warm_up_kernels",
     "L1 cache, serving paths": "hps_service.cache.factory:warm_up_table_cache",
     "node store and its readers": "hps_service.node.kernel_warmup:warm_up_kernels",
+    "row formats (decoders)": "hps_service.rows.formats:warm_up_kernels",
 }
 
 

@@ -79,7 +79,7 @@ class OwnerEngine(LookupEngine):
         with self._slot_lock:
             slot = self._slots.get(id(t))
             if slot is None:
-                slot = self.store.new_table(t.model, t.name, t.dim, _default_json(t.default))
+                slot = self.store.new_table(t.model, t.name, t.dim, _default_json(t.default), t.storage)
                 self._slots[id(t)] = slot
                 self._served[slot.serial] = t
             return slot
@@ -99,7 +99,7 @@ class OwnerEngine(LookupEngine):
             made.append((arr, array_spec(name, arr)))
             return arr
 
-        cache = build_table_cache(cfg.cache, t.dim, plan.rows, fetch_below, warm_keys, plan.snapshot, alloc=alloc)
+        cache = build_table_cache(cfg.cache, t.format.words, plan.rows, fetch_below, warm_keys, plan.snapshot, alloc=alloc)
         share = cache.host_share() if cache is not None else None
         if share is not None:
             specs = {field: next(spec for arr, spec in made if arr is getattr(share.arrays, field))

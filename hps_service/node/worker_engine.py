@@ -148,12 +148,12 @@ class WorkerEngine:
                     t, tv = old, self._views[serial]
                 else:
                     tv = view.table(serial)
-                    t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial,
+                    t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial, storage=tc.storage,
                                     published_generation=PublishedGeneration(tv.control, T_WRITE_GEN).read)
                     if tv.counters is not None:
                         t.counters = SharedTableCounters(tv.counters, self.process)
                     if self.volatile is not None and tier_can(self.volatile, TierCapability.WRITES):
-                        self.volatile.create_table(t.id, t.dim)  # this worker's own Redis client (not the hash map)
+                        self.volatile.create_table(t.id, t.format.words)  # this worker's own Redis client (not the hash map)
                     if tv.l1 is not None:
                         entry = view.manifest["tables"][str(serial)]["l1"]
                         t.cache = SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read,

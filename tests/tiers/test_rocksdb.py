@@ -248,9 +248,20 @@ def test_bulk_import_is_atomic(tier: RocksDBTier, monkeypatch) -> None:
     tier.create_table("m.t", 4)
     keys = np.arange(100, dtype=np.int64)
     vecs = np.ones((100, 4), np.float32)
-    vecs[95, 2] = np.nan  # lands in the last SST chunk: earlier chunks are already written to disk
+    from hps_service.tiers.rocksdb import files
+
+    encode_keys, calls = files.encode_keys, []
+
+    def fail_in_the_last_chunk(chunk: np.ndarray) -> list[bytes]:  # earlier chunks are already written to disk
+        calls.append(1)
+        if len(calls) == 10:
+            raise InvalidArgumentError("row 95 cannot be written")
+        return encode_keys(chunk)
+
+    monkeypatch.setattr(files, "encode_keys", fail_in_the_last_chunk)
     with pytest.raises(InvalidArgumentError, match="row 95"):
         tier.bulk_import("m.t", keys, vecs)
+    monkeypatch.setattr(files, "encode_keys", encode_keys)
     assert not tier.get("m.t", keys).found.any()
     assert tier.count("m.t") == 0
     assert not list(tier.path.glob("import-*"))

@@ -139,7 +139,7 @@ class NodeStore:
 
         return alloc, release
 
-    def new_table(self, model: str, table: str, dim: int, default: Any) -> TableSlot:
+    def new_table(self, model: str, table: str, dim: int, default: Any, storage: str = "fp32") -> TableSlot:
         """Shared state of a newly served table (a replaced model's tables get new serials)."""
         with self._lock:
             serial = self._next_serial
@@ -148,7 +148,7 @@ class NodeStore:
         control = self.region.create(f"{base}/control", (TABLE_CTRL_LEN,), np.int64)
         ring = self.region.create(f"{base}/changes", (self.ring_keys,), np.int64)
         counters = self.region.create(f"{base}/counters", (self.processes, THREAD_ROWS, TABLE_FIELDS), np.float64)
-        entry = {"model": model, "table": table, "dim": int(dim), "default": default, "l1": None,
+        entry = {"model": model, "table": table, "dim": int(dim), "default": default, "l1": None, "storage": storage,
                  "control": array_spec(f"{base}/control", control), "changes": array_spec(f"{base}/changes", ring),
                  "counters": array_spec(f"{base}/counters", counters)}
         slot = TableSlot(serial, control, ChangeRing(ring, control, T_CHANGES), counters, entry)

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from hps_service.config.base import Storage
 from hps_service.errors import UnavailableError
 from hps_service.node.store import layout
 from hps_service.node.store.node_store import T_CHANGES
@@ -32,6 +33,7 @@ class TableView:
     changes: ChangeRing
     counters: np.ndarray | None
     l1: dict[str, np.ndarray] | None
+    storage: Storage = "fp32"
 
 
 class StoreView:
@@ -112,7 +114,7 @@ class StoreView:
                 l1 = {name: open_spec(self.region, spec, writable=self.writable and name in entry["l1"]["writable"])
                       for name, spec in entry["l1"]["arrays"].items()}
             view = TableView(serial, entry["model"], entry["table"], int(entry["dim"]), entry["default"], control,
-                             ChangeRing(ring, control, T_CHANGES), counters, l1)
+                             ChangeRing(ring, control, T_CHANGES), counters, l1, entry.get("storage", "fp32"))
             self._tables[serial] = view
         return view
 
