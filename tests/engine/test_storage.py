@@ -89,3 +89,21 @@ def test_fp16_refuses_an_update_beyond_its_range(tmp_path: Path) -> None:
         eng.apply_updates("m", "t", np.array([1], np.int64), np.full((1, DIM), 1e6, np.float32), 1)
     assert eng.lookup("m", "t", np.array([1], np.int64)).sources[0] == Source.DEFAULT
     eng.close()
+
+
+@pytest.mark.parametrize("storage", ["bf16", "int8"])
+def test_a_redis_cluster_holds_and_answers_the_stored_rows(tmp_path: Path, redis_cluster_clean, storage: str
+                                                           ) -> None:
+    from hps_service.tiers.redis.tier import RedisClusterTier
+
+    fmt = row_format(storage, DIM)
+    eng = LookupEngine(volatile=RedisClusterTier(redis_cluster_clean.nodes, partitions=16),
+                       persistent=RocksDBTier(tmp_path / "db"))
+    eng.register_model(ModelConfig(name="m", tables=[TableConfig(name="t", dim=DIM, storage=storage)]))
+    keys = np.arange(-50, 50, dtype=np.int64)
+    written = rows(keys, 4)
+    eng.apply_updates("m", "t", keys, written, 1)
+    got = eng.lookup("m", "t", keys)
+    assert set(got.sources.tolist()) == {Source.VOLATILE}
+    np.testing.assert_array_equal(got.vectors, fmt.decoded(fmt.encode(written)))
+    eng.close()
