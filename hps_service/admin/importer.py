@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
+from hps_service.engine.registry import record_storage
 from hps_service.errors import InvalidArgumentError
-from hps_service.rows import row_format, storage_key
+from hps_service.rows import row_format
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 #: Rows checked per pass when scanning vectors for NaN/inf (bounds the temporary memory on huge files).
@@ -121,10 +122,7 @@ def import_table(
     check_finite(vectors)
     fmt = row_format(storage, dim)
     tier.create_table(table, fmt.words)
-    held = tier.metadata(storage_key(table)).get(storage_key(table), b"fp32").decode()
-    if held != storage and tier.count(table):
-        raise InvalidArgumentError(f"{table} holds rows stored as {held}, not {storage}; import into an empty store")
-    tier.set_metadata(storage_key(table), storage.encode())
+    record_storage(tier, table, storage)
     stored = fmt.encode(np.ascontiguousarray(vectors, dtype=np.float32))
     return tier.bulk_import(table, keys, stored, version=version, progress=progress)
 

@@ -98,26 +98,26 @@ class ModelRegistry:
         return self._models
 
 
-def _check_storage(tier: Tier, t: ServedTable) -> None:
-    """Record the table's row storage in ``tier`` (where it keeps metadata); InvalidArgumentError if the tier holds
+def record_storage(tier: Tier, table: str, storage: str) -> None:
+    """Record ``table``'s row storage in ``tier`` (where it keeps metadata); InvalidArgumentError if the tier holds
     rows of the table stored otherwise (a table without a record was written before formats existed: fp32)."""
     if TierCapability.WRITES not in tier.capabilities:
         return
-    key = storage_key(t.id)
+    key = storage_key(table)
     held = tier.metadata(key).get(key)
-    if held is not None and held.decode() == t.storage:
+    if held is not None and held.decode() == storage:
         return
     try:
-        rows = tier.count(t.id)
+        rows = tier.count(table)
     except Exception:  # the tier holds no such table yet
         rows = 0
     was = "fp32" if held is None else held.decode()
-    if held is None and rows and was != t.storage and not tier.set_metadata(key, was.encode()):
-        return  # a tier that keeps no metadata (Redis, the hash map): nothing tells how its rows were stored
-    if rows and was != t.storage:
-        raise InvalidArgumentError(f"table {t.id} holds {rows} rows stored as {was}, not {t.storage}: serve it as "
+    if rows and was != storage:
+        if held is None and not tier.set_metadata(key, b"fp32"):
+            return  # a tier that keeps no metadata (Redis, the hash map): nothing tells how its rows were stored
+        raise InvalidArgumentError(f"table {table} holds {rows} rows stored as {was}, not {storage}: serve it as "
                                    f"{was}, or import it again into an empty store")
-    tier.set_metadata(key, t.storage.encode())
+    tier.set_metadata(key, storage.encode())
 
 
 def make_table(
@@ -133,7 +133,7 @@ def make_table(
     from the first keys ``warm_source`` holds."""
     t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard, storage=tc.storage)
     for tier in tiers:
-        _check_storage(tier, t)
+        record_storage(tier, t.id, t.storage)
         tier.create_table(t.id, t.format.words)
     if cache_factory is not None:
 
