@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +31,18 @@ import numpy as np
 
 from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import InvalidArgumentError, UnavailableError
+from hps_client.rows import StoredAnswer, StoredRows
 from hps_client.stub import EmbeddingStub
-from hps_client.wire import TableAnswer, as_error, as_keys, build_request, check_out, decode_answer, into
+from hps_client.wire import (
+    TableAnswer,
+    as_error,
+    as_keys,
+    build_request,
+    check_out,
+    decode_answer,
+    decode_stored,
+    into,
+)
 from hps_service.engine.read import Reader
 from hps_service.engine.table import ServedTable
 from hps_service.errors import HPSError
@@ -68,7 +78,7 @@ class _Table:
 
 class LocalClient:
     """The methods of :class:`hps_client.HPSClient` (``lookup``, ``lookup_with_sources``, ``lookup_many``,
-    ``list_models``, ``close``), answered from the server's shared store where it can (see the module docstring)."""
+    ``lookup_stored``, ``list_models``, ``close``), answered from the server's shared store where it can (see the module docstring)."""
 
     def __init__(self, path: str | Path = "/dev/shm/hps", timeout: float | None = 5.0, *,
                  socket_path: str | Path | None = None, retries: int = 3, backoff_s: float = 0.05,
@@ -213,6 +223,28 @@ class LocalClient:
             answer.sources[miss] = got.sources[inverse]
         return answer
 
+    def lookup_stored(self, model: str, table: str, keys: np.ndarray | Sequence[int],
+                      timeout: float | None = None, *, metadata: Metadata | None = None) -> StoredAnswer:
+        """Rows of ``keys`` as the table stores them (as :meth:`hps_client.HPSClient.lookup_stored`): L1 and
+        hash-map hits copied as they are, with no decoding, the rest from the server."""
+        view = self._current()
+        t = self._tables.get((model, table)) if view is not None else None
+        keys = as_keys(keys)
+        if t is None or not model or keys.shape[0] == 0:
+            request = build_request(model, {table: keys}, pb.PRECISION_STORED)
+            return self._call(request, timeout, metadata, decode_stored)[table]
+        fmt = t.served.format
+        words = np.empty((keys.shape[0], fmt.words), dtype=np.float32)
+        sources = np.empty(keys.shape[0], dtype=np.uint8)
+        miss = t.reader.lookup_held(t.served, keys, words, sources, stored=True)
+        if miss.shape[0]:
+            uniq, inverse = unique_with_inverse(keys[miss])
+            got = self._call(build_request(model, {table: uniq}, pb.PRECISION_STORED), timeout, metadata,
+                             decode_stored)[table]
+            words[miss] = got.rows.words.view(np.float32)[inverse]
+            sources[miss] = got.sources[inverse]
+        return StoredAnswer(StoredRows(fmt.storage, fmt.dim, words.view(np.uint32)), sources)
+
     def lookup_many(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
                     timeout: float | None = None, *, metadata: Metadata | None = None) -> dict[str, TableAnswer]:
         """Several tables of one model: each table's hits read here, all their misses in one call to the server."""
@@ -258,8 +290,8 @@ class LocalClient:
         miss = t.reader.lookup_held(t.served, keys, out, sources)
         return TableAnswer(out, sources), (miss if miss.shape[0] else None)
 
-    def _call(self, request: pb.LookupRequest, timeout: float | None,
-              metadata: Metadata | None) -> dict[str, TableAnswer]:
+    def _call(self, request: pb.LookupRequest, timeout: float | None, metadata: Metadata | None,
+              decode: Callable[[Any], Any] = decode_answer) -> dict[str, Any]:
         """The server's answer over the Unix domain socket, waiting (within the timeout) while it is not there or
         not serving yet: the one server of a pod restarting (compiling, loading) is a wait, not an error."""
         timeout = self.timeout if timeout is None else timeout
@@ -278,7 +310,7 @@ class LocalClient:
                     backoff = min(backoff * 2, 0.5)
                     continue
                 raise as_error(err) from None
-            return {tv.table: decode_answer(tv) for tv in response.tables}
+            return {tv.table: decode(tv) for tv in response.tables}
 
     def list_models(self, timeout: float | None = None, *,
                     metadata: Metadata | None = None) -> dict[str, dict[str, int]]:

@@ -31,8 +31,9 @@ class ReadEngine(Protocol):
         ...
 
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
-               sources: np.ndarray | None = None) -> LookupResult:
-        """Rows of ``keys`` in request order and the level that answered each."""
+               sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
+        """Rows of ``keys`` in request order and the level that answered each (``stored``: as the table stores
+        them, ``(n, words)``, instead of float32 ``(n, dim)``)."""
         ...
 
     def model(self, name: str) -> ModelConfig:

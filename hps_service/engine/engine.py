@@ -114,10 +114,10 @@ class LookupEngine:
 
     # ---- reads and writes ---------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
-               sources: np.ndarray | None = None) -> LookupResult:
+               sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
         """Rows of ``keys`` in request order (duplicates included) and the level that answered each (into ``out``
         and ``sources`` when given: see :meth:`Reader.lookup`)."""
-        return self.reader.lookup(self.table(model, table), keys, out, sources)
+        return self.reader.lookup(self.table(model, table), keys, out, sources, stored)
 
     def apply_updates(
         self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int

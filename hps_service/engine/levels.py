@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from hps_service.rows.formats import RowFormat
 
 
 class Source(IntEnum):
@@ -42,3 +46,14 @@ class Fetched:
     versions: np.ndarray  # (m,) int64: the stored row's version, NO_ROW_VERSION where the default answered
     sources: np.ndarray  # (m,) uint8 Source values (VOLATILE, PERSISTENT or DEFAULT)
     stored: np.ndarray  # (m, words): the rows as the tiers store them (see hps_service.rows); undefined at DEFAULT
+
+    def stored_rows(self, fmt: RowFormat) -> np.ndarray:
+        """The rows as ``fmt`` stores them, the default rows encoded (what a ``precision = stored`` lookup answers)."""
+        if fmt.identity:
+            return self.vectors
+        at = np.flatnonzero(self.sources == DEFAULT)
+        if not at.shape[0]:
+            return self.stored
+        rows = self.stored.copy()
+        rows[at] = fmt.encode(self.vectors[at])
+        return rows

@@ -37,18 +37,19 @@ class Reader:
         self.promote = promote
 
     def lookup(self, t: ServedTable, keys: np.ndarray, out: np.ndarray | None = None,
-               sources: np.ndarray | None = None) -> LookupResult:
+               sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
         """Rows of ``keys`` in request order (duplicates included) and the level that answered each; written into
         ``out`` (C-contiguous float32 ``(n, dim)``) and ``sources`` (uint8 ``(n,)``) when given, e.g. views of a
-        response being encoded, so an all-hit batch is copied once, from L1 into the response."""
+        response being encoded, so an all-hit batch is copied once, from L1 into the response. ``stored``: the
+        rows as the table stores them, ``(n, t.format.words)`` (a default row encoded in that format)."""
         keys = as_keys(keys, self.max_batch_keys)
         n = keys.shape[0]
         if out is None:
-            out = np.empty((n, t.dim), dtype=np.float32)
+            out = np.empty((n, t.format.words if stored else t.dim), dtype=np.float32)
         if sources is None:
             sources = np.empty(n, dtype=np.uint8)
         fetched_at = t.cache.generation() if t.cache is not None else 0
-        miss_idx, batch_hit_rate = self._from_cache(t, keys, out, sources)
+        miss_idx, batch_hit_rate = self._from_cache(t, keys, out, sources, stored)
         if batch_hit_rate == 1.0:
             return LookupResult(out, sources)
         miss_keys = keys if miss_idx is None else keys[miss_idx]
@@ -56,35 +57,37 @@ class Reader:
             return LookupResult(out, sources)
         uniq, inverse = unique_with_inverse(miss_keys)
         got = self.fetch_below(t, uniq)
+        rows = got.stored_rows(t.format) if stored else got.vectors
         if miss_idx is None:
-            np.take(got.vectors, inverse, axis=0, out=out)
+            np.take(rows, inverse, axis=0, out=out)
             np.take(got.sources, inverse, out=sources)
         else:
-            out[miss_idx] = got.vectors[inverse]
+            out[miss_idx] = rows[inverse]
             sources[miss_idx] = got.sources[inverse]
         if t.cache is not None:
-            stored = got.sources != DEFAULT
-            if stored.all():
+            held = got.sources != DEFAULT
+            if held.all():
                 t.cache.admit(uniq, got.stored, got.versions, batch_hit_rate, fetched_at=fetched_at)
-            elif stored.any():
-                t.cache.admit(uniq[stored], got.stored[stored], got.versions[stored], batch_hit_rate,
+            elif held.any():
+                t.cache.admit(uniq[held], got.stored[held], got.versions[held], batch_hit_rate,
                               fetched_at=fetched_at)
         return LookupResult(out, sources)
 
     @staticmethod
     def _from_cache(t: ServedTable, keys: np.ndarray, out: np.ndarray,
-                    sources: np.ndarray) -> tuple[np.ndarray | None, float]:
-        """L1's rows of ``keys`` into ``out``: the indices it missed (None: all of them) and its hit rate."""
+                    sources: np.ndarray, stored: bool = False) -> tuple[np.ndarray | None, float]:
+        """L1's rows of ``keys`` into ``out`` (decoded, or ``stored`` as they are): the indices it missed (None: all
+        of them) and its hit rate."""
         n = keys.shape[0]
         if t.cache is None or not n:
             return None, 0.0
         fmt = t.format
-        if fmt.identity:
+        if fmt.identity or stored:
             hit = t.cache.lookup(keys, out)
         else:  # L1 holds stored rows: gather them, then decode the batch into out
-            stored = np.empty((n, fmt.words), dtype=np.float32)
-            hit = t.cache.lookup(keys, stored)
-            fmt.decode(stored, out)
+            words = np.empty((n, fmt.words), dtype=np.float32)
+            hit = t.cache.lookup(keys, words)
+            fmt.decode(words, out)
         n_hit = int(np.count_nonzero(hit))
         t.count("cache", n_hit, n - n_hit)
         sources.fill(CACHE)
@@ -92,18 +95,19 @@ class Reader:
             return np.empty(0, dtype=np.intp), 1.0
         return np.flatnonzero(~hit), n_hit / n
 
-    def lookup_held(self, t: ServedTable, keys: np.ndarray, out: np.ndarray, sources: np.ndarray) -> np.ndarray:
+    def lookup_held(self, t: ServedTable, keys: np.ndarray, out: np.ndarray, sources: np.ndarray,
+                    stored: bool = False) -> np.ndarray:
         """The rows L1 and the volatile tier hold, into ``out`` and ``sources`` (no promotion, admission or
-        default); returns the indices of the keys neither holds, for the process that reads the tiers below
-        (a colocated reader of a node's store asks its server for them)."""
-        miss_idx, hit_rate = self._from_cache(t, keys, out, sources)
+        default; ``stored``: as the table stores them); returns the indices of the keys neither holds, for the
+        process that reads the tiers below (a colocated reader of a node's store asks its server for them)."""
+        miss_idx, hit_rate = self._from_cache(t, keys, out, sources, stored)
         if hit_rate == 1.0:
             return miss_idx if miss_idx is not None else np.empty(0, dtype=np.intp)
         asked = keys if miss_idx is None else keys[miss_idx]
         got = self.fetch_below(t, asked, count=False, through=VOLATILE)
         held = got.sources != DEFAULT
         at = np.flatnonzero(held) if miss_idx is None else miss_idx[held]
-        out[at] = got.vectors[held]
+        out[at] = (got.stored if stored else got.vectors)[held]
         sources[at] = VOLATILE
         return np.flatnonzero(~held) if miss_idx is None else miss_idx[~held]
 

@@ -177,9 +177,9 @@ class WorkerEngine:
         return find_table(self._tables, model, table)
 
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
-               sources: np.ndarray | None = None) -> LookupResult:
+               sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
         """Rows of ``keys`` in request order and the level that answered each (as ``LookupEngine.lookup``)."""
-        return self.reader.lookup(self.table(model, table), keys, out, sources)
+        return self.reader.lookup(self.table(model, table), keys, out, sources, stored)
 
     def model(self, name: str) -> ModelConfig:
         self.sync()

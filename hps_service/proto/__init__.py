@@ -7,7 +7,7 @@ import sys
 
 from hps_client.proto import hps as _hps
 from hps_client.proto.hps import v1 as _v1
-from hps_client.proto.hps.v1 import embedding_pb2, embedding_pb2_grpc, update_pb2, update_pb2_grpc
+from hps_client.proto.hps.v1 import embedding_pb2, embedding_pb2_grpc, rows_pb2, update_pb2, update_pb2_grpc
 
-for _module in (_hps, _v1, embedding_pb2, embedding_pb2_grpc, update_pb2, update_pb2_grpc):
+for _module in (_hps, _v1, embedding_pb2, embedding_pb2_grpc, rows_pb2, update_pb2, update_pb2_grpc):
     sys.modules[_module.__name__.replace("hps_client.proto", __name__, 1)] = _module

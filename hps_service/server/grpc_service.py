@@ -13,6 +13,7 @@ import numpy as np
 from google.protobuf.message import DecodeError, Message
 
 from hps_client.attempts import PUSHBACK
+from hps_client.rows import STORAGE_CODES
 from hps_service.config import ServerConfig
 from hps_service.engine.api import ReadEngine
 from hps_service.errors import DeadlineExceededError, HPSError, InvalidArgumentError, ResourceExhaustedError
@@ -150,19 +151,28 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         if self.shard_map.sharded:  # every table before any lookup: a misrouted request does no work
             for tk in request.tables:
                 self.shard_map.check(np.frombuffer(tk.keys, dtype="<i8"), f"keys of table '{tk.table}'")
+        stored = request.precision == pb.PRECISION_STORED
+        if request.precision and not stored:
+            raise InvalidArgumentError(f"precision {request.precision} is neither PRECISION_FP32 (0) nor "
+                                       f"PRECISION_STORED (1)")
         self.metrics.observe_keys(total)
         if len(request.tables) == 1 and total:
-            return self._lookup_one(request, context)
+            return self._lookup_one(request, context, stored)
         answers = []
+        shapes = []
         for tk in request.tables:
             if context is not None:
                 check_deadline(context)
             keys = np.frombuffer(tk.keys, dtype="<i8")
-            res = self.engine.lookup(request.model, tk.table, keys)
+            res = self.engine.lookup(request.model, tk.table, keys, stored=stored)
             answers.append((tk.table, res.vectors, res.sources))
-        return encode_lookup_response(request.model, request.request_id, answers)
+            if stored:
+                t = self.engine.table(request.model, tk.table)
+                shapes.append((t.dim, STORAGE_CODES[t.storage]))
+        return encode_lookup_response(request.model, request.request_id, answers, shapes if stored else None)
 
-    def _lookup_one(self, request: pb.LookupRequest, context: grpc.ServicerContext | None) -> bytes:
+    def _lookup_one(self, request: pb.LookupRequest, context: grpc.ServicerContext | None,
+                    stored: bool = False) -> bytes:
         """One table (the usual request): the lookup writes its rows and sources straight into this thread's
         reused response buffer, so an all-hit batch goes from the request's key bytes to the response's row bytes
         in one compiled pass and one copy out."""
@@ -174,8 +184,13 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             buf = self._local.buffer
         except AttributeError:
             buf = self._local.buffer = ResponseBuffer()
-        rows, sources = buf.layout(request.model, tk.table, len(tk.keys) // 8, t.dim, request.request_id)
-        self.engine.lookup(request.model, tk.table, np.frombuffer(tk.keys, dtype="<i8"), rows, sources)
+        n = len(tk.keys) // 8
+        if stored:
+            rows, sources = buf.layout(request.model, tk.table, n, t.dim, request.request_id, t.format.words,
+                                       STORAGE_CODES[t.storage])
+        else:
+            rows, sources = buf.layout(request.model, tk.table, n, t.dim, request.request_id)
+        self.engine.lookup(request.model, tk.table, np.frombuffer(tk.keys, dtype="<i8"), rows, sources, stored)
         return buf.finish()
 
     def _abort(self, context: grpc.ServicerContext, err: Exception) -> None:

@@ -21,6 +21,7 @@ _TABLE_DIM = b"\x10"
 _TABLE_COUNT = b"\x18"
 _TABLE_VECTORS = b"\x22"
 _TABLE_SOURCES = b"\x2a"
+_TABLE_STORAGE = b"\x30"
 
 
 def varint(value: int) -> bytes:
@@ -37,9 +38,12 @@ def _len_field(tag: bytes, payload_len: int) -> bytes:
     return tag + varint(payload_len)
 
 
-def encode_table(name: str, vectors: np.ndarray, sources: np.ndarray) -> list[bytes | memoryview]:
-    """The parts of one TableVectors submessage (header bytes and zero-copy views of the arrays)."""
-    count, dim = vectors.shape
+def encode_table(name: str, vectors: np.ndarray, sources: np.ndarray, dim: int | None = None,
+                 storage: int = 0) -> list[bytes | memoryview]:
+    """The parts of one TableVectors submessage (header bytes and zero-copy views of the arrays); ``vectors`` are
+    stored rows of rows of ``dim`` values when ``storage`` (an hps.v1.RowStorage) is not FP32."""
+    count, width = vectors.shape
+    dim = width if dim is None else dim
     name_bytes = name.encode()
     parts: list[bytes | memoryview] = []
     if name_bytes:
@@ -56,19 +60,24 @@ def encode_table(name: str, vectors: np.ndarray, sources: np.ndarray) -> list[by
     if src.nbytes:
         parts.append(_len_field(_TABLE_SOURCES, src.nbytes))
         parts.append(src.data.cast("B"))
+    if storage:
+        parts.append(_TABLE_STORAGE + varint(storage))
     return parts
 
 
 def encode_lookup_response(
-    model: str, request_id: int, tables: Sequence[tuple[str, np.ndarray, np.ndarray]]
+    model: str, request_id: int, tables: Sequence[tuple[str, np.ndarray, np.ndarray]],
+    stored: Sequence[tuple[int, int]] | None = None,
 ) -> bytes:
-    """A serialized LookupResponse from ``(table, vectors (n, dim) float32, sources (n,) uint8)`` triples."""
+    """A serialized LookupResponse from ``(table, vectors (n, dim) float32, sources (n,) uint8)`` triples;
+    ``stored``: per table, ``(dim, storage)`` of stored rows in ``vectors`` (a precision = stored answer)."""
     parts: list[bytes | memoryview] = []
     model_bytes = model.encode()
     if model_bytes:
         parts.append(_len_field(_RESPONSE_MODEL, len(model_bytes)) + model_bytes)
-    for name, vectors, sources in tables:
-        sub = encode_table(name, vectors, sources)
+    for i, (name, vectors, sources) in enumerate(tables):
+        sub = encode_table(name, vectors, sources, *stored[i]) if stored is not None else encode_table(
+            name, vectors, sources)
         parts.append(_len_field(_RESPONSE_TABLES, sum(len(p) for p in sub)))
         parts.extend(sub)
     if request_id:
@@ -88,48 +97,52 @@ class ResponseBuffer:
     def __init__(self) -> None:
         self._buf = bytearray(_ALIGN)
         self._base = np.frombuffer(self._buf, np.uint8).ctypes.data
-        self._headers: dict[tuple[str, str, int, int], tuple[bytes, bytes]] = {}
+        self._headers: dict[tuple[str, str, int, int, int, int], tuple[bytes, bytes, bytes]] = {}
         self._start = 0
         self._size = 0
 
-    def _parts(self, model: str, table: str, n: int, dim: int) -> tuple[bytes, bytes]:
-        key = (model, table, n, dim)
+    def _parts(self, model: str, table: str, n: int, dim: int, words: int, storage: int) -> tuple[bytes, bytes, bytes]:
+        key = (model, table, n, dim, words, storage)
         parts = self._headers.get(key)
         if parts is None:
             name = table.encode()
-            vec_len = 4 * n * dim
+            vec_len = 4 * n * words
             sub = ((_len_field(_TABLE_NAME, len(name)) + name if name else b"") + _TABLE_DIM + varint(dim)
                    + _TABLE_COUNT + varint(n) + _len_field(_TABLE_VECTORS, vec_len))
             tail = _len_field(_TABLE_SOURCES, n)
-            sub_len = len(sub) + vec_len + len(tail) + n
+            after = _TABLE_STORAGE + varint(storage) if storage else b""
+            sub_len = len(sub) + vec_len + len(tail) + n + len(after)
             model_bytes = model.encode()
             head = ((_len_field(_RESPONSE_MODEL, len(model_bytes)) + model_bytes if model_bytes else b"")
                     + _len_field(_RESPONSE_TABLES, sub_len) + sub)
-            parts = (head, tail)
+            parts = (head, tail, after)
             if len(self._headers) > 1024:
                 self._headers.clear()
             self._headers[key] = parts
         return parts
 
-    def layout(self, model: str, table: str, n: int, dim: int, request_id: int) -> tuple[np.ndarray, np.ndarray]:
+    def layout(self, model: str, table: str, n: int, dim: int, request_id: int, words: int | None = None,
+               storage: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Lay out the response of ``n`` rows of ``dim`` (``n`` >= 1); returns writable views of its rows (C-contiguous
-        float32 ``(n, dim)``) and sources (uint8 ``(n,)``), to be filled before :meth:`finish`."""
-        head, tail = self._parts(model, table, n, dim)
-        trailer = _RESPONSE_REQUEST_ID + varint(request_id) if request_id else b""
-        length = len(head) + 4 * n * dim + len(tail) + n + len(trailer)
+        float32 ``(n, dim)``, or ``(n, words)`` stored rows of RowStorage ``storage``) and sources (uint8 ``(n,)``),
+        to be filled before :meth:`finish`."""
+        words = dim if words is None else words
+        head, tail, after = self._parts(model, table, n, dim, words, storage)
+        trailer = after + (_RESPONSE_REQUEST_ID + varint(request_id) if request_id else b"")
+        length = len(head) + 4 * n * words + len(tail) + n + len(trailer)
         if len(self._buf) < length + _ALIGN:
             self._buf = bytearray(max(length + _ALIGN, 2 * len(self._buf)))
             self._base = np.frombuffer(self._buf, np.uint8).ctypes.data
         buf = self._buf
         start = -(self._base + len(head)) % _ALIGN
         rows_at = start + len(head)
-        sources_at = rows_at + 4 * n * dim + len(tail)
+        sources_at = rows_at + 4 * n * words + len(tail)
         size = start + length
         buf[start:rows_at] = head
         buf[sources_at - len(tail):sources_at] = tail
         buf[sources_at + n:size] = trailer
         self._start, self._size = start, size
-        rows = np.frombuffer(buf, dtype="<f4", count=n * dim, offset=rows_at).reshape(n, dim)
+        rows = np.frombuffer(buf, dtype="<f4", count=n * words, offset=rows_at).reshape(n, words)
         sources = np.frombuffer(buf, dtype=np.uint8, count=n, offset=sources_at)
         return rows, sources
 

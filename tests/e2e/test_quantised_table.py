@@ -48,6 +48,11 @@ def test_an_int8_table_is_imported_served_and_updated(tmp_path: Path) -> None:
                 got = remote.lookup_with_sources("m", "item", asked)
                 np.testing.assert_array_equal(got.vectors[:-1], np.concatenate((want, want[:100])))
                 np.testing.assert_array_equal(local.lookup("m", "item", asked), got.vectors)
+                for client in (remote, local):  # the int8 rows as stored: codes, scale and bias, decoded here
+                    stored = client.lookup_stored("m", "item", asked)
+                    assert stored.rows.storage == "int8" and stored.rows.nbytes == 4 * fmt.words * asked.size
+                    np.testing.assert_array_equal(stored.rows.to_float32(), got.vectors)
+                    assert stored.sources[-1] == 4 and (stored.sources[:-1] != 4).all()
             newer = (vectors[:10] * 3).astype(np.float32)
             r = httpx.put(f"http://127.0.0.1:{http_port}/v1/models/m/tables/item/embeddings",
                           headers={"Authorization": f"Bearer {TOKEN}"},

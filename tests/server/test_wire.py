@@ -6,7 +6,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hps_client.rows import STORAGE_CODES
+from hps_client.wire import decode_stored, parse_lookup_response
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.proto.hps.v1 import rows_pb2
+from hps_service.rows import STORAGES, row_format
 from hps_service.server.wire import ResponseBuffer, encode_lookup_response, varint
 
 
@@ -57,3 +61,33 @@ def test_a_reused_buffer_written_in_place_matches_protobuf_serialization(
     theirs = pb.LookupResponse(model=model, request_id=request_id, tables=[pb.TableVectors(
         table=table, dim=dim, count=n, vectors=vectors.tobytes(), sources=sources.tobytes())]).SerializeToString()
     assert _BUFFER.finish() == theirs == encode_lookup_response(model, request_id, [(table, vectors, sources)])
+
+
+@settings(max_examples=100, deadline=None)
+@given(request_id=st.integers(0, 2**64 - 1), n=st.integers(1, 60), dim=st.integers(1, 20),
+       storage=st.sampled_from(["fp32", "fp16", "bf16", "int8"]), seed=st.integers(0, 2**32 - 1))
+def test_stored_rows_match_protobuf_serialization(request_id: int, n: int, dim: int, storage: str, seed: int) -> None:
+    """A precision = stored answer: the rows' words and the storage field, in the buffer and the general encoder."""
+    fmt = row_format(storage, dim)
+    rng = np.random.default_rng(seed)
+    words = fmt.encode(rng.standard_normal((n, dim)).astype(np.float32))
+    sources = rng.integers(1, 5, n).astype(np.uint8)
+    code = STORAGE_CODES[storage]
+    rows, srcs = _BUFFER.layout("m", "t", n, dim, request_id, fmt.words, code)
+    assert rows.shape == (n, fmt.words)
+    rows[:] = words
+    srcs[:] = sources
+    theirs = pb.LookupResponse(model="m", request_id=request_id, tables=[pb.TableVectors(
+        table="t", dim=dim, count=n, vectors=words.tobytes(), sources=sources.tobytes(),
+        storage=code)]).SerializeToString()
+    assert _BUFFER.finish() == theirs == encode_lookup_response("m", request_id, [("t", words, sources)],
+                                                                [(dim, code)])
+    parsed = parse_lookup_response(theirs).tables[0]
+    answer = decode_stored(parsed)
+    assert answer.rows.storage == storage and answer.rows.nbytes == 4 * n * fmt.words
+    np.testing.assert_array_equal(answer.rows.to_float32(), fmt.decoded(words))
+
+
+def test_the_client_knows_every_row_storage_of_the_proto() -> None:
+    assert {name: rows_pb2.RowStorage.Value(f"ROW_STORAGE_{name.upper()}") for name in STORAGES} == STORAGE_CODES
+    assert set(STORAGE_CODES.values()) == set(rows_pb2.RowStorage.values())

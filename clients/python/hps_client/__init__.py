@@ -21,7 +21,8 @@ from hps_client.errors import (
     UnauthenticatedError,
     UnavailableError,
 )
-from hps_client.wire import TableAnswer, build_request, decode_answer, encode_keys
+from hps_client.rows import StoredAnswer, StoredRows
+from hps_client.wire import TableAnswer, build_request, decode_answer, decode_stored, encode_keys
 
 try:
     __version__ = version("hps-client")
@@ -31,8 +32,9 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
 __all__ = [
     "ACCEPTING_SERVICE", "AsyncHPSClient", "CancelledError", "DeadlineExceededError", "FailedPreconditionError",
     "HPSClient", "HPSError", "HedgingPolicy", "InternalError", "InvalidArgumentError", "NotFoundError",
-    "PermissionDeniedError", "ResourceExhaustedError", "TableAnswer", "UnauthenticatedError", "UnavailableError",
-    "build_request", "channel_options", "channel_target", "decode_answer", "encode_keys", "service_config",
+    "PermissionDeniedError", "ResourceExhaustedError", "StoredAnswer", "StoredRows", "TableAnswer",
+    "UnauthenticatedError", "UnavailableError", "build_request", "channel_options", "channel_target", "decode_answer",
+    "decode_stored", "encode_keys", "service_config",
 ]
 
 

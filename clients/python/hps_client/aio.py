@@ -34,9 +34,10 @@ from hps_client.routing import (
     split_batch,
     whole_target,
 )
+from hps_client.rows import StoredAnswer
 from hps_client.stub import EmbeddingStub
 from hps_client.tls import channel_credentials
-from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer, into
+from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer, decode_stored, into
 
 
 class AsyncHPSClient:
@@ -225,21 +226,35 @@ class AsyncHPSClient:
         metadata: Metadata | None = None,
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``."""
+        return await self._lookup_tables(model, tables, timeout, metadata, stored=False)
+
+    async def lookup_stored(self, model: str, table: str, keys: np.ndarray | Sequence[int],
+                            timeout: float | None = None, *, metadata: Metadata | None = None) -> StoredAnswer:
+        """Rows of ``keys`` as the table stores them, as :meth:`hps_client.HPSClient.lookup_stored`."""
+        answer: StoredAnswer = (await self._lookup_tables(model, {table: keys}, timeout, metadata, stored=True))[table]
+        return answer
+
+    async def _lookup_tables(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
+                             timeout: float | None, metadata: Metadata | None, stored: bool) -> dict[str, Any]:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         md = merge_metadata(self.metadata, metadata)
+        precision = pb.PRECISION_STORED if stored else pb.PRECISION_FP32
+        decode = decode_stored if stored else decode_answer
         for attempt in range(2):
             try:
                 routes = await self._learn(deadline)
                 if routes is None:
                     stub = self._get_stub()
                     assert stub is not None
-                    response = await self._lookup_unsharded(stub, build_request(model, tables), deadline, md)
-                    return {tv.table: decode_answer(tv) for tv in response.tables}
-                split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
+                    response = await self._lookup_unsharded(stub, build_request(model, tables, precision), deadline,
+                                                            md)
+                    return {tv.table: decode(tv) for tv in response.tables}
+                split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0),
+                                    precision=precision)
                 total = sum(split.sizes)
                 if len(split.parts) == 1:
-                    return split.merge([await self._answer(routes, split.parts[0], deadline, total, md)])
+                    return split.merge([await self._answer(routes, split.parts[0], deadline, total, md)], stored)
                 tasks = [asyncio.ensure_future(self._answer(routes, part, deadline, total, md))
                          for part in split.parts]
                 try:
@@ -247,7 +262,7 @@ class AsyncHPSClient:
                 finally:
                     for task in tasks:
                         task.cancel()  # a no-op for finished calls; stops the others when one shard failed
-                return split.merge(responses)
+                return split.merge(responses, stored)
             except FailedPreconditionError:
                 if attempt:
                     raise

@@ -38,9 +38,10 @@ from hps_client.routing import (
     split_batch,
     whole_target,
 )
+from hps_client.rows import StoredAnswer
 from hps_client.stub import EmbeddingStub
 from hps_client.tls import channel_credentials
-from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer, into
+from hps_client.wire import TableAnswer, WireResponse, as_error, build_request, decode_answer, decode_stored, into
 
 #: Targets ``local:///PATH`` map a colocated server's shared store at PATH (see :class:`HPSClient`).
 LOCAL_SCHEME = "local://"
@@ -320,17 +321,32 @@ class HPSClient:
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``; ``metadata`` follows the client's
         on this call."""
+        return self._lookup_tables(model, tables, timeout, metadata, stored=False)
+
+    def lookup_stored(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None,
+                      *, metadata: Metadata | None = None) -> StoredAnswer:
+        """Rows of ``keys`` as the table stores them (``precision = stored``: fp16, bf16 or int8 rows with their
+        scales, up to 4x fewer bytes than float32), for a caller that decodes them itself; ``.rows.to_float32()``
+        gives what :meth:`lookup` answers."""
+        answer: StoredAnswer = self._lookup_tables(model, {table: keys}, timeout, metadata, stored=True)[table]
+        return answer
+
+    def _lookup_tables(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None,
+                       metadata: Metadata | None, stored: bool) -> dict[str, Any]:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         md = merge_metadata(self.metadata, metadata)
+        precision = pb.PRECISION_STORED if stored else pb.PRECISION_FP32
+        decode = decode_stored if stored else decode_answer
         for attempt in range(2):
             try:
                 routes = self._learn(deadline)
                 if routes is None:
                     assert self._stub is not None
-                    response = self._lookup_unsharded(self._stub, build_request(model, tables), deadline, md)
-                    return {tv.table: decode_answer(tv) for tv in response.tables}
-                return self._lookup_sharded(routes, model, tables, deadline, md)
+                    response = self._lookup_unsharded(self._stub, build_request(model, tables, precision), deadline,
+                                                      md)
+                    return {tv.table: decode(tv) for tv in response.tables}
+                return self._lookup_sharded(routes, model, tables, deadline, md, precision)
             except FailedPreconditionError:
                 if attempt:
                     raise
@@ -349,8 +365,9 @@ class HPSClient:
             raise as_error(err) from None
 
     def _lookup_sharded(self, routes: ShardRoutes, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                        deadline: float | None, metadata: Metadata | None) -> dict[str, TableAnswer]:
-        split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0))
+                        deadline: float | None, metadata: Metadata | None, precision: pb.Precision) -> dict[str, Any]:
+        split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0),
+                            precision=precision)
         total = sum(split.sizes)
         calls: list[tuple[ShardPart, list[EmbeddingStub], grpc.Future | None]] = []
         try:
@@ -366,7 +383,7 @@ class HPSClient:
             for _, _, fut in calls:
                 if fut is not None:
                     fut.cancel()  # a no-op for finished calls; stops the others when one shard failed
-        return split.merge(responses)
+        return split.merge(responses, stored=precision == pb.PRECISION_STORED)
 
     def _answer(self, routes: ShardRoutes, part: ShardPart, stubs: list[EmbeddingStub],
                 fut: grpc.Future | None, deadline: float | None, total: int,

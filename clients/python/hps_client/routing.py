@@ -10,6 +10,7 @@ import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -19,7 +20,7 @@ from hps_client.errors import HPSError, InternalError, InvalidArgumentError, Una
 from hps_client.partitioning import shard_ids
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.stub import EmbeddingStub
-from hps_client.wire import TableAnswer, WireResponse, WireTable, as_error, as_keys, decode_answer
+from hps_client.wire import WireResponse, WireTable, as_error, as_keys, decode_answer, decode_stored
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +54,10 @@ class SplitBatch:
     sizes: list[int]
     parts: list[ShardPart]
 
-    def merge(self, responses: Sequence[WireResponse]) -> dict[str, TableAnswer]:
-        """``{table: TableAnswer}`` with every key's row and source where it was asked (duplicates included)."""
+    def merge(self, responses: Sequence[WireResponse], stored: bool = False) -> dict[str, Any]:
+        """``{table: TableAnswer}`` (``stored``: ``{table: StoredAnswer}``) with every key's row and source where it
+        was asked (duplicates included)."""
+        decode = decode_stored if stored else decode_answer
         if len(self.parts) == 1 and self.parts[0].positions is None:  # one shard: its answer as it is (no copy)
             out = {}
             for i, (table, n) in enumerate(zip(self.tables, self.sizes)):
@@ -62,24 +65,26 @@ class SplitBatch:
                 if tv.count != n:
                     raise InternalError(f"shard {self.parts[0].shard} answered {tv.count} rows for table '{table}', "
                                        f"asked {n}")
-                out[table] = decode_answer(tv)
+                out[table] = decode(tv)
             return out
         out = {}
         for i, (table, n) in enumerate(zip(self.tables, self.sizes)):
             answers = [_table_of(r, i, table) for r in responses]
-            dim = max((tv.dim for tv in answers), default=0)
-            vectors = np.empty((n, dim), dtype=np.float32)
+            shaped = max(answers, key=lambda tv: tv.count)  # a part with no key of the table may say dim 0
+            width = len(shaped.vectors) // shaped.count if shaped.count else 0
+            rows = np.empty((n, width), dtype=np.uint8)
             sources = np.empty(n, dtype=np.uint8)
             for part, tv in zip(self.parts, answers):
                 assert part.positions is not None
                 pos = part.positions[i]
-                if tv.count != pos.shape[0] or (pos.shape[0] and tv.dim != dim):
+                if tv.count != pos.shape[0] or (pos.shape[0] and (tv.dim, tv.storage) != (shaped.dim, shaped.storage)):
                     raise InternalError(f"shard {part.shard} answered {tv.count} rows of dim {tv.dim} for table "
-                                       f"'{table}', asked {pos.shape[0]} of dim {dim}")
+                                       f"'{table}', asked {pos.shape[0]} of dim {shaped.dim}")
                 if pos.shape[0]:
-                    vectors[pos] = np.frombuffer(tv.vectors, dtype="<f4").reshape(tv.count, tv.dim)
+                    rows[pos] = np.frombuffer(tv.vectors, dtype=np.uint8).reshape(tv.count, width)
                     sources[pos] = np.frombuffer(tv.sources, dtype=np.uint8)
-            out[table] = TableAnswer(vectors=vectors, sources=sources)
+            out[table] = decode(WireTable(table, shaped.dim, n, rows.reshape(-1).data, sources.data,
+                                          shaped.storage))
         return out
 
 
@@ -90,7 +95,7 @@ def _table_of(response: WireResponse, i: int, table: str) -> WireTable:
 
 
 def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], shape: ShardShape,
-                fallback_shard: int = 0) -> SplitBatch:
+                fallback_shard: int = 0, precision: pb.Precision = pb.PRECISION_FP32) -> SplitBatch:
     """One request per shard holding keys of the batch; every part names every table (possibly with no keys), so
     each answer carries each table's dim. A batch with no key at all goes to ``fallback_shard``."""
     names = list(tables)
@@ -103,7 +108,7 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
     used = [int(s) for s in np.flatnonzero(counts)]
     if len(used) <= 1:  # every key on one shard (always so when unsharded): the batch as it is, to that shard
         request = pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=a.tobytes())
-                                                        for t, a in zip(names, arrays)])
+                                                        for t, a in zip(names, arrays)], precision=precision)
         return SplitBatch(tables=names, sizes=sizes, parts=[
             ShardPart(shard=used[0] if used else fallback_shard, request=request, positions=None, keys=sum(sizes))])
     per_table = []  # (order, starts) per table
@@ -118,7 +123,7 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
         request = pb.LookupRequest(model=model, tables=[
             pb.TableKeys(table=t, keys=arr[pos].astype("<i8", copy=False).tobytes())
             for t, arr, pos in zip(names, arrays, positions)
-        ])
+        ], precision=precision)
         parts.append(ShardPart(shard=s, request=request, positions=positions, keys=int(counts[s])))
     return SplitBatch(tables=names, sizes=sizes, parts=parts)
 

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from hps_client.errors import HPSError, InvalidArgumentError, error_for
+from hps_client.errors import HPSError, InternalError, InvalidArgumentError, error_for
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
+from hps_client.rows import STORAGE_NAMES, StoredAnswer, StoredRows, row_words
 
 
 @dataclass(slots=True)
@@ -70,14 +71,41 @@ def encode_keys(keys: np.ndarray | Sequence[int]) -> bytes:
 
 def decode_answer(tv: pb.TableVectors | WireTable) -> TableAnswer:
     """A TableVectors message as NumPy arrays (zero-copy views of the message bytes)."""
+    if tv.storage:
+        raise InternalError(f"table '{tv.table}': the server answered {STORAGE_NAMES.get(tv.storage, tv.storage)} "
+                            "rows to a request for float32 rows")
     vectors = np.frombuffer(tv.vectors, dtype="<f4").reshape(tv.count, tv.dim)
     sources = np.frombuffer(tv.sources, dtype=np.uint8)
     return TableAnswer(vectors=vectors, sources=sources)
 
 
-def build_request(model: str, tables: Mapping[str, np.ndarray | Sequence[int]]) -> pb.LookupRequest:
-    """One LookupRequest for several tables of ``model``."""
-    return pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=encode_keys(k)) for t, k in tables.items()])
+def decode_stored(tv: pb.TableVectors | WireTable) -> StoredAnswer:
+    """A TableVectors message of a ``precision = stored`` lookup as its stored rows (zero-copy views)."""
+    storage = STORAGE_NAMES.get(tv.storage)
+    if storage is None:
+        raise InternalError(f"table '{tv.table}': rows stored as RowStorage {tv.storage}, which this client does "
+                            "not know (upgrade hps-client)")
+    return StoredAnswer(rows=StoredRows.from_bytes(storage, tv.dim, tv.count, tv.vectors),
+                        sources=np.frombuffer(tv.sources, dtype=np.uint8))
+
+
+#: LookupRequest.precision values by name.
+PRECISIONS = {"fp32": pb.PRECISION_FP32, "stored": pb.PRECISION_STORED}
+
+
+def precision_code(precision: str) -> int:
+    """The hps.v1.Precision of ``"fp32"`` or ``"stored"`` (InvalidArgumentError for another name)."""
+    code = PRECISIONS.get(precision)
+    if code is None:
+        raise InvalidArgumentError(f"precision must be 'fp32' or 'stored', got {precision!r}")
+    return code
+
+
+def build_request(model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
+                  precision: pb.Precision = pb.PRECISION_FP32) -> pb.LookupRequest:
+    """One LookupRequest for several tables of ``model`` (``precision``: an hps.v1.Precision)."""
+    return pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=encode_keys(k)) for t, k in tables.items()],
+                            precision=precision)
 
 
 @dataclass(slots=True)
@@ -89,6 +117,7 @@ class WireTable:
     count: int = 0
     vectors: memoryview | bytes = b""
     sources: memoryview | bytes = b""
+    storage: int = 0
 
 
 @dataclass(slots=True)
@@ -148,10 +177,13 @@ def _table(buf: bytes, view: memoryview, i: int, end: int) -> WireTable:
             tv.dim = value & 0xFFFFFFFF
         elif kind == 0 and number == 3:
             tv.count = value & 0xFFFFFFFF
+        elif kind == 0 and number == 6:
+            tv.storage = value & 0xFFFFFFFF
         i = after
-    if len(tv.vectors) != 4 * tv.count * tv.dim or len(tv.sources) != tv.count:
+    width = row_words(STORAGE_NAMES.get(tv.storage, "fp32"), tv.dim)
+    if len(tv.vectors) != 4 * tv.count * width or len(tv.sources) != tv.count:
         raise ValueError(f"table '{tv.table}': {len(tv.vectors)} bytes of vectors and {len(tv.sources)} of sources "
-                         f"for {tv.count} rows of dim {tv.dim}")
+                         f"for {tv.count} rows of dim {tv.dim} ({4 * width} bytes each)")
     return tv
 
 

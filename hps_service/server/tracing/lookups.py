@@ -29,13 +29,13 @@ class TracedEngine:
         return getattr(self._engine, name)
 
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
-               sources: np.ndarray | None = None) -> LookupResult:
+               sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
         """The engine's lookup, recorded in a span when the call is sampled (an unsampled call makes no span)."""
         if not trace.get_current_span().is_recording():
-            return self._engine.lookup(model, table, keys, out, sources)
+            return self._engine.lookup(model, table, keys, out, sources, stored)
         with self._tracer.start_as_current_span("hps.lookup", kind=trace.SpanKind.INTERNAL) as span:
             span.set_attributes({"hps.model": model, "hps.table": table, "hps.keys": int(keys.shape[0])})
-            result = self._engine.lookup(model, table, keys, out, sources)
+            result = self._engine.lookup(model, table, keys, out, sources, stored)
             counts = np.bincount(result.sources, minlength=DEFAULT + 1)
             span.set_attributes({name: int(counts[code]) for name, code in HITS})
             return result

@@ -1,3 +1,4 @@
+from hps_client.proto.hps.v1 import rows_pb2 as _rows_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -13,11 +14,18 @@ class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SOURCE_VOLATILE: _ClassVar[Source]
     SOURCE_PERSISTENT: _ClassVar[Source]
     SOURCE_DEFAULT: _ClassVar[Source]
+
+class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRECISION_FP32: _ClassVar[Precision]
+    PRECISION_STORED: _ClassVar[Precision]
 SOURCE_UNSPECIFIED: Source
 SOURCE_CACHE: Source
 SOURCE_VOLATILE: Source
 SOURCE_PERSISTENT: Source
 SOURCE_DEFAULT: Source
+PRECISION_FP32: Precision
+PRECISION_STORED: Precision
 
 class TableKeys(_message.Message):
     __slots__ = ("table", "keys")
@@ -28,28 +36,32 @@ class TableKeys(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "tables", "request_id")
+    __slots__ = ("model", "tables", "request_id", "precision")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     model: str
     tables: _containers.RepeatedCompositeFieldContainer[TableKeys]
     request_id: int
-    def __init__(self, model: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    precision: Precision
+    def __init__(self, model: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ..., request_id: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ...) -> None: ...
 
 class TableVectors(_message.Message):
-    __slots__ = ("table", "dim", "count", "vectors", "sources")
+    __slots__ = ("table", "dim", "count", "vectors", "sources", "storage")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     VECTORS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    STORAGE_FIELD_NUMBER: _ClassVar[int]
     table: str
     dim: int
     count: int
     vectors: bytes
     sources: bytes
-    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., count: _Optional[int] = ..., vectors: _Optional[bytes] = ..., sources: _Optional[bytes] = ...) -> None: ...
+    storage: _rows_pb2.RowStorage
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., count: _Optional[int] = ..., vectors: _Optional[bytes] = ..., sources: _Optional[bytes] = ..., storage: _Optional[_Union[_rows_pb2.RowStorage, str]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("model", "tables", "request_id")
