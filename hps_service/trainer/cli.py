@@ -17,6 +17,7 @@ from rich.markup import escape
 
 from hps_service.config import ConfigError, load_config
 from hps_service.errors import HPSError, InvalidArgumentError
+from hps_service.rows.formats import STORAGES
 
 if TYPE_CHECKING:  # the trainer's modules import torch, which the rest of hps starts without
     from hps_service.trainer.criteo import FileFormat
@@ -175,6 +176,9 @@ def train_command(
     publish: bool = typer.Option(True, "--publish/--no-publish", help="Publish changed rows to Kafka "
                                  "(needs updates.type kafka in the config, or --brokers)."),
     brokers: str | None = typer.Option(None, "--brokers", help="Kafka bootstrap host:port; overrides the config."),
+    publish_precision: str = typer.Option("fp32", "--publish-precision", help="Publish rows as fp32, fp16, bf16 "
+                                          "or int8 (a 2-4x smaller log; replicas store each table in its own "
+                                          "tables[].storage)."),
     publish_every_steps: int = typer.Option(50, "--publish-every-steps", min=1, help="Publish after this many "
                                             "steps ..."),
     publish_every_s: float = typer.Option(1.0, "--publish-every-s", help="... or this many seconds, "
@@ -226,6 +230,7 @@ def train_command(
         if model_cfg is None:
             raise InvalidArgumentError(f"model {model!r} is not in {config}")
         embedding_opt = _choice(embedding_optimizer, _EMBEDDING_OPTIMIZERS, "--embedding-optimizer")
+        publish_as = _choice(publish_precision, STORAGES, "--publish-precision")
         fmt = _data_format(data_format, data, _DATA_FORMATS)
         moe = {
             "score_function": score_function, "pre_softmax": pre_softmax, "expert_bias": expert_bias,
@@ -269,7 +274,8 @@ def train_command(
             producer_config: dict[str, Any] = dict(cfg.updates.kafka_config)
             publisher = Publisher(target, model_cfg.name, cfg.updates.topic_prefix,
                                   partitions=cfg.cluster.partitions, replication_factor=cfg.updates.replication_factor,
-                                  min_insync_replicas=cfg.updates.min_insync_replicas, **producer_config)
+                                  min_insync_replicas=cfg.updates.min_insync_replicas,
+                                  precision=publish_as, **producer_config)
         elif publish and rank == 0:
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
         trainer = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from hps_client.rows import STORAGE_CODES, STORAGE_NAMES
 from hps_service.proto.hps.v1.update_pb2 import EmbeddingUpdate
+from hps_service.rows.formats import row_format
 
 #: Largest serialized update message the publisher produces (the broker's usual per-message limit is ~1 MiB).
 MAX_MESSAGE_BYTES = 1 << 20
@@ -46,9 +48,10 @@ def dlq_topic_name(topic: str) -> str:
     return f"{topic}.dlq"
 
 
-def rows_per_message(dim: int) -> int:
-    """How many rows of width ``dim`` fit in one message of at most MAX_MESSAGE_BYTES."""
-    per_row = 8 + 8 + 4 * dim  # key + version + vector
+def rows_per_message(dim: int, precision: str = "fp32") -> int:
+    """How many rows of width ``dim``, published as ``precision`` rows, fit in one message of at most
+    MAX_MESSAGE_BYTES."""
+    per_row = 8 + 8 + 4 * row_format(precision, dim).words  # key + version + stored row
     return max(1, (MAX_MESSAGE_BYTES - _MESSAGE_OVERHEAD_BYTES) // per_row)
 
 
@@ -61,16 +64,22 @@ def encode_update(
     delete_keys: np.ndarray | None = None,
     delete_versions: np.ndarray | None = None,
     purge_tombstones_below: int = 0,
+    precision: str = "fp32",
 ) -> bytes:
-    """Serialize one message; arrays are written as packed little-endian bytes (already validated by the caller)."""
+    """Serialize one message; arrays are written as packed little-endian bytes (already validated by the caller).
+    ``precision`` fp16 / bf16 / int8 encodes the float32 ``vectors`` as rows of that format (a smaller log); the
+    consumer decodes them and stores them in the table's own format."""
+    dim = int(vectors.shape[1]) if vectors.ndim == 2 else 0
+    fmt = row_format(precision, dim)
     msg = EmbeddingUpdate(
         model=model,
         table=table,
-        dim=int(vectors.shape[1]) if vectors.ndim == 2 else 0,
+        dim=dim,
         keys=np.ascontiguousarray(keys, dtype="<i8").tobytes(),
-        vectors=np.ascontiguousarray(vectors, dtype="<f4").tobytes(),
+        vectors=np.ascontiguousarray(fmt.encode(vectors), dtype="<f4").tobytes(),
         versions=np.ascontiguousarray(versions, dtype="<i8").tobytes(),
         produced_at_ns=time.time_ns(),
+        storage=STORAGE_CODES[precision] if len(keys) else 0,
     )
     if purge_tombstones_below:
         msg.purge_tombstones_below = purge_tombstones_below
@@ -88,7 +97,7 @@ class DecodedUpdate:
     table: str
     dim: int
     keys: np.ndarray  # (n,) int64
-    vectors: np.ndarray  # (n, dim) float32
+    vectors: np.ndarray  # (n, dim) float32 (decoded when the message carried fp16 / bf16 / int8 rows)
     versions: np.ndarray  # (n,) int64
     delete_keys: np.ndarray  # (m,) int64
     delete_versions: np.ndarray  # (m,) int64
@@ -119,12 +128,17 @@ def decode_update(payload: bytes | None) -> DecodedUpdate:
     if len(versions) != n:
         raise MalformedUpdateError(f"{n} keys but {len(versions)} versions")
     dim = int(msg.dim)
+    storage = STORAGE_NAMES.get(int(msg.storage))
+    if storage is None:
+        raise MalformedUpdateError(f"unknown row storage {int(msg.storage)} (known: {sorted(STORAGE_NAMES)})")
     if n:
         if dim <= 0:
             raise MalformedUpdateError(f"{n} rows with dim {dim}")
-        if len(msg.vectors) != n * dim * 4:
-            raise MalformedUpdateError(f"{n} keys of dim {dim} need {n * dim * 4} vector bytes, got {len(msg.vectors)}")
-        vectors = np.frombuffer(msg.vectors, dtype="<f4").reshape(n, dim)
+        fmt = row_format(storage, dim)
+        if len(msg.vectors) != n * fmt.words * 4:
+            raise MalformedUpdateError(f"{n} {storage} rows of dim {dim} need {n * fmt.words * 4} vector bytes, got "
+                                       f"{len(msg.vectors)}")
+        vectors = fmt.decoded(np.frombuffer(msg.vectors, dtype="<f4").reshape(n, fmt.words))
         if not np.isfinite(vectors).all():
             raise MalformedUpdateError("rows contain NaN or infinity")
     else:

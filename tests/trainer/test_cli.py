@@ -7,6 +7,7 @@ import logging
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytest.importorskip("torch")
@@ -14,8 +15,11 @@ pytest.importorskip("torch")
 import typer
 from typer.testing import CliRunner
 
+from hps_service.proto.hps.v1.update_pb2 import EmbeddingUpdate
 from hps_service.trainer.cli import predict_command, train_command
+from hps_service.updates.message import decode_update
 from tests.trainer.criteo_data import criteo_config, make_rows, write_parquet, write_tsv
+from tests.updates.test_publisher import read_all
 
 CONFIG = """
 updates: {type: disabled}
@@ -97,6 +101,7 @@ def test_train_on_synthetic_data_measures_drift(tmp_path: Path) -> None:
         (["--data", "{tsv}"], "C1..C26"),
         (["--resume"], "--resume needs --checkpoint-dir"),
         (["--precision", "fp8"], "precision"),
+        (["--publish-precision", "int4"], "--publish-precision must be fp32, fp16, bf16 or int8"),
         (["--batch-size", "0"], "batch-size"),
         (["--experts", "2", "--top-k", "3"], "--top-k 3 is more than the 2 --experts"),
         (["--interaction", "fm"], "--interaction must be dot or dcn"),
@@ -139,14 +144,19 @@ def test_resuming_with_another_shape_is_one_error_line(tmp_path: Path) -> None:
 def test_train_creates_its_update_topic_with_the_configured_replication(kafka_broker, tmp_path: Path,
                                                                          caplog: pytest.LogCaptureFixture) -> None:
     """``updates.replication_factor``, not the publisher's default of 3: on one broker the topic is capped at 1
-    with a warning that names the configured factor."""
+    with a warning that names the configured factor. ``--publish-precision int8`` publishes int8 rows."""
     config = tmp_path / "hps.yaml"
+    prefix = f"rf{uuid.uuid4().hex[:8]}"
     config.write_text(CONFIG.replace("updates: {type: disabled}", (
-        f"updates: {{type: kafka, brokers: '{kafka_broker.bootstrap}', topic_prefix: rf{uuid.uuid4().hex[:8]}, "
+        f"updates: {{type: kafka, brokers: '{kafka_broker.bootstrap}', topic_prefix: {prefix}, "
         "replication_factor: 2, min_insync_replicas: 1}")))
     with caplog.at_level(logging.WARNING, logger="hps_service.updates.topics"):
         result = CliRunner().invoke(_app(), ["train", "--config", str(config), "--steps", "1", "--batch-size", "64",
-                                             "--experts", "0", "--no-progress", "--metrics-out", str(tmp_path / "m")])
+                                             "--experts", "0", "--no-progress", "--metrics-out", str(tmp_path / "m"),
+                                             "--publish-precision", "int8"])
     assert result.exit_code == 0, result.output
     created = [r.getMessage() for r in caplog.records if "created with replication factor" in r.getMessage()]
     assert created and all("not updates.replication_factor=2" in m for m in created), created
+    messages = read_all(kafka_broker.bootstrap, f"{prefix}.demo", 24, expect=2, timeout=10)
+    assert messages and all(EmbeddingUpdate.FromString(m.value()).storage == 3 for m in messages)
+    assert all(decode_update(m.value()).vectors.dtype == np.float32 for m in messages)
