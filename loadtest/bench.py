@@ -587,10 +587,12 @@ def main(argv: list[str] | None = None) -> int:
             console.rule("12. tracing off vs the base commit, and on (loadtest.bench_tracing)")
             res["tracing"] = bench_tracing.run(args.quick, console)
         if "storage" not in skip:
-            from loadtest import bench_storage
+            from loadtest import bench_storage, bench_storage_grpc
 
             console.rule("13. quantised rows: memory, disk and lookup speed per format (loadtest.bench_storage)")
             res["storage"] = bench_storage.run(200_000 if args.quick else 1_000_000, 64, console)
+            console.rule("13b. quantised rows over gRPC: keys/s, server CPU and wire bytes (loadtest.bench_storage_grpc)")
+            res["storage_grpc"] = bench_storage_grpc.run(100_000 if args.quick else 1_000_000, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started

@@ -53,8 +53,9 @@ class EmbeddedServer:
     """``hps serve`` on the embedded default config with one generated table, on free loopback ports.
 
     ``overrides`` are merged into the config's sections (e.g. ``{"cache": {"capacity": 1.0}}``);
-    ``table_dim`` replaces the dim of ``model.table`` in the config's model list; ``source``: the tree whose code
-    runs (``hps import`` and ``hps serve``), this checkout by default.
+    ``table_dim`` replaces the dim of ``model.table`` in the config's model list, and ``table`` entries (e.g.
+    ``{"storage": "int8"}``) more of its fields; ``source``: the tree whose code runs (``hps import`` and
+    ``hps serve``), this checkout by default.
     """
 
     def __init__(
@@ -67,12 +68,14 @@ class EmbeddedServer:
         overrides: dict[str, dict[str, Any]] | None = None,
         seed: int = 0,
         source: Path = REPO,
+        table_fields: dict[str, Any] | None = None,
     ) -> None:
         if rows < 1:
             raise InvalidArgumentError(f"rows must be >= 1, got {rows}")
         self.workdir = Path(workdir)
         self.rows, self.dim, self.model, self.table, self.seed = rows, table_dim, model, table, seed
         self.overrides = overrides or {}
+        self.table_fields = table_fields or {}
         self.source = source
         self.keys_file = self.workdir / f"{model}-{table}-{rows}x{table_dim}.npz"
         self.config_path = self.workdir / "config.yaml"
@@ -101,7 +104,7 @@ class EmbeddedServer:
         table = next((t for t in model["tables"] if t["name"] == self.table), None)
         if table is None:
             raise InvalidArgumentError(f"model '{self.model}' has no table '{self.table}' in {EMBEDDED_CONFIG}")
-        table["dim"] = self.dim
+        table.update(self.table_fields, dim=self.dim)
         return config
 
     def prepare(self) -> EmbeddedServer:

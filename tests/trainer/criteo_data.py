@@ -62,12 +62,13 @@ def write_parquet(path: Path, columns: dict[str, list]) -> Path:
 
 
 def criteo_config(path: Path, fields: int = 26, dim: int = 8, brokers: str | None = None, model: str = "ctr",
-                  extra: dict | None = None) -> Path:
-    """An hps config whose model has tables C1..C<fields> (hashed_random defaults)."""
+                  extra: dict | None = None, storage: str = "fp32") -> Path:
+    """An hps config whose model has tables C1..C<fields> (hashed_random defaults, rows stored as ``storage``)."""
     import yaml
 
     updates = {"type": "kafka", "brokers": brokers, "topic_prefix": "hps"} if brokers else {"type": "disabled"}
     data = {"updates": updates, "models": [{"name": model, "tables": [
-        {"name": f"C{i}", "dim": dim, "default": "hashed_random"} for i in range(1, fields + 1)]}], **(extra or {})}
+        {"name": f"C{i}", "dim": dim, "default": "hashed_random", "storage": storage}
+        for i in range(1, fields + 1)]}], **(extra or {})}
     path.write_text(yaml.safe_dump(data))
     return path
