@@ -19,7 +19,8 @@ import numpy as np
 
 from hps_service.shm.region import Region
 from hps_service.tiers.hashmap import seqlock as hk
-from hps_service.tiers.hashmap.tier import HashMapTier, TableArrays, TableReader
+from hps_service.tiers.hashmap.reader import TableArrays, TableReader
+from hps_service.tiers.hashmap.tier import HashMapTier
 from tests.helpers import REPO
 
 TABLE = "m.t"

@@ -17,7 +17,7 @@ from hps_service.shm.changes import ChangeRing
 from hps_service.shm.queue import Ring
 from hps_service.shm.region import Region, open_spec
 from hps_service.tiers.hashmap import seqlock as hk
-from hps_service.tiers.hashmap.tier import TableArrays, TableReader
+from hps_service.tiers.hashmap.reader import TableArrays, TableReader
 
 
 @dataclass
