@@ -21,6 +21,7 @@ def build_volatile(cfg: VolatileConfig, placement: tuple[Any, Any] | None = None
         extra = {"allocator": placement[0], "release": placement[1]} if placement is not None else {}
         return HashMapTier(
             capacity_rows=cfg.capacity_rows,
+            capacity_bytes=cfg.capacity_mb << 20 if cfg.capacity_mb is not None else None,
             overflow_policy=cfg.overflow_policy,
             evict_fraction=cfg.overflow_evict_fraction,
             **extra,

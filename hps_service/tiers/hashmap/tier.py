@@ -49,6 +49,23 @@ def _index_size(row_capacity: int) -> int:
     return 1 << max(4, math.ceil(math.log2(row_capacity * _INDEX_SLOTS_PER_ROW)))
 
 
+#: Bytes a held row takes besides its ``dim`` 4-byte words: key, version and stamp, the readers' stamp.
+_ROW_META_BYTES = 4 * 8
+
+
+def rows_within(budget_bytes: int, dim: int) -> int:
+    """The most rows of width ``dim`` (4-byte words) whose storage and full index fit in ``budget_bytes``."""
+    per_row = 4 * dim + _ROW_META_BYTES
+    lo, hi = 0, budget_bytes // per_row
+    while lo < hi:  # the largest n with n * per_row + the index for n rows <= budget
+        mid = (lo + hi + 1) // 2
+        if mid * per_row + 4 * _index_size(mid) <= budget_bytes:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 class _Table:
     """Storage, index and counters of one table; every access by this process holds ``lock``, every change is
     bracketed by the control array's sequence lock for readers in other processes (``reader.TableReader``)."""
@@ -56,6 +73,7 @@ class _Table:
     def __init__(self, name: str, dim: int, max_rows: int, alloc: NamedAllocator, release: Release) -> None:
         self.name = name
         self.dim = dim
+        self.capacity = max_rows  # rows the table may hold, tombstones included
         self.lock = threading.RLock()
         self.n_rows = 0  # rows held, tombstones included
         self.rows_touched = 0  # the most rows ever held: storage pages in use
@@ -155,7 +173,7 @@ def index_name(table: str, generation: int) -> str:
 
 
 class HashMapTier(Tier):
-    """Bounded in-process tier; ``capacity_rows`` applies to each table separately."""
+    """Bounded in-process tier; ``capacity_rows`` (and ``capacity_bytes``) apply to each table separately."""
 
     kind = "volatile"
     in_process = True
@@ -168,9 +186,14 @@ class HashMapTier(Tier):
         evict_fraction: float = 0.1,
         allocator: NamedAllocator = anonymous,
         release: Release = _no_release,
+        capacity_bytes: int | None = None,
     ) -> None:
         """``allocator`` places each table's arrays (private memory by default; files of a shared store for the
-        node's worker processes, which read them with ``reader.TableReader``), ``release`` gives them back."""
+        node's worker processes, which read them with ``reader.TableReader``), ``release`` gives them back.
+        ``capacity_bytes``: a memory budget per table, so that a table of narrower stored rows (fp16, int8) holds
+        more of them; a table holds the fewer of ``capacity_rows`` and the rows that fit it."""
+        if capacity_bytes is not None and capacity_bytes < 1:
+            raise InvalidArgumentError(f"capacity_bytes must be a positive integer, got {capacity_bytes!r}")
         if (
             not isinstance(capacity_rows, (int, np.integer))
             or isinstance(capacity_rows, bool)
@@ -186,6 +209,7 @@ class HashMapTier(Tier):
         if not 0.0 < evict_fraction <= 1.0:
             raise InvalidArgumentError(f"evict_fraction must be in (0, 1], got {evict_fraction!r}")
         self.capacity_rows = int(capacity_rows)
+        self.capacity_bytes = capacity_bytes
         self.overflow_policy = overflow_policy
         self.evict_fraction = float(evict_fraction)
         self._lfu = overflow_policy == "lfu"
@@ -232,8 +256,14 @@ class HashMapTier(Tier):
                         f"table {table!r} exists with dim {existing.dim}, asked for dim {dim}"
                     )
                 return
+            rows = self.capacity_rows
+            if self.capacity_bytes is not None:
+                rows = min(rows, rows_within(self.capacity_bytes, int(dim)))
+                if rows < 1:
+                    raise InvalidArgumentError(f"volatile.capacity_mb ({self.capacity_bytes / 2**20:g} MiB) holds no "
+                                               f"row of table {table!r} ({4 * int(dim)} B a row and its index)")
             try:
-                self._tables[table] = _Table(table, int(dim), self.capacity_rows, self._alloc, self._release)
+                self._tables[table] = _Table(table, int(dim), rows, self._alloc, self._release)
             except ResourceExhaustedError as exc:
                 raise ResourceExhaustedError(
                     f"{exc}; lower volatile.capacity_rows (memory is only used as rows arrive, but this host refuses "
@@ -271,7 +301,7 @@ class HashMapTier(Tier):
             with t.changing():
                 n, revived = row_ops.put_rows(
                     t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows),
-                    np.int64(min(self.capacity_rows, t.row_capacity)),
+                    np.int64(min(t.capacity, t.row_capacity)),
                     query, vecs, vers, written, clock, self._lfu,
                 )  # fmt: skip
             t.set_rows(int(n))
@@ -282,16 +312,16 @@ class HashMapTier(Tier):
         """Evict and grow storage so that the keys of ``query`` not yet held fit (up to the capacity)."""
         present_rows = np.empty(query.size, dtype=np.int64)
         missing = int(index_ops.locate_rows(t.index, t.keys, query, present_rows))
-        if t.n_rows + missing > self.capacity_rows:
-            self._evict(t, present_rows, t.n_rows + missing - self.capacity_rows)
-        t.reserve(min(self.capacity_rows, t.n_rows + missing))
+        if t.n_rows + missing > t.capacity:
+            self._evict(t, present_rows, t.n_rows + missing - t.capacity)
+        t.reserve(min(t.capacity, t.n_rows + missing))
 
     def _evict(self, t: _Table, batch_rows: np.ndarray, overflow: int) -> None:
         """Remove at least ``overflow`` rows (normally ``evict_fraction`` of capacity), sparing the batch's rows."""
         n = t.n_rows
         spared = np.unique(batch_rows[batch_rows >= 0])
         evictable = n - spared.size
-        count = min(evictable, max(overflow, math.ceil(self.evict_fraction * self.capacity_rows)))
+        count = min(evictable, max(overflow, math.ceil(self.evict_fraction * t.capacity)))
         if count <= 0:
             return
         stamps = t.effective_stamps(n)
@@ -326,7 +356,7 @@ class HashMapTier(Tier):
                 with t.changing():
                     n, removed, added = row_ops.tombstone_keys(
                         t.index, t.keys, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows),
-                        np.int64(min(self.capacity_rows, t.row_capacity)), query, tomb_versions, clock,
+                        np.int64(min(t.capacity, t.row_capacity)), query, tomb_versions, clock,
                     )  # fmt: skip
                 t.n_tombstones += int(added)
             t.set_rows(int(n))
@@ -363,7 +393,7 @@ class HashMapTier(Tier):
             extra["bytes_per_row"] = memory / held
             extra["memory_ratio"] = memory / (held * raw_row_bytes)
         return TierStats(
-            rows=held - tombstones, capacity=self.capacity_rows, evictions=evictions, extra=extra
+            rows=held - tombstones, capacity=t.capacity, evictions=evictions, extra=extra
         )
 
     def scan_keys(self, table: str, limit: int) -> np.ndarray:
