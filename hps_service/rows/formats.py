@@ -83,7 +83,7 @@ class RowFormat:
         elif self.storage == "bf16":
             kernels.decode_bf16(np.ascontiguousarray(stored), out)
         elif self.storage == "fp16":
-            kernels.decode_fp16(np.ascontiguousarray(stored), out, kernels.FP16_BITS)
+            kernels.decode_fp16(np.ascontiguousarray(stored), out)
         else:
             kernels.decode_int8(np.ascontiguousarray(stored), out)
 

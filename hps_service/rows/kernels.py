@@ -8,8 +8,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-#: float32 bits of every fp16 bit pattern (numba has no CPU float16, so fp16 decodes through this table).
-FP16_BITS = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+#: 2**112: moves an fp16 exponent (bias 15), placed in a float32's exponent bits, to float32's bias of 127.
+_FP16_EXPONENT_SHIFT = np.float32(2.0**112)
+#: The least float32 the shift makes of an fp16 infinity or NaN (exponent 31).
+_FP16_WAS_INF_NAN = np.float32(65536.0)
 
 
 @njit(cache=True, nogil=True)
@@ -24,14 +26,23 @@ def decode_bf16(words: np.ndarray, out: np.ndarray) -> None:
 
 
 @njit(cache=True, nogil=True)
-def decode_fp16(words: np.ndarray, out: np.ndarray, table: np.ndarray) -> None:
-    """``words`` (n, ceil(dim/2)) holding IEEE halves -> ``out`` (n, dim) float32, through ``table`` (FP16_BITS)."""
+def decode_fp16(words: np.ndarray, out: np.ndarray) -> None:
+    """``words`` (n, ceil(dim/2)) holding IEEE halves -> ``out`` (n, dim) float32, bit-exact with NumPy's conversion
+    (subnormals, infinities and NaN payloads included): the half's exponent and mantissa bits placed in a float32
+    and scaled by 2**112 (F. Giesen's branch-light conversion; numba has no CPU float16)."""
     half = words.view(np.uint16)
     bits = out.view(np.uint32)
     n, dim = out.shape
     for i in range(n):
         for d in range(dim):
-            bits[i, d] = table[half[i, d]]
+            h = np.uint32(half[i, d])
+            bits[i, d] = (h & np.uint32(0x7FFF)) << np.uint32(13)
+            value = out[i, d] * _FP16_EXPONENT_SHIFT
+            out[i, d] = value
+            sign = (h & np.uint32(0x8000)) << np.uint32(16)
+            if value >= _FP16_WAS_INF_NAN:
+                sign |= np.uint32(0x7F800000)
+            bits[i, d] |= sign
 
 
 @njit(cache=True, nogil=True)

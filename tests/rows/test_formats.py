@@ -85,3 +85,11 @@ def test_empty_batches_and_an_unknown_storage() -> None:
         assert fmt.decoded(fmt.encode(np.empty((0, 4), np.float32))).shape == (0, 4)
     with pytest.raises(InvalidArgumentError, match="unknown row storage 'int4'"):
         row_format("int4", 4)
+
+
+def test_fp16_decode_is_bit_exact_with_numpy_for_every_half() -> None:
+    """Every one of the 65536 halves (subnormals, +-0, infinities, NaN payloads) decodes to NumPy's float32 bits."""
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    fmt = row_format("fp16", 1 << 16)
+    got = fmt.decoded(halves.view(np.float32).reshape(1, -1))
+    np.testing.assert_array_equal(got.view(np.uint32)[0], halves.view(np.float16).astype(np.float32).view(np.uint32))
