@@ -44,13 +44,14 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from hps_service.config import load_config
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree
 from hps_service.serve.process import build_engine
 from hps_service.tiers.base import table_id
+from loadtest.bench_curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
+from loadtest.bench_report import curves_table, ratio_table
 from loadtest.embedded import EmbeddedServer
 from loadtest.floor_server import FloorServer
 from loadtest.loadgen import RESULTS, LoadSpec, run_load
@@ -209,91 +210,6 @@ def _profile_server(server: EmbeddedServer, base: LoadSpec, workdir: Path, conso
             "top_frames": profiling.top_frames(out_file), "collapsed_stacks": str(kept)}
 
 
-# ---------------------------------------------------------------------------------------------- 5. curves
-def curve_point(server: EmbeddedServer, p: Plan, batch: int = 1024) -> dict[str, Any]:
-    spec = LoadSpec(target=server.target, model=MODEL, tables=(TABLE,), batch=batch, workers=p.workers,
-                    concurrency=p.concurrency, duration_s=p.curve_s, warmup_s=1.0, keys_file=str(server.keys_file),
-                    http_target=server.http_target)
-    r = run_load(spec)
-    return {"keys_per_s": r["keys_per_s"], "qps": r["qps"], "p99_ms": r["latency_ms"]["p99"],
-            "p50_ms": r["latency_ms"]["p50"], "errors": sum(r["errors"].values()),
-            "server_hit_rate": r["server_hit_rate"]}
-
-
-def curve_batches(server: EmbeddedServer, p: Plan) -> list[dict[str, Any]]:
-    return [{"batch": b, **curve_point(server, p, b)} for b in p.batches]
-
-
-def curve_table_sizes(p: Plan, workdir: Path, base_point: dict[str, Any], console: Console) -> list[dict[str, Any]]:
-    points = []
-    for rows in p.table_sizes:
-        if rows == p.rows:
-            points.append({"rows": rows, **base_point})
-            continue
-        console.print(f"  table of {rows:,} rows: hps synth + hps import + serve")
-        t0 = time.perf_counter()
-        srv = EmbeddedServer(workdir / f"rows-{rows}", rows=rows, table_dim=DIM).prepare()
-        prepared = time.perf_counter() - t0
-        srv.start()
-        try:
-            run_load(LoadSpec(target=srv.target, model=MODEL, tables=(TABLE,), workers=p.workers,
-                              concurrency=p.concurrency, duration_s=p.warmup_s, warmup_s=0.0,
-                              keys_file=str(srv.keys_file)))
-            points.append({"rows": rows, "prepare_s": prepared, **curve_point(srv, p)})
-        finally:
-            srv.stop()
-            shutil.rmtree(srv.workdir, ignore_errors=True)
-    return points
-
-
-def curve_cache_fractions(p: Plan, workdir: Path) -> list[dict[str, Any]]:
-    points = []
-    for fraction in p.cache_fractions:
-        srv = EmbeddedServer(workdir / "base", rows=p.rows, table_dim=DIM,
-                             overrides={"cache": {"capacity": fraction}}).prepare().start()
-        try:
-            run_load(LoadSpec(target=srv.target, model=MODEL, tables=(TABLE,), workers=p.workers,
-                              concurrency=p.concurrency, duration_s=p.warmup_s, warmup_s=0.0,
-                              keys_file=str(srv.keys_file)))
-            points.append({"cache_fraction": fraction, **curve_point(srv, p)})
-        finally:
-            srv.stop()
-    return points
-
-
-def plot_curves(curves: dict[str, list[dict[str, Any]]], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [("batch", "batch size (keys)", True), ("rows", "table rows", True),
-              ("cache_fraction", "L1 cache fraction of the table", True)]
-    names = {"batch": "batches", "rows": "table_sizes", "cache_fraction": "cache_fractions"}
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, (x, label, logx) in zip(axes, panels):
-        pts = curves.get(names[x]) or []
-        if not pts:
-            ax.set_visible(False)
-            continue
-        xs = [q[x] for q in pts]
-        ax.plot(xs, [q["keys_per_s"] / 1e6 for q in pts], marker="o", color="tab:blue")
-        ax.set_xlabel(label)
-        ax.set_ylabel("M keys/s", color="tab:blue")
-        if logx:
-            ax.set_xscale("log")
-        twin = ax.twinx()
-        twin.plot(xs, [q["p99_ms"] or np.nan for q in pts], marker="s", color="tab:red")
-        twin.set_ylabel("p99 ms", color="tab:red")
-        ax.grid(True, alpha=0.3)
-    fig.suptitle("cost curves over gRPC (closed loop, zipf 1.05)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 # ---------------------------------------------------------------------------------------------- 3. L3
 def bench_l3(p: Plan, db_path: Path, keys: np.ndarray) -> dict[str, Any]:
     """engine.lookup with no L1 and no volatile tier vs rocksdict multi-get on the very column family it reads,
@@ -422,91 +338,6 @@ def bench_replicas(quick: bool) -> dict[str, Any]:
             "output": text.strip().splitlines()}
 
 
-# ---------------------------------------------------------------------------------------------- report
-def ratio_table(res: dict[str, Any]) -> Table:
-    t = Table(title="hps-service benchmarks: ratios measured side by side in this run", header_style="bold")
-    for col in ("benchmark", "ours", "baseline", "ratio", "target", "met"):
-        t.add_column(col, justify="right" if col not in ("benchmark",) else "left")
-
-    def row(name: str, ours: str, base: str, ratio: float | None, target: str, ok: bool | None) -> None:
-        t.add_row(name, ours, base, "-" if ratio is None else f"{ratio:.2f}x", target,
-                  "-" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]"))
-
-    for r in res.get("l1", {}).get("per_batch", []):
-        row(f"1. L1 hit lookup, batch {r['batch']}", f"{r['lookup_us']:.0f} us", f"gather {r['gather_us']:.0f} us",
-            r["ratio_lookup"], ">= 0.5", r["ratio_lookup"] >= 0.5)
-    g = res.get("grpc")
-    if g:
-        o = g["ours"]
-        row("2. gRPC b1024 vs floor (best of aio/thread pool)",
-            f"{o['keys_per_s'] / 1e6:.2f} M keys/s p99 {o['p99_ms']:.1f} ms",
-            f"{g['floor_best_keys_per_s'] / 1e6:.2f} M keys/s", g["ratio_vs_floor"], ">= 0.8", g["ratio_vs_floor"] >= 0.8)
-        if g.get("floor_sync"):
-            row("   vs thread-pool floor (our server's kind)", "", f"{g['floor_sync']['keys_per_s'] / 1e6:.2f} M keys/s "
-                f"p99 {g['floor_sync']['p99_ms']:.1f} ms", g["ratio_vs_floor_same_kind"], "-", None)
-        for name, key in (("server", "server_cpu_ms_per_call"), ("client", "client_cpu_ms_per_call")):
-            floor_cpu = g["floor_sync"][key] if g.get("floor_sync") else None
-            if o[key] is not None and floor_cpu:
-                row(f"   {name} CPU per call, ours vs thread-pool floor", f"{o[key]:.2f} ms", f"{floor_cpu:.2f} ms",
-                    floor_cpu / o[key], "-", None)
-        if g.get("redis"):
-            rd = g["redis"]
-            row("2. gRPC b1024 vs Redis Cluster MGET/node", f"p99 {o['p99_ms']:.1f} ms",
-                f"{rd['keys_per_s'] / 1e6:.2f} M keys/s p99 {rd['p99_ms']:.1f} ms", g["ratio_vs_redis"], ">= 3.5",
-                g["ratio_vs_redis"] >= 3.5)
-        else:
-            row("2. gRPC vs Redis Cluster", "", "not run (no redis-server)", None, ">= 3.5", None)
-    l3 = res.get("l3")
-    if l3:
-        row("3. L3 miss path vs rocksdict multi-get", f"{l3['ours_ms']:.2f} ms", f"{l3['raw_ms']:.2f} ms",
-            l3["ratio"], ">= 0.67", l3["ratio"] >= 0.67)
-    m = res.get("memory")
-    if m:
-        row("4. memory: hash map tier bytes/row",
-            f"{m['hashmap_bytes_per_row']:.0f} B (process grew {m['hashmap_resident_bytes_per_row']:.0f} B/row)",
-            f"raw {m['raw_row_bytes']} B",
-            m["hashmap_ratio"], "<= 1.3", m["hashmap_ratio"] <= 1.3)
-        row("4. memory: L1 cache bytes/row", f"{m['l1_bytes_per_row']:.0f} B", f"raw {m['raw_row_bytes']} B",
-            m["l1_ratio"], "<= 1.3", m["l1_ratio"] <= 1.3)
-    f = res.get("freshness")
-    if f:
-        if f.get("run") and f.get("p99_ms") is not None:
-            row("6. freshness under load (publish -> served)", f"p99 {f['p99_ms']:.0f} ms", "", None, "p99 <= 1 s",
-                f["p99_ms"] <= 1000)
-        else:
-            row("6. freshness under load", "not run", f.get("reason", "")[:60], None, "p99 <= 1 s", None)
-    ing = res.get("ingest")
-    if ing:
-        row("7. lookups under 10k rows/s of ingest vs without",
-            f"{ing['keys_per_s_ingest'] / 1e6:.2f} M keys/s ({ing['applied_rows_per_s']:,.0f} rows/s applied)",
-            f"{ing['keys_per_s_idle'] / 1e6:.2f} M keys/s", ing["ratio"], ">= 0.8", ing["ratio"] >= 0.8)
-    r = res.get("replicas")
-    if r:
-        if r.get("run") and r.get("bootstrap_s") and r.get("import_s"):
-            ratio = r["bootstrap_s"] / r["import_s"]
-            row(f"9. bootstrap of {r['rows']:,} x 64 from a snapshot", f"{r['bootstrap_s']:.1f} s",
-                f"hps import {r['import_s']:.1f} s", ratio, "<= 1.5", ratio <= 1.5)
-        else:
-            row("9. bootstrap from a snapshot", "not run", r.get("reason", "")[:60], None, "<= 1.5", None)
-        if r.get("catch_up_s"):
-            row(f"9. catch-up behind {r['catch_up_rows']:,} rows", f"{r['catch_up_s']:.1f} s",
-                f"{r['catch_up_rows_per_s']:,.0f} rows/s", None, "-", None)
-    return t
-
-
-def curves_table(curves: dict[str, list[dict[str, Any]]]) -> Table:
-    t = Table(title="5. cost curves over gRPC", header_style="bold")
-    for col in ("curve", "x", "M keys/s", "QPS", "p50 ms", "p99 ms", "server L1 hit", "errors"):
-        t.add_column(col, justify="right")
-    for name, key in (("batches", "batch"), ("table_sizes", "rows"), ("cache_fractions", "cache_fraction")):
-        for q in curves.get(name, []):
-            hit = (q.get("server_hit_rate") or {}).get("cache")
-            t.add_row(name, f"{q[key]:,}" if isinstance(q[key], int) else f"{q[key]:g}", f"{q['keys_per_s'] / 1e6:.2f}",
-                      f"{q['qps']:.0f}", f"{q['p50_ms'] or float('nan'):.1f}", f"{q['p99_ms'] or float('nan'):.1f}",
-                      "-" if hit is None else f"{hit:.3f}", str(q["errors"]))
-    return t
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -587,12 +418,15 @@ def main(argv: list[str] | None = None) -> int:
             console.rule("12. tracing off vs the base commit, and on (loadtest.bench_tracing)")
             res["tracing"] = bench_tracing.run(args.quick, console)
         if "storage" not in skip:
-            from loadtest import bench_storage, bench_storage_grpc
+            from loadtest import bench_storage, bench_storage_cliff, bench_storage_grpc
 
             console.rule("13. quantised rows: memory, disk and lookup speed per format (loadtest.bench_storage)")
             res["storage"] = bench_storage.run(200_000 if args.quick else 1_000_000, 64, console)
             console.rule("13b. quantised rows over gRPC: keys/s, server CPU and wire bytes (loadtest.bench_storage_grpc)")
             res["storage_grpc"] = bench_storage_grpc.run(100_000 if args.quick else 1_000_000, console)
+            console.rule("13c. quantised rows: the table-size cliff of one hash-map budget (loadtest.bench_storage_cliff)")
+            res["storage_cliff"] = {dim: bench_storage_cliff.run(8 if args.quick else 64, dim, console)
+                                    for dim in (64, 128)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
