@@ -19,6 +19,9 @@
    count; colocated reads: LocalClient vs gRPC (>= 10x) vs the raw gather (>= 0.3x).
 12. Tracing (loadtest.bench_tracing): server CPU per all-hit call with server.tracing off vs the base commit's code
    (no cost when off), and on (unsampled, every call sampled) vs off.
+13. Quantised rows (loadtest.bench_storage, bench_storage_grpc, bench_storage_cliff): memory and disk per row of
+   fp16 / bf16 / int8 vs fp32 (<= 0.55x / 0.35x), gRPC keys/s and server CPU (>= 0.95x), wire bytes with
+   precision=stored, and the table-size cliff of one hash-map budget (int8 >= 2.9x fp32's).
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
