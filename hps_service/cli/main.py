@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import sys
@@ -64,6 +65,7 @@ def serve(
     log_level: str = typer.Option("info", help="debug, info, warning or error."),
 ) -> None:
     """Serve lookups over gRPC until SIGTERM/SIGINT, then drain and exit 0."""
+    faulthandler.enable()  # a crash of the owner (a native library's) leaves its Python stacks in the log
     from hps_service.jit.warmup import seed_kernel_cache
 
     seed_kernel_cache()  # before the server's modules load their kernels (see hps_service.jit.warmup)
