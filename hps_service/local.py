@@ -78,7 +78,8 @@ class _Table:
 
 class LocalClient:
     """The methods of :class:`hps_client.HPSClient` (``lookup``, ``lookup_with_sources``, ``lookup_many``,
-    ``lookup_stored``, ``list_models``, ``close``), answered from the server's shared store where it can (see the module docstring)."""
+    ``lookup_stored``, ``list_models``, ``close``), answered from the server's shared store where it can (see the
+    module docstring)."""
 
     def __init__(self, path: str | Path = "/dev/shm/hps", timeout: float | None = 5.0, *,
                  socket_path: str | Path | None = None, retries: int = 3, backoff_s: float = 0.05,

@@ -19,6 +19,7 @@ from typing import cast, get_args
 
 import numpy as np
 
+from hps_client.rows import row_words
 from hps_service.config.base import Storage
 from hps_service.errors import InvalidArgumentError
 from hps_service.rows import kernels
@@ -38,11 +39,7 @@ class RowFormat:
     @property
     def words(self) -> int:
         """Width of a stored row in 4-byte words (what the tiers and L1 see as the table's dim)."""
-        if self.storage == "fp32":
-            return self.dim
-        if self.storage in ("fp16", "bf16"):
-            return (self.dim + 1) // 2
-        return (self.dim + 3) // 4 + 2
+        return row_words(self.storage, self.dim)
 
     @property
     def identity(self) -> bool:
@@ -54,12 +51,10 @@ class RowFormat:
         format cannot hold (beyond fp16's range)."""
         if self.identity:
             return vectors
+        self.check(vectors)
         n = vectors.shape[0]
         stored = np.zeros((n, self.words), dtype=np.float32)
         if self.storage == "fp16":
-            if n and float(np.abs(vectors).max()) > FP16_MAX:
-                raise InvalidArgumentError(f"a row has a value beyond fp16's range (+-{FP16_MAX:g}); store the "
-                                           "table as bf16 or fp32")
             stored.view(np.float16)[:, : self.dim] = vectors
         elif self.storage == "bf16":
             bits = np.ascontiguousarray(vectors, dtype=np.float32).view(np.uint32)
@@ -75,6 +70,13 @@ class RowFormat:
             stored[:, -2] = scale
             stored[:, -1] = lo
         return stored
+
+    def check(self, vectors: np.ndarray) -> None:
+        """InvalidArgumentError when finite float32 rows ``(n, dim)`` hold a value the format cannot (beyond fp16's
+        range), before anything is written."""
+        if self.storage == "fp16" and vectors.size and float(np.abs(vectors).max()) > FP16_MAX:
+            raise InvalidArgumentError(f"a row has a value beyond fp16's range (+-{FP16_MAX:g}); store the table as "
+                                       "bf16 or fp32")
 
     def decode(self, stored: np.ndarray, out: np.ndarray) -> None:
         """Stored rows ``(n, words)`` -> float32 rows written into ``out`` ``(n, dim)``, C-contiguous."""

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from hps_client.errors import InternalError
+from hps_client.proto.hps.v1 import rows_pb2
 
-#: hps.v1.RowStorage values by name, and names by value.
-STORAGE_CODES = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3}
+#: hps.v1.RowStorage values by name (``ROW_STORAGE_INT8`` -> ``"int8"``), and names by value.
+STORAGE_CODES = {name.removeprefix("ROW_STORAGE_").lower(): int(code) for name, code in rows_pb2.RowStorage.items()}
 STORAGE_NAMES = {code: name for name, code in STORAGE_CODES.items()}
 
 

@@ -89,18 +89,6 @@ def decode_stored(tv: pb.TableVectors | WireTable) -> StoredAnswer:
                         sources=np.frombuffer(tv.sources, dtype=np.uint8))
 
 
-#: LookupRequest.precision values by name.
-PRECISIONS = {"fp32": pb.PRECISION_FP32, "stored": pb.PRECISION_STORED}
-
-
-def precision_code(precision: str) -> int:
-    """The hps.v1.Precision of ``"fp32"`` or ``"stored"`` (InvalidArgumentError for another name)."""
-    code = PRECISIONS.get(precision)
-    if code is None:
-        raise InvalidArgumentError(f"precision must be 'fp32' or 'stored', got {precision!r}")
-    return code
-
-
 def build_request(model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
                   precision: pb.Precision = pb.PRECISION_FP32) -> pb.LookupRequest:
     """One LookupRequest for several tables of ``model`` (``precision``: an hps.v1.Precision)."""
