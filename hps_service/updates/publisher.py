@@ -130,6 +130,7 @@ class Publisher:
             rows = np.ascontiguousarray(rows, dtype=np.float32)
         if not np.isfinite(rows).all():
             raise InvalidArgumentError("rows contain NaN or infinity (after conversion to float32)")
+        row_format(self.precision, rows.shape[1]).check(rows)  # refused whole, before any message is queued
         versions = self._versions(version, len(keys))
         return self._send(table, keys, rows, versions, deletes=False, deliveries=deliveries)
 

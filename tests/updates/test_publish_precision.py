@@ -13,6 +13,7 @@ from hps_service.serve.build import build_engine
 from hps_service.updates import Publisher, UpdateConsumer, make_version
 from hps_service.updates.message import MalformedUpdateError, decode_update, encode_update, rows_per_message
 from tests.updates.conftest import served, wait_until
+from tests.updates.test_publisher import read_all
 
 DIM = 64
 
@@ -65,6 +66,18 @@ def test_malformed_stored_rows_are_refused() -> None:
     msg.vectors = np.full(4 * DIM, 0x7F80, np.uint16).tobytes()  # bf16 infinities
     with pytest.raises(MalformedUpdateError, match="NaN or infinity"):
         decode_update(msg.SerializeToString())
+
+
+def test_rows_beyond_fp16_are_refused_before_any_message_is_queued(kafka_broker, model_name) -> None:
+    pub = Publisher(kafka_broker.bootstrap, model_name, partitions=4, precision="fp16")
+    keys = np.arange(1000, dtype=np.int64)
+    rows = sample_rows(1000)
+    rows[-1, 0] = 70_000.0  # the last row, on some partition after the others
+    with pytest.raises(InvalidArgumentError, match="beyond fp16's range"):
+        pub.publish("item", keys, rows, 1)
+    pub.flush()
+    assert read_all(kafka_broker.bootstrap, pub.topic, 4, expect=1, timeout=3) == []  # not even the first partitions
+    pub.close()
 
 
 def test_unknown_precision_refused_before_connecting() -> None:
