@@ -217,15 +217,17 @@ def test_hostile_bodies_are_refused_before_they_are_read(served: Served) -> None
     sampler = _Sampler(served.http_port, pid)
     sampler.start()
     gc.disable()  # what is timed is the server: not this process's collector walking pytest's heap (~0.3 s here)
-    try:
-        for _ in range(3):
+    rounds = 0
+    try:  # three rounds at least, and until /healthz was probed 20 times under them: fast refusals end a round early
+        while rounds < 3 or (len(sampler.latencies) < 20 and rounds < 30):
             for case in cases:
                 wave(case)
+            rounds += 1
     finally:
         sampler.done.set()
         sampler.join(10)
         gc.enable()
-    assert len(results) == 4 * len(cases) * 3
+    assert len(results) == 4 * len(cases) * rounds
     # the owner's CPU per request (refusals and /healthz answers), beyond what it spends idle: what a loaded host's
     # scheduler cannot stretch, as it stretches wall-clock times
     busy = _cpu_seconds(pid) - cpu_before - idle_rate * (time.monotonic() - started)
@@ -245,7 +247,7 @@ def test_hostile_bodies_are_refused_before_they_are_read(served: Served) -> None
           f"{len(latencies)} probes; owner RSS +{growth / MiB:.1f} MiB, {cpu_ms:.2f} ms CPU per request")
     assert growth < 50e6 and cpu_ms < 5
     assert slowest[2][1] < 0.1, (slowest[0], f"{slowest[2][1] * 1000:.0f} ms")
-    assert len(latencies) >= 10 and p99 < 0.1
+    assert len(latencies) >= 20 and p99 < 0.1
     results.clear()
     for case in cases[4:]:
         wave(case, chunked=True)
