@@ -206,6 +206,7 @@ def train_command(
     """Train DLRM (+ MoE) on Criteo-format files or synthetic data; publish changed rows; export the dense tower."""
     console = Console(stderr=True, soft_wrap=True)
     try:  # torch comes with the optional 'trainer' extra; the rest of hps must start without it
+        import pyarrow
         import torch
         import torch.distributed as dist
 
@@ -280,12 +281,15 @@ def train_command(
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
         trainer = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,
                           partitions=cfg.cluster.partitions)
-        # SIGTERM: finish the step, publish, checkpoint (committing a Kafka source's offsets after it), exit 0
+        # SIGTERM: finish the step, publish, checkpoint (committing a Kafka source's offsets after it), exit 0.
+        # pyarrow's own handler would cancel a CSV read in flight with ArrowCancelled instead (seen in CI)
+        pyarrow.enable_signal_handlers(False)
         previous = signal.signal(signal.SIGTERM, lambda *_: trainer.request_stop())
         try:
             metrics = trainer.run(metrics_out)
         finally:
             signal.signal(signal.SIGTERM, previous)
+            pyarrow.enable_signal_handlers(True)
         if dist.is_initialized():
             # every rank done before any tears its process group down: a rank that destroys it while another is
             # still in its last collective makes gloo abort that one ("terminate called without an active exception")
