@@ -19,7 +19,20 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from hps_service.cache.layout import META_EVICTIONS, META_ROWS, META_SEQ, META_TICK, TAG_BIT, TAG_HASH_MASK, CacheArrays
+from hps_service.cache.layout import (
+    CLOCK_HALF,
+    CLOCK_MASK,
+    CLOCK_SPAN,
+    FREE_SCORE,
+    LFU_CAP,
+    META_EVICTIONS,
+    META_ROWS,
+    META_SEQ,
+    META_TICK,
+    TAG_BIT,
+    TAG_HASH_MASK,
+    CacheArrays,
+)
 from hps_service.jit.atomic import acquire_fence, atomic_fetch_add, atomic_load
 from hps_service.jit.hashing import mix64
 from hps_service.jit.prefetch import prefetch
@@ -43,6 +56,22 @@ def _set_of(x: np.uint64, sets: np.uint64) -> np.int64:
 @numba.njit(cache=True, inline="always")
 def _tag_of(x: np.uint64) -> np.uint8:
     return np.uint8(_TAG_BIT | (x & _TAG_MASK))
+
+
+@numba.njit(cache=True, inline="always")
+def _score(c, tick, lfu):
+    # layout.scores for one slot: LFU, the count; LRU, minus the (signed, 31-bit) ticks since the access.
+    if lfu:
+        return np.int64(c)
+    age = (tick - np.int64(c)) & CLOCK_MASK
+    if age >= CLOCK_HALF:
+        age -= CLOCK_SPAN
+    return -age
+
+
+@numba.njit(cache=True, inline="always")
+def _counted(c):
+    return np.int32(c + 1) if c < LFU_CAP else c
 
 
 @numba.njit(cache=True, inline="always")
@@ -131,14 +160,15 @@ def query_kernel(tags, table, clock, values, meta, keys, out, hit, sets, lfu, to
         return -1
     if touch:
         tick = atomic_fetch_add(meta, META_TICK, 1) + 1
+        stamp = np.int32(tick & CLOCK_MASK)
         flat_clock = clock.ravel()
         for i in range(n):
             slot = slots[i]
             if slot >= 0:
-                if lfu:
+                if not lfu:
+                    flat_clock[slot] = stamp
+                elif flat_clock[slot] < LFU_CAP:  # concurrent adds past the check stay far below 2**31
                     atomic_fetch_add(flat_clock, slot, 1)
-                else:
-                    flat_clock[slot] = tick
     return nhit
 
 
@@ -149,6 +179,7 @@ def _insert(tags, table, vers, clock, values, meta, keys, vectors, versions, set
     usets = np.uint64(sets)
     n = keys.shape[0]
     tick = atomic_fetch_add(meta, META_TICK, 1) + 1
+    stamp = np.int32(tick & CLOCK_MASK)
     set_of = np.empty(n, np.int64)
     tag_of = np.empty(n, np.uint8)
     new = np.empty(n, np.int64)
@@ -175,13 +206,13 @@ def _insert(tags, table, vers, clock, values, meta, keys, vectors, versions, set
             values[slot, d] = vectors[i, d]
         vers[s, w] = versions[i]
         if lfu:
-            clock[s, w] += 1
+            clock[s, w] = _counted(clock[s, w])
         else:
-            clock[s, w] = tick
+            clock[s, w] = stamp
         overwritten += 1
     new = new[:m]
     order = np.argsort(set_of[new], kind="mergesort")
-    new_clock = 1 if lfu else tick
+    new_clock = np.int32(1) if lfu else stamp
     priority = np.empty(ways, np.int64)
     placed = 0
     evicted = 0
@@ -193,9 +224,9 @@ def _insert(tags, table, vers, clock, values, meta, keys, vectors, versions, set
             e += 1
         for w in range(ways):
             if tags[s, w] == 0:
-                priority[w] = -ways + w
+                priority[w] = FREE_SCORE * ways + w
             else:
-                priority[w] = clock[s, w] * ways + w
+                priority[w] = _score(clock[s, w], tick, lfu) * ways + w
         # The r-th new key of this set takes the slot with the r-th lowest priority (priorities are distinct):
         # repeated min-scans above the last one taken, no per-set sort or allocation (usually r is 1 or 2).
         taken = _I64_MIN

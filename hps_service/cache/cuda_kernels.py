@@ -24,7 +24,18 @@ from __future__ import annotations
 import numpy as np
 from numba import config, cuda
 
-from hps_service.cache.layout import META_EVICTIONS, META_ROWS, META_SEQ, TAG_BIT, TAG_HASH_MASK
+from hps_service.cache.layout import (
+    CLOCK_HALF,
+    CLOCK_MASK,
+    CLOCK_SPAN,
+    FREE_SCORE,
+    LFU_CAP,
+    META_EVICTIONS,
+    META_ROWS,
+    META_SEQ,
+    TAG_BIT,
+    TAG_HASH_MASK,
+)
 from hps_service.jit.hashing import mix64_array
 
 #: Source byte of a key after a query: not cached, cached (row written), or read overlapped by a write.
@@ -64,6 +75,17 @@ def _set_of(x, sets):
 @cuda.jit(device=True, inline=True)
 def _tag_of(x):
     return np.uint8(_TAG_BIT | (x & _TAG_MASK))
+
+
+@cuda.jit(device=True, inline=True)
+def _score(c, tick, lfu):
+    """``layout.scores`` for one slot: LFU, the count; LRU, minus the (signed, 31-bit) ticks since the access."""
+    if lfu:
+        return np.int64(c)
+    age = (tick - np.int64(c)) & CLOCK_MASK
+    if age >= CLOCK_HALF:
+        age -= CLOCK_SPAN
+    return -age
 
 
 @cuda.jit(device=True, inline=True)
@@ -134,10 +156,10 @@ def query_kernel(tags, table, clock, values, meta, keys, out, src, n, sets, ways
         else:
             src[i] = HIT
             if touch:
-                if lfu:
+                if not lfu:
+                    clock[slot] = np.int32(tick & CLOCK_MASK)
+                elif clock[slot] < LFU_CAP:  # concurrent adds past the check stay far below 2**31
                     cuda.atomic.add(clock, slot, 1)
-                else:
-                    clock[slot] = tick
 
 
 @cuda.jit
@@ -145,7 +167,7 @@ def insert_kernel(tags, table, vers, clock, values, meta, keys, vectors, version
                   n, ways, dim, tick, lfu, evict, result):
     """One thread per set touched (the first of its keys in ``order``, keys sorted by set, batch order kept)
     does what the CPU kernel does for that set: overwrite cached keys not newer, then place new keys by
-    (free, clock, way) priority. ``result``: written, placed, evicted, dropped, stale (atomic adds)."""
+    (free, ``layout.scores``, way) priority. ``result``: written, placed, evicted, dropped, stale (atomic adds)."""
     p = cuda.grid(1)
     if p >= n:
         return
@@ -173,10 +195,10 @@ def insert_kernel(tags, table, vers, clock, values, meta, keys, vectors, version
         for d in range(dim):
             values[slot * dim + d] = vectors[k * dim + d]
         vers[slot] = versions[k]
-        if lfu:
+        if not lfu:
+            clock[slot] = np.int32(tick & CLOCK_MASK)
+        elif clock[slot] < LFU_CAP:
             clock[slot] += 1
-        else:
-            clock[slot] = tick
         overwritten += 1
     placed = 0
     evicted = 0
@@ -184,9 +206,9 @@ def insert_kernel(tags, table, vers, clock, values, meta, keys, vectors, version
         priority = cuda.local.array(MAX_WAYS, np.int64)
         for w in range(ways):
             if tags[s * ways + w] == 0:
-                priority[w] = -ways + w
+                priority[w] = FREE_SCORE * ways + w
             else:
-                priority[w] = clock[s * ways + w] * ways + w
+                priority[w] = _score(clock[s * ways + w], tick, lfu) * ways + w
         taken = _I64_MIN
         q = p
         for _r in range(min(m, ways)):
@@ -209,7 +231,7 @@ def insert_kernel(tags, table, vers, clock, values, meta, keys, vectors, version
             tags[slot] = tag_of[k]
             table[slot] = keys[k]
             vers[slot] = versions[k]
-            clock[slot] = 1 if lfu else tick
+            clock[slot] = 1 if lfu else np.int32(tick & CLOCK_MASK)
             for d in range(dim):
                 values[slot * dim + d] = vectors[k * dim + d]
             placed += 1

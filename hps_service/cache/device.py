@@ -24,7 +24,7 @@ from numba import cuda
 
 from hps_service.cache import cpu_kernels, cuda_kernels
 from hps_service.cache.cuda_kernels import HIT, RETRY
-from hps_service.cache.layout import META_LEN, META_ROWS, Allocator, CacheArrays
+from hps_service.cache.layout import META_LEN, META_ROWS, Allocator, CacheArrays, scores
 from hps_service.cache.set_assoc import (
     READ_ATTEMPTS,
     InsertResult,
@@ -367,7 +367,8 @@ class DeviceCache:
         """Cached keys, hottest first (LRU: most recent access; LFU: most accesses), on the host."""
         a = self.host_arrays()
         occupied = np.flatnonzero(a["tags"].reshape(-1))
-        order = np.argsort(-a["clock"].reshape(-1)[occupied], kind="stable")
+        hot = scores(a["clock"].reshape(-1)[occupied], self._tick, self._lfu)
+        order = np.argsort(-hot, kind="stable")
         return a["keys"].reshape(-1)[occupied[order]]
 
     # ------------------------------------------------------------------ counters

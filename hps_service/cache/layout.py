@@ -8,7 +8,9 @@ place them in memory shared by several processes and every process reads the sam
   value, so every int64 is a valid key, and a probe scans 32 one-byte tags and compares a key only where
   the tag matches (a miss compares about ways/128 keys).
 * ``keys`` ``(sets, ways)`` int64 and ``versions`` ``(sets, ways)`` int64: meaningful where the tag is not 0.
-* ``clock`` ``(sets, ways)`` int64: LRU, the tick of the last access; LFU, the access count.
+* ``clock`` ``(sets, ways)`` int32: LRU, the low 31 bits of the tick of the last access (read back against the
+  current tick by :func:`scores`, exact within 2**30 ticks; an older one only blurs the eviction order); LFU, the
+  access count, which stops at ``LFU_CAP``.
 * ``values`` ``(sets * ways, dim)`` float32: the rows.
 * ``meta`` ``(META_LEN,)`` int64: the sequence-lock counter, the tick, and the writers' counters (rows,
   evictions), each on its own 64-byte line so readers drawing ticks do not bounce the sequence's line.
@@ -27,6 +29,13 @@ import numpy as np
 #: Indices into ``meta``: one int64 per 64-byte line.
 META_SEQ, META_TICK, META_ROWS, META_EVICTIONS = 0, 8, 16, 24
 META_LEN = 32
+#: The tick bits an LRU clock keeps, and half their range: a clock at most that many ticks ahead of the tick
+#: reads as just touched (a reader that drew a later tick), one further back as that old.
+CLOCK_MASK, CLOCK_HALF, CLOCK_SPAN = 0x7FFFFFFF, 1 << 30, 1 << 31
+#: LFU counts stop here, far enough below 2**31 that concurrent adds past the check never overflow.
+LFU_CAP = 1 << 30
+#: The score of a free slot: below every occupied slot's (see :func:`scores`).
+FREE_SCORE = -(1 << 32)
 #: A free slot's tag is 0; occupied slots have the high bit set.
 TAG_BIT = 0x80
 TAG_HASH_MASK = 0x7F
@@ -38,6 +47,16 @@ Allocator = Callable[[tuple[int, ...], np.dtype], Any]
 def numpy_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """The default host allocator."""
     return np.zeros(shape, dtype=dtype)
+
+
+def scores(clock: Any, tick: int, lfu: bool) -> Any:
+    """How hot slots are (int64, higher is hotter) from their clocks at ``tick``: LFU, the count; LRU, minus the
+    ticks since the last access. Works on NumPy and CuPy arrays alike."""
+    c = clock.astype(np.int64)
+    if lfu:
+        return c
+    age = (tick - c) & CLOCK_MASK
+    return -(age - (age >= CLOCK_HALF) * CLOCK_SPAN)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +77,7 @@ class CacheArrays:
             tags=alloc((sets, ways), np.dtype(np.uint8)),
             keys=alloc((sets, ways), np.dtype(np.int64)),
             versions=alloc((sets, ways), np.dtype(np.int64)),
-            clock=alloc((sets, ways), np.dtype(np.int64)),
+            clock=alloc((sets, ways), np.dtype(np.int32)),
             values=alloc((sets * ways, dim), np.dtype(np.float32)),
             meta=alloc((META_LEN,), np.dtype(np.int64)),
         )
@@ -70,7 +89,7 @@ class CacheArrays:
         sets, ways = self.tags.shape
         want = {
             "tags": ((sets, ways), np.uint8), "keys": ((sets, ways), np.int64),
-            "versions": ((sets, ways), np.int64), "clock": ((sets, ways), np.int64),
+            "versions": ((sets, ways), np.int64), "clock": ((sets, ways), np.int32),
             "values": ((sets * ways, self.values.shape[1]), np.float32), "meta": ((META_LEN,), np.int64),
         }
         for name, (shape, dtype) in want.items():

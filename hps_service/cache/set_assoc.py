@@ -9,12 +9,13 @@ device kernels of :mod:`hps_service.cache.cuda_kernels` do the same work (the te
 Semantics every path follows exactly:
 
 * ``query`` draws one tick (only once its read is validated) and touches each hit: LRU sets the slot
-  clock to the tick, LFU adds one per occurrence. ``insert`` draws one tick too.
+  clock to the tick (its low 31 bits), LFU adds one per occurrence (up to ``LFU_CAP``). ``insert`` draws one
+  tick too.
 * Rows carry versions, and a row is never replaced by an older one. ``insert`` (keys deduplicated: the
   highest version, the last among equals, batch order kept): a cached key whose version is not newer
   than the offered one gets its row and version overwritten and is touched; a newer cached row is kept
   (counted as stale). Then per set, the new keys in batch order take the slots ordered by (free first,
-  then clock ascending, then way ascending). The first ``ways`` new keys of a set are placed, the rest
+  then ``layout.scores`` ascending at the insert's tick, then way ascending). The first ``ways`` new keys of a set are placed, the rest
   are dropped; an occupied slot taken is an eviction. With ``evict=False`` only free slots are taken. A
   new slot's clock is the tick (LRU) or 1 (LFU).
 * ``update`` overwrites, in batch order, rows of cached keys whose version is not newer than the
@@ -35,6 +36,9 @@ import numpy as np
 
 from hps_service.cache import cpu_kernels
 from hps_service.cache.layout import (
+    CLOCK_MASK,
+    FREE_SCORE,
+    LFU_CAP,
     META_EVICTIONS,
     META_ROWS,
     META_SEQ,
@@ -44,6 +48,7 @@ from hps_service.cache.layout import (
     Allocator,
     CacheArrays,
     numpy_zeros,
+    scores,
 )
 from hps_service.errors import InvalidArgumentError
 from hps_service.jit.hashing import mix64_array
@@ -292,7 +297,7 @@ class SetAssociativeCache:
         if sets.shape[0] == 0:
             return
         if not self._lfu:
-            self.clock[sets, ways] = tick
+            self.clock[sets, ways] = tick & CLOCK_MASK
             return
         flat = sets * self.ways + ways
         counts: np.ndarray | int
@@ -300,7 +305,8 @@ class SetAssociativeCache:
             counted, counts = flat, 1
         else:
             counted, counts = np.unique(flat, return_counts=True)
-        self.clock.reshape(-1)[counted] += counts
+        clock = self.clock.reshape(-1)
+        clock[counted] = np.minimum(clock[counted].astype(np.int64) + counts, LFU_CAP)
 
     # ------------------------------------------------------------------ insert
     def insert(self, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int = 0,
@@ -351,7 +357,8 @@ class SetAssociativeCache:
         group_sets = new_sets[first]
         # Per touched set: the slots in the order new keys take them.
         free = self.tags[group_sets] == 0
-        priority = np.where(free, -1, self.clock[group_sets]) * ways + np.arange(ways, dtype=np.int64)
+        hot = scores(self.clock[group_sets], tick, self._lfu)
+        priority = np.where(free, FREE_SCORE, hot) * ways + np.arange(ways, dtype=np.int64)
         slot_order = np.argsort(priority, axis=1)
         fits = rank < ways
         g, idx = group[fits], new[fits]
@@ -363,7 +370,7 @@ class SetAssociativeCache:
         self.tags[target_set, target_way] = tags[idx]
         self.keys[target_set, target_way] = keys[idx]
         self.versions[target_set, target_way] = versions[idx]
-        self.clock[target_set, target_way] = tick if not self._lfu else 1
+        self.clock[target_set, target_way] = tick & CLOCK_MASK if not self._lfu else 1
         self.values[target_set * ways + target_way] = vectors[idx]
         placed = int(idx.shape[0])
         evicted = int(occupied.sum())
@@ -427,7 +434,8 @@ class SetAssociativeCache:
     def hottest_keys(self) -> np.ndarray:
         """Cached keys, hottest first (LRU: most recent access; LFU: most accesses)."""
         occupied = np.flatnonzero(self.tags.reshape(-1))
-        order = np.argsort(-self.clock.reshape(-1)[occupied], kind="stable")
+        hot = scores(self.clock.reshape(-1)[occupied], int(self.meta[META_TICK]), self._lfu)
+        order = np.argsort(-hot, kind="stable")
         return self.keys.reshape(-1)[occupied[order]].copy()
 
     def clear(self) -> None:

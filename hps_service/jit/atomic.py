@@ -1,4 +1,4 @@
-"""Atomic loads, fetch-adds and fences on int64 array elements for numba kernels (LLVM atomics).
+"""Atomic loads, fetch-adds and fences on integer array elements for numba kernels (LLVM atomics).
 
 The L1 cache's arrays may live in memory shared by several processes, so its sequence lock and counters
 are array elements, not Python attributes: readers load the sequence with acquire ordering around their
@@ -42,12 +42,13 @@ def _atomic_load(typingctx: object, array: types.Array, index: types.Integer) ->
 
 
 def _atomic_fetch_add(typingctx: object, array: types.Array, index: types.Integer, value: types.Integer) -> Lowering:
-    """Add ``value`` to ``array[index]`` atomically; returns the value before (1-D int64 array)."""
-    sig = types.int64(array, index, types.int64)
+    """Add ``value`` to ``array[index]`` atomically; returns the value before (1-D int64 or int32 array)."""
+    elem = array.dtype
+    sig = elem(array, index, value)
 
     def codegen(context: IR, builder: IR, signature: Signature, args: Sequence[IR]) -> IR:
         ptr = _element_pointer(context, builder, signature.args[0], args[0], args[1])
-        value = context.cast(builder, args[2], signature.args[2], types.int64)
+        value = context.cast(builder, args[2], signature.args[2], elem)
         return builder.atomic_rmw("add", ptr, value, "seq_cst")
 
     return sig, codegen

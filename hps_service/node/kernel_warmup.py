@@ -13,6 +13,7 @@ from hps_service.node.store.l3_events import L3Announcer, l3_events
 from hps_service.shm import changes, counters, queue
 from hps_service.tiers.hashmap import seqlock as hk
 from hps_service.tiers.hashmap.index import EMPTY
+from hps_service.tiers.hashmap.stamps import stamp_halves
 
 
 def _read_only(arr: np.ndarray) -> np.ndarray:
@@ -24,17 +25,18 @@ def warm_up_kernels() -> None:
     """Compile (or load) the node's kernels with every argument type its paths pass."""
     ctrl = np.zeros(hk.CTRL_LEN, np.int64)
     index = _read_only(np.full(16, EMPTY, np.int32))
-    meta = _read_only(np.zeros((4, 3), np.int64))
+    writable_meta = np.zeros((4, 3), np.int64)  # a worker's mapping (it writes its stamps), a LocalClient's read-only
     rows = _read_only(np.zeros((4, 2), np.float32))
     keys = np.arange(3, dtype=np.int64)
     out = np.empty((3, 2), np.float32)
     versions = np.empty(3, np.int64)
     found = np.empty(3, bool)
     row_ids = np.empty(3, np.int64)
-    for query in (keys, _read_only(keys.copy())):
-        hk.read_rows(ctrl, index, np.int64(0), meta[:, 0], rows, meta[:, 1], meta[:, 2], query, out, versions, found,
-                     row_ids)
-    hk.stamp_reads(np.zeros(4, np.int64), row_ids, hk.tick(ctrl), False)
+    for meta in (writable_meta, _read_only(writable_meta.copy())):
+        for query in (keys, _read_only(keys.copy())):
+            hk.read_rows(ctrl, index, np.int64(0), meta[:, 0], rows, meta[:, 1], stamp_halves(meta)[0], query, out,
+                         versions, found, row_ids)
+    hk.stamp_reads(stamp_halves(writable_meta)[1], row_ids, hk.tick(ctrl), False)
     req = counters.RequestCounters(counters.new_counters(1, counters.REQ_FIELDS), 0)
     req.finish(req.begin(), 0, 0, 0.001)
     req.observe_keys(3)

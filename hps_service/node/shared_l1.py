@@ -46,7 +46,7 @@ class SharedL1Reader:
         if not touch:
             # The compiled query touches clocks only when asked to, but compiles that store whatever it is given:
             # a read-only reader hands it a writable stand-in (one element, zero strides) it never writes.
-            fields["clock"] = np.lib.stride_tricks.as_strided(np.zeros(1, np.int64), shape=arrays["clock"].shape,
+            fields["clock"] = np.lib.stride_tricks.as_strided(np.zeros(1, np.int32), shape=arrays["clock"].shape,
                                                               strides=(0, 0), writeable=True)
         cache_arrays = CacheArrays(**fields)
         self._cache = SetAssociativeCache(int(entry["capacity"]), int(entry["dim"]), ways=int(entry["ways"]),

@@ -20,6 +20,7 @@ import numpy as np
 from hps_service.shm.region import Region
 from hps_service.tiers.hashmap import seqlock as hk
 from hps_service.tiers.hashmap.reader import TableArrays, TableReader
+from hps_service.tiers.hashmap.stamps import stamp_halves
 from hps_service.tiers.hashmap.tier import HashMapTier
 from tests.helpers import REPO
 
@@ -37,9 +38,9 @@ def reader_main(path: str, writable: bool, n_keys: int, dim: int) -> None:
     region = Region(Path(path), writable=writable)
     prefix = f"volatile/{TABLE}"
     ctrl = region.open(f"{prefix}/ctrl", (hk.CTRL_LEN,), np.int64, writable=writable)
-    meta = region.open(f"{prefix}/meta", (CAPACITY, 3), np.int64, writable=False)
+    meta = region.open(f"{prefix}/meta", (CAPACITY, 3), np.int64, writable=writable)
     rows = region.open(f"{prefix}/rows", (CAPACITY, dim), np.float32, writable=False)
-    stamps = region.open(f"{prefix}/reader_stamps", (CAPACITY,), np.int64) if writable else None
+    stamps = stamp_halves(meta)[1] if writable else None
     remaps = []
 
     def open_index(gen: int) -> np.ndarray:
@@ -153,7 +154,7 @@ def test_overlapped_reads_are_detected_and_rerun(tmp_path: Path) -> None:
     versions, found, row_ids = np.empty(10, np.int64), np.empty(10, bool), np.empty(10, np.int64)
 
     def read(gen: int) -> int:
-        return int(hk.read_rows(a.ctrl, a.index, np.int64(gen), a.meta[:, 0], a.rows, a.meta[:, 1], a.meta[:, 2], keys,
+        return int(hk.read_rows(a.ctrl, a.index, np.int64(gen), a.meta[:, 0], a.rows, a.meta[:, 1], stamp_halves(a.meta)[0], keys,
                                 out, versions, found, row_ids))
 
     assert read(a.index_gen) == 10 and found.all()

@@ -23,7 +23,9 @@ H_MAGIC, H_LAYOUT, H_GENERATION, H_STATE, H_MANIFEST, H_OWNER_PID = 0, 1, 2, 3, 
 H_L3_FILES, H_L3_OPENS = 6, 7
 HEADER_LEN = 16
 MAGIC = 0x4850535354524531  # "HPSSTRE1"
-LAYOUT_VERSION = 1
+#: 2: four-byte L1 clocks, and the hash map's owner and reader stamps as int32 halves of each row's third metadata
+#: word (a reader of layout 1 would take a tombstone for a row).
+LAYOUT_VERSION = 2
 #: Store states: the owner is loading, serving, draining (refuse new lookups), or has closed the generation.
 STARTING, SERVING, DRAINING, CLOSED = 0, 1, 2, 3
 STATE_NAMES = {STARTING: "starting", SERVING: "serving", DRAINING: "draining", CLOSED: "closed"}

@@ -18,6 +18,7 @@ from hps_service.shm.queue import Ring
 from hps_service.shm.region import Region, open_spec
 from hps_service.tiers.hashmap import seqlock as hk
 from hps_service.tiers.hashmap.reader import TableArrays, TableReader
+from hps_service.tiers.hashmap.stamps import stamp_halves
 
 
 @dataclass
@@ -129,9 +130,10 @@ class StoreView:
             region = self.region
             # Workers tick the table clock (their reads' stamps); a read-only reader never writes it.
             ctrl = region.open(f"{prefix}/ctrl", (hk.CTRL_LEN,), np.int64)
-            meta = region.open(f"{prefix}/meta", (cap, 3), np.int64, writable=False)
+            # A worker writes its reads' stamps, the readers' half of each row's stamp word (see hashmap.stamps)
+            meta = region.open(f"{prefix}/meta", (cap, 3), np.int64, writable=self.writable)
             rows = region.open(f"{prefix}/rows", (cap, dim), np.float32, writable=False)
-            stamps = region.open(f"{prefix}/reader_stamps", (cap,), np.int64) if self.writable else None
+            stamps = stamp_halves(meta)[1] if self.writable else None
 
             def open_index(gen: int) -> np.ndarray:
                 name = f"{prefix}/index.{gen}"

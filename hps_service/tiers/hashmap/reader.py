@@ -11,6 +11,7 @@ import numpy as np
 
 from hps_service.tiers.base import Rows
 from hps_service.tiers.hashmap import seqlock
+from hps_service.tiers.hashmap.stamps import stamp_halves
 
 
 @dataclass
@@ -44,7 +45,7 @@ class TableReader:
         self._lfu = lfu
         self._keys = arrays.meta[:, 0]
         self._versions = arrays.meta[:, 1]
-        self._stamps = arrays.meta[:, 2]
+        self._stamps = stamp_halves(arrays.meta)[0]
         self.retries = 0
 
     def get(self, keys: np.ndarray) -> Rows:

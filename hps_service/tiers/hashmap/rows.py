@@ -1,14 +1,14 @@
 """Row storage of the hash map tier, kept dense in ``[0, n_rows)``: the owner's batch get, put, delete and eviction.
 
-Keys live once, in the row-aligned ``keys`` array (with ``versions`` and ``stamps`` it may be a strided view of one
-(rows, 3) array, so the three share a cache line); the index (:mod:`.index`) maps keys to row ids.
+Keys live once, in the row-aligned ``keys`` array (with ``versions`` and the int32 ``stamps`` it may be a strided
+view of one (rows, 3) int64 array, so they share a cache line); the index (:mod:`.index`) maps keys to row ids.
 Removing a row moves the last row into its place. A *row* tombstone (a versioned delete) is a row whose stamp is
-negative (the table clock when written minus ``TOMBSTONE_BASE``): it keeps its key and version, is never returned by
-a get, refuses puts at or below its version, and is evicted before live rows, oldest first. Every kernel loops over
+negative (:func:`.stamps.tombstone`): it keeps its key and version, is never returned by a get, refuses puts at or
+below its version, and is evicted before live rows, oldest first. Every kernel loops over
 the whole batch inside numba and releases the GIL; callers hold the table's lock. The batch get works in passes and
-prefetches rows ahead, so that the cache misses of different keys overlap. Worker reads record their accesses in a
-separate ``reader_stamps`` array (see :mod:`.seqlock`) that eviction takes into account and that moves with
-the rows.
+prefetches rows ahead, so that the cache misses of different keys overlap. Worker reads record their accesses in
+``reader_stamps``, the other int32 half of the stamp word (see :mod:`.seqlock`), which eviction takes into account
+and which moves with the rows.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from numba import njit
 from hps_service.jit.hashing import home_slot
 from hps_service.jit.prefetch import prefetch as _prefetch
 from hps_service.tiers.hashmap.index import PREFETCH_AHEAD, probe, rebuild_index, remove_slot
+from hps_service.tiers.hashmap.stamps import counted, live, tombstone
 
-#: Subtracted from the table clock to stamp a tombstone: negative, and older tombstones sort (and evict) first.
-TOMBSTONE_BASE = np.int64(1 << 62)
 #: Eviction rebuilds the index, instead of removing each victim's slot, from one victim per this many rows up
 #: (removing a slot costs about 1 us of scattered reads, rebuilding about 35 ns a remaining row).
 MANY_VICTIMS_PER_ROW = 32
@@ -117,11 +116,11 @@ def get_rows(
     if lfu:
         for i in range(n):
             if row_ids[i] >= 0:
-                stamps[row_ids[i]] += 1
+                stamps[row_ids[i]] = counted(stamps[row_ids[i]])
     else:
         for i in range(n):
             if row_ids[i] >= 0:
-                stamps[row_ids[i]] = clock
+                stamps[row_ids[i]] = live(clock)
     return hits
 
 
@@ -160,13 +159,13 @@ def put_rows(
                 if offered_versions[i] <= versions[r]:
                     written[i] = False
                     continue
-                stamps[r] = 1 if lfu else clock
+                stamps[r] = np.int32(1) if lfu else live(clock)
                 revived += 1
             elif offered_versions[i] < versions[r]:
                 written[i] = False
                 continue
             elif not lfu:
-                stamps[r] = clock
+                stamps[r] = live(clock)
         else:
             if n >= row_limit:
                 written[i] = False
@@ -175,7 +174,7 @@ def put_rows(
             n += 1
             index[pos] = np.int32(r)
             keys[r] = key
-            stamps[r] = 1 if lfu else clock
+            stamps[r] = np.int32(1) if lfu else live(clock)
             reader_stamps[r] = 0
         for d in range(dim):
             rows[r, d] = vectors[i, d]
@@ -215,7 +214,7 @@ def tombstone_keys(
             if stamps[r] < 0:
                 if version > versions[r]:
                     versions[r] = version
-                    stamps[r] = clock - TOMBSTONE_BASE
+                    stamps[r] = tombstone(clock)
                 continue
             if versions[r] > version:
                 continue
@@ -231,7 +230,7 @@ def tombstone_keys(
             reader_stamps[r] = 0
             added += 1
         versions[r] = version
-        stamps[r] = clock - TOMBSTONE_BASE
+        stamps[r] = tombstone(clock)
     return n, removed, added
 
 

@@ -3,7 +3,8 @@ workers, colocated clients), over the table's control array (sequence, index gen
 
 Writers bracket every change with :func:`seq_begin` and :func:`seq_end`; :func:`read_rows` is the sequence-lock read
 over the index and rows (see its docstring). Readers never write the rows' metadata: they record their accesses in
-a separate ``reader_stamps`` array (:func:`stamp_reads`) that eviction takes into account.
+``reader_stamps``, their own int32 half of each row's stamp word (:func:`stamp_reads`), which eviction takes
+into account.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from hps_service.jit.atomic import acquire_fence, atomic_fetch_add, atomic_load
 from hps_service.jit.hashing import home_slot
 from hps_service.tiers.hashmap.index import PREFETCH_AHEAD
 from hps_service.tiers.hashmap.rows import prefetch_row
+from hps_service.tiers.hashmap.stamps import counted, live
 
 #: Indices into a table's control array (int64): the sequence on its own 64-byte line (the writer bumps it for
 #: every change; readers only load it), then what readers need to map the index, and the table clock.
@@ -133,14 +135,15 @@ def read_rows(
 
 @njit(cache=True, nogil=True)
 def stamp_reads(reader_stamps: np.ndarray, row_ids: np.ndarray, clock: np.int64, lfu: bool) -> None:
-    """Record a validated read's hits for eviction: LRU, the clock (written only where it differs, so hot rows
-    do not bounce their cache line between readers); LFU, one more access (racy across processes: a lost count
+    """Record a validated read's hits for eviction: LRU, the clock's stamp (written only where it differs, so hot
+    rows do not bounce their cache line between readers); LFU, one more access (racy across processes: a lost count
     only blurs the order). A row moved meanwhile gets a stamp it did not earn, which only affects eviction order."""
+    stamp = live(clock)
     for i in range(row_ids.size):
         r = row_ids[i]
         if r < 0 or r >= reader_stamps.size:
             continue
         if lfu:
-            reader_stamps[r] += 1
-        elif reader_stamps[r] != clock:
-            reader_stamps[r] = clock
+            reader_stamps[r] = counted(reader_stamps[r])
+        elif reader_stamps[r] != stamp:
+            reader_stamps[r] = stamp

@@ -29,7 +29,9 @@ from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats, delete
 from hps_service.tiers.hashmap import index as index_ops
 from hps_service.tiers.hashmap import rows as row_ops
 from hps_service.tiers.hashmap import seqlock
+from hps_service.tiers.hashmap import stamps as stamps_ops
 from hps_service.tiers.hashmap.reader import TableArrays
+from hps_service.tiers.hashmap.stamps import stamp_halves
 
 #: ``release(name)``: give back an array the allocator made (unlinks a shared file; nothing for private memory).
 Release = Callable[[str], None]
@@ -49,8 +51,8 @@ def _index_size(row_capacity: int) -> int:
     return 1 << max(4, math.ceil(math.log2(row_capacity * _INDEX_SLOTS_PER_ROW)))
 
 
-#: Bytes a held row takes besides its ``dim`` 4-byte words: key, version and stamp, the readers' stamp.
-_ROW_META_BYTES = 4 * 8
+#: Bytes a held row takes besides its ``dim`` 4-byte words: key, version, and the owner's and readers' stamps.
+_ROW_META_BYTES = 3 * 8
 
 
 def rows_within(budget_bytes: int, dim: int) -> int:
@@ -82,14 +84,13 @@ class _Table:
         self._alloc = alloc
         self._release = release
         self.ctrl = alloc(f"{name}/ctrl", (seqlock.CTRL_LEN,), np.int64)
-        # Key, version and stamp of a row share one cache line: a lookup misses once for all three.
+        # Key, version and the two int32 stamps of a row share one cache line: a lookup misses once for all.
         self.meta = alloc(f"{name}/meta", (max_rows, 3), np.int64)
         self.keys = self.meta[:, 0]
         self.versions = self.meta[:, 1]
-        self.stamps = self.meta[:, 2]
+        #: This process's stamps, and readers' in other processes (never written here except to move or reset them).
+        self.stamps, self.reader_stamps = stamp_halves(self.meta)
         self.rows = alloc(f"{name}/rows", (max_rows, dim), np.float32)
-        #: Accesses by readers in other processes (never written by this one except to move or reset them).
-        self.reader_stamps = alloc(f"{name}/reader_stamps", (max_rows,), np.int64)
         self.index_gen = 0
         self.index = self._new_index(_index_size(min(_INITIAL_ROWS, max_rows)))
         self.index.fill(index_ops.EMPTY)
@@ -122,7 +123,7 @@ class _Table:
 
     def memory_bytes(self) -> int:
         """Bytes in use: the storage pages rows have been written to, and the index."""
-        per_row = self.meta.strides[0] + self.rows.strides[0] + self.reader_stamps.strides[0]
+        per_row = self.meta.strides[0] + self.rows.strides[0]
         return int(self.rows_touched * per_row + self.index.nbytes)
 
     def reserve(self, needed_rows: int) -> None:
@@ -148,21 +149,14 @@ class _Table:
         """Advance the table clock (one tick per batch, shared with the readers' ticks) and return it."""
         return seqlock.tick(self.ctrl)
 
-    def effective_stamps(self, n: int) -> np.ndarray:
-        """Eviction order of rows ``[0, n)``: this process's stamps combined with the readers' (LRU: the later;
-        LFU: the sum); tombstones keep their own (negative) stamps."""
-        stamps = self.stamps[:n].copy()
-        reader = self.reader_stamps[:n]
-        live = stamps >= 0
-        if live.all():
-            np.maximum(stamps, reader, out=stamps)
-        else:
-            stamps[live] = np.maximum(stamps[live], reader[live])
-        return stamps
+    def effective_stamps(self, n: int, lfu: bool) -> np.ndarray:
+        """Eviction order (int64) of rows ``[0, n)``: this process's stamps combined with the readers' (LRU: the
+        later access; LFU: the larger count); tombstones below every row, oldest first."""
+        return stamps_ops.decode(self.stamps[:n], self.reader_stamps[:n], int(self.ctrl[seqlock.CTRL_CLOCK]), lfu)
 
     def drop(self) -> None:
         """Give the arrays back (files of a shared store are unlinked)."""
-        for part in ("ctrl", "meta", "rows", "reader_stamps"):
+        for part in ("ctrl", "meta", "rows"):
             self._release(f"{self.name}/{part}")
         self._release(index_name(self.name, self.index_gen))
 
@@ -324,7 +318,7 @@ class HashMapTier(Tier):
         count = min(evictable, max(overflow, math.ceil(self.evict_fraction * t.capacity)))
         if count <= 0:
             return
-        stamps = t.effective_stamps(n)
+        stamps = t.effective_stamps(n, self._lfu)
         stamps[spared] = np.iinfo(np.int64).max
         if count < n:
             victims = np.argpartition(stamps, count - 1)[:count]
