@@ -84,7 +84,7 @@ def run(budget_mb: int, dim: int, console: Console) -> dict[str, Any]:
     met = out["cliff_x"] >= TARGET
     console.print(f"  largest table served whole from the hash map (of those measured): fp32 {whole['fp32']:,}, int8 "
                   f"{whole['int8']:,}; the cliff moves out {out['cliff_x']:.2f}x (target >= {TARGET}x: "
-                  f"{'met' if met else 'MISSED'}; at dim {dim} each row also takes 32 B of key, version and "
+                  f"{'met' if met else 'MISSED'}; at dim {dim} each row also takes 24 B of key, version and "
                   f"stamps and ~6-11 B of index whatever its format)")
     return out
 
