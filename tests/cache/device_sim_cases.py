@@ -8,6 +8,7 @@ same kernel source a GPU runs with a warp per key.
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import warnings
@@ -25,7 +26,7 @@ from numba import cuda  # noqa: E402
 
 from hps_service.cache.cuda_kernels import RETRY  # noqa: E402
 from hps_service.cache.device import DeviceCache  # noqa: E402
-from hps_service.cache.layout import META_SEQ  # noqa: E402
+from hps_service.cache.layout import META_SEQ, META_TICK  # noqa: E402
 from hps_service.cache.set_assoc import SetAssociativeCache  # noqa: E402
 from hps_service.cache.table_cache import SetAssocTableCache  # noqa: E402
 
@@ -76,6 +77,27 @@ def test_device_kernels_answer_like_the_numpy_reference(policy: str, ops: list) 
         else:
             assert dev.invalidate(k, v) == host.invalidate(k, v)
         assert_same_state(dev, host)
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_clocks_wrap_on_the_device_as_on_the_host(policy: str) -> None:
+    """Ticks from just before the clocks' 31 bits wrap: the same slots, clocks and evictions as the reference."""
+    start = (1 << 31) - 4
+    dev = DeviceCache(SETS * WAYS, DIM, ways=WAYS, policy=policy, **SIM)
+    dev._ticks = itertools.count(start + 1)  # the device draws its ticks on the host, from 1 otherwise
+    host = SetAssociativeCache(SETS * WAYS, DIM, ways=WAYS, policy=policy, compiled=False)
+    host.meta[META_TICK] = start
+    rng = np.random.default_rng(3)
+    for step in range(12):
+        k = rng.integers(-9, 9, size=5).astype(np.int64)
+        if step % 3 == 2:
+            out_d, out_h = np.zeros((5, DIM), np.float32), np.zeros((5, DIM), np.float32)
+            assert np.array_equal(dev.query(k, out_d), host.query(k, out_h))
+        else:
+            rows = rng.random((5, DIM), dtype=np.float32)
+            assert dev.insert(k, rows, 1) == host.insert(k, rows, 1)
+        assert_same_state(dev, host)
+    assert host.stats()["evictions"] > 0
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
