@@ -5,9 +5,9 @@
     the workers):
     a. server CPU per call (every process of the server: owner, fork server, workers) and keys/s, against the
        thread-pool floor (``loadtest.floor_server``: the same proto and payload, no work) run with as many
-       processes as the server has workers; targets <= 1.25x the CPU, >= 0.8x the keys/s;
+       processes as the server has workers; targets (issue 29) <= 1.25x the CPU, >= 0.85x the keys/s;
     b. keys/s with each worker count of ``--workers`` under that load, and against a Redis Cluster with as many
-       masters as workers (hash-tagged MGET per master); target >= 1.0x;
+       masters as workers (hash-tagged MGET per master); target >= 1.2x;
     c. the server's PSS (/proc/PID/smaps_rollup, all its processes) for each worker count;
     d. unary p99 of that load with 2x``workers`` idle streams open vs none (``loadtest.bench_streams``); target
        <= 1.2x.
@@ -245,12 +245,12 @@ def table(res: dict[str, Any]) -> Table:
             f"{f['server_cpu_ms_per_call']:.2f} ms", e["cpu_vs_floor"], "<= 1.25", e["cpu_vs_floor"] <= 1.25)
         hit = f", L1 hits {o['l1_hit_rate']:.4f}" if o.get("l1_hit_rate") is not None else ""
         row(f"10a. keys/s b1024 all-hit, workers {w} vs thread-pool floor", f"{o['keys_per_s'] / 1e6:.2f} M p99 "
-            f"{o['p99_ms']:.1f} ms{hit}", f"{f['keys_per_s'] / 1e6:.2f} M", e["keys_vs_floor"], ">= 0.8",
-            e["keys_vs_floor"] >= 0.8)
+            f"{o['p99_ms']:.1f} ms{hit}", f"{f['keys_per_s'] / 1e6:.2f} M", e["keys_vs_floor"], ">= 0.85",
+            e["keys_vs_floor"] >= 0.85)
         row("    vs aio floor", "", f"{e['floor_aio']['keys_per_s'] / 1e6:.2f} M", e["keys_vs_floor_aio"], "-", None)
         if e.get("redis"):
             row(f"10b. keys/s workers {w} vs Redis Cluster, {w} masters", "", f"{e['redis']['keys_per_s'] / 1e6:.2f} M "
-                f"p99 {e['redis']['p99_ms']:.1f} ms", e["keys_vs_redis"], ">= 1.0", e["keys_vs_redis"] >= 1.0)
+                f"p99 {e['redis']['p99_ms']:.1f} ms", e["keys_vs_redis"], ">= 1.2", e["keys_vs_redis"] >= 1.2)
         row(f"10b. keys/s workers {w} vs workers {next(iter(res['by_workers']))}", f"{o['keys_per_s'] / 1e6:.2f} M", "",
             e["keys_vs_first"], "grows", None)
         row(f"10c. server PSS, workers {w} ({e['processes']} processes)", f"{e['pss_bytes'] / 2**20:.0f} MiB", "",
