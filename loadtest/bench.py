@@ -15,7 +15,7 @@
 9. Replicas: bootstrap of a table from a snapshot in S3 vs ``hps import`` of the same rows (target <= 1.5x), and the
    catch-up of a replica behind rows on the topic (loadtest.bench_bootstrap).
 10-11. A node (loadtest.bench_node): server CPU per all-hit call and keys/s vs the floor with as many processes
-   (<= 1.25x, >= 0.8x), workers 1 vs the CPUs and vs a Redis Cluster of as many masters (>= 1.0x), PSS per worker
+   (<= 1.25x, >= 0.85x), workers 1 vs the CPUs and vs a Redis Cluster of as many masters (>= 1.2x), PSS per worker
    count; colocated reads: LocalClient vs gRPC (>= 10x) vs the raw gather (>= 0.3x).
 12. Tracing (loadtest.bench_tracing): server CPU per all-hit call with server.tracing off vs the base commit's code
    (no cost when off), and on (unsampled, every call sampled) vs off.
