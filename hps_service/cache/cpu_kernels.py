@@ -20,9 +20,7 @@ import numba
 import numpy as np
 
 from hps_service.cache.layout import (
-    CLOCK_HALF,
     CLOCK_MASK,
-    CLOCK_SPAN,
     FREE_SCORE,
     LFU_CAP,
     META_EVICTIONS,
@@ -36,6 +34,7 @@ from hps_service.cache.layout import (
 from hps_service.jit.atomic import acquire_fence, atomic_fetch_add, atomic_load
 from hps_service.jit.hashing import mix64
 from hps_service.jit.prefetch import prefetch
+from hps_service.jit.ticks import age
 
 _S32 = np.uint64(32)
 _TAG_BIT = np.uint64(TAG_BIT)
@@ -60,13 +59,8 @@ def _tag_of(x: np.uint64) -> np.uint8:
 
 @numba.njit(cache=True, inline="always")
 def _score(c, tick, lfu):
-    # layout.scores for one slot: LFU, the count; LRU, minus the (signed, 31-bit) ticks since the access.
-    if lfu:
-        return np.int64(c)
-    age = (tick - np.int64(c)) & CLOCK_MASK
-    if age >= CLOCK_HALF:
-        age -= CLOCK_SPAN
-    return -age
+    # layout.scores for one slot: LFU, the count; LRU, minus the ticks since the access.
+    return np.int64(c) if lfu else -age(tick, np.int64(c))
 
 
 @numba.njit(cache=True, inline="always")

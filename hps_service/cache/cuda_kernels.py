@@ -25,9 +25,7 @@ import numpy as np
 from numba import config, cuda
 
 from hps_service.cache.layout import (
-    CLOCK_HALF,
     CLOCK_MASK,
-    CLOCK_SPAN,
     FREE_SCORE,
     LFU_CAP,
     META_EVICTIONS,
@@ -37,6 +35,7 @@ from hps_service.cache.layout import (
     TAG_HASH_MASK,
 )
 from hps_service.jit.hashing import mix64_array
+from hps_service.jit.ticks import signed_age
 
 #: Source byte of a key after a query: not cached, cached (row written), or read overlapped by a write.
 MISS, HIT, RETRY = 0, 1, 2
@@ -77,15 +76,16 @@ def _tag_of(x):
     return np.uint8(_TAG_BIT | (x & _TAG_MASK))
 
 
+#: :func:`hps_service.jit.ticks.signed_age` (the same source as the CPU kernels'), as device code.
+_age = cuda.jit(device=True, inline=True)(signed_age)
+
+
 @cuda.jit(device=True, inline=True)
 def _score(c, tick, lfu):
-    """``layout.scores`` for one slot: LFU, the count; LRU, minus the (signed, 31-bit) ticks since the access."""
+    """``layout.scores`` for one slot: LFU, the count; LRU, minus the ticks since the access."""
     if lfu:
         return np.int64(c)
-    age = (tick - np.int64(c)) & CLOCK_MASK
-    if age >= CLOCK_HALF:
-        age -= CLOCK_SPAN
-    return -age
+    return -_age(tick, np.int64(c))
 
 
 @cuda.jit(device=True, inline=True)

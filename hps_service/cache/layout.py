@@ -9,7 +9,7 @@ place them in memory shared by several processes and every process reads the sam
   the tag matches (a miss compares about ways/128 keys).
 * ``keys`` ``(sets, ways)`` int64 and ``versions`` ``(sets, ways)`` int64: meaningful where the tag is not 0.
 * ``clock`` ``(sets, ways)`` int32: LRU, the low 31 bits of the tick of the last access (read back against the
-  current tick by :func:`scores`, exact within 2**30 ticks; an older one only blurs the eviction order); LFU, the
+  current tick by :func:`scores`, see :mod:`hps_service.jit.ticks`); LFU, the
   access count, which stops at ``LFU_CAP``.
 * ``values`` ``(sets * ways, dim)`` float32: the rows.
 * ``meta`` ``(META_LEN,)`` int64: the sequence-lock counter, the tick, and the writers' counters (rows,
@@ -26,12 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from hps_service.jit import ticks
+
 #: Indices into ``meta``: one int64 per 64-byte line.
 META_SEQ, META_TICK, META_ROWS, META_EVICTIONS = 0, 8, 16, 24
 META_LEN = 32
-#: The tick bits an LRU clock keeps, and half their range: a clock at most that many ticks ahead of the tick
-#: reads as just touched (a reader that drew a later tick), one further back as that old.
-CLOCK_MASK, CLOCK_HALF, CLOCK_SPAN = 0x7FFFFFFF, 1 << 30, 1 << 31
+#: The tick bits an LRU clock keeps (read back as an age by :mod:`hps_service.jit.ticks`).
+CLOCK_MASK = ticks.MASK
 #: LFU counts stop here, far enough below 2**31 that concurrent adds past the check never overflow.
 LFU_CAP = 1 << 30
 #: The score of a free slot: below every occupied slot's (see :func:`scores`).
@@ -53,10 +54,7 @@ def scores(clock: Any, tick: int, lfu: bool) -> Any:
     """How hot slots are (int64, higher is hotter) from their clocks at ``tick``: LFU, the count; LRU, minus the
     ticks since the last access. Works on NumPy and CuPy arrays alike."""
     c = clock.astype(np.int64)
-    if lfu:
-        return c
-    age = (tick - c) & CLOCK_MASK
-    return -(age - (age >= CLOCK_HALF) * CLOCK_SPAN)
+    return c if lfu else -ticks.signed_age(tick, c)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,10 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from hps_service.tiers.hashmap import seqlock
 from hps_service.tiers.hashmap.tier import HashMapTier
 
 TABLE = "demo.item"
 I64 = np.iinfo(np.int64)
+#: Table clocks a test starts at: 0, just before the 31-bit stamps wrap, just before int32 and uint32 would.
+STAMP_WRAPS = [0, (1 << 31) - 40, (1 << 32) - 40, (1 << 40) + (1 << 31) - 40]
 
 
 def _rows(keys: np.ndarray, dim: int, salt: float = 0.0) -> np.ndarray:
@@ -143,14 +146,20 @@ def test_duplicate_keys_of_a_versioned_delete_take_the_highest_version() -> None
     )
 
 
+@pytest.mark.parametrize("clock", STAMP_WRAPS)
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_tombstones_are_evicted_first_oldest_first(policy: str) -> None:
+def test_tombstones_are_evicted_first_oldest_first(policy: str, clock: int) -> None:
+    """Also across the wrap of the four-byte stamps (see tiers/hashmap/stamps): the second tombstones are stamped
+    past it."""
     tier = _tier(capacity=100, dim=4, policy=policy, fraction=0.1)
+    tier.table_arrays(TABLE).ctrl[seqlock.CTRL_CLOCK] = clock
     live = np.arange(50, dtype=np.int64)
     tier.put(TABLE, live, _rows(live, 4), np.ones(50, np.int64))
     first, second = np.arange(1000, 1015, dtype=np.int64), np.arange(2000, 2015, dtype=np.int64)
     tier.delete(TABLE, first, 9)
+    tier.table_arrays(TABLE).ctrl[seqlock.CTRL_CLOCK] += 30
     tier.delete(TABLE, second, 9)
+    assert not tier.get(TABLE, np.concatenate([first, second])).found.any()
     more = np.arange(100, 140, dtype=np.int64)
     assert tier.put(
         TABLE, more, _rows(more, 4), np.ones(40, np.int64)

@@ -1,10 +1,10 @@
 """Access stamps of the hash map tier's rows, four bytes each: 31 bits of the table clock, with the sign for tombstones.
 
 A row's owner stamp and its readers' stamp are int32 halves of the row's third metadata word (beside key and
-version, one cache line). LRU stamps hold the clock's low 31 bits and are read back as the latest clock value
-with those bits (:func:`decode`), exact while a row was touched within 2**31 ticks (a tick is one batch); an
-older one reads as newer, which only blurs the eviction order. LFU stamps are access counts that saturate. A
-tombstone's stamp is ``-1 - (clock & MASK)``: negative whatever the clock, so a tombstone is never read as a row.
+version, one cache line). LRU stamps hold the clock's low 31 bits and are read back by their age at the table
+clock (:func:`decode`, :mod:`hps_service.jit.ticks`; a tick is one batch). LFU stamps are access counts that
+saturate. A tombstone's stamp is ``-1 - (clock & MASK)``: negative whatever the clock, so a tombstone is never
+read as a row.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-#: The clock bits a stamp keeps, and the largest LFU count.
-MASK = np.int64(0x7FFFFFFF)
+from hps_service.jit.ticks import MASK, signed_age
+
 #: Subtracted from a decoded tombstone's clock: negative, and older tombstones sort (and evict) first.
 TOMBSTONE_BASE = np.int64(1 << 62)
 
@@ -53,10 +53,10 @@ def decode(stamps: np.ndarray, reader: np.ndarray, now: int, lfu: bool) -> np.nd
     if lfu:
         out = np.maximum(s, r)
     else:
-        out = now64 - ((now64 - s) & MASK)
-        out = np.maximum(out, np.where(r != 0, now64 - ((now64 - r) & MASK), 0))
+        out = now64 - signed_age(now64, s)
+        out = np.maximum(out, np.where(r != 0, now64 - signed_age(now64, r), 0))
         np.maximum(out, 0, out=out)
     if dead.any():
         t = -1 - s[dead]
-        out[dead] = now64 - ((now64 - t) & MASK) - TOMBSTONE_BASE
+        out[dead] = now64 - signed_age(now64, t) - TOMBSTONE_BASE
     return out
