@@ -15,7 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from hps_service.errors import UnavailableError
+from hps_service.node.store import layout
 from hps_service.node.store.node_store import NodeStore
+from hps_service.node.store.view import StoreView
 from hps_service.runtime.cpus import affinity_cpus, cgroup_cpu_limit, usable_cpus
 from hps_service.shm.changes import ChangeRing
 from hps_service.shm.counters import REQ_FIELDS, STATUS_INDEX, RequestCounters, new_counters, request_totals
@@ -210,3 +213,16 @@ def test_usable_cpus_follow_the_cgroup_limit_then_the_affinity_mask(tmp_path: Pa
     assert cgroup_cpu_limit(_fake_cgroup(tmp_path / "f", None, (-1, 100000))) is None
     # this machine: whatever its limit, never more than the affinity mask allows
     assert 1 <= usable_cpus() <= affinity_cpus() == len(os.sched_getaffinity(0))
+
+
+def test_a_store_of_another_layout_is_refused_by_name(tmp_path: Path) -> None:
+    """A reader of layout 2 (four-byte stamps) never maps a layout-1 store, whose tombstones it would take for rows."""
+    store = NodeStore(tmp_path / "hps", private=False, processes=2, workers=1)
+    try:
+        store.publish([], {})
+        assert StoreView(store.path, writable=False).generation == store.generation
+        store.header[layout.H_LAYOUT] = 1  # what an older release wrote
+        with pytest.raises(UnavailableError, match=f"not an hps store of layout {layout.LAYOUT_VERSION}"):
+            StoreView(store.path, writable=False)
+    finally:
+        store.close()
