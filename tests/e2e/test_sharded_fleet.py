@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import threading
 import time
@@ -40,6 +41,19 @@ HOSTS = {(0, 0): "127.0.0.1", (0, 1): "127.0.0.2", (1, 0): "127.0.0.3", (1, 1): 
 TABLE = "item"
 #: The update test publishes new rows for the first UPDATED keys of the table.
 UPDATED = 1500
+
+
+def _wait_closed(host: str, port: int, timeout: float = 5.0) -> None:
+    """Until nothing accepts on ``host:port``: a SIGKILLed owner's workers die a moment after it (PDEATHSIG through
+    the fork server), and may answer in between (CI once had a lookup answered right after the kill)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection((host, port), 0.2).close()
+        except OSError:
+            return
+        assert time.monotonic() < deadline, f"{host}:{port} still accepts {timeout} s after its owner was killed"
+        time.sleep(0.02)
 
 
 @dataclass
@@ -243,6 +257,7 @@ def test_one_replica_down_costs_nothing_both_down_fail_loudly(fleet: Fleet) -> N
         assert failures == [] and answered[0] - before > 10
 
         stop_process(fleet.procs[0, 1], 5, sig=9)
+        _wait_closed(HOSTS[0, 1], fleet.grpc_port)
         mixed = fleet.keys[:64]
         with pytest.raises(UnavailableError) as err:
             client.lookup(fleet.model, TABLE, mixed)
