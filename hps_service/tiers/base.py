@@ -45,6 +45,7 @@ class TierCapability(Flag):
     CHECKPOINT = auto()  # checkpoint(): a consistent copy of the whole store in a directory (local snapshots)
     EXPORT = auto()  # export(): some tables with their log positions, as a directory (bucket snapshots)
     BULK_IMPORT = auto()  # bulk_import(): an all-or-nothing load of a table's rows (import jobs)
+    SCAN = auto()  # scan(): every stored entry of a table, rows and tombstones, in key order (format conversions)
 
 
 def tier_can(tier: Tier | None, needs: TierCapability) -> TypeGuard[Tier]:
@@ -83,6 +84,21 @@ class TierStats:
     evictions: int = 0
     errors: int = 0  # batches or keys that failed and fell through to the next tier
     extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StoredEntries:
+    """A stretch of a table's stored entries in the store's key order: rows and tombstones, with their versions."""
+
+    keys: np.ndarray  # (n,) int64
+    live: np.ndarray  # (n,) bool: a row; else a tombstone
+    versions: np.ndarray  # (n,) int64
+    vectors: np.ndarray  # (n, dim) float32 rows as stored (zeros where a tombstone)
+
+    def write(self, table: str, vectors: np.ndarray) -> TableWrite:
+        """These entries as a write of ``table``: the rows (``vectors``, one per live entry) and the tombstones."""
+        return TableWrite(table=table, keys=self.keys[self.live], vectors=vectors, versions=self.versions[self.live],
+                          delete_keys=self.keys[~self.live], delete_versions=self.versions[~self.live])
 
 
 @dataclass(slots=True)
@@ -263,6 +279,11 @@ class Tier(ABC):
     ) -> int:
         """Load rows all or nothing, never over a newer stored row; returns rows written. Tiers with BULK_IMPORT."""
         raise NotImplementedError(f"{type(self).__name__} cannot bulk-import")
+
+    def scan(self, table: str, after: int | None, limit: int) -> StoredEntries:
+        """Up to ``limit`` entries of ``table`` that follow key ``after`` (None: from the first) in the store's order;
+        fewer than ``limit`` when the table ends. Tiers with SCAN."""
+        raise NotImplementedError(f"{type(self).__name__} cannot scan entries")
 
     def drop_table(self, table: str) -> None:
         """Forget every row of ``table``."""

@@ -60,6 +60,8 @@ def test_the_base_refuses_what_a_tier_does_not_declare() -> None:
         tier.bulk_import("m.t", np.arange(2, dtype=np.int64), np.ones((2, 2), np.float32))
     with pytest.raises(NotImplementedError, match="HashMapTier cannot checkpoint"):
         tier.checkpoint(Path("unused"))
+    with pytest.raises(NotImplementedError, match="HashMapTier cannot scan entries"):
+        tier.scan("m.t", None, 10)
     assert tier.put("m.t", np.arange(2, dtype=np.int64), np.ones((2, 2), np.float32), np.ones(2, np.int64)).all()
 
 
@@ -67,11 +69,12 @@ def test_a_read_only_rocksdb_lacks_writes_but_keeps_the_rest(tmp_path: Path) -> 
     writable = RocksDBTier(tmp_path / "db", block_cache_mb=8)
     writable.create_table("m.t", 2)
     assert tier_can(writable, TierCapability.WRITES | TierCapability.CHECKPOINT | TierCapability.EXPORT
-                    | TierCapability.BULK_IMPORT)
+                    | TierCapability.BULK_IMPORT | TierCapability.SCAN)
     writable.close()
     ro = RocksDBTier(tmp_path / "db", read_only=True, block_cache_mb=8)
     try:
-        assert ro.capabilities == TierCapability.CHECKPOINT | TierCapability.EXPORT | TierCapability.BULK_IMPORT
+        assert ro.capabilities == (TierCapability.CHECKPOINT | TierCapability.EXPORT | TierCapability.BULK_IMPORT
+                                   | TierCapability.SCAN)
         assert RocksDBTier.capabilities & TierCapability.WRITES  # the instance's, not the class's
         with pytest.raises(UnavailableError):
             ro.put("m.t", np.arange(1, dtype=np.int64), np.ones((1, 2), np.float32), np.ones(1, np.int64))

@@ -61,6 +61,7 @@ from hps_service.tiers.rocksdb.layout import (
 )
 from hps_service.tiers.rocksdb.options import tuned_options
 from hps_service.tiers.rocksdb.recovery import ReadGate, Reopening, WriteFailure, gated
+from hps_service.tiers.rocksdb.scan import EntryScan
 from hps_service.tiers.rocksdb.staging import WriteStaging
 
 log = logging.getLogger(__name__)
@@ -72,12 +73,13 @@ _MiB = 1 << 20
 
 __all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
-class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
+class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
     """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
 
     kind = "persistent"
     #: A read-only or secondary instance lacks WRITES (see :meth:`__init__`).
-    capabilities = TierCapability.WRITES | TierCapability.CHECKPOINT | TierCapability.EXPORT | TierCapability.BULK_IMPORT
+    capabilities = (TierCapability.WRITES | TierCapability.CHECKPOINT | TierCapability.EXPORT
+                    | TierCapability.BULK_IMPORT | TierCapability.SCAN)
 
     def __init__(
         self,
