@@ -71,7 +71,7 @@ class _Table:
         l1 = (SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read, None, touch=False)
               if tv.l1 is not None and entry is not None else None)
         self.served = ServedTable(model=tv.model, name=tv.table, dim=tv.dim, default=tv.default, cache=l1,
-                                  storage=tv.storage)
+                                  storage=tv.storage, stored_as=tv.stored_as)
         volatile = SharedVolatile(lambda: view) if view.volatile(self.served.id) is not None else None
         self.reader = Reader(volatile, None, max_batch_keys=0)
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from hps_service.admin.importer import check_import_shape, read_model_source
 from hps_service.engine import LookupEngine
+from hps_service.engine.convert import ConvertProgress
 from hps_service.errors import HPSError, NotFoundError, UnavailableError
 from hps_service.fleet.sharding import ShardMap
 from hps_service.tiers.base import Tier, TierCapability, tier_can
@@ -149,6 +150,19 @@ def writable_persistent(engine: LookupEngine, what: str, needs: TierCapability) 
 def import_tier(engine: LookupEngine) -> Tier:
     """The persistent tier that an import job bulk-loads, or UnavailableError naming why there is none."""
     return writable_persistent(engine, "import", TierCapability.BULK_IMPORT)
+
+
+def convert_job(engine: LookupEngine, model: str, table: str, storage: str) -> Callable[[Job], dict]:
+    """The work of ``POST .../tables/{table}:convert``: re-encode the table as ``storage`` while it is served, then
+    serve it so (see :mod:`hps_service.engine.convert`); ``rows_total`` counts the entries to copy."""
+
+    def work(job: Job) -> dict[str, Any]:
+        def report(total: int, done: int) -> None:
+            job.rows_total, job.rows_done = total, done
+
+        return engine.convert_table(model, table, storage, ConvertProgress(report))
+
+    return work
 
 
 def import_job(

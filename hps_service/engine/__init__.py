@@ -2,7 +2,8 @@
 
 It knows nothing of gRPC or HTTP. One module per job: ``registry`` (loaded models and tables), ``table`` (one
 served table), ``read`` (lookups, fetches below L1), ``promote`` (L3 rows into L2 without resurrecting deletes),
-``write`` (upserts, deletes, purges), ``preload``, ``repair``, ``stats``; ``engine`` is the facade over them.
+``write`` (upserts, deletes, purges), ``convert`` (a table re-encoded in another format while served) and
+``stored_tables`` (where its rows live), ``preload``, ``repair``, ``stats``; ``engine`` is the facade over them.
 """
 
 from hps_service.engine.engine import LookupEngine

@@ -12,15 +12,16 @@ from typing import Any
 import numpy as np
 
 from hps_service.config import ModelConfig
+from hps_service.engine.convert import ConvertProgress, convert_table
 from hps_service.engine.levels import DEFAULT, LookupResult
 from hps_service.engine.preload import Preloader
 from hps_service.engine.read import Reader
-from hps_service.engine.registry import ModelRegistry, close_tables, make_table
+from hps_service.engine.registry import ModelRegistry, close_tables, make_table, served_config
 from hps_service.engine.repair import VolatileRepair
 from hps_service.engine.stats import TableStats, table_stats
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write import TableChange, Writer, table_write
-from hps_service.errors import UnavailableError
+from hps_service.errors import NotFoundError, UnavailableError
 from hps_service.tiers.base import Positions, Tier, WriteResult, tier_health, tier_memory
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class LookupEngine:
                                     self.persistent)
                 for tc in model.tables
             }
+            model = served_config(model, tables)
             old = self.registry.put(model, tables)
         if old:
             close_tables(old.values())
@@ -100,7 +102,7 @@ class LookupEngine:
         return got.stored, got.versions, got.sources != DEFAULT
 
     @contextmanager
-    def _writing(self, model: str, table: str) -> Iterator[ServedTable]:
+    def writing(self, model: str, table: str) -> Iterator[ServedTable]:
         """The served table, with its write lock held: writes of one table never interleave across the tiers. A
         table replaced while this waited for the lock is looked up again, so the write reaches the new one."""
         while True:
@@ -116,8 +118,15 @@ class LookupEngine:
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
                sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
         """Rows of ``keys`` in request order (duplicates included) and the level that answered each (into ``out``
-        and ``sources`` when given: see :meth:`Reader.lookup`)."""
-        return self.reader.lookup(self.table(model, table), keys, out, sources, stored)
+        and ``sources`` when given: see :meth:`Reader.lookup`). A table that a conversion moved while this read it
+        (its old rows dropped) is read again where it is now."""
+        t = self.table(model, table)
+        try:
+            return self.reader.lookup(t, keys, out, sources, stored)
+        except NotFoundError:
+            if self.registry.is_served(t):
+                raise
+            return self.reader.lookup(self.table(model, table), keys, out, sources, stored)
 
     def apply_updates(
         self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int
@@ -126,13 +135,13 @@ class LookupEngine:
 
         A stored row with a newer version is never replaced, so replays and lagging writers are harmless.
         """
-        with self._writing(model, table) as t:
+        with self.writing(model, table) as t:
             return self.writer.apply_updates(t, keys, vectors, versions)
 
     def apply_deletes(self, model: str, table: str, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
         """Delete keys from every tier and the L1 cache. Returns how many live rows the lowest enabled tier held
         (see :meth:`Writer.apply_deletes` for versioned and admin deletes)."""
-        with self._writing(model, table) as t:
+        with self.writing(model, table) as t:
             return self.writer.apply_deletes(t, keys, versions)
 
     def import_rows(
@@ -141,7 +150,7 @@ class LookupEngine:
     ) -> int:
         """Bulk-load rows into the persistent tier, then drop their keys from L2 and L1, as one write of the table
         (no promotion, preload or L1 admission of a row read before it lands after it). Returns rows written."""
-        with self._writing(model, table) as t:
+        with self.writing(model, table) as t:
             return self.writer.import_rows(t, keys, vectors, version, progress)
 
     def check_change(self, change: TableChange) -> None:
@@ -154,7 +163,7 @@ class LookupEngine:
         ``positions`` (opaque ``(source, partition) -> next offset``) in the same atomic persistent write, so the
         positions a store holds never run ahead of its rows. Then the volatile tier and L1."""
         with ExitStack() as held:  # every table's write lock, in one order, for the whole write
-            tables = {key: held.enter_context(self._writing(*key))
+            tables = {key: held.enter_context(self.writing(*key))
                       for key in sorted({(c.model, c.table) for c in changes})}
             prepared = [(tables[(c.model, c.table)], table_write(tables[(c.model, c.table)], c)) for c in changes]
             return self.writer.apply_changes(prepared, positions)
@@ -170,8 +179,14 @@ class LookupEngine:
 
     def purge_tombstones(self, model: str, table: str, below_version: int) -> dict[str, int]:
         """Remove the tombstones older than ``below_version`` from every tier; returns how many, per level."""
-        with self._writing(model, table) as t:
+        with self.writing(model, table) as t:
             return self.writer.purge_tombstones(t, below_version)
+
+    def convert_table(self, model: str, table: str, storage: str,
+                      progress: ConvertProgress | None = None) -> dict[str, Any]:
+        """Re-encode a table's rows as ``storage`` while it is served, then serve them so (see
+        :mod:`hps_service.engine.convert`); returns what was done."""
+        return convert_table(self, model, table, storage, progress)
 
     # ---- stats and lifecycle ------------------------------------------------------------------
     def table_stats(self, model: str, table: str) -> TableStats:

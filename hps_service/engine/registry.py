@@ -6,19 +6,23 @@ guard of a ``(model, table)`` name outlives the served table: a replaced or relo
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 
 from hps_service.config import ModelConfig, TableConfig
+from hps_service.config.base import Storage
+from hps_service.engine.stored_tables import drop_abandoned, stored_table
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write_guard import WriteGuard
 from hps_service.errors import InvalidArgumentError, NotFoundError
 from hps_service.rows import storage_key
-from hps_service.tiers.base import Tier, TierCapability
+from hps_service.tiers.base import Tier, TierCapability, table_id
 
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -116,8 +120,17 @@ def record_storage(tier: Tier, table: str, storage: str) -> None:
         if held is None and not tier.set_metadata(key, b"fp32"):
             return  # a tier that keeps no metadata (Redis, the hash map): nothing tells how its rows were stored
         raise InvalidArgumentError(f"table {table} holds {rows} rows stored as {was}, not {storage}: serve it as "
-                                   f"{was}, or import it again into an empty store")
+                                   f"{was} and convert it (POST /v1/models/{{model}}/tables/{{table}}:convert), or "
+                                   "import it again into an empty store")
     tier.set_metadata(key, storage.encode())
+
+
+def served_config(model: ModelConfig, tables: Mapping[str, ServedTable]) -> ModelConfig:
+    """``model`` as its tables are served: each table's storage as its rows are stored (a conversion changes it)."""
+    if all(tables[tc.name].storage == tc.storage for tc in model.tables):
+        return model
+    return model.model_copy(update={"tables": [tc.model_copy(update={"storage": tables[tc.name].storage})
+                                               for tc in model.tables]})
 
 
 def make_table(
@@ -130,8 +143,18 @@ def make_table(
     warm_source: Tier | None,
 ) -> ServedTable:
     """Create a table in every tier and build its L1 cache, which reads misses through ``fetch_below`` and warms
-    from the first keys ``warm_source`` holds."""
-    t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard, storage=tc.storage)
+    from the first keys ``warm_source`` (the persistent tier) holds. A table that a conversion moved is served
+    where and as it was converted (see :mod:`hps_service.engine.stored_tables`), whatever ``tc.storage`` says."""
+    drop_abandoned(warm_source, model, tc.name)
+    stored = stored_table(warm_source, model, tc.name)
+    storage = tc.storage
+    if stored.id != table_id(model, tc.name) and stored.storage is not None:
+        if stored.storage != tc.storage:
+            log.warning("table %s.%s was converted to %s: serving it as %s (tables[].storage says %s)", model,
+                        tc.name, stored.storage, stored.storage, tc.storage)
+        storage = cast(Storage, stored.storage)
+    t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard, storage=storage,
+                    stored_as="" if stored.id == table_id(model, tc.name) else stored.id)
     for tier in tiers:
         record_storage(tier, t.id, t.storage)
         tier.create_table(t.id, t.format.words)

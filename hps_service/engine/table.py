@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from hps_service.cache.protocol import FetchBelow, TableCache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import DefaultSpec
@@ -62,6 +64,21 @@ class TableCounters(ThreadSlots):
         return hits, misses, sums[_DEFAULTS]
 
 
+@dataclass(slots=True)
+class Conversion:
+    """The copy a running conversion writes: its tier id and its row format (``source``: the table's), and why it
+    stopped, once a write could not be re-encoded (a value beyond fp16's range)."""
+
+    id: str
+    format: RowFormat
+    source: RowFormat
+    error: str | None = None
+
+    def reencode(self, stored: np.ndarray) -> np.ndarray:
+        """Rows stored in the table's format -> the same rows in the copy's format."""
+        return self.format.encode(self.source.decoded(stored))
+
+
 @dataclass
 class ServedTable:
     """One table of a loaded model, with its L1 cache and counters."""
@@ -81,6 +98,10 @@ class ServedTable:
     published_generation: Callable[[], int] | None = None
     #: How the tiers and L1 store its rows (they hold ``format.words`` words a row; lookups answer ``dim`` floats).
     storage: Storage = "fp32"
+    #: The tier id its rows are stored under ("": ``model.table``; see :mod:`hps_service.engine.stored_tables`).
+    stored_as: str = ""
+    #: A conversion to another format in progress: every write of the table reaches its copy too.
+    converting: Conversion | None = None
 
     def __post_init__(self) -> None:
         if self.counters is None:
@@ -98,7 +119,8 @@ class ServedTable:
 
     @property
     def id(self) -> str:
-        return table_id(self.model, self.name)
+        """The tier id of the table's rows."""
+        return self.stored_as or table_id(self.model, self.name)
 
     def count(self, level: str, hits: int, misses: int) -> None:
         """Add to this thread's hits and misses of ``level`` (no lock)."""

@@ -3,7 +3,7 @@ L1; tombstone purges.
 
 A stored row with a newer version is never replaced, so replays and lagging writers are harmless; a versioned
 delete leaves a tombstone that refuses older puts. Every method is called with the table's write lock held (see
-:meth:`LookupEngine._writing`) and stamps the keys it writes (see :mod:`hps_service.engine.write_guard`).
+:meth:`LookupEngine.writing`) and stamps the keys it writes (see :mod:`hps_service.engine.write_guard`).
 """
 
 from __future__ import annotations
@@ -98,8 +98,24 @@ def table_write(t: ServedTable, change: TableChange) -> TableWrite:
                       delete_keys=del_keys[deletes], delete_versions=del_versions[deletes])
 
 
+def copy_write(t: ServedTable, w: TableWrite) -> TableWrite | None:
+    """``w`` as it reaches the copy of a conversion in progress (None: none runs, or it stopped). A row the copy's
+    format cannot hold stops the conversion, never the write."""
+    conv = t.converting
+    if conv is None or conv.error is not None:
+        return None
+    try:
+        vectors = conv.reencode(w.vectors)
+    except InvalidArgumentError as exc:
+        conv.error = f"a write of {t.name} cannot be stored as {conv.format.storage}: {exc}"
+        return None
+    return TableWrite(table=conv.id, keys=w.keys, vectors=vectors, versions=w.versions, delete_keys=w.delete_keys,
+                      delete_versions=w.delete_versions)
+
+
 class Writer:
-    """Applies upserts, deletes and tombstone purges of served tables to every tier and L1."""
+    """Applies upserts, deletes and tombstone purges of served tables to every tier and L1. While a table is
+    converted (``t.converting``), every write of it also reaches the copy in the persistent tier."""
 
     def __init__(self, volatile: Tier | None, persistent: Tier | None) -> None:
         self.volatile = volatile
@@ -125,6 +141,8 @@ class Writer:
             written = np.ones(keys.shape[0], dtype=bool)
             if self.persistent is not None:
                 written = self.persistent.put(t.id, keys, vectors, stamped)
+                if t.converting is not None and (copy := copy_write(t, _rows_write(t, keys, vectors, stamped))):
+                    self.persistent.put(copy.table, copy.keys, copy.vectors, copy.versions)
             if self.volatile is not None:
                 if self.persistent is None:
                     written = self.volatile.put(t.id, keys, vectors, stamped)
@@ -154,6 +172,8 @@ class Writer:
         with t.guard.writing(keys):
             if self.persistent is not None:
                 removed = self.persistent.delete(t.id, keys, tomb_versions)
+                if (conv := t.converting) is not None and conv.error is None:
+                    self.persistent.delete(conv.id, keys, tomb_versions)
             if self.volatile is not None:
                 n = self.volatile.delete(t.id, keys, tomb_versions)
                 if self.persistent is None:
@@ -174,6 +194,9 @@ class Writer:
         with t.guard.writing(keys):
             stored = t.format.encode(as_rows(vectors, keys.shape[0], t.dim, f"import into {t.id}"))
             written = int(self.persistent.bulk_import(t.id, keys, stored, version=version, progress=progress))
+            versions = np.full(keys.shape[0], version, np.int64)
+            if t.converting is not None and (copy := copy_write(t, _rows_write(t, keys, stored, versions))):
+                self.persistent.bulk_import(copy.table, copy.keys, copy.vectors, version=version)
             for start in range(0, keys.shape[0], INVALIDATE_CHUNK):
                 chunk = keys[start : start + INVALIDATE_CHUNK]
                 if self.volatile is not None:
@@ -196,7 +219,8 @@ class Writer:
         self, changes: Sequence[tuple[ServedTable, TableWrite]], writes: list[TableWrite], positions: Positions | None
     ) -> list[WriteResult]:
         if self.persistent is not None:
-            results = self.persistent.write(writes, positions)
+            copies = [c for t, w in changes if (c := copy_write(t, w)) is not None]
+            results = self.persistent.write([*writes, *copies], positions)[: len(writes)]  # one atomic batch
         elif self.volatile is not None:
             results = self.volatile.write(writes)
         else:
@@ -223,5 +247,15 @@ class Writer:
         """
         if below_version < 0:
             raise InvalidArgumentError(f"below_version must be >= 0, got {below_version}")
-        return {level: tier.purge_tombstones(t.id, below_version)
-                for level, tier in (("volatile", self.volatile), ("persistent", self.persistent)) if tier is not None}
+        purged = {level: tier.purge_tombstones(t.id, below_version)
+                  for level, tier in (("volatile", self.volatile), ("persistent", self.persistent)) if tier is not None}
+        if self.persistent is not None and (conv := t.converting) is not None and conv.error is None:
+            self.persistent.purge_tombstones(conv.id, below_version)
+        return purged
+
+
+def _rows_write(t: ServedTable, keys: np.ndarray, stored: np.ndarray, versions: np.ndarray) -> TableWrite:
+    """Puts of stored rows of ``t``, as a write of the table."""
+    empty = np.zeros(0, dtype=np.int64)
+    return TableWrite(table=t.id, keys=keys, vectors=stored, versions=versions, delete_keys=empty,
+                      delete_versions=empty)

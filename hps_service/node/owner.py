@@ -79,7 +79,8 @@ class OwnerEngine(LookupEngine):
         with self._slot_lock:
             slot = self._slots.get(id(t))
             if slot is None:
-                slot = self.store.new_table(t.model, t.name, t.dim, _default_json(t.default), t.storage)
+                slot = self.store.new_table(t.model, t.name, t.dim, _default_json(t.default), t.storage,
+                                            t.stored_as)
                 self._slots[id(t)] = slot
                 self._served[slot.serial] = t
             return slot

@@ -148,7 +148,8 @@ class WorkerEngine:
                     t, tv = old, self._views[serial]
                 else:
                     tv = view.table(serial)
-                    t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial, storage=tc.storage,
+                    t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial,
+                                    storage=tv.storage, stored_as=tv.stored_as,
                                     published_generation=PublishedGeneration(tv.control, T_WRITE_GEN).read)
                     if tv.counters is not None:
                         t.counters = SharedTableCounters(tv.counters, self.process)
@@ -178,8 +179,16 @@ class WorkerEngine:
 
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
                sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
-        """Rows of ``keys`` in request order and the level that answered each (as ``LookupEngine.lookup``)."""
-        return self.reader.lookup(self.table(model, table), keys, out, sources, stored)
+        """Rows of ``keys`` in request order and the level that answered each (as ``LookupEngine.lookup``, which
+        also reads a table again that a conversion moved while this read it)."""
+        t = self.table(model, table)
+        try:
+            return self.reader.lookup(t, keys, out, sources, stored)
+        except NotFoundError:
+            current = self.table(model, table)
+            if current is t:
+                raise
+            return self.reader.lookup(current, keys, out, sources, stored)
 
     def model(self, name: str) -> ModelConfig:
         self.sync()

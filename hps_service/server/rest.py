@@ -26,10 +26,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from hps_service.admin.jobs import JobRunner, import_job, import_tier
+from hps_service.admin.jobs import JobRunner, convert_job, import_job, import_tier
 from hps_service.admin.snapshots import Snapshots
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, as_rows
+from hps_service.engine.convert import check_conversion
 from hps_service.errors import HPSError, InvalidArgumentError, ResourceExhaustedError
 from hps_service.fleet.registry_log import ModelRegistrations
 from hps_service.fleet.sharding import ShardMap
@@ -44,6 +45,7 @@ from hps_service.server.problems import PROBLEM_JSON
 from hps_service.server.problems import problem as _error
 from hps_service.server.rest_access import BodyLimits
 from hps_service.server.rest_bodies import (
+    ConvertRequest,
     ImportRequest,
     PurgeTombstonesRequest,
     Wait,
@@ -125,7 +127,7 @@ def describe_model(engine: LookupEngine, name: str) -> dict[str, Any]:
     for tc in mc.tables:
         stats = engine.table_stats(name, tc.name)
         rows = {level: (int(stats[level]["rows"] or 0) if stats[level].get("enabled") else None) for level in LEVELS}
-        tables.append({"name": tc.name, "dim": tc.dim, "default": tc.model_dump()["default"],
+        tables.append({"name": tc.name, "dim": tc.dim, "storage": tc.storage, "default": tc.model_dump()["default"],
                        "rows": rows})
     return {"name": mc.name, "tables": tables}
 
@@ -330,6 +332,14 @@ def create_app(ctx: AdminContext) -> FastAPI:
             raise InvalidArgumentError(f"model source {path} does not exist on the server")
         job = ctx.jobs.submit("import", {"model": model, "table": table, "path": str(path)},
                               import_job(engine, model, table, path, body.version, ctx.shard_map))
+        return job.view()
+
+    @app.post("/v1/models/{model}/tables/{table}:convert", tags=["jobs"], status_code=202, dependencies=admin,
+              summary="Re-encode a table in another row format as a background job, served throughout")
+    def convert_table(model: str, table: str, body: ConvertRequest) -> dict[str, Any]:
+        check_conversion(engine, model, table, body.storage)
+        job = ctx.jobs.submit("convert", {"model": model, "table": table, "storage": body.storage},
+                              convert_job(engine, model, table, body.storage))
         return job.view()
 
     @app.post("/v1/models/{model}/tables/{table}/tombstones/purge", tags=["jobs"], status_code=202,

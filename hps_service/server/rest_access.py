@@ -48,6 +48,7 @@ ROUTES: dict[str, tuple[Access, BodyKind]] = {
     "delete_rows": ("admin", "keys"),
     "import_rows": ("admin", "small"),
     "purge_tombstones": ("admin", "small"),
+    "convert_table": ("admin", "small"),
     "create_snapshot": ("admin", "none"),
     "delete_snapshot": ("admin", "none"),
     "restore_snapshot": ("admin", "none"),

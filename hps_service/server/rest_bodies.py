@@ -15,6 +15,7 @@ from fastapi import Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
+from hps_service.config.base import Storage
 from hps_service.errors import ResourceExhaustedError
 from hps_service.server.audit import AUDIT_STATE
 
@@ -82,6 +83,11 @@ Wait = Annotated[Literal["acknowledged", "applied"], Query(
 class PurgeTombstonesRequest(BaseModel):
     below_version: int = Field(ge=0, le=2**63 - 1, description="tombstones older than this version are removed; it "
                                                                 "must be older than any update the log can still deliver")
+
+
+class ConvertRequest(BaseModel):
+    storage: Storage = Field(description="the format to store the table's rows in: fp32, fp16, bf16 or int8 "
+                                         "(row-wise scale and bias)")
 
 
 class ImportRequest(BaseModel):

@@ -216,12 +216,13 @@ def test_usable_cpus_follow_the_cgroup_limit_then_the_affinity_mask(tmp_path: Pa
 
 
 def test_a_store_of_another_layout_is_refused_by_name(tmp_path: Path) -> None:
-    """A reader of layout 2 (four-byte stamps) never maps a layout-1 store, whose tombstones it would take for rows."""
+    """A reader never maps a store of an older layout (layout 1's tombstones would read as rows, layout 2's converted
+    tables as missing)."""
     store = NodeStore(tmp_path / "hps", private=False, processes=2, workers=1)
     try:
         store.publish([], {})
         assert StoreView(store.path, writable=False).generation == store.generation
-        store.header[layout.H_LAYOUT] = 1  # what an older release wrote
+        store.header[layout.H_LAYOUT] = layout.LAYOUT_VERSION - 1  # what the release before wrote
         with pytest.raises(UnavailableError, match=f"not an hps store of layout {layout.LAYOUT_VERSION}"):
             StoreView(store.path, writable=False)
     finally:

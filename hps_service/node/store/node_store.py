@@ -139,8 +139,10 @@ class NodeStore:
 
         return alloc, release
 
-    def new_table(self, model: str, table: str, dim: int, default: Any, storage: str = "fp32") -> TableSlot:
-        """Shared state of a newly served table (a replaced model's tables get new serials)."""
+    def new_table(self, model: str, table: str, dim: int, default: Any, storage: str = "fp32",
+                  stored_as: str = "") -> TableSlot:
+        """Shared state of a newly served table (a replaced model's tables get new serials); ``storage`` and
+        ``stored_as``: how and under which tier id its rows are stored."""
         with self._lock:
             serial = self._next_serial
             self._next_serial += 1
@@ -149,6 +151,7 @@ class NodeStore:
         ring = self.region.create(f"{base}/changes", (self.ring_keys,), np.int64)
         counters = self.region.create(f"{base}/counters", (self.processes, THREAD_ROWS, TABLE_FIELDS), np.float64)
         entry = {"model": model, "table": table, "dim": int(dim), "default": default, "l1": None, "storage": storage,
+                 "stored_as": stored_as,
                  "control": array_spec(f"{base}/control", control), "changes": array_spec(f"{base}/changes", ring),
                  "counters": array_spec(f"{base}/counters", counters)}
         slot = TableSlot(serial, control, ChangeRing(ring, control, T_CHANGES), counters, entry)

@@ -35,6 +35,8 @@ class TableView:
     counters: np.ndarray | None
     l1: dict[str, np.ndarray] | None
     storage: Storage = "fp32"
+    #: The tier id of its rows ("": ``model.table``; a converted table's is another).
+    stored_as: str = ""
 
 
 class StoreView:
@@ -115,7 +117,8 @@ class StoreView:
                 l1 = {name: open_spec(self.region, spec, writable=self.writable and name in entry["l1"]["writable"])
                       for name, spec in entry["l1"]["arrays"].items()}
             view = TableView(serial, entry["model"], entry["table"], int(entry["dim"]), entry["default"], control,
-                             ChangeRing(ring, control, T_CHANGES), counters, l1, entry.get("storage", "fp32"))
+                             ChangeRing(ring, control, T_CHANGES), counters, l1, entry.get("storage", "fp32"),
+                             entry.get("stored_as", ""))
             self._tables[serial] = view
         return view
 
