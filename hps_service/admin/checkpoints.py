@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from hps_service.config import ModelConfig
+from hps_service.engine.stored_tables import stored_id
 from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.fleet.bucket import Progress
-from hps_service.tiers.base import Tier, TierCapability, table_id
+from hps_service.tiers.base import Tier, TierCapability
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 SNAPSHOT_ID = re.compile(r"^[A-Za-z0-9_\-]{1,128}$")
@@ -52,11 +53,9 @@ class DirectoryStore:
         src = RocksDBTier(path, read_only=True, block_cache_mb=0)
         try:
             held = src.tables()
-            tables = {
-                t.name: {"dim": t.dim,
-                         "rows": src.count(table_id(model.name, t.name)) if table_id(model.name, t.name) in held else 0}
-                for t in model.tables
-            }
+            ids = {t.name: stored_id(src, model.name, t.name) for t in model.tables}
+            tables = {t.name: {"dim": t.dim, "rows": src.count(ids[t.name]) if ids[t.name] in held else 0}
+                      for t in model.tables}
         finally:
             src.close()
         meta = {"id": snapshot_id, "model": model.name, "created_at": time.time(), "path": str(path),

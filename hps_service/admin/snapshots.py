@@ -23,9 +23,11 @@ import numpy as np
 from hps_service.admin.jobs import writable_persistent
 from hps_service.config import ModelConfig
 from hps_service.engine import LookupEngine
+from hps_service.engine.stored_tables import stored_table
 from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
 from hps_service.fleet.bucket import Progress
-from hps_service.tiers.base import Tier, TierCapability, table_id, tier_can
+from hps_service.rows import row_format
+from hps_service.tiers.base import Tier, TierCapability, tier_can
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 log = logging.getLogger(__name__)
@@ -140,20 +142,25 @@ class Snapshots(Generic[S]):
 
     def _restore_table(self, model: str, name: str, src: RocksDBTier, live: Tier, held: dict[str, int], job: Any,
                        keys: Callable[[np.ndarray], np.ndarray] | None) -> dict[str, int]:
-        tid = table_id(model, name)
-        snap_keys = src.scan_keys(tid, src.count(tid)) if tid in held else np.zeros(0, dtype=np.int64)
+        t = self.engine.table(model, name)
+        tid = t.id  # jobs run one at a time: no conversion moves the table during a restore
+        snap = stored_table(src, model, name)
+        # rows as the snapshot stored them (absent a record: fp32 when a row is the table's width, else its format)
+        storage = snap.storage or ("fp32" if held.get(snap.id) == t.dim else t.storage)
+        snap_format = row_format(storage, t.dim)
+        snap_keys = src.scan_keys(snap.id, src.count(snap.id)) if snap.id in held else np.zeros(0, dtype=np.int64)
         if keys is not None:
             snap_keys = snap_keys[keys(snap_keys)]
         for start in range(0, snap_keys.shape[0], RESTORE_CHUNK):
             chunk = snap_keys[start : start + RESTORE_CHUNK]
-            rows = src.get(tid, chunk)
+            rows = src.get(snap.id, chunk)
             current = live.get(tid, chunk)
             # live rows newer than the snapshot, and tombstones (reported as not found), would refuse the
             # snapshot's older versions: forget them first (an unversioned delete also clears tombstones)
             newer = ~current.found | (current.versions > rows.versions)
             if newer.any():
                 self.engine.apply_deletes(model, name, chunk[newer])
-            self.engine.apply_updates(model, name, chunk, rows.vectors, rows.versions)
+            self.engine.apply_updates(model, name, chunk, snap_format.decoded(rows.vectors), rows.versions)
             job.rows_done += int(chunk.shape[0])
         live_keys = live.scan_keys(tid, live.count(tid) + RESTORE_CHUNK)
         if keys is not None:
@@ -161,7 +168,6 @@ class Snapshots(Generic[S]):
         extra = live_keys[~np.isin(live_keys, snap_keys)]
         for start in range(0, extra.shape[0], RESTORE_CHUNK):
             self.engine.apply_deletes(model, name, extra[start : start + RESTORE_CHUNK])
-        t = self.engine.table(model, name)
         if t.cache is not None:
             t.cache.clear()
         return {"rows_restored": int(snap_keys.shape[0]), "rows_deleted": int(extra.shape[0]),

@@ -105,7 +105,7 @@ def _example_lookup(server: object, cfg: HPSConfig, target: str) -> str | None:
     keys: list[int] = []
     if engine.persistent is not None:
         try:
-            keys = [int(k) for k in engine.persistent.scan_keys(f"{model.name}.{table.name}", 3)]
+            keys = [int(k) for k in engine.persistent.scan_keys(engine.table(model.name, table.name).id, 3)]
         except Exception:
             keys = []
     keys = keys or [1, 2, 3]
@@ -123,9 +123,9 @@ def import_model(
 ) -> None:
     """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
     from hps_service.admin.importer import import_table, read_model_source
+    from hps_service.engine.stored_tables import stored_table
     from hps_service.fleet.sharding import ShardMap
     from hps_service.rows import row_format
-    from hps_service.tiers.base import table_id
     from hps_service.tiers.rocksdb.tier import RocksDBTier
 
     cfg = _config(config)
@@ -147,9 +147,10 @@ def import_model(
         _fail(str(exc))
     except Exception as exc:
         _fail(f"cannot open {cfg.persistent.path}: {exc}")
-    tid = table_id(model, table)
+    stored = stored_table(tier, model, table)  # a converted table is imported where and as it is stored now
+    tid, storage = stored.id, stored.storage or tc.storage
     try:
-        tier.create_table(tid, row_format(tc.storage, tc.dim).words)
+        tier.create_table(tid, row_format(storage, tc.dim).words)
         if if_empty and tier.count(tid) > 0:
             out_console.print(f"{tid} already holds rows; skipping import (--if-empty)", highlight=False)
             return
@@ -163,7 +164,7 @@ def import_model(
         ) as progress:
             task = progress.add_task("import", total=int(keys.shape[0]))
             n = import_table(
-                tier, tid, tc.dim, keys, vectors, version=version, storage=tc.storage,
+                tier, tid, tc.dim, keys, vectors, version=version, storage=storage,
                 progress=lambda done: progress.update(task, completed=done),
             )
     except HPSError as exc:

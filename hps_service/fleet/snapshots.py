@@ -15,10 +15,11 @@ from typing import Any, Protocol
 import numpy as np
 
 from hps_service.config import ModelConfig
+from hps_service.engine.stored_tables import metadata_keys, stored_id, stored_table
 from hps_service.fleet.bucket import Progress, SnapshotBucket
 from hps_service.fleet.positions import positions_to_json
 from hps_service.fleet.registrations import registration_key
-from hps_service.tiers.base import Tier, TierCapability, table_id
+from hps_service.tiers.base import Tier, TierCapability
 from hps_service.updates.watermarks import topic_id_key
 
 log = logging.getLogger(__name__)
@@ -44,16 +45,18 @@ class BucketStore:
     def put(self, tier: Tier, model: ModelConfig, progress: Progress | None = None) -> dict[str, Any]:
         """Export ``model``'s tables, upload them with the manifest last, drop snapshots beyond ``retain``;
         returns the manifest."""
-        tables = {table_id(model.name, t.name): t for t in model.tables}
+        tables = {stored_id(tier, model.name, t.name): t for t in model.tables}
         sources = set(self.sources_of(model.name))
         ids = {s: v.decode() for s in sources for v in tier.metadata(topic_id_key(s)).values()}
         started = time.monotonic()
         tmp = self.work_dir / f"upload-{model.name}-{uuid.uuid4().hex[:8]}"
         try:
             info = tier.export(tmp, list(tables), sources,
-                               [registration_key(model.name), *(topic_id_key(s) for s in sources)])
-            described = {
-                t.name: info["tables"].get(tid, {"dim": t.dim, "rows": 0, "tombstones": 0})
+                               [registration_key(model.name), *(topic_id_key(s) for s in sources),
+                                *metadata_keys(tier, model.name, [t.name for t in model.tables])])
+            described = {  # dim: the model's (the store's is the stored row's width in words)
+                t.name: {**info["tables"].get(tid, {"rows": 0, "tombstones": 0}), "dim": t.dim,
+                         "storage": stored_table(tier, model.name, t.name).storage or t.storage}
                 for tid, t in tables.items()
             }
             manifest = self.bucket.upload(

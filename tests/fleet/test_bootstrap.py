@@ -103,3 +103,39 @@ def test_a_bootstrap_killed_part_way_finishes_the_unfinished_models_on_the_next_
     db.close()
     assert bootstrap(tmp_path / "db", bucket, ["a", "b", "c"], BootstrapProgress()) == {}  # nothing unfinished
 
+
+
+@pytest.mark.parametrize("how", ["configured", "converted"])
+def test_a_quantised_table_bootstraps_in_its_format(bucket, tmp_path, monkeypatch, how: str) -> None:
+    """A snapshot carries how each table is stored (its format record, and where a conversion moved it), so a
+    replica bootstrapped from it serves the same int8 rows, whatever its config says."""
+    from hps_service.admin.snapshots import Snapshots
+    from hps_service.config import ModelConfig, TableConfig
+    from hps_service.engine import LookupEngine
+    from hps_service.engine import convert as convert_module
+    from hps_service.fleet.snapshots import BucketStore
+    from hps_service.rows import row_format
+
+    monkeypatch.setattr(convert_module, "DROP_GRACE_S", 0.0)
+    dim = 24
+
+    def engine(path: Path, storage: str) -> LookupEngine:
+        eng = LookupEngine(None, RocksDBTier(path))
+        eng.register_model(ModelConfig(name="q", tables=[TableConfig(name="t", dim=dim, storage=storage)]))
+        return eng
+
+    keys = np.arange(-500, 500, dtype=np.int64)
+    vectors = np.random.default_rng(4).standard_normal((keys.size, dim)).astype(np.float32)
+    src = engine(tmp_path / "src", "int8" if how == "configured" else "fp32")
+    src.apply_updates("q", "t", keys, vectors, 3)
+    if how == "converted":
+        src.convert_table("q", "t", "int8")
+    manifest = Snapshots(src, BucketStore(bucket, tmp_path / "work", lambda m: [])).take("q")
+    assert manifest["tables"]["t"]["dim"] == dim and manifest["tables"]["t"]["storage"] == "int8"
+    src.close()
+    assert bootstrap(tmp_path / "replica", bucket, ["q"], BootstrapProgress()) == {"q": manifest["id"]}
+    replica = engine(tmp_path / "replica", "int8" if how == "configured" else "fp32")
+    assert replica.table("q", "t").storage == "int8"
+    int8 = row_format("int8", dim)
+    np.testing.assert_array_equal(replica.lookup("q", "t", keys).vectors, int8.decoded(int8.encode(vectors)))
+    replica.close()
