@@ -281,6 +281,7 @@ def test_every_admin_route_leaves_one_audit_line(served: Served) -> None:
         call("DELETE", f"/v1/models/demo/snapshots/{snapshot['id']}", 200)
         call("POST", "/v1/cache/demo/item/clear", 200)
         call("POST", "/v1/models/demo/tables/item/import", 400, json={"path": "/nonexistent"})
+        call("POST", "/v1/models/demo/tables/item:convert", 409, json={"storage": "fp32"})  # stored so already
         call("POST", "/v1/models", 201, json={"name": "extra", "tables": [{"name": "t", "dim": 2}]})
         call("DELETE", "/v1/models/extra", 200)
         call("PUT", rows, 401, headers={"Authorization": ""}, json={"keys": [1], "vectors": [[1.0] * DIM]})
@@ -303,6 +304,7 @@ def test_every_admin_route_leaves_one_audit_line(served: Served) -> None:
     assert by_action["delete_rows"]["keys"] == 8 and by_action["purge_tombstones"]["keys"] is None
     assert by_action["register_model"]["model"] is None and by_action["unload_model"]["model"] == "extra"
     assert [e["outcome"] for e in entries if e["action"] == "import_rows"] == ["failed"]
+    assert [e["status"] for e in entries if e["action"] == "convert_table"] == [409]
     refused = [(e["who"], e["status"]) for e in entries if e["outcome"] == "refused"]
     assert refused[-3:] == [("anonymous", 401), ("invalid admin token", 403), ("invalid admin token", 403)]
     # the hostile PUTs of the test before, refused (401/403) or too large (413), were audited too
