@@ -152,11 +152,14 @@ def _abandon(tier: Tier, t: ServedTable, conv: Conversion) -> None:
     if tier.metadata(stored_as_key(name)).get(stored_as_key(name)) == conv.id.encode():
         return  # the switch was recorded: the copy is the table now
     try:
-        tier.drop_table(conv.id)
-    except NotFoundError:
-        pass
-    tier.set_metadata(storage_key(conv.id), None)
-    tier.set_metadata(converting_key(name), None)
+        try:
+            tier.drop_table(conv.id)
+        except NotFoundError:
+            pass
+        tier.set_metadata(storage_key(conv.id), None)
+        tier.set_metadata(converting_key(name), None)
+    except Exception:  # the store is closing: the next start drops the copy (its record says which)
+        log.warning("the copy %s of %s is left for the next start to drop", conv.id, name, exc_info=True)
     log.warning("the conversion of %s stopped; it is served as it was", name)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from hps_service.config import ModelConfig
 from hps_service.engine.stored_tables import metadata_keys, stored_id, stored_table
+from hps_service.errors import UnavailableError
 from hps_service.fleet.bucket import Progress, SnapshotBucket
 from hps_service.fleet.positions import positions_to_json
 from hps_service.fleet.registrations import registration_key
@@ -54,6 +55,9 @@ class BucketStore:
             info = tier.export(tmp, list(tables), sources,
                                [registration_key(model.name), *(topic_id_key(s) for s in sources),
                                 *metadata_keys(tier, model.name, [t.name for t in model.tables])])
+            if {stored_id(tier, model.name, t.name) for t in model.tables} != set(tables):
+                raise UnavailableError(f"a table of {model.name} was converted while it was exported; snapshot "
+                                       "it again")
             described = {  # dim: the model's (the store's is the stored row's width in words)
                 t.name: {**info["tables"].get(tid, {"rows": 0, "tombstones": 0}), "dim": t.dim,
                          "storage": stored_table(tier, model.name, t.name).storage or t.storage}

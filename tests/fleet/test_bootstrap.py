@@ -139,3 +139,32 @@ def test_a_quantised_table_bootstraps_in_its_format(bucket, tmp_path, monkeypatc
     int8 = row_format("int8", dim)
     np.testing.assert_array_equal(replica.lookup("q", "t", keys).vectors, int8.decoded(int8.encode(vectors)))
     replica.close()
+
+
+def test_a_snapshot_that_a_conversion_overtook_is_refused(bucket, tmp_path, monkeypatch) -> None:
+    """A conversion that switches while a bucket snapshot exports the table would leave a snapshot of the old rows
+    named as the new: the snapshot is refused (taken again later), never uploaded."""
+    from hps_service.admin.snapshots import Snapshots
+    from hps_service.config import ModelConfig, TableConfig
+    from hps_service.engine import LookupEngine
+    from hps_service.engine import convert as convert_module
+    from hps_service.errors import UnavailableError
+    from hps_service.fleet.snapshots import BucketStore
+
+    monkeypatch.setattr(convert_module, "DROP_GRACE_S", 0.0)
+    eng = LookupEngine(None, RocksDBTier(tmp_path / "src"))
+    eng.register_model(ModelConfig(name="r", tables=[TableConfig(name="t", dim=8)]))
+    eng.apply_updates("r", "t", np.arange(10, dtype=np.int64), np.ones((10, 8), np.float32), 1)
+    tier = eng.persistent
+    export = tier.export
+
+    def export_then_convert(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        info = export(*args, **kwargs)
+        eng.convert_table("r", "t", "fp16")
+        return info
+
+    monkeypatch.setattr(tier, "export", export_then_convert)
+    with pytest.raises(UnavailableError, match="converted while it was exported"):
+        Snapshots(eng, BucketStore(bucket, tmp_path / "work", lambda m: [])).take("r")
+    assert bucket.list("r") == []
+    eng.close()
