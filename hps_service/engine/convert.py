@@ -37,8 +37,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Entries copied per stretch: one stretch holds the table's write lock for a few milliseconds.
-STRETCH_ENTRIES = 8192
+#: Entries copied per stretch: one stretch holds the table's write lock (and the interpreter) for a few milliseconds.
+STRETCH_ENTRIES = 2048
 #: How long the old rows outlive the switch, so that lookups which resolved the old table finish reading them (one
 #: slower than that finds them gone and reads the table again where it is now: see ``LookupEngine.lookup``).
 DROP_GRACE_S = 5.0

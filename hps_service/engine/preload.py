@@ -11,14 +11,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from hps_service.engine.promote import copy_stored_rows
+from hps_service.engine.promote import copy_stored_rows, put_read_rows
 from hps_service.engine.table import ServedTable
-from hps_service.tiers.base import Tier
+from hps_service.tiers.base import Tier, TierCapability
 
 log = logging.getLogger(__name__)
 
 #: Keys per L3 read when filling an in-process volatile tier at load.
 PRELOAD_CHUNK = 65536
+#: Entries per scan of a store that scans (each read holds the interpreter for a few milliseconds).
+SCAN_CHUNK = 4096
 
 
 class Preloader:
@@ -54,16 +56,40 @@ class Preloader:
         started = time.monotonic()
         loaded = 0
         try:
-            keys = self.persistent.scan_keys(t.id, stored)
-            for lo in range(0, keys.shape[0], PRELOAD_CHUNK):
+            if TierCapability.SCAN in self.persistent.capabilities:
+                loaded = self._scan(t)
                 if self._stop.is_set() or not self._is_served(t):
                     return
-                found = copy_stored_rows(self.volatile, self.persistent, t, keys[lo : lo + PRELOAD_CHUNK])
-                loaded += int(np.count_nonzero(found))
+            else:
+                keys = self.persistent.scan_keys(t.id, stored)
+                for lo in range(0, keys.shape[0], PRELOAD_CHUNK):
+                    if self._stop.is_set() or not self._is_served(t):
+                        return
+                    found = copy_stored_rows(self.volatile, self.persistent, t, keys[lo : lo + PRELOAD_CHUNK])
+                    loaded += int(np.count_nonzero(found))
         except Exception:  # rows then load on demand, as without a preload
             log.warning("preloading %s into the volatile tier stopped after %d rows", t.id, loaded, exc_info=True)
             return
         log.info("preloaded %d rows of %s into the volatile tier in %.1f s", loaded, t.id, time.monotonic() - started)
+
+    def _scan(self, t: ServedTable) -> int:
+        """Copy the stored rows into L2 a stretch of the store at a time, as the scan reads them (one read per row,
+        and no call that holds the interpreter for the whole table while lookups are served); rows copied."""
+        assert self.volatile is not None and self.persistent is not None
+        after: int | None = None
+        loaded = 0
+        while not self._stop.is_set() and self._is_served(t):
+            read_at = t.guard.generation
+            entries = self.persistent.scan(t.id, after, SCAN_CHUNK)
+            live = entries.live
+            if live.any():
+                put_read_rows(self.volatile, t, entries.keys[live], entries.vectors[live], entries.versions[live],
+                              read_at)
+                loaded += int(np.count_nonzero(live))
+            if entries.keys.shape[0] < SCAN_CHUNK:
+                break
+            after = int(entries.keys[-1])
+        return loaded
 
     def stop(self, timeout_s: float = 30.0) -> bool:
         """Stop every preload and wait for it (one chunk at most); False if one is still running after ``timeout_s``

@@ -117,7 +117,7 @@ def test_import_racing_a_read_of_the_old_rows_leaves_no_old_row_in_l2(tmp_path: 
     engine = make_engine(tmp_path / "db", register=False, l2_rows=10_000 if reader == "preload" else 32)
     try:
         if reader == "preload":
-            l3_read = Pause(engine.persistent, "get", thread="hps-preload-m.t")
+            l3_read = Pause(engine.persistent, "scan", thread="hps-preload-m.t")  # its read of a stretch
             engine.register_model(MODEL)
             side = None
         else:
