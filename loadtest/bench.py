@@ -21,7 +21,8 @@
    (no cost when off), and on (unsampled, every call sampled) vs off.
 13. Quantised rows (loadtest.bench_storage, bench_storage_grpc, bench_storage_cliff): memory and disk per row of
    fp16 / bf16 / int8 vs fp32 (<= 0.55x / 0.35x), gRPC keys/s and server CPU (>= 0.95x), wire bytes with
-   precision=stored, and the table-size cliff of one hash-map budget (int8 >= 2.9x fp32's).
+   precision=stored, and the table-size cliff of one hash-map budget (int8 >= 2.9x fp32's); 13d: a served table
+   converted to int8 (loadtest.bench_convert): copy rate, and lookups before, during and after.
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -430,6 +431,10 @@ def main(argv: list[str] | None = None) -> int:
             console.rule("13c. quantised rows: the table-size cliff of one hash-map budget (loadtest.bench_storage_cliff)")
             res["storage_cliff"] = {dim: bench_storage_cliff.run(8 if args.quick else 64, dim, console)
                                     for dim in (64, 128)}
+            from loadtest import bench_convert
+
+            console.rule("13d. a served table converted to int8: copy rate, lookups meanwhile (loadtest.bench_convert)")
+            res["storage_convert"] = bench_convert.run(200_000 if args.quick else 1_000_000, 64, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started

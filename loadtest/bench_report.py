@@ -104,6 +104,10 @@ def _storage_rows(res: dict[str, Any], row: Callable[..., None]) -> None:
     for dim, c in (res.get("storage_cliff") or {}).items():
         row(f"13c. table-size cliff of one hash-map budget, int8 vs fp32, dim {dim}", f"{c['fits']['int8']:,} rows",
             f"{c['fits']['fp32']:,} rows", c["cliff_x"], ">= 2.9", c["cliff_x"] >= 2.9)
+    if conv := res.get("storage_convert"):
+        during = conv["lookups"]["copy"]
+        row("13d. lookup p99 while a table converts to int8 vs before (one process)", f"{during['p99_ms']:.2f} ms",
+            f"{conv['lookups']['before']['p99_ms']:.2f} ms", during["p99_x"], "-", None)
 
 
 def curves_table(curves: dict[str, list[dict[str, Any]]]) -> Table:
