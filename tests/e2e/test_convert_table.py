@@ -1,7 +1,7 @@
 """A table converted as a user converts one: ``hps serve`` with two workers and a colocated store serves an fp32
 table; ``POST .../tables/item:convert`` re-encodes it as int8 in a job while gRPC lookups and a REST put go on; every
-lookup is answered (fp32 rows before the switch, int8 after), the clients follow the switch, and a restart serves
-int8 though the config still says fp32."""
+lookup is answered (fp32 rows before the switch, int8 after), the clients follow the switch, and ``hps import`` and a
+restart write and serve int8 though the config still says fp32."""
 
 from __future__ import annotations
 
@@ -115,6 +115,12 @@ def test_a_served_table_is_converted_to_int8_and_stays_so(tmp_path: Path) -> Non
         assert model["tables"][0]["storage"] == "int8"
     finally:
         assert srv.stop() == 0
+    tripled = (vectors * 3).astype(np.float32)  # hps import writes the converted table, as int8
+    write_hugectr_dir(tmp_path / "model3", keys, tripled)
+    done = run_hps("import", "--config", str(cfg), "--model", "m", "--table", "item", "--version", "9",
+                   str(tmp_path / "model3"))
+    assert done.returncode == 0, done.stderr
+    want = int8.decoded(int8.encode(tripled))
     srv = ServerProcess(cfg, grpc_port)  # the config still says fp32
     srv.start(timeout=120)
     try:
