@@ -126,7 +126,6 @@ def import_model(
     from hps_service.engine.stored_tables import stored_table
     from hps_service.fleet.sharding import ShardMap
     from hps_service.rows import row_format
-    from hps_service.tiers.base import table_id
     from hps_service.tiers.rocksdb.tier import RocksDBTier
 
     cfg = _config(config)
@@ -149,8 +148,7 @@ def import_model(
     except Exception as exc:
         _fail(f"cannot open {cfg.persistent.path}: {exc}")
     stored = stored_table(tier, model, table)  # a converted table is imported where and as it is stored now
-    tid = stored.id
-    storage = stored.storage if stored.id != table_id(model, table) and stored.storage else tc.storage
+    tid, storage = stored.id, stored.serving_storage(tc.storage)
     try:
         tier.create_table(tid, row_format(storage, tc.dim).words)
         if if_empty and tier.count(tid) > 0:

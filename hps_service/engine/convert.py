@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hps_service.engine.registry import record_storage
-from hps_service.engine.stored_tables import converting_key, next_stored_id, stored_as_key
+from hps_service.engine.stored_tables import converting_key, next_stored_id, stored_as_key, stored_id
 from hps_service.engine.table import Conversion, ServedTable
 from hps_service.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from hps_service.rows import row_format, storage_key
@@ -149,7 +149,7 @@ def _abandon(tier: Tier, t: ServedTable, conv: Conversion) -> None:
     """Detach and drop a copy the conversion will not switch to (the table stays as it was)."""
     name = table_id(t.model, t.name)
     t.converting = None
-    if tier.metadata(stored_as_key(name)).get(stored_as_key(name)) == conv.id.encode():
+    if stored_id(tier, t.model, t.name) == conv.id:
         return  # the switch was recorded: the copy is the table now
     try:
         try:

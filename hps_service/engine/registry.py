@@ -20,7 +20,7 @@ from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write_guard import WriteGuard
 from hps_service.errors import InvalidArgumentError, NotFoundError
 from hps_service.rows import storage_key
-from hps_service.tiers.base import Tier, TierCapability, table_id
+from hps_service.tiers.base import Tier, TierCapability
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -147,14 +147,12 @@ def make_table(
     where and as it was converted (see :mod:`hps_service.engine.stored_tables`), whatever ``tc.storage`` says."""
     drop_abandoned(warm_source, model, tc.name)
     stored = stored_table(warm_source, model, tc.name)
-    storage = tc.storage
-    if stored.id != table_id(model, tc.name) and stored.storage is not None:
-        if stored.storage != tc.storage:
-            log.warning("table %s.%s was converted to %s: serving it as %s (tables[].storage says %s)", model,
-                        tc.name, stored.storage, stored.storage, tc.storage)
-        storage = cast(Storage, stored.storage)
+    storage = cast(Storage, stored.serving_storage(tc.storage))
+    if storage != tc.storage:
+        log.warning("table %s.%s was converted to %s: serving it as %s (tables[].storage says %s)", model, tc.name,
+                    storage, storage, tc.storage)
     t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard, storage=storage,
-                    stored_as="" if stored.id == table_id(model, tc.name) else stored.id)
+                    stored_as=stored.id if stored.converted else "")
     for tier in tiers:
         record_storage(tier, t.id, t.storage)
         tier.create_table(t.id, t.format.words)

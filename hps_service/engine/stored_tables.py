@@ -45,10 +45,15 @@ def next_stored_id(name: str, current: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class StoredTable:
-    """A table's tier id and the format recorded for it (None: no record; the config's format applies)."""
+    """A table's tier id, the format recorded for it (None: no record), and whether a conversion moved it."""
 
     id: str
     storage: str | None
+    converted: bool
+
+    def serving_storage(self, configured: str) -> str:
+        """The format its rows are served in: a conversion's record wins over ``configured`` (tables[].storage)."""
+        return self.storage if self.converted and self.storage is not None else configured
 
 
 def _get(tier: Tier | None, key: str) -> str | None:
@@ -62,8 +67,9 @@ def stored_table(persistent: Tier | None, model: str, table: str) -> StoredTable
     """Where ``model.table`` is stored: its converted id and format where a conversion recorded one, else
     ``model.table`` with whatever format its rows were recorded in (None: none recorded)."""
     name = table_id(model, table)
-    stored_id = _get(persistent, stored_as_key(name)) or name
-    return StoredTable(stored_id, _get(persistent, storage_key(stored_id)))
+    converted_to = _get(persistent, stored_as_key(name))
+    tier_id = converted_to or name
+    return StoredTable(tier_id, _get(persistent, storage_key(tier_id)), converted_to is not None)
 
 
 def stored_id(persistent: Tier | None, model: str, table: str) -> str:
@@ -71,12 +77,12 @@ def stored_id(persistent: Tier | None, model: str, table: str) -> str:
     return stored_table(persistent, model, table).id
 
 
-def metadata_keys(persistent: Tier | None, model: str, tables: list[str]) -> list[str]:
-    """The metadata entries that describe how ``model``'s tables are stored (a snapshot carries them)."""
+def metadata_keys(model: str, tables: dict[str, StoredTable]) -> list[str]:
+    """The metadata entries that describe how ``model``'s tables (name -> where stored) are stored (a snapshot
+    carries them)."""
     keys = []
-    for table in tables:
-        st = stored_table(persistent, model, table)
-        if st.id != table_id(model, table):
+    for table, st in tables.items():
+        if st.converted:
             keys.append(stored_as_key(table_id(model, table)))
         keys.append(storage_key(st.id))
     return keys

@@ -46,7 +46,8 @@ class BucketStore:
     def put(self, tier: Tier, model: ModelConfig, progress: Progress | None = None) -> dict[str, Any]:
         """Export ``model``'s tables, upload them with the manifest last, drop snapshots beyond ``retain``;
         returns the manifest."""
-        tables = {stored_id(tier, model.name, t.name): t for t in model.tables}
+        stored = {t.name: stored_table(tier, model.name, t.name) for t in model.tables}
+        tables = {stored[t.name].id: t for t in model.tables}
         sources = set(self.sources_of(model.name))
         ids = {s: v.decode() for s in sources for v in tier.metadata(topic_id_key(s)).values()}
         started = time.monotonic()
@@ -54,13 +55,13 @@ class BucketStore:
         try:
             info = tier.export(tmp, list(tables), sources,
                                [registration_key(model.name), *(topic_id_key(s) for s in sources),
-                                *metadata_keys(tier, model.name, [t.name for t in model.tables])])
+                                *metadata_keys(model.name, stored)])
             if {stored_id(tier, model.name, t.name) for t in model.tables} != set(tables):
                 raise UnavailableError(f"a table of {model.name} was converted while it was exported; snapshot "
                                        "it again")
             described = {  # dim: the model's (the store's is the stored row's width in words)
                 t.name: {**info["tables"].get(tid, {"rows": 0, "tombstones": 0}), "dim": t.dim,
-                         "storage": stored_table(tier, model.name, t.name).storage or t.storage}
+                         "storage": stored[t.name].serving_storage(t.storage)}
                 for tid, t in tables.items()
             }
             manifest = self.bucket.upload(
