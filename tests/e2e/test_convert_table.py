@@ -62,6 +62,9 @@ def test_a_served_table_is_converted_to_int8_and_stays_so(tmp_path: Path) -> Non
                                          ({"storage": "int8"}, {}))]
         assert [r.status_code for r in refused] == [409, 422, 401], [r.text for r in refused]
         assert "already stored as fp32" in refused[0].json()["error"]
+        huge = httpx.post(f"{http}/v1/models/m/tables/item:convert", headers=AUTH, timeout=10,
+                          content=b'{"storage": "int8", "pad": "' + b"x" * (64 << 10) + b'"}')
+        assert huge.status_code == 413, huge.text  # bounded before it is read (a small body: 64 KiB)
         missing = httpx.post(f"{http}/v1/models/m/tables/nope:convert", json={"storage": "int8"}, headers=AUTH)
         assert missing.status_code == 404 and "no table 'nope'" in missing.json()["error"]
 
