@@ -119,10 +119,14 @@ def import_model(
     model: str = typer.Option(..., "--model", "-m", help="Model name (as in the config)."),
     table: str = typer.Option(..., "--table", "-t", help="Table name (as in the config)."),
     version: int = typer.Option(0, help="Version stored with every imported row."),
+    model_version: int = typer.Option(0, "--model-version", min=0, max=2**31 - 1,
+                                      help="Import into this version of the model (served once POST "
+                                           "/v1/models/{model}/versions adds it); 0: the model as configured."),
     if_empty: bool = typer.Option(False, "--if-empty", help="Do nothing when the table already holds rows."),
 ) -> None:
     """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
     from hps_service.admin.importer import import_table, read_model_source
+    from hps_service.config.base import served_name
     from hps_service.engine.stored_tables import stored_table
     from hps_service.fleet.sharding import ShardMap
     from hps_service.rows import row_format
@@ -147,7 +151,8 @@ def import_model(
         _fail(str(exc))
     except Exception as exc:
         _fail(f"cannot open {cfg.persistent.path}: {exc}")
-    stored = stored_table(tier, model, table)  # a converted table is imported where and as it is stored now
+    # a converted table is imported where and as it is stored now; a version's under its own tier id
+    stored = stored_table(tier, served_name(model, model_version), table)
     tid, storage = stored.id, stored.serving_storage(tc.storage)
     try:
         tier.create_table(tid, row_format(storage, tc.dim).words)

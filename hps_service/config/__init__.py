@@ -20,7 +20,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from hps_service.config.base import NAME_PATTERN, NAME_RE, Storage
+from hps_service.config.base import NAME_PATTERN, NAME_RE, Storage, served_name
 from hps_service.config.base import Section as _Section
 from hps_service.config.secrets import load_secret_files
 from hps_service.config.security import AuthMode, InternalListener, ReaderConfig, check_auth
@@ -312,6 +312,11 @@ class ModelConfig(_Section):
 
     name: str = Field(pattern=NAME_PATTERN, description="the model's name in lookups and its update topic")
     tables: list[TableConfig] = Field(min_length=1, description="its embedding tables")
+    version: int = Field(0, ge=0, le=2**31 - 1, description="0: the model as configured; N >= 1: version N of it, "
+                         "served beside it (POST /v1/models/{model}/versions), with tables of its own")
+    keep_versions: int = Field(2, ge=1, le=1000, description="the newest unlabelled versions kept when a version is "
+                               "added, the new one included; older unlabelled ones are dropped with their rows (a "
+                               "labelled one never is)")
 
     @field_validator("tables")
     @classmethod
@@ -324,6 +329,11 @@ class ModelConfig(_Section):
 
     def table(self, name: str) -> TableConfig | None:
         return next((t for t in self.tables if t.name == name), None)
+
+    @property
+    def served_name(self) -> str:
+        """The name its tables are served and stored under: ``name``, or ``name#vN`` for version N."""
+        return served_name(self.name, self.version)
 
 
 class HPSConfig(BaseSettings):

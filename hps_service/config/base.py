@@ -18,3 +18,18 @@ class Section(BaseModel):
 
 #: How a table's rows are stored in every tier (see :mod:`hps_service.rows.formats`).
 Storage = Literal["fp32", "fp16", "bf16", "int8"]
+
+
+#: Separates a model's name from its version in the name its tables are served under (never in a model name).
+VERSION_MARK = "#v"
+
+
+def served_name(model: str, version: int) -> str:
+    """The name version ``version`` of ``model`` is served and stored under (0: the model as configured)."""
+    return f"{model}{VERSION_MARK}{version}" if version else model
+
+
+def split_served(name: str) -> tuple[str, int]:
+    """``(model, version)`` of a served name (see :func:`served_name`)."""
+    model, mark, version = name.partition(VERSION_MARK)
+    return (model, int(version)) if mark else (name, 0)

@@ -30,6 +30,11 @@ class ReadEngine(Protocol):
         """The served table (NotFoundError naming what is missing)."""
         ...
 
+    def resolve(self, model: str, version: int = 0, label: str = "") -> tuple[str, int]:
+        """The served name (``model`` or ``model#vN``) and version that a lookup naming ``version`` or ``label``
+        (neither: the label ``production``, else the model as configured) reads."""
+        ...
+
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,
                sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
         """Rows of ``keys`` in request order and the level that answered each (``stored``: as the table stores

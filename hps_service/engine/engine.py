@@ -12,16 +12,18 @@ from typing import Any
 import numpy as np
 
 from hps_service.config import ModelConfig
+from hps_service.config.base import served_name
 from hps_service.engine.convert import ConvertProgress, convert_table
 from hps_service.engine.levels import DEFAULT, LookupResult
 from hps_service.engine.preload import Preloader
 from hps_service.engine.read import Reader
-from hps_service.engine.registry import ModelRegistry, close_tables, make_table, served_config
+from hps_service.engine.registry import ModelRegistry, close_tables, described, drop_stored, make_table, served_config
 from hps_service.engine.repair import VolatileRepair
 from hps_service.engine.stats import TableStats, table_stats
 from hps_service.engine.table import CacheFactory, ServedTable
+from hps_service.engine.versions import Labels, check_label, load_labels, resolve, save_label, to_drop
 from hps_service.engine.write import TableChange, Writer, table_write
-from hps_service.errors import NotFoundError, UnavailableError
+from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.tiers.base import Positions, Tier, WriteResult, tier_health, tier_memory
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class LookupEngine:
         self.cache_factory = cache_factory
         self.max_batch_keys = max_batch_keys
         self.registry = ModelRegistry()
+        self.labels = Labels(load_labels(persistent))
         self.reader = Reader(volatile, persistent, max_batch_keys)
         self.writer = Writer(volatile, persistent)
         self.preloader = Preloader(volatile, persistent, self.registry.is_served)
@@ -61,12 +64,13 @@ class LookupEngine:
         reaches the new caches, whose change logs keep the rows read before it out).
         """
         tiers = [tier for tier in (self.volatile, self.persistent) if tier is not None]
-        guards = {tc.name: self.registry.guard(model.name, tc.name) for tc in model.tables}
+        served = model.served_name
+        guards = {tc.name: self.registry.guard(served, tc.name) for tc in model.tables}
         with ExitStack() as held:
             for name in sorted(guards):
                 held.enter_context(guards[name].lock)
             tables = {
-                tc.name: make_table(model.name, tc, guards[tc.name], tiers, self.cache_factory, self._fetch_for_cache,
+                tc.name: make_table(served, tc, guards[tc.name], tiers, self.cache_factory, self._fetch_for_cache,
                                     self.persistent)
                 for tc in model.tables
             }
@@ -74,16 +78,78 @@ class LookupEngine:
             old = self.registry.put(model, tables)
         if old:
             close_tables(old.values())
-        log.info("model %s loaded: %s", model.name, ", ".join(f"{t.name}(dim {t.dim})" for t in model.tables))
+        log.info("%s loaded: %s", described(served), ", ".join(f"{t.name}(dim {t.dim})" for t in model.tables))
         for t in tables.values():
             self.preloader.start(t)
 
     def unregister_model(self, name: str) -> None:
-        """Stop serving a model (its stored rows stay in the tiers)."""
+        """Stop serving a model or version (a served name; its stored rows stay in the tiers)."""
         close_tables(self.registry.remove(name).values())
 
+    def drop_version(self, model: str, version: int) -> dict[str, int]:
+        """Stop serving a version of ``model`` and free its rows in every tier (the rows it held, per table);
+        FailedPreconditionError while a label names it."""
+        name = served_name(model, version)
+        if version in self.labels.labelled(model):
+            raise FailedPreconditionError(f"version {version} of model '{model}' is labelled "
+                                          f"({', '.join(sorted(k for k, v in self.labels.of(model).items() if v == version))}): "
+                                          "point the label elsewhere first")
+        tables = self.registry.tables().get(name)
+        if tables is None:
+            raise NotFoundError(f"model '{model}' has no version {version} loaded")
+        self.unregister_model(name)
+        return drop_stored(self.volatile, self.persistent, tables.values())
+
+    def add_version(self, model: ModelConfig) -> list[int]:
+        """Serve version ``model.version`` beside the model, then drop the older unlabelled versions beyond
+        ``model.keep_versions`` (the new one counts among them); returns the versions dropped."""
+        if not model.version:
+            raise InvalidArgumentError("a version of a model is numbered from 1")
+        self.register_model(model)
+        keep = self.labels.labelled(model.name) | {model.version}
+        older = [v for v in self.versions(model.name) if v.version != model.version]
+        dropped = [v.version for v in to_drop(older, keep, model.keep_versions - 1)]
+        for version in dropped:
+            self.drop_version(model.name, version)
+            log.info("version %d of model %s dropped: models[].keep_versions is %d", version, model.name,
+                     model.keep_versions)
+        return dropped
+
     def models(self) -> list[ModelConfig]:
+        """The loaded models as clients name them (versions: :meth:`versions`)."""
         return self.registry.models()
+
+    def served_models(self) -> list[ModelConfig]:
+        """Every loaded model and version."""
+        return self.registry.served()
+
+    def versions(self, model: str) -> list[ModelConfig]:
+        """The loaded versions of ``model``, oldest first."""
+        return self.registry.versions(model)
+
+    def resolve(self, model: str, version: int = 0, label: str = "") -> tuple[str, int]:
+        """The served name and version a lookup of ``model`` naming ``version`` or ``label`` reads (see
+        :func:`hps_service.engine.versions.resolve`)."""
+        return resolve(self.labels.current(), self.registry.tables(), model, version, label)
+
+    def not_switchable(self, model: str, version: int) -> list[str]:
+        """Why a label cannot point at ``version`` of ``model`` yet (empty: it can): not loaded here, or a table
+        whose hash map is still being filled from RocksDB."""
+        tables = self.registry.tables().get(served_name(model, version))
+        if tables is None:
+            return [f"model '{model}' has no version {version} loaded"]
+        return [f"table {t.name} of {described(t.model)} is still preloading" for t in tables.values()
+                if self.preloader.loading(t.id)]
+
+    def set_label(self, model: str, label: str, version: int | None) -> int | None:
+        """Point ``label`` of ``model`` at a loaded ``version`` (None: remove it), persisted; returns the version it
+        named before. NotFoundError for a version that is not loaded."""
+        check_label(label)
+        self.registry.model(model)
+        if version is not None and served_name(model, version) not in self.registry.tables():
+            raise NotFoundError(f"model '{model}' has no version {version} loaded")
+        save_label(self.persistent, model, label, version)
+        return self.labels.point(model, label, version)
 
     def model(self, name: str) -> ModelConfig:
         return self.registry.model(name)

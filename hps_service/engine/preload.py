@@ -51,6 +51,11 @@ class Preloader:
             self._threads = [th for th in self._threads if th.is_alive()] + [thread]
         thread.start()
 
+    def loading(self, table_id: str) -> bool:
+        """Whether the preload of the table stored as ``table_id`` is still running."""
+        with self._lock:
+            return any(th.is_alive() and th.name == f"hps-preload-{table_id}" for th in self._threads)
+
     def _run(self, t: ServedTable, stored: int) -> None:
         assert self.volatile is not None and self.persistent is not None
         started = time.monotonic()

@@ -14,7 +14,7 @@ from typing import TypeVar, cast
 import numpy as np
 
 from hps_service.config import ModelConfig, TableConfig
-from hps_service.config.base import Storage
+from hps_service.config.base import Storage, split_served
 from hps_service.engine.stored_tables import drop_abandoned, stored_table
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write_guard import WriteGuard
@@ -30,11 +30,22 @@ def find_table(models: Mapping[str, Mapping[str, T]], model: str, table: str) ->
     """``models[model][table]``, or NotFoundError naming what is missing (the owner's and the workers' registries)."""
     tables = models.get(model)
     if tables is None:
-        raise NotFoundError(f"model '{model}' is not loaded")
+        raise not_loaded(model)
     t = tables.get(table)
     if t is None:
-        raise NotFoundError(f"model '{model}' has no table '{table}'")
+        raise NotFoundError(f"{described(model)} has no table '{table}'")
     return t
+
+
+def described(name: str) -> str:
+    """A served name as a message says it: ``model 'ctr'`` or ``version 13 of model 'ctr'``."""
+    model, version = split_served(name)
+    return f"version {version} of model '{model}'" if version else f"model '{model}'"
+
+
+def not_loaded(name: str) -> NotFoundError:
+    """The error for a served name that is not loaded."""
+    return NotFoundError(f"{described(name)} is not loaded")
 
 
 class ModelRegistry:
@@ -57,18 +68,20 @@ class ModelRegistry:
             return list(self._guards.values())
 
     def put(self, model: ModelConfig, tables: dict[str, ServedTable]) -> dict[str, ServedTable] | None:
-        """Serve ``tables`` as ``model``; returns the tables it replaces, if any."""
+        """Serve ``tables`` as ``model`` (under its served name: a version beside the model); returns the tables it
+        replaces, if any."""
+        name = model.served_name
         with self._lock:
-            old = self._models.get(model.name)
-            self._models = {**self._models, model.name: tables}
-            self._configs = {**self._configs, model.name: model}
+            old = self._models.get(name)
+            self._models = {**self._models, name: tables}
+            self._configs = {**self._configs, name: model}
         return old
 
     def remove(self, name: str) -> dict[str, ServedTable]:
-        """Stop serving ``name``; returns its tables (NotFoundError if it is not loaded)."""
+        """Stop serving ``name`` (a served name); returns its tables (NotFoundError if it is not loaded)."""
         with self._lock:
             if name not in self._models:
-                raise NotFoundError(f"model '{name}' is not loaded")
+                raise not_loaded(name)
             old = self._models[name]
             self._models = {k: v for k, v in self._models.items() if k != name}
             self._configs = {k: v for k, v in self._configs.items() if k != name}
@@ -81,13 +94,23 @@ class ModelRegistry:
         return [t for tables in models.values() for t in tables.values()]
 
     def models(self) -> list[ModelConfig]:
+        """The loaded models as clients name them (their versions are :meth:`versions`)."""
+        return [m for m in self._configs.values() if not m.version]
+
+    def served(self) -> list[ModelConfig]:
+        """Every loaded model and version."""
         return list(self._configs.values())
 
+    def versions(self, name: str) -> list[ModelConfig]:
+        """The loaded versions of model ``name``, oldest first."""
+        return sorted((m for m in self._configs.values() if m.version and m.name == name), key=lambda m: m.version)
+
     def model(self, name: str) -> ModelConfig:
+        """The config of a served name (``model`` or ``model#vN``)."""
         try:
             return self._configs[name]
         except KeyError:
-            raise NotFoundError(f"model '{name}' is not loaded") from None
+            raise not_loaded(name) from None
 
     def table(self, model: str, table: str) -> ServedTable:
         """The served table, or NotFoundError naming what is missing."""
@@ -177,3 +200,23 @@ def close_tables(tables: Iterable[ServedTable]) -> None:
     for t in tables:
         if t.cache is not None:
             t.cache.close()
+
+
+def drop_stored(volatile: Tier | None, persistent: Tier | None, tables: Iterable[ServedTable]) -> dict[str, int]:
+    """Free the stored rows of ``tables`` (no longer served) in the tiers that can drop tables: RocksDB column
+    families, hash-map tables, Redis keys. Returns the rows each held in its lowest tier."""
+    freed = {}
+    for t in tables:
+        rows = 0
+        for tier in (volatile, persistent):
+            if tier is None or TierCapability.WRITES not in tier.capabilities:
+                continue
+            try:
+                rows = tier.count(t.id)
+                tier.drop_table(t.id)
+            except NotFoundError:
+                continue
+        if persistent is not None and TierCapability.WRITES in persistent.capabilities:
+            persistent.set_metadata(storage_key(t.id), None)
+        freed[t.name] = rows
+    return freed

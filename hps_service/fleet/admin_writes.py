@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from hps_service.config import DEFAULT_PARTITIONS, UpdatesConfig
+from hps_service.config.base import split_served
 from hps_service.engine import LookupEngine
 from hps_service.errors import FailedPreconditionError, UnavailableError
 from hps_service.updates import Publisher
 from hps_service.updates.consumer import UpdateConsumer
-from hps_service.updates.message import topic_name
 from hps_service.updates.publisher import Deliveries, connection_settings
 
 
@@ -35,14 +35,16 @@ class LogWriter:
         self._lock = threading.Lock()
 
     def _publisher(self, model: str) -> Publisher:
+        """The producer of ``model``, a served name: a version's writes go to its model's topic, marked with it."""
         with self._lock:
             pub = self._publishers.get(model)
             if pub is None:
                 key = self.cfg.admin_key.get_secret_value() if self.cfg.admin_key is not None else None
-                pub = Publisher(self.cfg.brokers, model, topic_prefix=self.cfg.topic_prefix, partitions=self.partitions,
+                name, version = split_served(model)
+                pub = Publisher(self.cfg.brokers, name, topic_prefix=self.cfg.topic_prefix, partitions=self.partitions,
                                 replication_factor=self.cfg.replication_factor,
                                 min_insync_replicas=self.cfg.min_insync_replicas, admin_key=key,
-                                **{**connection_settings(self.cfg.kafka_config), "linger.ms": 0})
+                                model_version=version, **{**connection_settings(self.cfg.kafka_config), "linger.ms": 0})
                 self._publishers[model] = pub
             return pub
 
@@ -78,7 +80,7 @@ class LogWriter:
             # read-your-writes: every write acknowledged before this delete is applied here before versions are read
             if self.consumer is None:
                 raise UnavailableError("this replica consumes no update topic; give the delete a version")
-            if not self.consumer.wait_applied_to_end(model, self.ack_timeout_s):
+            if not self.consumer.wait_applied_to_end(split_served(model)[0], self.ack_timeout_s):
                 raise UnavailableError(f"this replica did not catch up with the update topic within "
                                        f"{self.ack_timeout_s:g} s; give the delete a version")
             versions = np.zeros(keys.shape[0], dtype=np.int64)
@@ -111,7 +113,7 @@ class LogWriter:
     def _answer(self, model: str, pub: Publisher, deliveries: Deliveries, rows: int,
                 wait_applied: bool) -> dict[str, Any]:
         offsets = pub.wait(deliveries, self.ack_timeout_s)
-        out: dict[str, Any] = {"published": rows, "topic": topic_name(model, self.cfg.topic_prefix),
+        out: dict[str, Any] = {"published": rows, "topic": pub.topic,
                                "offsets": {str(p): o for p, o in sorted(offsets.items())}}
         if wait_applied:
             if self.consumer is None:

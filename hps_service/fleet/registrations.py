@@ -1,5 +1,6 @@
-"""Models registered at runtime (REST ``POST /v1/models``), kept in the persistent tier's metadata so that they are
-served again after a restart, and travel with a snapshot of the model."""
+"""Models and model versions registered at runtime (REST ``POST /v1/models``, ``POST /v1/models/{m}/versions``),
+kept in the persistent tier's metadata under their served names so that they are served again after a restart, and
+travel with a snapshot of the model."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ _PREFIX = "model:"
 
 
 def registration_key(model: str) -> str:
-    """The metadata key of a model's registration."""
+    """The metadata key of the registration of a served name (a model, or ``model#vN``)."""
     return _PREFIX + model
 
 
@@ -26,7 +27,7 @@ def save_registration(tier: Tier | None, model: ModelConfig) -> bool:
     """Persist ``model``; False when there is no store that keeps metadata (it then lasts until the restart)."""
     if tier is None:
         return False
-    return tier.set_metadata(registration_key(model.name), model.model_dump_json().encode())
+    return tier.set_metadata(registration_key(model.served_name), model.model_dump_json().encode())
 
 
 def forget_registration(tier: Tier | None, model: str) -> None:
@@ -37,7 +38,8 @@ def forget_registration(tier: Tier | None, model: str) -> None:
 
 
 def load_registrations(tier: Tier | None) -> list[ModelConfig]:
-    """Every persisted registration that still parses (others are logged and skipped)."""
+    """Every persisted registration that still parses (others are logged and skipped), each model before its
+    versions."""
     if tier is None:
         return []
     out = []
@@ -46,17 +48,18 @@ def load_registrations(tier: Tier | None) -> list[ModelConfig]:
             out.append(ModelConfig.model_validate(json.loads(value)))
         except (ValueError, ValidationError) as exc:
             log.warning("ignoring the stored registration %s: %s", key, str(exc).replace("\n", " "))
-    return out
+    return sorted(out, key=lambda m: (m.version, m.name))
 
 
 def sync_registrations(tier: Tier | None, configured: Collection[str], loaded: Iterable[ModelConfig]) -> None:
-    """Persist the loaded models the config does not define, and forget the stored ones no longer loaded."""
+    """Persist the loaded models and versions (``loaded``) the config does not define, and forget the stored ones
+    no longer loaded."""
     if tier is None:
         return
-    by_name = {m.name: m for m in loaded}
+    by_name = {m.served_name: m for m in loaded}
     for name, model in by_name.items():
         if name not in configured:
             save_registration(tier, model)
     for model in load_registrations(tier):
-        if model.name not in by_name:
-            forget_registration(tier, model.name)
+        if model.served_name not in by_name:
+            forget_registration(tier, model.served_name)

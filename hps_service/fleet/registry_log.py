@@ -46,7 +46,7 @@ from hps_service.updates.watermarks import BrokerLogs
 
 log = logging.getLogger(__name__)
 
-REGISTER, UNLOAD = "register", "unload"
+REGISTER, UNLOAD, LABEL = "register", "unload", "label"
 REFUSED = Counter("hps_registry_refused_total",
                   "Changes on the registration log refused (not applied: unsigned, badly signed, or no key here), by why",
                   ["reason"])
@@ -61,26 +61,47 @@ def registry_topic(prefix: str) -> str:
 
 @dataclass(frozen=True)
 class RegistryChange:
-    """One registration (``model`` set) or unload of a model, as it travels on the log."""
+    """One registration (``model`` set) or unload of a model or version (``name``: its served name), or a label
+    switch (``label`` of model ``of`` to ``version``, None: removed), as it travels on the log."""
 
     op: str
     name: str
     model: ModelConfig | None = None
+    of: str = ""
+    label: str = ""
+    version: int | None = None
+
+    @staticmethod
+    def switch(model: str, label: str, version: int | None) -> RegistryChange:
+        """The switch of ``label`` of ``model`` to ``version`` (keyed by the label: compaction keeps the last)."""
+        return RegistryChange(LABEL, f"label:{model}/{label}", of=model, label=label, version=version)
 
     def encode(self) -> bytes:
-        return json.dumps({"op": self.op, "name": self.name,
-                           "model": self.model.model_dump(mode="json") if self.model else None}).encode()
+        data: dict[str, Any] = {"op": self.op, "name": self.name,
+                                "model": self.model.model_dump(mode="json") if self.model else None}
+        if self.op == LABEL:
+            data.update({"of": self.of, "label": self.label, "version": self.version})
+        return json.dumps(data).encode()
 
     @staticmethod
     def decode(payload: bytes | None) -> RegistryChange:
         """The change a message carries; ValueError when it carries none."""
         data = json.loads(payload or b"null")
-        if not isinstance(data, dict) or data.get("op") not in (REGISTER, UNLOAD) or not isinstance(
+        if not isinstance(data, dict) or data.get("op") not in (REGISTER, UNLOAD, LABEL) or not isinstance(
                 data.get("name"), str):
             raise ValueError(f"not a registration: {str(payload)[:200]}")
+        if data["op"] == LABEL:
+            version = data.get("version")
+            if not isinstance(data.get("of"), str) or not isinstance(data.get("label"), str) or not (
+                    version is None or (isinstance(version, int) and version >= 0)):
+                raise ValueError(f"not a label switch: {str(payload)[:200]}")
+            change = RegistryChange.switch(data["of"], data["label"], version)
+            if change.name != data["name"]:
+                raise ValueError(f"label switch of {change.name!r} keyed {data['name']!r}")
+            return change
         model = ModelConfig.model_validate(data["model"]) if data["op"] == REGISTER else None
-        if model is not None and model.name != data["name"]:
-            raise ValueError(f"registration of {model.name!r} keyed {data['name']!r}")
+        if model is not None and model.served_name != data["name"]:
+            raise ValueError(f"registration of {model.served_name!r} keyed {data['name']!r}")
         return RegistryChange(data["op"], data["name"], model)
 
 
@@ -111,15 +132,21 @@ class ModelRegistrations:
         self._warned_local = False
 
     def register(self, model: ModelConfig) -> bool:
-        """Serve ``model`` here (and, through the log, on every replica) before this returns; True when the change
-        went through the log, False when it was made on this replica only."""
-        return self._through_log(RegistryChange(REGISTER, model.name, model))
+        """Serve ``model`` (a model, or a version of one) here (and, through the log, on every replica) before this
+        returns; True when the change went through the log, False when it was made on this replica only."""
+        return self._through_log(RegistryChange(REGISTER, model.served_name, model))
 
     def unload(self, name: str) -> bool:
-        """Stop serving ``name`` here (and, through the log, on every replica) before this returns; True when the
-        change went through the log, False when it was made on this replica only."""
+        """Stop serving ``name`` (a served name; a version's rows are dropped) here (and, through the log, on every
+        replica) before this returns; True when the change went through the log, False when it was made on this
+        replica only."""
         self.engine.model(name)  # NotFoundError for a model not loaded
         return self._through_log(RegistryChange(UNLOAD, name))
+
+    def set_label(self, model: str, label: str, version: int | None) -> bool:
+        """Point ``label`` of ``model`` at ``version`` (None: remove it) here (and, through the log, on every replica
+        and shard, at the same offset of the one-partition log) before this returns; whether it travelled."""
+        return self._through_log(RegistryChange.switch(model, label, version))
 
     def _through_log(self, change: RegistryChange) -> bool:
         """Makes ``change`` through the log when it can travel (a log, a key to sign it, a model the config does not
@@ -156,13 +183,22 @@ class ModelRegistrations:
 
     def _apply(self, change: RegistryChange) -> None:
         with self._lock:
-            loaded = {m.name: m for m in self.engine.models()}
+            loaded = {m.served_name: m for m in self.engine.served_models()}
+            if change.op == LABEL:
+                self.engine.set_label(change.of, change.label, change.version)
+                return
             if change.model is not None:
                 if loaded.get(change.name) == change.model:
                     return
-                self.engine.register_model(change.model)
+                if change.model.version:
+                    self.engine.add_version(change.model)
+                else:
+                    self.engine.register_model(change.model)
             elif change.name in loaded:
-                self.engine.unregister_model(change.name)
+                if loaded[change.name].version:
+                    self.engine.drop_version(loaded[change.name].name, loaded[change.name].version)
+                else:
+                    self.engine.unregister_model(change.name)
             else:
                 return
             self.changed()

@@ -29,6 +29,7 @@ from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, ServedTable
 from hps_service.engine.l1_sizing import plan_l1
 from hps_service.engine.promote import promote
+from hps_service.engine.registry import described
 from hps_service.engine.stats import TableStats
 from hps_service.node.manifest_wait import wait_workers_serve
 from hps_service.node.shared_l1 import cache_entry
@@ -114,14 +115,14 @@ class OwnerEngine(LookupEngine):
         return cache
 
     def register_model(self, model: ModelConfig) -> None:
-        old = set(self._slots_of(model.name))
+        old = set(self._slots_of(model.served_name))
         super().register_model(model)
-        for t in self.registry.tables().get(model.name, {}).values():
+        for t in self.registry.tables().get(model.served_name, {}).values():
             slot = self._slot(t)
             t.guard.mirror_to(slot.control, T_WRITE_GEN)
         self.publish()
         self._drop_slots(old)
-        wait_workers_serve(self.store, self.config.server.worker_processes(), f"model {model.name}")
+        wait_workers_serve(self.store, self.config.server.worker_processes(), described(model.served_name))
 
     def unregister_model(self, name: str) -> None:
         old = set(self._slots_of(name))
@@ -129,6 +130,13 @@ class OwnerEngine(LookupEngine):
         self.publish()
         self._drop_slots(old)
         wait_workers_serve(self.store, self.config.server.worker_processes(), f"the unload of model {name}")
+
+    def set_label(self, model: str, label: str, version: int | None) -> int | None:
+        """Switch the label here, then in every worker: it returns once they all read the new version."""
+        before = super().set_label(model, label, version)
+        self.publish()
+        wait_workers_serve(self.store, self.config.server.worker_processes(), f"label {label} of model {model}")
+        return before
 
     def _slots_of(self, model: str) -> list[int]:
         with self._slot_lock:
@@ -151,7 +159,8 @@ class OwnerEngine(LookupEngine):
             serial_of = {id(t): s.serial for s in self._slots.values() for t in [self._served[s.serial]]}
         for model, tables in self.registry.tables().items():
             served[model] = {name: serial_of[id(t)] for name, t in tables.items() if id(t) in serial_of}
-        self.store.publish([m.model_dump(mode="json") for m in self.models()], served)
+        self.store.publish([m.model_dump(mode="json") for m in self.served_models()], served,
+                           {model: dict(labels) for model, labels in self.labels.current().items()})
 
     def served_table(self, serial: int) -> ServedTable | None:
         """The table a worker means by ``serial``, if it is still the one served."""

@@ -19,8 +19,9 @@ import numpy as np
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine.levels import LEVELS, LookupResult
 from hps_service.engine.read import Reader
-from hps_service.engine.registry import find_table
+from hps_service.engine.registry import find_table, not_loaded
 from hps_service.engine.table import ServedTable
+from hps_service.engine.versions import Labels, resolve
 from hps_service.errors import NotFoundError
 from hps_service.node.reader_tiers import CaughtUpSecondary, SharedVolatile
 from hps_service.node.shared_l1 import SharedL1Reader
@@ -114,6 +115,7 @@ class WorkerEngine:
         self.reader = Reader(self.volatile, self.persistent, self.max_batch_keys, promote=self._promote)
         self._models: dict[str, ModelConfig] = {}
         self._tables: dict[str, dict[str, WorkerTable]] = {}
+        self._labels = Labels()
         self._views: dict[int, TableView] = {}  # serial -> the table's arrays in the store
         self._load()
 
@@ -133,7 +135,8 @@ class WorkerEngine:
         view = self.view
         view.reload()
         manifest = view.manifest
-        models = {m["name"]: ModelConfig.model_validate(m) for m in manifest["models"]}
+        models = {mc.served_name: mc for mc in (ModelConfig.model_validate(m) for m in manifest["models"])}
+        labels = Labels(manifest.get("labels", {}))
         tables: dict[str, dict[str, WorkerTable]] = {}
         views: dict[int, TableView] = {}
         rings: dict[str, ChangeRing] = {}
@@ -166,7 +169,7 @@ class WorkerEngine:
         self._ring_by_table = rings
         if self.persistent is not None and any(tid not in self.persistent.tables() for tid in rings):
             self.persistent.reopen()
-        self._models, self._tables = models, tables
+        self._models, self._tables, self._labels = models, tables, labels
         self._loaded = view.manifest_gen
         if self._status is not None:
             self._status[W_MANIFEST] = self._loaded  # the owner waits for it before a registration returns
@@ -190,16 +193,22 @@ class WorkerEngine:
                 raise
             return self.reader.lookup(current, keys, out, sources, stored)
 
+    def resolve(self, model: str, version: int = 0, label: str = "") -> tuple[str, int]:
+        """The served name and version a lookup reads, by the labels of the owner's manifest now."""
+        self.sync()
+        return resolve(self._labels.current(), self._tables, model, version, label)
+
     def model(self, name: str) -> ModelConfig:
         self.sync()
         try:
             return self._models[name]
         except KeyError:
-            raise NotFoundError(f"model '{name}' is not loaded") from None
+            raise not_loaded(name) from None
 
     def models(self) -> list[ModelConfig]:
+        """The loaded models as clients name them (not their versions)."""
         self.sync()
-        return list(self._models.values())
+        return [m for m in self._models.values() if not m.version]
 
     def memory_bytes(self) -> dict[str, int]:
         """This worker's RocksDB secondary's memtables and block cache, in bytes (zeros without RocksDB)."""

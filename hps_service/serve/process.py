@@ -356,7 +356,8 @@ class HPSServer:
         define survive a restart), health per model, and the update topics consumed."""
         assert self.engine is not None
         if not self.config.persistent.read_only:
-            sync_registrations(self.engine.persistent, {m.name for m in self.config.models}, self.engine.models())
+            sync_registrations(self.engine.persistent, {m.name for m in self.config.models},
+                               self.engine.served_models())
         self.update_health()
         with self._consumer_lock:
             names = [m.name for m in self.engine.models()]

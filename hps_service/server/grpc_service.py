@@ -156,30 +156,33 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             raise InvalidArgumentError(f"precision {request.precision} is neither PRECISION_FP32 (0) nor "
                                        f"PRECISION_STORED (1)")
         self.metrics.observe_keys(total)
+        # one version answers every table of the request, resolved once (a label switch lands before or after it)
+        served, version = self.engine.resolve(request.model, request.version, request.label)
         if len(request.tables) == 1 and total:
-            return self._lookup_one(request, context, stored)
+            return self._lookup_one(request, served, version, context, stored)
         answers = []
         shapes = []
         for tk in request.tables:
             if context is not None:
                 check_deadline(context)
             keys = np.frombuffer(tk.keys, dtype="<i8")
-            res = self.engine.lookup(request.model, tk.table, keys, stored=stored)
+            res = self.engine.lookup(served, tk.table, keys, stored=stored)
             answers.append((tk.table, res.vectors, res.sources))
             if stored:
-                t = self.engine.table(request.model, tk.table)
+                t = self.engine.table(served, tk.table)
                 shapes.append((t.dim, STORAGE_CODES[t.storage]))
-        return encode_lookup_response(request.model, request.request_id, answers, shapes if stored else None)
+        return encode_lookup_response(request.model, request.request_id, answers, shapes if stored else None,
+                                      version)
 
-    def _lookup_one(self, request: pb.LookupRequest, context: grpc.ServicerContext | None,
-                    stored: bool = False) -> bytes:
-        """One table (the usual request): the lookup writes its rows and sources straight into this thread's
-        reused response buffer, so an all-hit batch goes from the request's key bytes to the response's row bytes
-        in one compiled pass and one copy out."""
+    def _lookup_one(self, request: pb.LookupRequest, served: str, version: int,
+                    context: grpc.ServicerContext | None, stored: bool = False) -> bytes:
+        """One table (the usual request) of ``served`` (the model or one of its versions): the lookup writes its
+        rows and sources straight into this thread's reused response buffer, so an all-hit batch goes from the
+        request's key bytes to the response's row bytes in one compiled pass and one copy out."""
         if context is not None:
             check_deadline(context)
         tk = request.tables[0]
-        t = self.engine.table(request.model, tk.table)
+        t = self.engine.table(served, tk.table)
         try:
             buf = self._local.buffer
         except AttributeError:
@@ -187,10 +190,10 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         n = len(tk.keys) // 8
         if stored:
             rows, sources = buf.layout(request.model, tk.table, n, t.dim, request.request_id, t.format.words,
-                                       STORAGE_CODES[t.storage])
+                                       STORAGE_CODES[t.storage], version)
         else:
-            rows, sources = buf.layout(request.model, tk.table, n, t.dim, request.request_id)
-        self.engine.lookup(request.model, tk.table, np.frombuffer(tk.keys, dtype="<i8"), rows, sources, stored)
+            rows, sources = buf.layout(request.model, tk.table, n, t.dim, request.request_id, version=version)
+        self.engine.lookup(served, tk.table, np.frombuffer(tk.keys, dtype="<i8"), rows, sources, stored)
         return buf.finish()
 
     def _abort(self, context: grpc.ServicerContext, err: Exception) -> None:

@@ -103,8 +103,15 @@ class EngineCollector(Collector):
                     memory = cache.get("memory_bytes")
                     if memory is not None:
                         cache_memory.add_metric([*mt, str(cache.get("backend", ""))], float(memory))
+        label_version = GaugeMetricFamily(
+            "hps_model_label_version", "The model version each label names (0: the model as configured)",
+            labels=["model", "label"],
+        )
+        for name, named in self.engine.labels.current().items():
+            for label, version in named.items():
+                label_version.add_metric([name, label], float(version))
         yield from (hits, misses, rows, evictions, defaults, cache_rows, cache_capacity, cache_evictions, refused,
-                    queue, cache_memory)
+                    queue, cache_memory, label_version)
 
 
 class RequestCollector(Collector):

@@ -53,6 +53,7 @@ from hps_service.server.rest_bodies import (
     json_body,
     rows_bodies,
 )
+from hps_service.server.rest_versions import add_version_routes
 from hps_service.server.status import http_status_for, status_for
 
 __all__ = ["PROBLEM_JSON", "AdminContext", "ReadinessCheck", "SwitchableApp", "create_app", "create_starting_app"]
@@ -65,6 +66,9 @@ AdminCredentials = Annotated[
     Depends(HTTPBearer(auto_error=False, description="server.admin_token (or HPS_ADMIN_TOKEN)")),
 ]
 _SOURCE_NAMES = np.array(["unspecified", "cache", "volatile", "persistent", "default"])
+#: ``?version=N``: a version of the model (``POST /v1/models/{model}/versions``); 0: the model (or, for a read,
+#: the version its ``?label=`` or its label ``production`` names).
+ModelVersion = Annotated[int, Query(ge=0, le=2**31 - 1, description="a version of the model (0: see label)")]
 
 
 @dataclass
@@ -129,7 +133,9 @@ def describe_model(engine: LookupEngine, name: str) -> dict[str, Any]:
         rows = {level: (int(stats[level]["rows"] or 0) if stats[level].get("enabled") else None) for level in LEVELS}
         tables.append({"name": tc.name, "dim": tc.dim, "storage": tc.storage, "default": tc.model_dump()["default"],
                        "rows": rows})
-    return {"name": mc.name, "tables": tables}
+    _, version = engine.resolve(name)
+    return {"name": mc.name, "tables": tables, "versions": [v.version for v in engine.versions(name)],
+            "labels": engine.labels.of(name), "default_version": version}
 
 
 def create_starting_app(readiness: Readiness) -> FastAPI:
@@ -248,25 +254,30 @@ def create_app(ctx: AdminContext) -> FastAPI:
     def unload_model(model: str) -> dict[str, Any]:
         return {"unloaded": model, "replicated": ctx.registrations.unload(model)}
 
+    add_version_routes(app, engine, ctx.registrations, ctx.readiness, admin)
+
     # ---- rows -------------------------------------------------------------------------------------
     rows_path = "/v1/models/{model}/tables/{table}/embeddings"
 
-    def rows_of(method: str, model: str, table: str, keys: Callable[[], np.ndarray]) -> Response:
-        """Look ``keys()`` up, timed and counted as ``method``; the rows as JSON (encoded once, not walked by
-        FastAPI's encoder: a 65,536 x 64 answer is 4M floats)."""
+    def rows_of(method: str, model: str, table: str, keys: Callable[[], np.ndarray], version: int,
+                label: str) -> Response:
+        """Look ``keys()`` up in the version ``version`` or ``label`` names, timed and counted as ``method``; the
+        rows as JSON (encoded once, not walked by FastAPI's encoder: a 65,536 x 64 answer is 4M floats)."""
         with ctx.metrics.observe(method) as outcome:
             try:
+                served, version = engine.resolve(model, version, label)
                 arr = keys()
                 if arr.shape[0] > ctx.config.server.max_batch_keys:
                     raise ResourceExhaustedError(f"{arr.shape[0]} keys in one request exceeds "
                                                  f"server.max_batch_keys={ctx.config.server.max_batch_keys}")
                 ctx.shard_map.check(arr)
-                result = engine.lookup(model, table, arr)
+                result = engine.lookup(served, table, arr)
             except HPSError as err:
                 outcome[0] = status_for(err).name
                 raise
             ctx.metrics.observe_keys(arr.shape[0])
-        body = {"model": model, "table": table, "dim": int(result.vectors.shape[1]), "keys": arr.tolist(),
+        body = {"model": model, "version": version, "table": table, "dim": int(result.vectors.shape[1]),
+                "keys": arr.tolist(),
                 "vectors": result.vectors.tolist(), "sources": _SOURCE_NAMES[result.sources].tolist()}
         return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
 
@@ -278,19 +289,23 @@ def create_app(ctx: AdminContext) -> FastAPI:
     def get_rows(model: str, table: str,
                  keys: str = Query(..., description="comma-separated int64 keys (a few thousand at most: the URL is "
                                                     "limited; POST ...embeddings:lookup takes up to "
-                                                    "server.max_batch_keys)", examples=["1,2,3"])) -> Response:
-        return rows_of("RestGetEmbeddings", model, table, lambda: parse_keys(keys))
+                                                    "server.max_batch_keys)", examples=["1,2,3"]),
+                 version: ModelVersion = 0, label: str = "") -> Response:
+        return rows_of("RestGetEmbeddings", model, table, lambda: parse_keys(keys), version, label)
 
     @app.post(rows_path + ":lookup", tags=["rows"], response_class=Response, responses=lookup_responses,
               summary="Rows of many keys (JSON body, up to server.max_batch_keys), and which level answered each",
               openapi_extra=body_schema(bodies.lookup))
-    def lookup_rows(model: str, table: str, body: Any = json_body(bodies.lookup, cfg.max_batch_keys)) -> Response:
-        return rows_of("RestLookupEmbeddings", model, table, lambda: np.array(body.keys, dtype=np.int64))
+    def lookup_rows(model: str, table: str, body: Any = json_body(bodies.lookup, cfg.max_batch_keys),
+                    version: ModelVersion = 0, label: str = "") -> Response:
+        return rows_of("RestLookupEmbeddings", model, table, lambda: np.array(body.keys, dtype=np.int64), version,
+                       label)
 
     @app.put(rows_path, tags=["rows"], dependencies=admin, summary="Upsert rows (dim checked, NaN/inf rejected)",
              openapi_extra=body_schema(bodies.put))
     def put_rows(model: str, table: str, body: Any = json_body(bodies.put, cfg.max_batch_keys),
-                 wait: Wait = "acknowledged") -> dict[str, Any]:
+                 wait: Wait = "acknowledged", version: ModelVersion = 0) -> dict[str, Any]:
+        model = engine.resolve(model, version)[0] if version else model
         n = len(body.keys)
         if n > ctx.config.server.max_batch_keys:
             raise ResourceExhaustedError(f"{n} rows exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
@@ -311,7 +326,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.delete(rows_path, tags=["rows"], dependencies=admin, summary="Delete rows from every tier",
                 openapi_extra=body_schema(bodies.delete))
     def delete_rows(model: str, table: str, body: Any = json_body(bodies.delete, cfg.max_batch_keys),
-                    wait: Wait = "acknowledged") -> dict[str, Any]:
+                    wait: Wait = "acknowledged", version: ModelVersion = 0) -> dict[str, Any]:
+        model = engine.resolve(model, version)[0] if version else model
         if len(body.keys) > ctx.config.server.max_batch_keys:
             raise ResourceExhaustedError(
                 f"{len(body.keys)} keys exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
@@ -324,7 +340,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
     # ---- import jobs ------------------------------------------------------------------------------
     @app.post("/v1/models/{model}/tables/{table}/import", tags=["jobs"], status_code=202, dependencies=admin,
               summary="Import a table from a server-side path as a background job")
-    def import_rows(model: str, table: str, body: ImportRequest) -> dict[str, Any]:
+    def import_rows(model: str, table: str, body: ImportRequest, version: ModelVersion = 0) -> dict[str, Any]:
+        model = engine.resolve(model, version)[0] if version else model
         engine.table(model, table)
         import_tier(engine)
         path = Path(body.path)

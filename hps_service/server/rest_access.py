@@ -53,6 +53,12 @@ ROUTES: dict[str, tuple[Access, BodyKind]] = {
     "delete_snapshot": ("admin", "none"),
     "restore_snapshot": ("admin", "none"),
     "clear_cache": ("admin", "none"),
+    "list_versions": ("read", "none"),
+    "list_labels": ("read", "none"),
+    "create_version": ("admin", "model"),
+    "delete_version": ("admin", "none"),
+    "set_label": ("admin", "small"),
+    "delete_label": ("admin", "none"),
 }
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 

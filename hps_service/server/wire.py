@@ -16,6 +16,7 @@ import numpy as np
 _RESPONSE_MODEL = b"\x0a"
 _RESPONSE_TABLES = b"\x12"
 _RESPONSE_REQUEST_ID = b"\x18"
+_RESPONSE_VERSION = b"\x20"
 _TABLE_NAME = b"\x0a"
 _TABLE_DIM = b"\x10"
 _TABLE_COUNT = b"\x18"
@@ -67,10 +68,11 @@ def encode_table(name: str, vectors: np.ndarray, sources: np.ndarray, dim: int |
 
 def encode_lookup_response(
     model: str, request_id: int, tables: Sequence[tuple[str, np.ndarray, np.ndarray]],
-    stored: Sequence[tuple[int, int]] | None = None,
+    stored: Sequence[tuple[int, int]] | None = None, version: int = 0,
 ) -> bytes:
     """A serialized LookupResponse from ``(table, vectors (n, dim) float32, sources (n,) uint8)`` triples;
-    ``stored``: per table, ``(dim, storage)`` of stored rows in ``vectors`` (a precision = stored answer)."""
+    ``stored``: per table, ``(dim, storage)`` of stored rows in ``vectors`` (a precision = stored answer);
+    ``version``: the model version that answered."""
     parts: list[bytes | memoryview] = []
     model_bytes = model.encode()
     if model_bytes:
@@ -82,6 +84,8 @@ def encode_lookup_response(
         parts.extend(sub)
     if request_id:
         parts.append(_RESPONSE_REQUEST_ID + varint(request_id))
+    if version:
+        parts.append(_RESPONSE_VERSION + varint(version))
     return b"".join(parts)
 
 
@@ -122,13 +126,15 @@ class ResponseBuffer:
         return parts
 
     def layout(self, model: str, table: str, n: int, dim: int, request_id: int, words: int | None = None,
-               storage: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Lay out the response of ``n`` rows of ``dim`` (``n`` >= 1); returns writable views of its rows (C-contiguous
-        float32 ``(n, dim)``, or ``(n, words)`` stored rows of RowStorage ``storage``) and sources (uint8 ``(n,)``),
-        to be filled before :meth:`finish`."""
+               storage: int = 0, version: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Lay out the response of ``n`` rows of ``dim`` (``n`` >= 1) answered by model version ``version``; returns
+        writable views of its rows (C-contiguous float32 ``(n, dim)``, or ``(n, words)`` stored rows of RowStorage
+        ``storage``) and sources (uint8 ``(n,)``), to be filled before :meth:`finish`."""
         words = dim if words is None else words
         head, tail, after = self._parts(model, table, n, dim, words, storage)
         trailer = after + (_RESPONSE_REQUEST_ID + varint(request_id) if request_id else b"")
+        if version:
+            trailer += _RESPONSE_VERSION + varint(version)
         length = len(head) + 4 * n * words + len(tail) + n + len(trailer)
         if len(self._buf) < length + _ALIGN:
             self._buf = bytearray(max(length + _ALIGN, 2 * len(self._buf)))

@@ -176,6 +176,8 @@ def train_command(
     publish: bool = typer.Option(True, "--publish/--no-publish", help="Publish changed rows to Kafka "
                                  "(needs updates.type kafka in the config, or --brokers)."),
     brokers: str | None = typer.Option(None, "--brokers", help="Kafka bootstrap host:port; overrides the config."),
+    model_version: int = typer.Option(0, "--model-version", min=0, max=2**31 - 1, help="Publish to this version of "
+                                      "the model (POST /v1/models/{model}/versions adds it); 0: the model itself."),
     publish_precision: str = typer.Option("fp32", "--publish-precision", help="Publish rows as fp32, fp16, bf16 "
                                           "or int8 (a 2-4x smaller log; replicas store each table in its own "
                                           "tables[].storage)."),
@@ -276,7 +278,7 @@ def train_command(
             publisher = Publisher(target, model_cfg.name, cfg.updates.topic_prefix,
                                   partitions=cfg.cluster.partitions, replication_factor=cfg.updates.replication_factor,
                                   min_insync_replicas=cfg.updates.min_insync_replicas,
-                                  precision=publish_as, **producer_config)
+                                  precision=publish_as, model_version=model_version, **producer_config)
         elif publish and rank == 0:
             console.print("[yellow]updates are disabled in the config and no --brokers given: not publishing")
         trainer = Trainer(dlrm, source, train_cfg, publisher, model_name=model_cfg.name,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from confluent_kafka import KafkaError, Message
 
+from hps_service.config.base import served_name, split_served
 from hps_service.engine import LookupEngine, TableChange
 from hps_service.errors import InvalidArgumentError, NotFoundError
 from hps_service.updates.admin_signature import AdminMessages
@@ -126,10 +127,11 @@ class BatchApply:
             except MalformedUpdateError as exc:
                 self._dead_letter(dlq, msg, model, str(exc))
             else:
+                served = served_name(model, upd.model_version)  # a version's rows reach that version only
                 if upd.purge_tombstones_below:
-                    purges[(model, upd.table)] = max(purges.get((model, upd.table), 0), upd.purge_tombstones_below)
+                    purges[(served, upd.table)] = max(purges.get((served, upd.table), 0), upd.purge_tombstones_below)
                 else:
-                    groups.setdefault((model, upd.table), TableBatch()).add(upd, msg)
+                    groups.setdefault((served, upd.table), TableBatch()).add(upd, msg)
                 produced_at.setdefault(model, []).append(upd.produced_at_ns)
             offsets[part] = offset + 1
         return PolledBatch(groups, purges, produced_at, offsets, first, park, reread, letters)
@@ -165,18 +167,20 @@ class BatchApply:
         upd = decode_update(payload)
         if upd.model != model:
             raise MalformedUpdateError(f"message for model {upd.model!r} on the topic of model {model!r}")
-        dim = self._table_dim(model, upd.table)
+        served = served_name(model, upd.model_version)
+        dim = self._table_dim(served, upd.table)
         if upd.keys.shape[0] and upd.dim != dim:
-            raise MalformedUpdateError(f"rows of dim {upd.dim} for table {model}.{upd.table} of dim {dim}")
+            raise MalformedUpdateError(f"rows of dim {upd.dim} for table {served}.{upd.table} of dim {dim}")
         return upd
 
     def _table_dim(self, model: str, table: str) -> int:
-        """The dim of a loaded table; ModelUnloadedError when the model is not loaded, MalformedUpdateError when it
-        has no such table."""
+        """The dim of a loaded table of ``model`` (a served name); ModelUnloadedError when the model is not loaded,
+        MalformedUpdateError when it has no such table or version (a version's rows wait for no one: its
+        partition goes on for the model's other versions)."""
         try:
             return self.engine.table(model, table).dim
         except NotFoundError as exc:
-            if not any(m.name == model for m in self.engine.models()):
+            if not any(m.served_name == model for m in self.engine.served_models()) and not split_served(model)[1]:
                 raise ModelUnloadedError(model) from None
             raise MalformedUpdateError(str(exc)) from None
 

@@ -65,10 +65,11 @@ def encode_update(
     delete_versions: np.ndarray | None = None,
     purge_tombstones_below: int = 0,
     precision: str = "fp32",
+    model_version: int = 0,
 ) -> bytes:
     """Serialize one message; arrays are written as packed little-endian bytes (already validated by the caller).
     ``precision`` fp16 / bf16 / int8 encodes the float32 ``vectors`` as rows of that format (a smaller log); the
-    consumer decodes them and stores them in the table's own format."""
+    consumer decodes them and stores them in the table's own format. ``model_version`` > 0: rows of that version."""
     dim = int(vectors.shape[1]) if vectors.ndim == 2 else 0
     fmt = row_format(precision, dim)
     msg = EmbeddingUpdate(
@@ -83,6 +84,8 @@ def encode_update(
     )
     if purge_tombstones_below:
         msg.purge_tombstones_below = purge_tombstones_below
+    if model_version:
+        msg.model_version = model_version
     if delete_keys is not None and len(delete_keys):
         msg.delete_keys = np.ascontiguousarray(delete_keys, dtype="<i8").tobytes()
         msg.delete_versions = np.ascontiguousarray(delete_versions, dtype="<i8").tobytes()
@@ -103,6 +106,7 @@ class DecodedUpdate:
     delete_versions: np.ndarray  # (m,) int64
     produced_at_ns: int
     purge_tombstones_below: int = 0  # > 0: an admin purge of the table's tombstones older than this version
+    model_version: int = 0  # > 0: the rows are of that version of the model
 
 
 def _int64s(data: bytes, what: str) -> np.ndarray:
@@ -167,4 +171,5 @@ def decode_update(payload: bytes | None) -> DecodedUpdate:
         delete_versions=delete_versions,
         produced_at_ns=int(msg.produced_at_ns),
         purge_tombstones_below=purge,
+        model_version=int(msg.model_version),
     )

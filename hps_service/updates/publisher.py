@@ -88,17 +88,22 @@ class Publisher:
         min_insync_replicas: int = DEFAULT_MIN_INSYNC_REPLICAS,
         admin_key: str | None = None,
         precision: str = "fp32",
+        model_version: int = 0,
         **producer_config: Any,
     ) -> None:
         """``admin_key``: updates.admin_key, which signs the admin-only messages (tombstone purges); replicas refuse
         them unsigned. ``precision``: publish rows as fp32 (default), fp16, bf16 or int8 rows (a 2-4x smaller
-        log; replicas decode them and store each table in its own format)."""
+        log; replicas decode them and store each table in its own format). ``model_version`` > 0: the rows and
+        deletes are of that version of the model (``POST /v1/models/{model}/versions``) and reach it only."""
+        if not 0 <= model_version < 2**32:
+            raise InvalidArgumentError(f"model_version must be in [0, 2**32), got {model_version}")
         if not valid_name(model):
             raise InvalidArgumentError(f"model name {model!r} is not valid (letters, digits, '_' and '-', <= 64)")
         if not brokers:
             raise InvalidArgumentError("brokers must be a non-empty 'host:port[,host:port]' string")
         row_format(precision, 1)  # InvalidArgumentError for an unknown precision, before connecting
         self.model = model
+        self.model_version = model_version
         self.precision = precision
         self._admin_key = admin_key
         self.topic = topic_name(model, topic_prefix)
@@ -155,7 +160,7 @@ class Publisher:
             self._raise_delivery_errors()
         none = np.empty(0, dtype=np.int64)
         payload = encode_update(self.model, table, none, np.empty((0, 0), dtype=np.float32), none,
-                                purge_tombstones_below=int(below))
+                                purge_tombstones_below=int(below), model_version=self.model_version)
         headers: ProduceHeaders | None = (
             [(SIGNATURE_HEADER, sign(self._admin_key, payload))] if self._admin_key is not None else None)
         for p in range(self.partitions):
@@ -218,10 +223,11 @@ class Publisher:
             for lo in range(int(starts[p]), int(starts[p + 1]), cap):
                 idx = order[lo : min(lo + cap, int(starts[p + 1]))]
                 if deletes:
-                    payload = encode_update(self.model, table, no_keys, empty_rows, no_keys, keys[idx], versions[idx])
+                    payload = encode_update(self.model, table, no_keys, empty_rows, no_keys, keys[idx], versions[idx],
+                                            model_version=self.model_version)
                 else:
                     payload = encode_update(self.model, table, keys[idx], put_rows[idx], versions[idx],
-                                            precision=self.precision)
+                                            precision=self.precision, model_version=self.model_version)
                 self._produce(int(p), payload, deliveries)
                 sent += 1
         self.messages_sent += sent

@@ -25,8 +25,10 @@ HEADER_LEN = 16
 MAGIC = 0x4850535354524531  # "HPSSTRE1"
 #: 2: four-byte L1 clocks, and the hash map's owner and reader stamps as int32 halves of each row's third metadata
 #: word (a reader of layout 1 would take a tombstone for a row). 3: a table's entry names the tier id of its rows
-#: (``stored_as``: a converted table's is not ``model.table``, which a reader of layout 2 would look in).
-LAYOUT_VERSION = 3
+#: (``stored_as``: a converted table's is not ``model.table``, which a reader of layout 2 would look in). 4: the
+#: manifest holds model versions and their labels (a reader of layout 3 would answer a request that names no
+#: version from the model as configured, not from the version its label ``production`` names).
+LAYOUT_VERSION = 4
 #: Store states: the owner is loading, serving, draining (refuse new lookups), or has closed the generation.
 STARTING, SERVING, DRAINING, CLOSED = 0, 1, 2, 3
 STATE_NAMES = {STARTING: "starting", SERVING: "serving", DRAINING: "draining", CLOSED: "closed"}

@@ -168,13 +168,14 @@ class NodeStore:
             self.region.remove_tree(f"l1/{serial}")
 
     # ---- publication --------------------------------------------------------------------------
-    def publish(self, models: list[dict[str, Any]], served: dict[str, dict[str, int]]) -> None:
-        """Write the manifest for ``models`` (configs as dicts) and ``served`` (model -> table -> serial) and
-        announce it: readers reload when they next look."""
+    def publish(self, models: list[dict[str, Any]], served: dict[str, dict[str, int]],
+                labels: dict[str, dict[str, int]] | None = None) -> None:
+        """Write the manifest for ``models`` (configs as dicts, versions included), ``served`` (served name -> table
+        -> serial) and ``labels`` (model -> label -> version) and announce it: readers reload when they next look."""
         with self._lock:
             manifest = {
                 "layout": layout.LAYOUT_VERSION, "generation": self.generation, "owner_pid": os.getpid(),
-                "models": models, "served": served,
+                "models": models, "served": served, "labels": labels or {},
                 "tables": {str(s): slot.entry for s, slot in self._tables.items()},
                 "volatile": {"lfu": self._volatile_lfu, "tables": dict(self._volatile)},
                 "requests": array_spec("counters/requests", self.requests), "queues": self._queue_specs,

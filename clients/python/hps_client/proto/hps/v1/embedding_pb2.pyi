@@ -36,16 +36,20 @@ class TableKeys(_message.Message):
     def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "tables", "request_id", "precision")
+    __slots__ = ("model", "tables", "request_id", "precision", "version", "label")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
     model: str
     tables: _containers.RepeatedCompositeFieldContainer[TableKeys]
     request_id: int
     precision: Precision
-    def __init__(self, model: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ..., request_id: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ...) -> None: ...
+    version: int
+    label: str
+    def __init__(self, model: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ..., request_id: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., version: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
 
 class TableVectors(_message.Message):
     __slots__ = ("table", "dim", "count", "vectors", "sources", "storage")
@@ -64,14 +68,16 @@ class TableVectors(_message.Message):
     def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., count: _Optional[int] = ..., vectors: _Optional[bytes] = ..., sources: _Optional[bytes] = ..., storage: _Optional[_Union[_rows_pb2.RowStorage, str]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("model", "tables", "request_id")
+    __slots__ = ("model", "tables", "request_id", "version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     tables: _containers.RepeatedCompositeFieldContainer[TableVectors]
     request_id: int
-    def __init__(self, model: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableVectors, _Mapping]]] = ..., request_id: _Optional[int] = ...) -> None: ...
+    version: int
+    def __init__(self, model: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableVectors, _Mapping]]] = ..., request_id: _Optional[int] = ..., version: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

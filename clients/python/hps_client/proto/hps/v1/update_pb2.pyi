@@ -6,7 +6,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class EmbeddingUpdate(_message.Message):
-    __slots__ = ("model", "table", "dim", "keys", "vectors", "versions", "produced_at_ns", "delete_keys", "delete_versions", "purge_tombstones_below", "storage")
+    __slots__ = ("model", "table", "dim", "keys", "vectors", "versions", "produced_at_ns", "delete_keys", "delete_versions", "purge_tombstones_below", "storage", "model_version")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class EmbeddingUpdate(_message.Message):
     DELETE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     PURGE_TOMBSTONES_BELOW_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     model: str
     table: str
     dim: int
@@ -29,4 +30,5 @@ class EmbeddingUpdate(_message.Message):
     delete_versions: bytes
     purge_tombstones_below: int
     storage: _rows_pb2.RowStorage
-    def __init__(self, model: _Optional[str] = ..., table: _Optional[str] = ..., dim: _Optional[int] = ..., keys: _Optional[bytes] = ..., vectors: _Optional[bytes] = ..., versions: _Optional[bytes] = ..., produced_at_ns: _Optional[int] = ..., delete_keys: _Optional[bytes] = ..., delete_versions: _Optional[bytes] = ..., purge_tombstones_below: _Optional[int] = ..., storage: _Optional[_Union[_rows_pb2.RowStorage, str]] = ...) -> None: ...
+    model_version: int
+    def __init__(self, model: _Optional[str] = ..., table: _Optional[str] = ..., dim: _Optional[int] = ..., keys: _Optional[bytes] = ..., vectors: _Optional[bytes] = ..., versions: _Optional[bytes] = ..., produced_at_ns: _Optional[int] = ..., delete_keys: _Optional[bytes] = ..., delete_versions: _Optional[bytes] = ..., purge_tombstones_below: _Optional[int] = ..., storage: _Optional[_Union[_rows_pb2.RowStorage, str]] = ..., model_version: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,175 @@
+"""Model versions and labels through REST and gRPC against a real in-process server: versions side by side, label
+switches and rollback, retention, refusals, and a restart that keeps them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_service.serve.process import HPSServer
+from tests.server.conftest import AUTH, ITEM_DIM, USER_DIM, base_url, running, server_config, target
+
+KEYS = np.arange(1, 65, dtype=np.int64)
+
+
+def _put(http: httpx.Client, value: float, version: int = 0, table: str = "item", dim: int = ITEM_DIM) -> None:
+    r = http.put(f"/v1/models/demo/tables/{table}/embeddings", params={"version": version} if version else {},
+                 json={"keys": KEYS.tolist(), "vectors": np.full((len(KEYS), dim), value).tolist(), "version": 1},
+                 headers=AUTH)
+    assert r.status_code == 200, r.text
+
+
+def _lookup(stub: pb_grpc.EmbeddingServiceStub, version: int = 0, label: str = "",
+            tables: tuple[str, ...] = ("item",)) -> pb.LookupResponse:
+    return stub.Lookup(pb.LookupRequest(model="demo", version=version, label=label, tables=[
+        pb.TableKeys(table=t, keys=KEYS.astype("<i8").tobytes()) for t in tables]), timeout=10)
+
+
+def _value(response: pb.LookupResponse, i: int = 0) -> set[float]:
+    return set(np.frombuffer(response.tables[i].vectors, dtype="<f4").tolist())
+
+
+def _add(http: httpx.Client, version: int) -> httpx.Response:
+    return http.post("/v1/models/demo/versions", json={"version": version}, headers=AUTH)
+
+
+def _label(http: httpx.Client, label: str, version: int) -> httpx.Response:
+    return http.put(f"/v1/models/demo/labels/{label}", json={"version": version}, headers=AUTH)
+
+
+@pytest.fixture
+def srv(tmp_path: Path) -> Iterator[HPSServer]:
+    with running(server_config(tmp_path, workers=0)) as s:
+        yield s
+
+
+@pytest.fixture
+def http(srv: HPSServer) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=base_url(srv), timeout=30) as client:
+        yield client
+
+
+@pytest.fixture
+def stub(srv: HPSServer) -> Iterator[pb_grpc.EmbeddingServiceStub]:
+    with grpc.insecure_channel(target(srv)) as channel:
+        yield pb_grpc.EmbeddingServiceStub(channel)
+
+
+def test_versions_side_by_side_labels_and_rollback(http: httpx.Client, stub: pb_grpc.EmbeddingServiceStub) -> None:
+    _put(http, 1.0)
+    for version, value in ((1, 2.0), (2, 3.0)):
+        r = _add(http, version)
+        assert r.status_code == 201, r.text
+        _put(http, value, version)
+        _put(http, value + 0.5, version, table="user", dim=USER_DIM)
+    # each version answers its own rows; a request naming none reads the model as configured
+    answer = _lookup(stub)
+    assert _value(answer) == {1.0} and answer.version == 0
+    for version, value in ((1, 2.0), (2, 3.0)):
+        answer = _lookup(stub, version=version)
+        assert _value(answer) == {value} and answer.version == version
+    # a label switch moves every request that names no version; both tables of one request from one version
+    assert _label(http, "production", 2).json()["before"] is None
+    answer = _lookup(stub, tables=("item", "user"))
+    assert answer.version == 2 and _value(answer, 0) == {3.0} and _value(answer, 1) == {3.5}
+    r = _label(http, "production", 1)  # rollback: immediate, no re-import
+    assert r.status_code == 200 and r.json()["before"] == 2
+    assert _value(_lookup(stub)) == {2.0} and _lookup(stub).version == 1
+    assert _label(http, "canary", 2).status_code == 200
+    assert _lookup(stub, label="canary").version == 2
+    # REST reads follow the same rules
+    rows = http.get("/v1/models/demo/tables/item/embeddings", params={"keys": "1,2", "label": "canary"}).json()
+    assert rows["version"] == 2 and rows["vectors"][0][0] == 3.0
+    assert http.get("/v1/models/demo/tables/item/embeddings", params={"keys": "1"}).json()["version"] == 1
+    # visible in /v1/models and in metrics
+    model = http.get("/v1/models/demo").json()
+    assert model["versions"] == [1, 2] and model["labels"] == {"production": 1, "canary": 2}
+    assert model["default_version"] == 1
+    listed = http.get("/v1/models/demo/versions").json()
+    assert [(v["version"], v["labels"]) for v in listed["versions"]] == [(1, ["production"]), (2, ["canary"])]
+    metrics = http.get("/metrics").text
+    assert 'hps_model_label_version{label="production",model="demo"} 1.0' in metrics
+    # label 0 names the model as configured
+    assert _label(http, "production", 0).status_code == 200
+    assert _value(_lookup(stub)) == {1.0}
+    assert http.delete("/v1/models/demo/labels/canary", headers=AUTH).status_code == 200
+    with pytest.raises(grpc.RpcError) as err:
+        _lookup(stub, label="canary")
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "no label 'canary'" in err.value.details()
+
+
+def test_refusals_name_the_problem(http: httpx.Client, stub: pb_grpc.EmbeddingServiceStub) -> None:
+    assert _add(http, 1).status_code == 201
+    cases = [
+        (dict(version=7), grpc.StatusCode.NOT_FOUND, "has no version 7"),
+        (dict(label="nope"), grpc.StatusCode.NOT_FOUND, "has no label 'nope'"),
+        (dict(version=1, label="x"), grpc.StatusCode.INVALID_ARGUMENT, "name one"),
+        (dict(label="bad label!"), grpc.StatusCode.INVALID_ARGUMENT, "is not a name"),
+    ]
+    for kwargs, code, text in cases:
+        with pytest.raises(grpc.RpcError) as err:
+            _lookup(stub, **kwargs)  # type: ignore[arg-type]
+        assert err.value.code() == code and text in err.value.details(), kwargs
+    assert _add(http, 1).status_code == 409
+    assert http.post("/v1/models/nope/versions", json={"version": 1}, headers=AUTH).status_code == 404
+    assert http.post("/v1/models/demo/versions", json={"version": 0}, headers=AUTH).status_code == 422
+    assert http.post("/v1/models/demo/versions", json={"version": 3}).status_code == 401
+    missing = _label(http, "production", 9)
+    assert missing.status_code == 409 and "no version 9" in missing.json()["detail"]
+    assert _label(http, "bad label", 1).status_code in (400, 422)
+    assert _label(http, "production", 1).status_code == 200
+    labelled = http.delete("/v1/models/demo/versions/1", headers=AUTH)
+    assert labelled.status_code == 409 and "labelled (production)" in labelled.json()["detail"]
+    assert http.delete("/v1/models/demo/versions/0", headers=AUTH).status_code == 422
+    assert http.delete("/v1/models/demo/versions/5", headers=AUTH).status_code == 404
+    assert http.delete("/v1/models/demo/labels/nope", headers=AUTH).status_code == 404
+    put = http.put("/v1/models/demo/tables/item/embeddings", params={"version": 4}, headers=AUTH,
+                   json={"keys": [1], "vectors": [[0.0] * ITEM_DIM]})
+    assert put.status_code == 404 and "no version 4" in put.json()["detail"]
+
+
+def test_retention_drops_old_unlabelled_versions_and_frees_their_rows(srv: HPSServer, http: httpx.Client,
+                                                                      stub: pb_grpc.EmbeddingServiceStub) -> None:
+    engine = srv.engine
+    assert engine is not None
+    for version in (1, 2, 3):
+        assert _add(http, version).status_code == 201
+        _put(http, float(version), version)
+    # keep_versions 2 (the default), the new one counted: adding 3 dropped 1
+    assert [v.version for v in engine.versions("demo")] == [2, 3]
+    assert _label(http, "production", 2).status_code == 200
+    assert engine.persistent.count("demo#v3.item") == len(KEYS)
+    for version in (4, 5):
+        assert _add(http, version).status_code == 201
+    # 2 is labelled, so it stays; of the unlabelled 3, 4 and 5 the newest two stay
+    assert [v.version for v in engine.versions("demo")] == [2, 4, 5]
+    for tier in (engine.persistent, engine.volatile):
+        assert tier is not None
+        with pytest.raises(Exception, match="no table|does not exist"):
+            tier.count("demo#v3.item")
+    assert _value(_lookup(stub)) == {2.0}
+    with pytest.raises(grpc.RpcError) as err:
+        _lookup(stub, version=3)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    dropped = http.delete("/v1/models/demo/versions/4", headers=AUTH)
+    assert dropped.status_code == 200 and [v.version for v in engine.versions("demo")] == [2, 5]
+
+
+def test_a_restart_serves_the_same_versions_and_labels(tmp_path: Path) -> None:
+    config = server_config(tmp_path, workers=0)
+    with running(config) as s, httpx.Client(base_url=base_url(s), timeout=30) as http:
+        assert _add(http, 3).status_code == 201
+        _put(http, 3.0, 3)
+        assert _label(http, "production", 3).status_code == 200
+    with running(config) as s, grpc.insecure_channel(target(s)) as channel:
+        stub = pb_grpc.EmbeddingServiceStub(channel)
+        answer = _lookup(stub)
+        assert answer.version == 3 and _value(answer) == {3.0}
+        assert [v.version for v in s.engine.versions("demo")] == [3]
