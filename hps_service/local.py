@@ -43,8 +43,10 @@ from hps_client.wire import (
     decode_stored,
     into,
 )
+from hps_service.config.base import served_name
 from hps_service.engine.read import Reader
 from hps_service.engine.table import ServedTable
+from hps_service.engine.versions import DEFAULT_LABEL
 from hps_service.errors import HPSError
 from hps_service.keys import unique_with_inverse
 from hps_service.node.reader_tiers import SharedVolatile
@@ -65,7 +67,9 @@ SOCKET_NAME = "grpc.sock"
 class _Table:
     """One table as this client reads it from the mapped store: its L1 and hash map, read by the engine's reader."""
 
-    def __init__(self, view: StoreView, serial: int) -> None:
+    def __init__(self, view: StoreView, serial: int, version: int = 0) -> None:
+        """``version``: the model version the table is of (its misses ask the server for that version)."""
+        self.version = version
         tv = view.table(serial)
         entry = view.manifest["tables"][str(serial)].get("l1")
         l1 = (SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read, None, touch=False)
@@ -188,12 +192,15 @@ class LocalClient:
         return view
 
     def _table(self, view: StoreView, model: str, table: str) -> _Table | None:
+        """The table of the version the model's label ``production`` names in the mapped manifest (the model as
+        configured without one); a new manifest (a label switch) drops these."""
         t = self._tables.get((model, table))
         if t is None:
-            serial = view.served(model, table)
+            version = int(view.manifest.get("labels", {}).get(model, {}).get(DEFAULT_LABEL, 0))
+            serial = view.served(served_name(model, version), table)
             if serial is None:
                 return None  # the server answers NOT_FOUND (or knows it by now)
-            t = _Table(view, serial)
+            t = _Table(view, serial, version)
             self._tables[(model, table)] = t
         return t
 
@@ -217,9 +224,9 @@ class LocalClient:
         if keys.shape[0] == 0:
             return into(out, self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table])
         answer, miss = self._read_local(t, keys, out)
-        if miss is not None:
+        if miss is not None:  # from the version the hits came from, whatever the label names now
             uniq, inverse = unique_with_inverse(keys[miss])
-            got = self._call(build_request(model, {table: uniq}), timeout, metadata)[table]
+            got = self._call(build_request(model, {table: uniq}, version=t.version), timeout, metadata)[table]
             answer.vectors[miss] = got.vectors[inverse]
             answer.sources[miss] = got.sources[inverse]
         return answer
@@ -240,7 +247,7 @@ class LocalClient:
         miss = t.reader.lookup_held(t.served, keys, words, sources, stored=True)
         if miss.shape[0]:
             uniq, inverse = unique_with_inverse(keys[miss])
-            got = self._call(build_request(model, {table: uniq}, pb.PRECISION_STORED), timeout, metadata,
+            got = self._call(build_request(model, {table: uniq}, pb.PRECISION_STORED, t.version), timeout, metadata,
                              decode_stored)[table]
             words[miss] = got.rows.words.view(np.float32)[inverse]
             sources[miss] = got.sources[inverse]
@@ -257,19 +264,22 @@ class LocalClient:
         answers: dict[str, TableAnswer] = {}
         missing: dict[str, np.ndarray] = {}
         positions: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
+        versions = set()
         for name, raw in tables.items():
             keys = as_keys(raw)
             t = self._table(view, model, name) if view is not None else None
             if t is None or keys.shape[0] == 0:
                 missing[name], positions[name] = keys, None
                 continue
+            versions.add(t.version)
             answer, miss = self._read_local(t, keys)
             answers[name] = answer
             if miss is not None:
                 uniq, inverse = unique_with_inverse(keys[miss])
                 missing[name], positions[name] = uniq, (miss, inverse)
-        if missing:
-            fetched = self._call(build_request(model, missing), timeout, metadata)
+        if missing:  # every table of one request from one version: the one its local reads came from
+            fetched = self._call(build_request(model, missing, version=versions.pop() if versions else 0), timeout,
+                                 metadata)
             for name, where in positions.items():
                 got = fetched[name]
                 if where is None:

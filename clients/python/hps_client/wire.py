@@ -90,10 +90,11 @@ def decode_stored(tv: pb.TableVectors | WireTable) -> StoredAnswer:
 
 
 def build_request(model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                  precision: pb.Precision = pb.PRECISION_FP32) -> pb.LookupRequest:
-    """One LookupRequest for several tables of ``model`` (``precision``: an hps.v1.Precision)."""
+                  precision: pb.Precision = pb.PRECISION_FP32, version: int = 0, label: str = "") -> pb.LookupRequest:
+    """One LookupRequest for several tables of ``model`` (``precision``: an hps.v1.Precision), of its ``version``
+    or the one ``label`` names (neither: its label ``production``, else the model as configured)."""
     return pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=encode_keys(k)) for t, k in tables.items()],
-                            precision=precision)
+                            precision=precision, version=version, label=label)
 
 
 @dataclass(slots=True)
