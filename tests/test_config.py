@@ -51,6 +51,10 @@ def test_file_and_env_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         ({"models": [{"name": "bad name", "tables": [{"name": "t", "dim": 4}]}]}, "models.0.name"),
         ({"models": [{"name": "m", "tables": [{"name": "t", "dim": 4}, {"name": "t", "dim": 8}]}]}, "duplicate"),
         ({"models": [{"name": "m", "tables": [{"name": "t", "dim": 0}]}]}, "models.0.tables.0.dim"),
+        ({"models": [{"name": "m", "tables": [{"name": "t", "dim": 4, "admit_after_writes": 0}]}]},
+         "models.0.tables.0.admit_after_writes"),
+        ({"models": [{"name": "m", "tables": [{"name": "t", "dim": 4, "admit_after_writes": 65536}]}]},
+         "models.0.tables.0.admit_after_writes"),
     ],
 )
 def test_invalid_config_names_the_key(tmp_path: Path, data: dict, needle: str) -> None:

@@ -305,6 +305,10 @@ class TableConfig(_Section):
     default: DefaultSpec = Field("zeros", description="the row of a key no tier holds: zeros, {constant: X} or "
                                  "hashed_random (a deterministic per-key random row)")
     storage: Storage = Field("fp32", description="rows as stored in every tier (int8: row-wise scale and bias)")
+    admit_after_writes: int = Field(
+        1, ge=1, le=65535, description="a new key is stored once it has been written this many times (1: at once); "
+        "earlier writes are dropped. Counted in the owner's memory (8 MiB a table above 1), so a restart counts "
+        "again; stored keys, deletes and imports always pass")
 
 
 class ModelConfig(_Section):

@@ -14,6 +14,7 @@ import numpy as np
 from hps_service.config import ModelConfig
 from hps_service.config.base import served_name
 from hps_service.engine.convert import ConvertProgress, convert_table
+from hps_service.engine.ingest_admission import keep_counts
 from hps_service.engine.levels import DEFAULT, LookupResult
 from hps_service.engine.preload import Preloader
 from hps_service.engine.read import Reader
@@ -74,6 +75,7 @@ class LookupEngine:
                                     self.persistent)
                 for tc in model.tables
             }
+            keep_counts(self.registry.tables().get(model.name, {}), tables)
             model = served_config(model, tables)
             old = self.registry.put(model, tables)
         if old:
@@ -231,7 +233,8 @@ class LookupEngine:
         with ExitStack() as held:  # every table's write lock, in one order, for the whole write
             tables = {key: held.enter_context(self.writing(*key))
                       for key in sorted({(c.model, c.table) for c in changes})}
-            prepared = [(tables[(c.model, c.table)], table_write(tables[(c.model, c.table)], c)) for c in changes]
+            prepared = [(tables[(c.model, c.table)], table_write(tables[(c.model, c.table)], c, self.writer.admitted))
+                        for c in changes]
             return self.writer.apply_changes(prepared, positions)
 
     def positions(self) -> dict[tuple[str, int], int]:

@@ -15,6 +15,7 @@ import numpy as np
 
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.config.base import Storage, split_served
+from hps_service.engine.ingest_admission import ingest_filter
 from hps_service.engine.stored_tables import drop_abandoned, stored_table
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.write_guard import WriteGuard
@@ -175,7 +176,7 @@ def make_table(
         log.warning("table %s.%s was converted to %s: serving it as %s (tables[].storage says %s)", model, tc.name,
                     storage, storage, tc.storage)
     t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard, storage=storage,
-                    stored_as=stored.id if stored.converted else "")
+                    stored_as=stored.id if stored.converted else "", ingest=ingest_filter(tc.admit_after_writes))
     for tier in tiers:
         record_storage(tier, t.id, t.storage)
         tier.create_table(t.id, t.format.words)

@@ -13,7 +13,8 @@ TableStats = dict[str, LevelStats]
 
 
 def table_stats(t: ServedTable, volatile: Tier | None, persistent: Tier | None) -> TableStats:
-    """Per level: hits, misses, hit_rate, rows, capacity, evictions (+ errors for lower tiers); defaults answered."""
+    """Per level: hits, misses, hit_rate, rows, capacity, evictions (+ errors for lower tiers); defaults answered;
+    with an ingest filter, ``admission``: its threshold and the writes it dropped."""
     hits, misses, defaults = t.counters.totals()
     out: TableStats = {}
     for level in LEVELS:
@@ -40,4 +41,6 @@ def table_stats(t: ServedTable, volatile: Tier | None, persistent: Tier | None) 
                 entry.update(ts.extra)
         out[level] = entry
     out["default"] = {"hits": defaults}
+    if t.ingest is not None:
+        out["admission"] = dict(t.ingest.stats())
     return out

@@ -13,6 +13,7 @@ from hps_service.cache.protocol import FetchBelow, TableCache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import DefaultSpec
 from hps_service.config.base import Storage
+from hps_service.engine.ingest_admission import IngestFilter
 from hps_service.engine.levels import LEVELS
 from hps_service.engine.write_guard import WriteGuard
 from hps_service.rows import RowFormat, row_format
@@ -102,6 +103,8 @@ class ServedTable:
     stored_as: str = ""
     #: A conversion to another format in progress: every write of the table reaches its copy too.
     converting: Conversion | None = None
+    #: Which new keys its puts may store (None: every one; see :mod:`hps_service.engine.ingest_admission`).
+    ingest: IngestFilter | None = None
 
     def __post_init__(self) -> None:
         if self.counters is None:

@@ -82,9 +82,14 @@ def resolve_latest(
     return winners[winners < n], winners[winners >= n] - n
 
 
-def table_write(t: ServedTable, change: TableChange) -> TableWrite:
-    """``change`` checked against the table (dims, finite rows, int64 keys and versions) and resolved to one winner
-    per key; raises InvalidArgumentError naming the problem."""
+#: How a writer admits the puts of a table: ``admit(t, keys)`` -> mask of the puts kept, or None for all of them.
+Admit = Callable[[ServedTable, np.ndarray], np.ndarray | None]
+
+
+def table_write(t: ServedTable, change: TableChange, admit: Admit | None = None) -> TableWrite:
+    """``change`` checked against the table (dims, finite rows, int64 keys and versions), its puts passed through
+    ``admit`` (None: a check, nothing counted or dropped), and resolved to one winner per key; raises
+    InvalidArgumentError naming the problem."""
     keys = as_keys(change.keys)
     n = keys.shape[0]
     vectors = as_rows(change.vectors, n, t.dim, f"update of {t.id}") if n else np.empty((0, t.dim), np.float32)
@@ -93,6 +98,8 @@ def table_write(t: ServedTable, change: TableChange) -> TableWrite:
     del_versions = delete_versions(change.delete_versions, del_keys.shape[0])
     if del_versions is None:
         raise InvalidArgumentError(f"deletes of {t.id} from the log need versions")
+    if admit is not None and n and (keep := admit(t, keys)) is not None:
+        keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
     puts, deletes = resolve_latest(keys, versions, del_keys, del_versions)
     return TableWrite(table=t.id, keys=keys[puts], vectors=t.format.encode(vectors[puts]), versions=versions[puts],
                       delete_keys=del_keys[deletes], delete_versions=del_versions[deletes])
@@ -121,16 +128,29 @@ class Writer:
         self.volatile = volatile
         self.persistent = persistent
 
+    def admitted(self, t: ServedTable, keys: np.ndarray) -> np.ndarray | None:
+        """Mask of the puts of ``keys`` that ``t``'s ingest filter admits, each counted as a write (None: the table
+        has no filter, every put is admitted); a key the persistent tier (else the volatile one) holds passes."""
+        if t.ingest is None:
+            return None
+        return t.ingest.admit(keys, self.persistent if self.persistent is not None else self.volatile, t.id)
+
     def apply_updates(
         self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int
     ) -> int:
-        """Write rows to persistent (durable) -> volatile -> rows present in L1. Returns rows written."""
+        """Write the rows the table admits (see :meth:`admitted`) to persistent (durable) -> volatile -> rows present
+        in L1. Returns rows written."""
         keys = as_keys(keys)
         n = keys.shape[0]
         vectors = as_rows(vectors, n, t.dim, f"update of {t.id}")
         stamped = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,))
         if n == 0:
             return 0
+        if (admitted := self.admitted(t, keys)) is not None:
+            keys, vectors, stamped = keys[admitted], vectors[admitted], stamped[admitted]
+            n = keys.shape[0]
+            if n == 0:
+                return 0
         keep = latest_per_key(keys, stamped)
         if keep.shape[0] != n:
             keys, vectors, stamped = keys[keep], vectors[keep], stamped[keep]

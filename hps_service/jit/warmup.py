@@ -32,6 +32,7 @@ WARM_UPS: dict[str, str] = {
     "L1 cache, serving paths": "hps_service.cache.factory:warm_up_table_cache",
     "node store and its readers": "hps_service.node.kernel_warmup:warm_up_kernels",
     "row formats (decoders)": "hps_service.rows.formats:warm_up_kernels",
+    "ingest admission sketch": "hps_service.engine.ingest_admission:warm_up_kernels",
 }
 
 
