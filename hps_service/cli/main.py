@@ -1,4 +1,4 @@
-"""The ``hps`` command: serve, import, lookup, synth, train, predict, demo."""
+"""The ``hps`` command: serve, import, lookup, models, label, stats, synth, train, predict, demo."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hps_service import __version__
+from hps_service.cli.versions import label_command, models_command
 from hps_service.config import ConfigError, HPSConfig, load_config
 from hps_service.errors import HPSError
 from hps_service.runtime.logs import setup_logging
@@ -312,6 +313,8 @@ def synth(
 
 app.command("train")(train_command)
 app.command("predict")(predict_command)
+app.command("models")(models_command)
+app.command("label")(label_command)
 
 
 @app.command()
