@@ -61,3 +61,37 @@ def test_a_model_registered_on_one_replica_is_served_at_once_by_its_workers_and_
     assert wait_until(lambda: not a.loaded(names[1]), timeout=30)
     assert a.http.post("/v1/models", json={"name": names[0], "tables": [{"name": "item", "dim": DIM}]}
                        ).status_code == 409
+
+
+def test_versions_and_label_switches_reach_every_replica_through_the_log(kafka_broker, fleet) -> None:
+    """A version added on one replica, its rows published once, and a label switch and a rollback made on the other:
+    every worker of both replicas serves them (the switch is one message on the one-partition registration log, so
+    every replica makes it at the same offset)."""
+    prefix, (a, b) = fleet
+    keys = np.arange(1, 65, dtype=np.int64)
+    r = a.http.post("/v1/models/base/versions", json={"version": 1})
+    assert r.status_code == 201 and r.json()["replicated"] is True, r.text
+    assert wait_until(lambda: b.http.get("/v1/models/base").json()["versions"] == [1], timeout=30)
+    old, new = np.full((keys.size, DIM), 0.25, np.float32), np.full((keys.size, DIM), 0.75, np.float32)
+    with Publisher(kafka_broker.bootstrap, "base", topic_prefix=prefix, partitions=2) as pub:
+        pub.publish("item", keys, old, 1)
+    with Publisher(kafka_broker.bootstrap, "base", topic_prefix=prefix, partitions=2, model_version=1) as pub:
+        pub.publish("item", keys, new, 1)
+
+    def serve(replica: Replica, rows: np.ndarray) -> bool:
+        return all(np.array_equal(c.lookup("base", "item", keys), rows) for c in replica.clients)
+
+    assert wait_until(lambda: serve(a, old) and serve(b, old), timeout=30)
+    switched = b.http.put("/v1/models/base/labels/production", json={"version": 1})
+    assert switched.status_code == 200 and switched.json()["replicated"] is True, switched.text
+    assert serve(b, new)  # the replica asked serves it once the PUT returned
+    assert wait_until(lambda: serve(a, new), timeout=30)
+    assert a.http.get("/v1/models/base").json()["labels"] == {"production": 1}
+    rolled = a.http.put("/v1/models/base/labels/production", json={"version": 0})  # a rollback
+    assert rolled.status_code == 200 and serve(a, old)
+    assert wait_until(lambda: serve(b, old), timeout=30)
+    offsets = {replica.http.get("/v1/stats").json()["registry"]["applied_offset"] for replica in (a, b)}
+    assert len(offsets) == 1, offsets  # both applied the log up to the same offset
+    dropped = b.http.delete("/v1/models/base/versions/1")
+    assert dropped.status_code == 200 and dropped.json()["replicated"] is True, dropped.text
+    assert wait_until(lambda: a.http.get("/v1/models/base").json()["versions"] == [], timeout=30)
