@@ -3,6 +3,7 @@ switches and rollback, retention, refusals, and a restart that keeps them."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import httpx
 import numpy as np
 import pytest
 
+from hps_client import AsyncHPSClient, HPSClient
+from hps_client.errors import NotFoundError
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.serve.process import HPSServer
@@ -173,3 +176,23 @@ def test_a_restart_serves_the_same_versions_and_labels(tmp_path: Path) -> None:
         answer = _lookup(stub)
         assert answer.version == 3 and _value(answer) == {3.0}
         assert [v.version for v in s.engine.versions("demo")] == [3]
+
+
+def test_the_clients_name_a_version_or_a_label(srv: HPSServer, http: httpx.Client) -> None:
+    _put(http, 1.0)
+    assert _add(http, 1).status_code == 201
+    _put(http, 2.0, 1)
+    assert _label(http, "canary", 1).status_code == 200
+    with HPSClient(target(srv)) as client:
+        assert set(client.lookup("demo", "item", KEYS).ravel().tolist()) == {1.0}
+        assert set(client.lookup("demo", "item", KEYS, version=1).ravel().tolist()) == {2.0}
+        answers = client.lookup_many("demo", {"item": KEYS, "user": KEYS}, label="canary")
+        assert set(answers["item"].vectors.ravel().tolist()) == {2.0}
+        with pytest.raises(NotFoundError, match="no version 5"):
+            client.lookup("demo", "item", KEYS, version=5)
+
+    async def aio() -> np.ndarray:
+        async with AsyncHPSClient(target(srv)) as client:
+            return await client.lookup("demo", "item", KEYS, label="canary")
+
+    assert set(asyncio.run(aio()).ravel().tolist()) == {2.0}

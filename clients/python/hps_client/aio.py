@@ -208,34 +208,40 @@ class AsyncHPSClient:
     # ---- lookups ------------------------------------------------------------------------------------------
     async def lookup(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-        metadata: Metadata | None = None, out: np.ndarray | None = None,
+        metadata: Metadata | None = None, out: np.ndarray | None = None, version: int = 0, label: str = "",
     ) -> np.ndarray:
         """Rows of ``keys`` as an (n, dim) float32 array, in the order asked; copied into ``out`` when given, as
         :meth:`hps_client.HPSClient.lookup`."""
-        return into(out, await self.lookup_with_sources(model, table, keys, timeout, metadata=metadata)).vectors
+        answer = await self.lookup_with_sources(model, table, keys, timeout, metadata=metadata, version=version,
+                                                label=label)
+        return into(out, answer).vectors
 
     async def lookup_with_sources(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-        metadata: Metadata | None = None,
+        metadata: Metadata | None = None, version: int = 0, label: str = "",
     ) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
-        return (await self.lookup_many(model, {table: keys}, timeout, metadata=metadata))[table]
+        answers = await self.lookup_many(model, {table: keys}, timeout, metadata=metadata, version=version, label=label)
+        return answers[table]
 
     async def lookup_many(
         self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None, *,
-        metadata: Metadata | None = None,
+        metadata: Metadata | None = None, version: int = 0, label: str = "",
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``."""
-        return await self._lookup_tables(model, tables, timeout, metadata, stored=False)
+        return await self._lookup_tables(model, tables, timeout, metadata, stored=False, version=version, label=label)
 
     async def lookup_stored(self, model: str, table: str, keys: np.ndarray | Sequence[int],
-                            timeout: float | None = None, *, metadata: Metadata | None = None) -> StoredAnswer:
+                            timeout: float | None = None, *, metadata: Metadata | None = None, version: int = 0,
+                            label: str = "") -> StoredAnswer:
         """Rows of ``keys`` as the table stores them, as :meth:`hps_client.HPSClient.lookup_stored`."""
-        answer: StoredAnswer = (await self._lookup_tables(model, {table: keys}, timeout, metadata, stored=True))[table]
+        answer: StoredAnswer = (await self._lookup_tables(model, {table: keys}, timeout, metadata, stored=True,
+                                                          version=version, label=label))[table]
         return answer
 
     async def _lookup_tables(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                             timeout: float | None, metadata: Metadata | None, stored: bool) -> dict[str, Any]:
+                             timeout: float | None, metadata: Metadata | None, stored: bool, version: int = 0,
+                             label: str = "") -> dict[str, Any]:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         md = merge_metadata(self.metadata, metadata)
@@ -247,11 +253,11 @@ class AsyncHPSClient:
                 if routes is None:
                     stub = self._get_stub()
                     assert stub is not None
-                    response = await self._lookup_unsharded(stub, build_request(model, tables, precision), deadline,
-                                                            md)
+                    request = build_request(model, tables, precision, version, label)
+                    response = await self._lookup_unsharded(stub, request, deadline, md)
                     return {tv.table: decode(tv) for tv in response.tables}
                 split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0),
-                                    precision=precision)
+                                    precision=precision, version=version, label=label)
                 total = sum(split.sizes)
                 if len(split.parts) == 1:
                     return split.merge([await self._answer(routes, split.parts[0], deadline, total, md)], stored)

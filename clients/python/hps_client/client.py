@@ -303,36 +303,42 @@ class HPSClient:
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-               metadata: Metadata | None = None, out: np.ndarray | None = None) -> np.ndarray:
+               metadata: Metadata | None = None, out: np.ndarray | None = None, version: int = 0,
+               label: str = "") -> np.ndarray:
         """Rows of ``keys`` as an (n, dim) float32 array, in the order asked (a read-only view of the response);
-        copied into ``out`` when given (a writable C-contiguous float32 ``(n, dim)`` array the caller owns)."""
-        return into(out, self.lookup_with_sources(model, table, keys, timeout, metadata=metadata)).vectors
+        copied into ``out`` when given (a writable C-contiguous float32 ``(n, dim)`` array the caller owns). Read
+        from the model's ``version``, or the one ``label`` names (neither: its label ``production``, else the
+        model as configured); each lookup method takes these two."""
+        answer = self.lookup_with_sources(model, table, keys, timeout, metadata=metadata, version=version, label=label)
+        return into(out, answer).vectors
 
     def lookup_with_sources(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-        metadata: Metadata | None = None,
+        metadata: Metadata | None = None, version: int = 0, label: str = "",
     ) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
-        return self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table]
+        return self.lookup_many(model, {table: keys}, timeout, metadata=metadata, version=version, label=label)[table]
 
     def lookup_many(
         self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None, *,
-        metadata: Metadata | None = None,
+        metadata: Metadata | None = None, version: int = 0, label: str = "",
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``; ``metadata`` follows the client's
         on this call."""
-        return self._lookup_tables(model, tables, timeout, metadata, stored=False)
+        return self._lookup_tables(model, tables, timeout, metadata, stored=False, version=version, label=label)
 
     def lookup_stored(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None,
-                      *, metadata: Metadata | None = None) -> StoredAnswer:
+                      *, metadata: Metadata | None = None, version: int = 0, label: str = "") -> StoredAnswer:
         """Rows of ``keys`` as the table stores them (``precision = stored``: fp16, bf16 or int8 rows with their
         scales, up to 4x fewer bytes than float32), for a caller that decodes them itself; ``.rows.to_float32()``
         gives what :meth:`lookup` answers."""
-        answer: StoredAnswer = self._lookup_tables(model, {table: keys}, timeout, metadata, stored=True)[table]
+        answer: StoredAnswer = self._lookup_tables(model, {table: keys}, timeout, metadata, stored=True,
+                                                   version=version, label=label)[table]
         return answer
 
     def _lookup_tables(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None,
-                       metadata: Metadata | None, stored: bool) -> dict[str, Any]:
+                       metadata: Metadata | None, stored: bool, version: int = 0,
+                       label: str = "") -> dict[str, Any]:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         md = merge_metadata(self.metadata, metadata)
@@ -343,10 +349,10 @@ class HPSClient:
                 routes = self._learn(deadline)
                 if routes is None:
                     assert self._stub is not None
-                    response = self._lookup_unsharded(self._stub, build_request(model, tables, precision), deadline,
-                                                      md)
+                    request = build_request(model, tables, precision, version, label)
+                    response = self._lookup_unsharded(self._stub, request, deadline, md)
                     return {tv.table: decode(tv) for tv in response.tables}
-                return self._lookup_sharded(routes, model, tables, deadline, md, precision)
+                return self._lookup_sharded(routes, model, tables, deadline, md, precision, version, label)
             except FailedPreconditionError:
                 if attempt:
                     raise
@@ -365,9 +371,10 @@ class HPSClient:
             raise as_error(err) from None
 
     def _lookup_sharded(self, routes: ShardRoutes, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                        deadline: float | None, metadata: Metadata | None, precision: pb.Precision) -> dict[str, Any]:
+                        deadline: float | None, metadata: Metadata | None, precision: pb.Precision,
+                        version: int = 0, label: str = "") -> dict[str, Any]:
         split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0),
-                            precision=precision)
+                            precision=precision, version=version, label=label)
         total = sum(split.sizes)
         calls: list[tuple[ShardPart, list[EmbeddingStub], grpc.Future | None]] = []
         try:

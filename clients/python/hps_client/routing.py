@@ -95,9 +95,11 @@ def _table_of(response: WireResponse, i: int, table: str) -> WireTable:
 
 
 def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], shape: ShardShape,
-                fallback_shard: int = 0, precision: pb.Precision = pb.PRECISION_FP32) -> SplitBatch:
+                fallback_shard: int = 0, precision: pb.Precision = pb.PRECISION_FP32, version: int = 0,
+                label: str = "") -> SplitBatch:
     """One request per shard holding keys of the batch; every part names every table (possibly with no keys), so
-    each answer carries each table's dim. A batch with no key at all goes to ``fallback_shard``."""
+    each answer carries each table's dim. A batch with no key at all goes to ``fallback_shard``. Each part names
+    the model ``version`` or ``label`` (each shard resolves a label itself)."""
     names = list(tables)
     arrays = [as_keys(tables[t]) for t in names]
     sizes = [int(a.shape[0]) for a in arrays]
@@ -108,7 +110,8 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
     used = [int(s) for s in np.flatnonzero(counts)]
     if len(used) <= 1:  # every key on one shard (always so when unsharded): the batch as it is, to that shard
         request = pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=a.tobytes())
-                                                        for t, a in zip(names, arrays)], precision=precision)
+                                                        for t, a in zip(names, arrays)], precision=precision,
+                                   version=version, label=label)
         return SplitBatch(tables=names, sizes=sizes, parts=[
             ShardPart(shard=used[0] if used else fallback_shard, request=request, positions=None, keys=sum(sizes))])
     per_table = []  # (order, starts) per table
@@ -123,7 +126,7 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
         request = pb.LookupRequest(model=model, tables=[
             pb.TableKeys(table=t, keys=arr[pos].astype("<i8", copy=False).tobytes())
             for t, arr, pos in zip(names, arrays, positions)
-        ], precision=precision)
+        ], precision=precision, version=version, label=label)
         parts.append(ShardPart(shard=s, request=request, positions=positions, keys=int(counts[s])))
     return SplitBatch(tables=names, sizes=sizes, parts=parts)
 
