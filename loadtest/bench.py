@@ -22,7 +22,8 @@
 13. Quantised rows (loadtest.bench_storage, bench_storage_grpc, bench_storage_cliff): memory and disk per row of
    fp16 / bf16 / int8 vs fp32 (<= 0.55x / 0.35x), gRPC keys/s and server CPU (>= 0.95x), wire bytes with
    precision=stored, and the table-size cliff of one hash-map budget (int8 >= 2.9x fp32's); 13d: a served table
-   converted to int8 (loadtest.bench_convert): copy rate, and lookups before, during and after.
+   converted to int8 (loadtest.bench_convert): copy rate, and lookups before, during and after; 13e: model
+   versions (loadtest.bench_versions): a label switch across 3 replicas, and the memory a dropped version frees.
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -435,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
 
             console.rule("13d. a served table converted to int8: copy rate, lookups meanwhile (loadtest.bench_convert)")
             res["storage_convert"] = bench_convert.run(200_000 if args.quick else 1_000_000, 64, console)
+            from loadtest import bench_versions
+
+            console.rule("13e. model versions: a label switch across 3 replicas, memory a dropped version frees "
+                         "(loadtest.bench_versions)")
+            res["versions"] = bench_versions.run(200_000 if args.quick else 1_000_000, 64, 4 if args.quick else 10,
+                                                 console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started

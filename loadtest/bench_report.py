@@ -108,6 +108,16 @@ def _storage_rows(res: dict[str, Any], row: Callable[..., None]) -> None:
         during = conv["lookups"]["copy"]
         row("13d. lookup p99 while a table converts to int8 vs before (one process)", f"{during['p99_ms']:.2f} ms",
             f"{conv['lookups']['before']['p99_ms']:.2f} ms", during["p99_x"], "-", None)
+    if ver := res.get("versions"):
+        sw, mem = ver["switch"], ver["memory"]
+        fleet = sorted(sw["fleet_s"])
+        row(f"13e. label switch: every one of {sw['replicas']} replicas answering the new version, max of "
+            f"{sw['switches']}", f"{fleet[-1] * 1e3:.0f} ms", f"PUT {max(sw['put_s']) * 1e3:.0f} ms",
+            fleet[-1] / max(sw["put_s"]), "-", None)
+        row("13e. memory a dropped version frees, hash map / RocksDB (of what it added)",
+            f"{mem['freed']['hashmap'] / 2**20:.0f} / {mem['freed']['rocksdb'] / 2**20:.0f} MiB",
+            f"{mem['added']['hashmap'] / 2**20:.0f} / {mem['added']['rocksdb'] / 2**20:.0f} MiB",
+            min(mem["freed_ratio"]["hashmap"], mem["freed_ratio"]["rocksdb"]), "-", None)
 
 
 def curves_table(curves: dict[str, list[dict[str, Any]]]) -> Table:

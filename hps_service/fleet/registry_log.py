@@ -346,7 +346,10 @@ class RegistryLog:
         return consumer
 
     def _poll(self, consumer: Consumer) -> None:
-        msgs = consumer.consume(num_messages=500, timeout=0.1)
+        # the first message as soon as it is there (consume() would wait out its whole timeout for 500), then
+        # whatever else is already fetched: a change is applied within a fetch of being published
+        first = consumer.poll(0.1)
+        msgs = [] if first is None else [first, *consumer.consume(num_messages=499, timeout=0)]
         for msg in msgs:
             err = msg.error()
             if err is not None:
