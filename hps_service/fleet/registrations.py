@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Collection, Iterable
+from typing import Any
 
 from pydantic import ValidationError
 
 from hps_service.config import ModelConfig
+from hps_service.engine.registry import described
 from hps_service.tiers.base import Tier
 
 log = logging.getLogger(__name__)
@@ -63,3 +65,14 @@ def sync_registrations(tier: Tier | None, configured: Collection[str], loaded: I
     for model in load_registrations(tier):
         if model.served_name not in by_name:
             forget_registration(tier, model.served_name)
+
+
+def serve_registered(engine: Any, configured: Collection[str]) -> None:
+    """Serve again, on ``engine`` (a LookupEngine), the models and versions registered at runtime before a restart
+    (those the config defines excepted: the config wins), each model before its versions."""
+    for model in load_registrations(engine.persistent):
+        if model.served_name in configured:
+            log.warning("model %s is defined by the config; its stored runtime registration is ignored", model.name)
+            continue
+        log.info("%s: registered at runtime before the restart", described(model.served_name))
+        engine.register_model(model)

@@ -31,6 +31,7 @@ from hps_service.engine.l1_sizing import plan_l1
 from hps_service.engine.promote import promote
 from hps_service.engine.registry import described
 from hps_service.engine.stats import TableStats
+from hps_service.fleet.registrations import serve_registered
 from hps_service.node.manifest_wait import wait_workers_serve
 from hps_service.node.shared_l1 import cache_entry
 from hps_service.node.store import layout
@@ -296,6 +297,7 @@ class NodeOwner:
         engine = OwnerEngine(self.config, self.store)
         for model in self.config.models:
             engine.register_model(model)
+        serve_registered(engine, {m.name for m in self.config.models})  # before the restart: as a single process
         engine.publish()
         self.engine = engine
         self._check_room()

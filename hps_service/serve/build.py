@@ -8,8 +8,7 @@ from pathlib import Path
 from hps_service.config import HPSConfig
 from hps_service.engine import LookupEngine
 from hps_service.engine.l1_sizing import l1_cache_factory
-from hps_service.engine.registry import described
-from hps_service.fleet.registrations import load_registrations
+from hps_service.fleet.registrations import serve_registered
 from hps_service.tiers.factory import open_tiers
 
 log = logging.getLogger(__name__)
@@ -26,13 +25,7 @@ def build_engine(config: HPSConfig) -> LookupEngine:
     )
     for model in config.models:
         engine.register_model(model)
-    configured = {m.name for m in config.models}
-    for model in load_registrations(persistent):  # each model before its versions
-        if model.served_name in configured:
-            log.warning("model %s is defined by the config; its stored runtime registration is ignored", model.name)
-            continue
-        log.info("%s: registered at runtime before the restart", described(model.served_name))
-        engine.register_model(model)
+    serve_registered(engine, {m.name for m in config.models})
     return engine
 
 

@@ -66,8 +66,8 @@ AdminCredentials = Annotated[
     Depends(HTTPBearer(auto_error=False, description="server.admin_token (or HPS_ADMIN_TOKEN)")),
 ]
 _SOURCE_NAMES = np.array(["unspecified", "cache", "volatile", "persistent", "default"])
-#: ``?version=N``: a version of the model (``POST /v1/models/{model}/versions``); 0: the model (or, for a read,
-#: the version its ``?label=`` or its label ``production`` names).
+#: ``?model_version=N``: a version of the model (``POST /v1/models/{model}/versions``); 0: the model (or, for a
+#: read, the version its ``?label=`` or its label ``production`` names). Not ``version``: that is a row's version.
 ModelVersion = Annotated[int, Query(ge=0, le=2**31 - 1, description="a version of the model (0: see label)")]
 
 
@@ -290,22 +290,22 @@ def create_app(ctx: AdminContext) -> FastAPI:
                  keys: str = Query(..., description="comma-separated int64 keys (a few thousand at most: the URL is "
                                                     "limited; POST ...embeddings:lookup takes up to "
                                                     "server.max_batch_keys)", examples=["1,2,3"]),
-                 version: ModelVersion = 0, label: str = "") -> Response:
-        return rows_of("RestGetEmbeddings", model, table, lambda: parse_keys(keys), version, label)
+                 model_version: ModelVersion = 0, label: str = "") -> Response:
+        return rows_of("RestGetEmbeddings", model, table, lambda: parse_keys(keys), model_version, label)
 
     @app.post(rows_path + ":lookup", tags=["rows"], response_class=Response, responses=lookup_responses,
               summary="Rows of many keys (JSON body, up to server.max_batch_keys), and which level answered each",
               openapi_extra=body_schema(bodies.lookup))
     def lookup_rows(model: str, table: str, body: Any = json_body(bodies.lookup, cfg.max_batch_keys),
-                    version: ModelVersion = 0, label: str = "") -> Response:
-        return rows_of("RestLookupEmbeddings", model, table, lambda: np.array(body.keys, dtype=np.int64), version,
-                       label)
+                    model_version: ModelVersion = 0, label: str = "") -> Response:
+        return rows_of("RestLookupEmbeddings", model, table, lambda: np.array(body.keys, dtype=np.int64),
+                       model_version, label)
 
     @app.put(rows_path, tags=["rows"], dependencies=admin, summary="Upsert rows (dim checked, NaN/inf rejected)",
              openapi_extra=body_schema(bodies.put))
     def put_rows(model: str, table: str, body: Any = json_body(bodies.put, cfg.max_batch_keys),
-                 wait: Wait = "acknowledged", version: ModelVersion = 0) -> dict[str, Any]:
-        model = engine.resolve(model, version)[0] if version else model
+                 wait: Wait = "acknowledged", model_version: ModelVersion = 0) -> dict[str, Any]:
+        model = engine.resolve(model, model_version)[0] if model_version else model
         n = len(body.keys)
         if n > ctx.config.server.max_batch_keys:
             raise ResourceExhaustedError(f"{n} rows exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
@@ -326,8 +326,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.delete(rows_path, tags=["rows"], dependencies=admin, summary="Delete rows from every tier",
                 openapi_extra=body_schema(bodies.delete))
     def delete_rows(model: str, table: str, body: Any = json_body(bodies.delete, cfg.max_batch_keys),
-                    wait: Wait = "acknowledged", version: ModelVersion = 0) -> dict[str, Any]:
-        model = engine.resolve(model, version)[0] if version else model
+                    wait: Wait = "acknowledged", model_version: ModelVersion = 0) -> dict[str, Any]:
+        model = engine.resolve(model, model_version)[0] if model_version else model
         if len(body.keys) > ctx.config.server.max_batch_keys:
             raise ResourceExhaustedError(
                 f"{len(body.keys)} keys exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
@@ -340,8 +340,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
     # ---- import jobs ------------------------------------------------------------------------------
     @app.post("/v1/models/{model}/tables/{table}/import", tags=["jobs"], status_code=202, dependencies=admin,
               summary="Import a table from a server-side path as a background job")
-    def import_rows(model: str, table: str, body: ImportRequest, version: ModelVersion = 0) -> dict[str, Any]:
-        model = engine.resolve(model, version)[0] if version else model
+    def import_rows(model: str, table: str, body: ImportRequest, model_version: ModelVersion = 0) -> dict[str, Any]:
+        model = engine.resolve(model, model_version)[0] if model_version else model
         engine.table(model, table)
         import_tier(engine)
         path = Path(body.path)

@@ -73,7 +73,7 @@ def test_versions_are_served_side_by_side_and_labels_switch_under_load(tmp_path:
         for version in (1, 2):
             added = httpx.post(f"{http}/v1/models/m/versions", json={"version": version}, headers=AUTH, timeout=60)
             assert added.status_code == 201, added.text
-        job = httpx.post(f"{http}/v1/models/m/tables/item/import", params={"version": 2}, headers=AUTH, timeout=10,
+        job = httpx.post(f"{http}/v1/models/m/tables/item/import", params={"model_version": 2}, headers=AUTH, timeout=10,
                          json={"path": str(tmp_path / "v2")}).json()
         assert _wait_job(http, job["id"])["state"] == "succeeded"
 

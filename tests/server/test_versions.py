@@ -23,7 +23,7 @@ KEYS = np.arange(1, 65, dtype=np.int64)
 
 
 def _put(http: httpx.Client, value: float, version: int = 0, table: str = "item", dim: int = ITEM_DIM) -> None:
-    r = http.put(f"/v1/models/demo/tables/{table}/embeddings", params={"version": version} if version else {},
+    r = http.put(f"/v1/models/demo/tables/{table}/embeddings", params={"model_version": version} if version else {},
                  json={"keys": KEYS.tolist(), "vectors": np.full((len(KEYS), dim), value).tolist(), "version": 1},
                  headers=AUTH)
     assert r.status_code == 200, r.text
@@ -133,7 +133,7 @@ def test_refusals_name_the_problem(http: httpx.Client, stub: pb_grpc.EmbeddingSe
     assert http.delete("/v1/models/demo/versions/0", headers=AUTH).status_code == 422
     assert http.delete("/v1/models/demo/versions/5", headers=AUTH).status_code == 404
     assert http.delete("/v1/models/demo/labels/nope", headers=AUTH).status_code == 404
-    put = http.put("/v1/models/demo/tables/item/embeddings", params={"version": 4}, headers=AUTH,
+    put = http.put("/v1/models/demo/tables/item/embeddings", params={"model_version": 4}, headers=AUTH,
                    json={"keys": [1], "vectors": [[0.0] * ITEM_DIM]})
     assert put.status_code == 404 and "no version 4" in put.json()["detail"]
 
