@@ -70,6 +70,9 @@ class TableCache(Protocol):
     def close(self) -> None:
         """Stop background work; persist what warm start needs."""
 
+    def hottest_keys(self) -> np.ndarray:
+        """The cached keys, hottest first: what a warm start of this table, or of a new version of it, reads."""
+
     def host_share(self) -> HostShare | None:
         """What a node's workers map of this cache; None when they cannot (its arrays are in device memory, or this
         process only reads them)."""

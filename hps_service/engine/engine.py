@@ -67,12 +67,13 @@ class LookupEngine:
         tiers = [tier for tier in (self.volatile, self.persistent) if tier is not None]
         served = model.served_name
         guards = {tc.name: self.registry.guard(served, tc.name) for tc in model.tables}
+        warm_from = self._serving_tables(model)
         with ExitStack() as held:
             for name in sorted(guards):
                 held.enter_context(guards[name].lock)
             tables = {
                 tc.name: make_table(served, tc, guards[tc.name], tiers, self.cache_factory, self._fetch_for_cache,
-                                    self.persistent)
+                                    self.persistent, warm_from.get(tc.name))
                 for tc in model.tables
             }
             keep_counts(self.registry.tables().get(model.name, {}), tables)
@@ -83,6 +84,16 @@ class LookupEngine:
         log.info("%s loaded: %s", described(served), ", ".join(f"{t.name}(dim {t.dim})" for t in model.tables))
         for t in tables.values():
             self.preloader.start(t)
+
+    def _serving_tables(self, model: ModelConfig) -> dict[str, ServedTable]:
+        """For a new version: the tables of the version a request naming none reads now, by name, where they match
+        (same dim), so that the new version's L1 warms from their hot keys. Empty for anything else."""
+        try:
+            current = self.registry.tables().get(self.resolve(model.name)[0], {}) if model.version else {}
+        except NotFoundError:
+            return {}
+        return {tc.name: current[tc.name] for tc in model.tables
+                if tc.name in current and current[tc.name].dim == tc.dim and current[tc.name].model != model.served_name}
 
     def unregister_model(self, name: str) -> None:
         """Stop serving a model or version (a served name; its stored rows stay in the tiers)."""

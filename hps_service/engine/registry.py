@@ -165,8 +165,10 @@ def make_table(
     cache_factory: CacheFactory | None,
     fetch_below: Callable[[ServedTable, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
     warm_source: Tier | None,
+    warm_from: ServedTable | None = None,
 ) -> ServedTable:
     """Create a table in every tier and build its L1 cache, which reads misses through ``fetch_below`` and warms
+    from the keys hottest in ``warm_from``'s L1 (the table of the version served now, for a new version), else
     from the first keys ``warm_source`` (the persistent tier) holds. A table that a conversion moved is served
     where and as it was converted (see :mod:`hps_service.engine.stored_tables`), whatever ``tc.storage`` says."""
     drop_abandoned(warm_source, model, tc.name)
@@ -190,6 +192,10 @@ def make_table(
             source = warm_source
 
             def warm_keys(limit: int) -> np.ndarray:
+                if warm_from is not None and warm_from.cache is not None:
+                    hot = warm_from.cache.hottest_keys()[:limit]
+                    if hot.shape[0]:
+                        return hot
                 return source.scan_keys(t.id, limit)
 
         t.cache = cache_factory(t, fetch, warm_keys)

@@ -108,3 +108,7 @@ class SharedL1Reader:
 
     def close(self) -> None:
         return None
+
+    def hottest_keys(self) -> np.ndarray:
+        """None ranked here: the owner warms a new version's L1 from its own cache, this reader only maps it."""
+        return np.empty(0, dtype=np.int64)
