@@ -102,6 +102,11 @@ def save_label(tier: Tier | None, model: str, label: str, version: int | None) -
         tier.set_metadata(label_key(model, label), None if version is None else str(version).encode())
 
 
+def label_keys(tier: Tier, model: str) -> list[str]:
+    """The metadata entries of ``model``'s labels in ``tier`` (a snapshot of the model carries them)."""
+    return list(tier.metadata(f"{_LABEL_PREFIX}{model}/"))
+
+
 def load_labels(tier: Tier | None) -> dict[str, dict[str, int]]:
     """The persisted labels: model -> label -> version (entries that do not parse are skipped)."""
     out: dict[str, dict[str, int]] = {}

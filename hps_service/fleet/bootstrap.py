@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hps_service.config.base import VERSION_MARK
 from hps_service.errors import HPSError
 from hps_service.fleet.bucket import CorruptSnapshotError, SnapshotBucket
 from hps_service.tiers.rocksdb.tier import RocksDBTier
@@ -188,11 +189,11 @@ def _place(path: Path, tmp: Path, states: dict[str, str]) -> None:
 
 
 def _adopt(path: Path, tmp: Path, model: str) -> None:
-    """Merge the downloaded snapshot of ``model`` into the store (dropping first what of its tables an interrupted
-    adopt left), then mark the model done."""
+    """Merge the downloaded snapshot of ``model`` (its versions' tables with it) into the store (dropping first
+    what of its tables an interrupted adopt left), then mark the model done."""
     tier = RocksDBTier(path)
     try:
-        for table in [t for t in tier.tables() if t.startswith(f"{model}.")]:
+        for table in [t for t in tier.tables() if t.startswith((f"{model}.", f"{model}{VERSION_MARK}"))]:
             tier.drop_table(table)
         tier.adopt(tmp)
         _set_state(tier, model, DONE)

@@ -16,10 +16,11 @@ import numpy as np
 
 from hps_service.config import ModelConfig
 from hps_service.engine.stored_tables import metadata_keys, stored_id, stored_table
+from hps_service.engine.versions import label_keys
 from hps_service.errors import UnavailableError
 from hps_service.fleet.bucket import Progress, SnapshotBucket
 from hps_service.fleet.positions import positions_to_json
-from hps_service.fleet.registrations import registration_key
+from hps_service.fleet.registrations import load_registrations, registration_key
 from hps_service.tiers.base import Tier, TierCapability
 from hps_service.updates.watermarks import topic_id_key
 
@@ -46,35 +47,41 @@ class BucketStore:
     def put(self, tier: Tier, model: ModelConfig, progress: Progress | None = None) -> dict[str, Any]:
         """Export ``model``'s tables, upload them with the manifest last, drop snapshots beyond ``retain``;
         returns the manifest."""
-        stored = {t.name: stored_table(tier, model.name, t.name) for t in model.tables}
-        tables = {stored[t.name].id: t for t in model.tables}
+        # the model and its versions (registered at runtime: their records say which), each with its labels
+        served = [model, *(v for v in load_registrations(tier) if v.name == model.name and v.version)]
+        stored = {(m.served_name, t.name): stored_table(tier, m.served_name, t.name) for m in served for t in m.tables}
+        tables = {stored[(m.served_name, t.name)].id: (m, t) for m in served for t in m.tables}
         sources = set(self.sources_of(model.name))
         ids = {s: v.decode() for s in sources for v in tier.metadata(topic_id_key(s)).values()}
         started = time.monotonic()
         tmp = self.work_dir / f"upload-{model.name}-{uuid.uuid4().hex[:8]}"
         try:
             info = tier.export(tmp, list(tables), sources,
-                               [registration_key(model.name), *(topic_id_key(s) for s in sources),
-                                *metadata_keys(model.name, stored)])
-            if {stored_id(tier, model.name, t.name) for t in model.tables} != set(tables):
+                               [*(registration_key(m.served_name) for m in served),
+                                *(topic_id_key(s) for s in sources), *label_keys(tier, model.name),
+                                *(k for m in served for k in metadata_keys(
+                                    m.served_name, {t.name: stored[(m.served_name, t.name)] for t in m.tables}))])
+            if {stored_id(tier, m.served_name, t.name) for m in served for t in m.tables} != set(tables):
                 raise UnavailableError(f"a table of {model.name} was converted while it was exported; snapshot "
                                        "it again")
-            described = {  # dim: the model's (the store's is the stored row's width in words)
-                t.name: {**info["tables"].get(tid, {"rows": 0, "tombstones": 0}), "dim": t.dim,
-                         "storage": stored[t.name].serving_storage(t.storage)}
-                for tid, t in tables.items()
-            }
+
+            def described(m: ModelConfig) -> dict[str, Any]:  # dim: the model's (the store's: the row's words)
+                return {t.name: {**info["tables"].get(tid, {"rows": 0, "tombstones": 0}), "dim": t.dim,
+                                 "storage": stored[(m.served_name, t.name)].serving_storage(t.storage)}
+                        for tid, (of, t) in tables.items() if of is m}
+
             manifest = self.bucket.upload(
                 model.name, tmp,
-                {"tables": described, "positions": positions_to_json(info["positions"]), "log_ids": ids,
-                 "model_config": model.model_dump(mode="json")},
+                {"tables": described(model), "positions": positions_to_json(info["positions"]), "log_ids": ids,
+                 "model_config": model.model_dump(mode="json"),
+                 "versions": {str(m.version): described(m) for m in served[1:]}},
                 progress,
             )
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         dropped = self.bucket.retain(model.name, self.retain)
         log.info("snapshot %s of %s uploaded to %s: %d rows, %.1f MiB in %.1f s%s", manifest["id"], model.name,
-                 self.bucket.url, sum(t["rows"] for t in described.values()), manifest["bytes"] / (1 << 20),
+                 self.bucket.url, sum(t["rows"] for t in manifest["tables"].values()), manifest["bytes"] / (1 << 20),
                  time.monotonic() - started, f"; deleted {len(dropped)} older" if dropped else "")
         return manifest
 

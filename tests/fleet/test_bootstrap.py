@@ -168,3 +168,37 @@ def test_a_snapshot_that_a_conversion_overtook_is_refused(bucket, tmp_path, monk
         Snapshots(eng, BucketStore(bucket, tmp_path / "work", lambda m: [])).take("r")
     assert bucket.list("r") == []
     eng.close()
+
+
+def test_a_snapshot_carries_the_models_versions_and_labels(bucket, tmp_path) -> None:
+    """A bucket snapshot of a model holds its versions (their tables and registrations) and its labels, so a
+    replica bootstrapped from it serves every version, and the one its label production names, as the source did."""
+    from hps_service.admin.snapshots import Snapshots
+    from hps_service.config import ModelConfig, TableConfig
+    from hps_service.engine import LookupEngine
+    from hps_service.fleet.registrations import serve_registered, sync_registrations
+    from hps_service.fleet.snapshots import BucketStore
+
+    model = ModelConfig(name="v", tables=[TableConfig(name="t", dim=DIM)])
+    keys = np.arange(100, dtype=np.int64)
+    src = LookupEngine(None, RocksDBTier(tmp_path / "src"))
+    src.register_model(model)
+    src.apply_updates("v", "t", keys, np.full((keys.size, DIM), 1.0, np.float32), 1)
+    for version in (1, 2):
+        src.add_version(model.model_copy(update={"version": version}))
+        src.apply_updates(f"v#v{version}", "t", keys, np.full((keys.size, DIM), 1.0 + version, np.float32), 1)
+    src.set_label("v", "production", 2)
+    sync_registrations(src.persistent, {"v"}, src.served_models())  # what the server does after a registration
+    manifest = Snapshots(src, BucketStore(bucket, tmp_path / "work", lambda m: [])).take("v")
+    assert manifest["versions"]["2"]["t"]["rows"] == keys.size and set(manifest["versions"]) == {"1", "2"}
+    src.close()
+    assert bootstrap(tmp_path / "replica", bucket, ["v"], BootstrapProgress()) == {"v": manifest["id"]}
+    replica = LookupEngine(None, RocksDBTier(tmp_path / "replica"))
+    replica.register_model(model)
+    serve_registered(replica, {"v"})  # what a start does with the stored registrations
+    assert [m.version for m in replica.versions("v")] == [1, 2]
+    assert replica.resolve("v") == ("v#v2", 2)
+    for version in (0, 1, 2):
+        name = f"v#v{version}" if version else "v"
+        assert (replica.lookup(name, "t", keys).vectors == 1.0 + version).all()
+    replica.close()
