@@ -7,8 +7,9 @@ frees when it drops a version, side by side in one run.
    replica the time from the PUT's start to its first answer from the new version (pollers look up every 2 ms).
 2. Memory: one engine (RocksDB, a hash map, L1) in this process serves ``m`` and adds version 2, imports ``rows``
    rows into it and reads them all (the hash map and L1 fill). Dropping the version (what ``keep_versions`` does)
-   frees its hash-map table, L1 and column family: the process's RSS, the hash map's bytes and RocksDB's directory,
-   before, with the version, and after the drop.
+   frees its hash-map table, L1 and column family: the process's RSS, the hash map's bytes, RocksDB's directory and
+   its block cache (shared by every table and bounded by persistent.block_cache_mb: a dropped table's blocks leave
+   it as other reads evict them), before, with the version, and after the drop.
 
     python -m loadtest.bench_versions [--rows 1000000] [--dim 64] [--switches 10]
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import shutil
 import tempfile
 import threading
@@ -72,6 +74,10 @@ def run_memory(rows: int, dim: int) -> dict[str, Any]:
         rng = np.random.default_rng(0)
         keys = rng.choice(2**40, rows, replace=False).astype(np.int64)
 
+        def l1_bytes() -> float:
+            return sum(float(t.cache.stats().get("memory_bytes", 0.0)) for tables in eng.registry.tables().values()
+                       for t in tables.values() if t.cache is not None)
+
         def volatile_bytes() -> float:
             assert eng.volatile is not None
             return sum(float(eng.volatile.stats(t.id).extra.get("memory_bytes", 0.0))
@@ -79,8 +85,11 @@ def run_memory(rows: int, dim: int) -> dict[str, Any]:
 
         def measure() -> dict[str, float]:
             # freed heap back to the system first (glibc keeps it otherwise), so RSS shows what is still held
+            gc.collect()
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-            return {"rss": float(_rss_bytes()), "hashmap": volatile_bytes(), "rocksdb": float(_dir_bytes(work))}
+            assert eng.persistent is not None
+            return {"rss": float(_rss_bytes()), "hashmap": volatile_bytes(), "rocksdb": float(_dir_bytes(work)),
+                    "block_cache": float(eng.persistent.memory_bytes()["block_cache"]), "l1": l1_bytes()}
 
         before = measure()
         eng.add_version(model.model_copy(update={"version": 2}))
@@ -95,8 +104,10 @@ def run_memory(rows: int, dim: int) -> dict[str, Any]:
         after = measure()
         added = {k: held[k] - before[k] for k in held}
         freed = {k: held[k] - after[k] for k in held}
+        kept_cache = after["block_cache"] - before["block_cache"]  # blocks still cached (evicted by later reads)
+        own = added["rss"] - kept_cache  # what the version held beyond them
         return {"rows": rows, "dim": dim, "before": before, "held": held, "after": after, "added": added,
-                "freed": freed,
+                "freed": freed, "rss_freed_of_own": freed["rss"] / own if own > 0 else float("nan"),
                 "freed_ratio": {k: (freed[k] / added[k] if added[k] > 0 else float("nan")) for k in added}}
     finally:
         eng.close()
@@ -201,10 +212,13 @@ def run(rows: int, dim: int, switches: int, console: Console) -> dict[str, Any]:
         console.print(f"  replica {i}: p50 {_ms(v, 50):.0f} ms, max {_ms(v, 100):.0f} ms", highlight=False)
     mem = run_memory(rows, dim)
     mib = 1 << 20
-    for what in ("rss", "hashmap", "rocksdb"):
+    for what in ("rss", "l1", "hashmap", "rocksdb", "block_cache"):
         console.print(f"version of {rows:,} x {dim}, {what}: +{mem['added'][what] / mib:.0f} MiB with it, "
                       f"{mem['freed'][what] / mib:.0f} MiB freed by its drop ({mem['freed_ratio'][what]:.2f}x of "
                       "what it added)", highlight=False)
+    console.print(f"RSS freed by the drop: {mem['rss_freed_of_own']:.2f}x of what the version held beyond the shared "
+                  "block cache (bounded by persistent.block_cache_mb; its blocks of the dropped table are evicted by "
+                  "later reads)", highlight=False)
     return {"switch": sw, "memory": mem}
 
 
