@@ -149,6 +149,10 @@ def test_versions_are_served_side_by_side_and_labels_switch_under_load(tmp_path:
         assert done.returncode == 0 and "m production -> version 2 (was 1)" in done.stdout, done.stderr
         refused = run_hps("label", "m", "production", "7", "--url", http, "--token-file", str(token))
         assert refused.returncode == 1 and "no version 7" in refused.stderr
+        looked = run_hps("lookup", "--target", srv.target, "--model", "m", "--table", "item", "--model-version", "1",
+                         "--json", str(keys[0]))
+        assert looked.returncode == 0, looked.stderr
+        np.testing.assert_allclose(json.loads(looked.stdout)["vectors"][0], vectors[0] * SCALE[1], rtol=1e-6)
         listed = run_hps("models", "--url", http, "--json")
         assert listed.returncode == 0, listed.stderr
         (model,) = [m for m in json.loads(listed.stdout)["models"] if m["name"] == "m"]
