@@ -214,7 +214,8 @@ class LocalClient:
     def lookup_with_sources(self, model: str, table: str, keys: np.ndarray | Sequence[int],
                             timeout: float | None = None, *, metadata: Metadata | None = None,
                             out: np.ndarray | None = None) -> TableAnswer:
-        """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default);
+        """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default,
+        5 expired);
         the rows written into ``out`` when given, as :meth:`lookup`."""
         view = self._current()
         t = self._tables.get((model, table)) if view is not None else None

@@ -206,7 +206,7 @@ def lookup(
     from hps_service.client import HPSClient
     from hps_service.config.secrets import SecretFileError, read_secret
 
-    names = {1: "cache", 2: "volatile", 3: "persistent", 4: "default"}
+    names = {1: "cache", 2: "volatile", 3: "persistent", 4: "default", 5: "expired"}
     try:
         token = read_secret(token_file, "--token-file") if token_file is not None else None
         client = HPSClient(target[0] if len(target) == 1 else target, timeout=timeout, retries=1, tls_ca=tls_ca,
