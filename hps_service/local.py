@@ -215,8 +215,7 @@ class LocalClient:
                             timeout: float | None = None, *, metadata: Metadata | None = None,
                             out: np.ndarray | None = None) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default,
-        5 expired);
-        the rows written into ``out`` when given, as :meth:`lookup`."""
+        5 expired); the rows written into ``out`` when given, as :meth:`lookup`."""
         view = self._current()
         t = self._tables.get((model, table)) if view is not None else None
         if t is None or not model:  # not mapped yet (or a bad request): the general path says why
