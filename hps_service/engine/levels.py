@@ -57,5 +57,5 @@ class Fetched:
         if not at.shape[0]:
             return self.stored
         rows = self.stored.copy()
-        rows[at] = fmt.encode(self.vectors[at])
+        rows[at] = fmt.encode(self.vectors[at], written_s=0)
         return rows

@@ -176,7 +176,8 @@ def make_table(
         log.warning("table %s.%s was converted to %s: serving it as %s (tables[].storage says %s)", model, tc.name,
                     storage, storage, tc.storage)
     t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard, storage=storage,
-                    stored_as=stored.id if stored.converted else "", ingest=ingest_filter(tc.admit_after_writes))
+                    stored_as=stored.id if stored.converted else "", ingest=ingest_filter(tc.admit_after_writes),
+                    ttl_s=tc.ttl_s)
     for tier in tiers:
         record_storage(tier, t.id, t.storage)
         tier.create_table(t.id, t.format.words)
