@@ -30,6 +30,7 @@ from hps_service.engine.defaults import default_rows
 from hps_service.engine.levels import DEFAULT, EXPIRED, LookupResult
 from hps_service.engine.table import ServedTable
 from hps_service.errors import InvalidArgumentError
+from hps_service.rows import row_format
 
 #: The wall clock (seconds since the epoch) that stamps puts and imports and that lookups compare stamps with.
 clock: Callable[[], float] = time.time
@@ -109,12 +110,26 @@ def lookup_held(read_held: Read, t: ServedTable, keys: np.ndarray, out: np.ndarr
     if stored:
         _refuse_stored(t)
     words = np.empty((keys.shape[0], t.format.words), dtype=np.float32)
-    missing = read_held(t, keys, words, sources, True)
+    missing: np.ndarray = read_held(t, keys, words, sources, True)
     held = np.ones(keys.shape[0], dtype=bool)
     held[missing] = False
     words[missing] = 0  # not read: decoded as zeros, then left to the caller
     _answer(t, keys, words, held, out, sources, defaults=False)
     return missing
+
+
+def check_stamping(tier: Any, t: ServedTable) -> None:
+    """InvalidArgumentError when ``tier`` holds ``t``'s rows stamped while ``t`` has no ``ttl_s``, or the other way
+    round (the rows' width says which): ttl_s is a property of a table's stored rows, fixed while it holds any."""
+    tables = getattr(tier, "tables", None)
+    width = tables().get(t.id) if callable(tables) else None
+    other = row_format(t.storage, t.dim, not t.format.stamped)
+    if width is not None and width != t.format.words and width == other.words:
+        change = "set on" if t.ttl_s is not None else "removed from"
+        raise InvalidArgumentError(
+            f"table {t.id} holds rows {'without' if t.ttl_s is not None else 'with'} their write times: ttl_s cannot "
+            f"be {change} a table that holds rows (each of its rows is one word wider with it); keep the table as it "
+            "was, or import it again into an empty store")
 
 
 def manifest_ttl(manifest: Mapping[str, Any], model: str, table: str) -> int | None:
@@ -123,5 +138,6 @@ def manifest_ttl(manifest: Mapping[str, Any], model: str, table: str) -> int | N
         if served_name(mc["name"], int(mc.get("version", 0))) == model:
             for tc in mc["tables"]:
                 if tc["name"] == table:
-                    return tc.get("ttl_s")
+                    value = tc.get("ttl_s")
+                    return None if value is None else int(value)
     return None

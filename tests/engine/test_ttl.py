@@ -17,13 +17,13 @@ from hps_service.engine import LookupEngine, Source, ttl
 from hps_service.engine import convert as convert_module
 from hps_service.engine.write import TableChange
 from hps_service.errors import InvalidArgumentError
+from hps_service.proto.hps.v1.update_pb2 import EmbeddingUpdate
 from hps_service.rows import STORAGES, row_format
 from hps_service.tiers.base import table_id
 from hps_service.tiers.hashmap.tier import HashMapTier
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 from hps_service.updates.batch import TableBatch, table_change
 from hps_service.updates.message import decode_update, encode_update
-from hps_service.proto.hps.v1.update_pb2 import EmbeddingUpdate
 
 DIM, TTL = 6, 100
 T0 = 1_790_000_000  # a write time (2026)
@@ -140,6 +140,22 @@ def test_a_table_without_ttl_stores_unstamped_rows_and_never_expires(tmp_path: P
         assert (eng.lookup("m", "t", keys).sources == Source.PERSISTENT).all()
     finally:
         eng.close()
+
+
+def test_ttl_cannot_be_set_on_or_removed_from_a_stored_table(tmp_path: Path, clock: Clock) -> None:
+    eng = LookupEngine(volatile=None, persistent=RocksDBTier(tmp_path / "db"))
+    eng.register_model(model(ttl_s=None))
+    eng.apply_updates("m", "t", np.arange(3, dtype=np.int64), rows_of(np.arange(3), 1), 1)
+    with pytest.raises(InvalidArgumentError, match="ttl_s cannot be set on a table"):
+        eng.register_model(model())
+    eng.close()
+    eng = LookupEngine(volatile=None, persistent=RocksDBTier(tmp_path / "db2"))
+    eng.register_model(model())
+    with pytest.raises(InvalidArgumentError, match="ttl_s cannot be removed from a table"):
+        eng.register_model(model(ttl_s=None))
+    eng.register_model(model(ttl_s=TTL * 2))  # another TTL: the rows are the same
+    assert eng.table("m", "t").ttl_s == TTL * 2
+    eng.close()
 
 
 # ---- the write time is the update message's --------------------------------------------------------------------------
