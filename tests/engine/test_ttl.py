@@ -51,7 +51,7 @@ def model(storage: str = "fp32", ttl_s: int | None = TTL) -> ModelConfig:
 
 
 def engine_for(path: Path, storage: str = "fp32", volatile: bool = True, cache: bool = True) -> LookupEngine:
-    cfg = CacheConfig(backend="numpy", capacity=512, ways=8, hit_rate_threshold=0.0, warm_start=False)
+    cfg = CacheConfig(backend="numpy", capacity=512, ways=8, hit_rate_threshold=1.0, warm_start=False)
     eng = LookupEngine(
         volatile=HashMapTier(capacity_rows=10_000) if volatile else None,
         persistent=RocksDBTier(path),
@@ -158,6 +158,31 @@ def test_ttl_cannot_be_set_on_or_removed_from_a_stored_table(tmp_path: Path, clo
     eng.close()
 
 
+def test_an_offline_import_stamps_its_rows_with_the_time_of_the_import(tmp_path: Path, clock: Clock) -> None:
+    import time
+
+    from hps_service.admin.importer import write_hugectr_dir
+    from tests.helpers import run_hps, write_config
+
+    keys = np.arange(40, dtype=np.int64)
+    rows = rows_of(keys, 14)
+    write_hugectr_dir(tmp_path / "model", keys, rows)
+    cfg = write_config(tmp_path / "hps.yaml", {
+        "volatile": {"type": "disabled"}, "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
+        "models": [model("int8").model_dump(mode="json")]})
+    started = time.time()
+    done = run_hps("import", "--config", str(cfg), "--model", "m", "--table", "t", str(tmp_path / "model"))
+    assert done.returncode == 0, done.stderr
+    eng = engine_for(tmp_path / "db", "int8", volatile=False, cache=False)
+    try:
+        clock.now = started + TTL - 1  # stamped during the import (at or after started, by the real clock)
+        assert_live(eng, keys, rows, "int8", Source.PERSISTENT)
+        clock.now = time.time() + TTL + 1
+        assert_expired(eng, keys)
+    finally:
+        eng.close()
+
+
 # ---- the write time is the update message's --------------------------------------------------------------------------
 def test_a_change_carries_its_rows_write_times(tmp_path: Path, clock: Clock) -> None:
     eng = engine_for(tmp_path / "db")
@@ -171,7 +196,7 @@ def test_a_change_carries_its_rows_write_times(tmp_path: Path, clock: Clock) -> 
         np.testing.assert_array_equal(got.vectors[[0, 2]], rows[[0, 2]])
         clock.now = T0 + 2  # the first row is older than the TTL now, the last is not
         got = eng.lookup("m", "t", keys)
-        assert got.sources[:2].tolist() == [Source.EXPIRED, Source.EXPIRED] and got.sources[2] != Source.EXPIRED
+        assert got.sources.tolist() == [Source.EXPIRED, Source.EXPIRED, Source.CACHE]  # admitted by the first
         np.testing.assert_array_equal(got.vectors[2], rows[2])
     finally:
         eng.close()
