@@ -81,6 +81,11 @@ def test_grpc_and_rest_answer_expired_rows_with_the_default(tmp_path: Path, monk
         answer = client.lookup_with_sources("demo", "item", old[:2])
         assert answer.sources[0] != 5 and answer.sources[1] == 5
         np.testing.assert_array_equal(answer.vectors[0], rows[0])
+        # the owner's sweep removes the other expired rows from every tier and L1: the workers find none of them
+        assert srv.engine.sweeper.sweep() == 3
+        answer = client.lookup_with_sources("demo", "item", keys)
+        assert answer.sources.tolist()[:4] == [answer.sources[0], 4, 4, 4] and answer.sources[0] not in (4, 5)
+        assert not set(answer.sources.tolist()[4:]) & {4, 5}
 
 
 def test_a_colocated_reader_answers_the_expired_rows_it_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
