@@ -46,6 +46,7 @@ from hps_client.wire import (
 from hps_service.config.base import served_name
 from hps_service.engine.read import Reader
 from hps_service.engine.table import ServedTable
+from hps_service.engine.ttl import manifest_ttl
 from hps_service.engine.versions import DEFAULT_LABEL
 from hps_service.errors import HPSError
 from hps_service.keys import unique_with_inverse
@@ -75,7 +76,8 @@ class _Table:
         l1 = (SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read, None, touch=False)
               if tv.l1 is not None and entry is not None else None)
         self.served = ServedTable(model=tv.model, name=tv.table, dim=tv.dim, default=tv.default, cache=l1,
-                                  storage=tv.storage, stored_as=tv.stored_as)
+                                  storage=tv.storage, stored_as=tv.stored_as,
+                                  ttl_s=manifest_ttl(view.manifest, tv.model, tv.table))
         volatile = SharedVolatile(lambda: view) if view.volatile(self.served.id) is not None else None
         self.reader = Reader(volatile, None, max_batch_keys=0)
 
@@ -214,8 +216,8 @@ class LocalClient:
     def lookup_with_sources(self, model: str, table: str, keys: np.ndarray | Sequence[int],
                             timeout: float | None = None, *, metadata: Metadata | None = None,
                             out: np.ndarray | None = None) -> TableAnswer:
-        """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default);
-        the rows written into ``out`` when given, as :meth:`lookup`."""
+        """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default,
+        5 expired); the rows written into ``out`` when given, as :meth:`lookup`."""
         view = self._current()
         t = self._tables.get((model, table)) if view is not None else None
         if t is None or not model:  # not mapped yet (or a bad request): the general path says why

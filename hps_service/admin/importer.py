@@ -115,15 +115,16 @@ def import_table(
     version: int = 0,
     progress: Callable[[int], None] | None = None,
     storage: str = "fp32",
+    written_s: int | None = None,
 ) -> int:
     """Check the file's dim against the configured one, create the table, bulk-load its rows encoded as
-    ``storage``; return rows written."""
+    ``storage`` (``written_s``: stamped with that write time, for a table with ``ttl_s``); return rows written."""
     check_import_shape(table, dim, keys, vectors)
     check_finite(vectors)
-    fmt = row_format(storage, dim)
+    fmt = row_format(storage, dim, stamped=written_s is not None)
     tier.create_table(table, fmt.words)
     record_storage(tier, table, storage)
-    stored = fmt.encode(np.ascontiguousarray(vectors, dtype=np.float32))
+    stored = fmt.encode(np.ascontiguousarray(vectors, dtype=np.float32), written_s)
     return tier.bulk_import(table, keys, stored, version=version, progress=progress)
 
 

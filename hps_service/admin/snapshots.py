@@ -8,6 +8,10 @@ them otherwise), the snapshot's rows are written with their own versions, and li
 not hold are deleted. Lookups keep being served meanwhile; a key rewritten in a chunk may answer with its
 default for the instant between that chunk's delete and its write, and updates applied during a restore may be
 overwritten by it. Stop the update stream while restoring if that matters.
+
+Rows of a table with ``ttl_s`` keep the write times the snapshot stored with them (a restored row lives no longer
+than it would have); a snapshot taken before the table had ``ttl_s`` has none, and its rows are stamped with the
+time of the restore.
 """
 
 from __future__ import annotations
@@ -147,7 +151,8 @@ class Snapshots(Generic[S]):
         snap = stored_table(src, model, name)
         # rows as the snapshot stored them (absent a record: fp32 when a row is the table's width, else its format)
         storage = snap.storage or ("fp32" if held.get(snap.id) == t.dim else t.storage)
-        snap_format = row_format(storage, t.dim)
+        unstamped = row_format(storage, t.dim)
+        snap_format = row_format(storage, t.dim, stamped=held.get(snap.id) == unstamped.words + 1)  # write times
         snap_keys = src.scan_keys(snap.id, src.count(snap.id)) if snap.id in held else np.zeros(0, dtype=np.int64)
         if keys is not None:
             snap_keys = snap_keys[keys(snap_keys)]
@@ -160,7 +165,8 @@ class Snapshots(Generic[S]):
             newer = ~current.found | (current.versions > rows.versions)
             if newer.any():
                 self.engine.apply_deletes(model, name, chunk[newer])
-            self.engine.apply_updates(model, name, chunk, snap_format.decoded(rows.vectors), rows.versions)
+            written = snap_format.stamps(rows.vectors) if snap_format.stamped else None
+            self.engine.apply_updates(model, name, chunk, snap_format.decoded(rows.vectors), rows.versions, written)
             job.rows_done += int(chunk.shape[0])
         live_keys = live.scan_keys(tid, live.count(tid) + RESTORE_CHUNK)
         if keys is not None:

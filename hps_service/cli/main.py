@@ -129,6 +129,7 @@ def import_model(
     from hps_service.admin.importer import import_table, read_model_source
     from hps_service.config.base import served_name
     from hps_service.engine.stored_tables import stored_table
+    from hps_service.engine.ttl import now_s
     from hps_service.fleet.sharding import ShardMap
     from hps_service.rows import row_format
     from hps_service.tiers.rocksdb.tier import RocksDBTier
@@ -156,7 +157,8 @@ def import_model(
     stored = stored_table(tier, served_name(model, model_version), table)
     tid, storage = stored.id, stored.serving_storage(tc.storage)
     try:
-        tier.create_table(tid, row_format(storage, tc.dim).words)
+        written_s = now_s() if tc.ttl_s is not None else None  # a TTL table's rows carry their write time
+        tier.create_table(tid, row_format(storage, tc.dim, stamped=written_s is not None).words)
         if if_empty and tier.count(tid) > 0:
             out_console.print(f"{tid} already holds rows; skipping import (--if-empty)", highlight=False)
             return
@@ -170,7 +172,7 @@ def import_model(
         ) as progress:
             task = progress.add_task("import", total=int(keys.shape[0]))
             n = import_table(
-                tier, tid, tc.dim, keys, vectors, version=version, storage=storage,
+                tier, tid, tc.dim, keys, vectors, version=version, storage=storage, written_s=written_s,
                 progress=lambda done: progress.update(task, completed=done),
             )
     except HPSError as exc:
@@ -210,7 +212,7 @@ def lookup(
     from hps_service.client import HPSClient
     from hps_service.config.secrets import SecretFileError, read_secret
 
-    names = {1: "cache", 2: "volatile", 3: "persistent", 4: "default"}
+    names = {1: "cache", 2: "volatile", 3: "persistent", 4: "default", 5: "expired"}
     try:
         token = read_secret(token_file, "--token-file") if token_file is not None else None
         client = HPSClient(target[0] if len(target) == 1 else target, timeout=timeout, retries=1, tls_ca=tls_ca,

@@ -20,6 +20,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from hps_client.rows import row_words
 from hps_service.config.base import NAME_PATTERN, NAME_RE, Storage, served_name
 from hps_service.config.base import Section as _Section
 from hps_service.config.secrets import load_secret_files
@@ -296,6 +297,9 @@ class ConstantDefault(_Section):
 
 DefaultSpec = Literal["zeros", "hashed_random"] | ConstantDefault
 
+#: The widest stored row a tier holds, in 4-byte words.
+MAX_ROW_WORDS = 16384
+
 
 class TableConfig(_Section):
     """One embedding table of a model."""
@@ -309,6 +313,20 @@ class TableConfig(_Section):
         1, ge=1, le=65535, description="a new key is stored once it has been written this many times (1: at once); "
         "earlier writes are dropped. Counted in the owner's memory (8 MiB a table above 1), so a restart counts "
         "again; stored keys, deletes and imports always pass")
+    ttl_s: int | None = Field(
+        None, ge=1, le=10 * 365 * 86400, description="seconds a row lives after it was last written (null: for "
+        "ever): an older row is answered with the default and source EXPIRED, and removed in the background. The "
+        "write time is the update message's (produced_at_ns), else the server's clock at a put or import; each row "
+        "stores it in one more word. Set it before the table holds rows")
+
+    @model_validator(mode="after")
+    def _stamp_fits(self) -> TableConfig:
+        """A TTL table's stored row (its format's words and the write time's) must fit a tier's widest row."""
+        if self.ttl_s is not None and row_words(self.storage, self.dim) + 1 > MAX_ROW_WORDS:
+            raise ValueError(f"table {self.name}: ttl_s stores one more word per row, and {self.storage} rows of dim "
+                             f"{self.dim} already take {row_words(self.storage, self.dim)} words of at most "
+                             f"{MAX_ROW_WORDS}: store it as fp16, bf16 or int8, or narrow it")
+        return self
 
 
 class ModelConfig(_Section):

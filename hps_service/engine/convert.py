@@ -83,7 +83,7 @@ def convert_table(engine: LookupEngine, model: str, table: str, storage: str,
     started = time.monotonic()
     with engine.writing(model, table) as t:
         check_conversion(engine, model, table, storage)
-        fmt = row_format(storage, t.dim)
+        fmt = row_format(storage, t.dim, t.format.stamped)  # a TTL table's copy keeps its rows' write times
         conv = Conversion(next_stored_id(name, t.id), fmt, t.format)
         tier.set_metadata(converting_key(name), conv.id.encode())  # first: a stop after it drops the copy
         tier.create_table(conv.id, fmt.words)

@@ -14,6 +14,7 @@ import numpy as np
 from hps_service.config import ModelConfig
 from hps_service.config.base import served_name
 from hps_service.engine.convert import ConvertProgress, convert_table
+from hps_service.engine.expiry_sweep import ExpirySweeper
 from hps_service.engine.ingest_admission import keep_counts
 from hps_service.engine.levels import DEFAULT, LookupResult
 from hps_service.engine.preload import Preloader
@@ -55,6 +56,7 @@ class LookupEngine:
         if volatile is not None and persistent is not None:
             self.repairer = VolatileRepair(volatile, persistent, self._served_tables)
             self.repairer.start(repair_interval_s)
+        self.sweeper = ExpirySweeper(self)  # started by the first table with ttl_s
 
     # ---- models -------------------------------------------------------------------------------
     def register_model(self, model: ModelConfig) -> None:
@@ -84,6 +86,8 @@ class LookupEngine:
         log.info("%s loaded: %s", described(served), ", ".join(f"{t.name}(dim {t.dim})" for t in model.tables))
         for t in tables.values():
             self.preloader.start(t)
+        if any(t.ttl_s is not None for t in tables.values()):
+            self.sweeper.start()
 
     def _serving_tables(self, model: ModelConfig) -> dict[str, ServedTable]:
         """For a new version: the tables of the version a request naming none reads now, by name, where they match
@@ -208,14 +212,16 @@ class LookupEngine:
             return self.reader.lookup(self.table(model, table), keys, out, sources, stored)
 
     def apply_updates(
-        self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int
+        self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int,
+        written_s: np.ndarray | None = None,
     ) -> int:
         """Write rows to persistent (durable) -> volatile -> rows present in L1. Returns rows written.
 
         A stored row with a newer version is never replaced, so replays and lagging writers are harmless.
+        ``written_s``: the rows' write times, kept by a table with ``ttl_s`` (None: now).
         """
         with self.writing(model, table) as t:
-            return self.writer.apply_updates(t, keys, vectors, versions)
+            return self.writer.apply_updates(t, keys, vectors, versions, written_s)
 
     def apply_deletes(self, model: str, table: str, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
         """Delete keys from every tier and the L1 cache. Returns how many live rows the lowest enabled tier held
@@ -298,7 +304,7 @@ class LookupEngine:
         are left open (the process is exiting; RocksDB recovers from its WAL) and False is returned.
         """
         deadline = time.monotonic() + timeout_s
-        stopped = True
+        stopped = self.sweeper.stop(timeout_s)
         if self.repairer is not None:
             stopped &= self.repairer.stop(timeout_s)
         stopped &= self.preloader.stop(max(0.0, deadline - time.monotonic()))

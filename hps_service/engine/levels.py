@@ -19,11 +19,13 @@ class Source(IntEnum):
     VOLATILE = 2
     PERSISTENT = 3
     DEFAULT = 4
+    #: Stored, but not written for longer than the table's ``ttl_s``: answered with the default.
+    EXPIRED = 5
 
 
 #: The Source codes as plain ints for array operations (NumPy converts an IntEnum member through its slow path).
-CACHE, VOLATILE, PERSISTENT, DEFAULT = (int(s) for s in (Source.CACHE, Source.VOLATILE, Source.PERSISTENT,
-                                                         Source.DEFAULT))
+CACHE, VOLATILE, PERSISTENT, DEFAULT, EXPIRED = (int(s) for s in (Source.CACHE, Source.VOLATILE, Source.PERSISTENT,
+                                                                  Source.DEFAULT, Source.EXPIRED))
 #: The levels that count hits and misses, top to bottom.
 LEVELS = ("cache", "volatile", "persistent")
 #: The version reported for a key no tier holds (answered with the default): older than any write.
@@ -55,5 +57,5 @@ class Fetched:
         if not at.shape[0]:
             return self.stored
         rows = self.stored.copy()
-        rows[at] = fmt.encode(self.vectors[at])
+        rows[at] = fmt.encode(self.vectors[at], written_s=0)
         return rows

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hps_service.engine import ttl
 from hps_service.engine.defaults import default_rows
 from hps_service.engine.levels import (
     CACHE,
@@ -41,7 +42,14 @@ class Reader:
         """Rows of ``keys`` in request order (duplicates included) and the level that answered each; written into
         ``out`` (C-contiguous float32 ``(n, dim)``) and ``sources`` (uint8 ``(n,)``) when given, e.g. views of a
         response being encoded, so an all-hit batch is copied once, from L1 into the response. ``stored``: the
-        rows as the table stores them, ``(n, t.format.words)`` (a default row encoded in that format)."""
+        rows as the table stores them, ``(n, t.format.words)`` (a default row encoded in that format). A table with
+        ``ttl_s`` answers expired rows with the default (see :mod:`hps_service.engine.ttl`)."""
+        if t.ttl_s is not None:
+            return ttl.lookup(self._lookup, t, as_keys(keys, self.max_batch_keys), out, sources, stored)
+        return self._lookup(t, keys, out, sources, stored)
+
+    def _lookup(self, t: ServedTable, keys: np.ndarray, out: np.ndarray | None = None,
+                sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
         keys = as_keys(keys, self.max_batch_keys)
         n = keys.shape[0]
         if out is None:
@@ -99,7 +107,14 @@ class Reader:
                     stored: bool = False) -> np.ndarray:
         """The rows L1 and the volatile tier hold, into ``out`` and ``sources`` (no promotion, admission or
         default; ``stored``: as the table stores them); returns the indices of the keys neither holds, for the
-        process that reads the tiers below (a colocated reader of a node's store asks its server for them)."""
+        process that reads the tiers below (a colocated reader of a node's store asks its server for them). A table
+        with ``ttl_s`` answers the expired rows it holds with the default (see :mod:`hps_service.engine.ttl`)."""
+        if t.ttl_s is not None:
+            return ttl.lookup_held(self._lookup_held, t, keys, out, sources, stored)
+        return self._lookup_held(t, keys, out, sources, stored)
+
+    def _lookup_held(self, t: ServedTable, keys: np.ndarray, out: np.ndarray, sources: np.ndarray,
+                     stored: bool = False) -> np.ndarray:
         miss_idx, hit_rate = self._from_cache(t, keys, out, sources, stored)
         if hit_rate == 1.0:
             return miss_idx if miss_idx is not None else np.empty(0, dtype=np.intp)

@@ -18,6 +18,7 @@ from hps_service.config.base import Storage, split_served
 from hps_service.engine.ingest_admission import ingest_filter
 from hps_service.engine.stored_tables import drop_abandoned, stored_table
 from hps_service.engine.table import CacheFactory, ServedTable
+from hps_service.engine.ttl import check_stamping
 from hps_service.engine.write_guard import WriteGuard
 from hps_service.errors import InvalidArgumentError, NotFoundError
 from hps_service.rows import storage_key
@@ -178,9 +179,11 @@ def make_table(
         log.warning("table %s.%s was converted to %s: serving it as %s (tables[].storage says %s)", model, tc.name,
                     storage, storage, tc.storage)
     t = ServedTable(model=model, name=tc.name, dim=tc.dim, default=tc.default, guard=guard, storage=storage,
-                    stored_as=stored.id if stored.converted else "", ingest=ingest_filter(tc.admit_after_writes))
+                    stored_as=stored.id if stored.converted else "", ingest=ingest_filter(tc.admit_after_writes),
+                    ttl_s=tc.ttl_s)
     for tier in tiers:
         record_storage(tier, t.id, t.storage)
+        check_stamping(tier, t)
         tier.create_table(t.id, t.format.words)
     if cache_factory is not None:
 

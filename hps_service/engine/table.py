@@ -76,8 +76,9 @@ class Conversion:
     error: str | None = None
 
     def reencode(self, stored: np.ndarray) -> np.ndarray:
-        """Rows stored in the table's format -> the same rows in the copy's format."""
-        return self.format.encode(self.source.decoded(stored))
+        """Rows stored in the table's format -> the same rows in the copy's format (write times kept)."""
+        written = self.source.stamps(stored) if self.source.stamped else None
+        return self.format.encode(self.source.decoded(stored), written)
 
 
 @dataclass
@@ -105,6 +106,9 @@ class ServedTable:
     converting: Conversion | None = None
     #: Which new keys its puts may store (None: every one; see :mod:`hps_service.engine.ingest_admission`).
     ingest: IngestFilter | None = None
+    #: Seconds a row lives after its write (None: for ever); its rows are stored stamped with their write time and
+    #: lookups answer older ones with the default (see :mod:`hps_service.engine.ttl`).
+    ttl_s: int | None = None
 
     def __post_init__(self) -> None:
         if self.counters is None:
@@ -118,7 +122,7 @@ class ServedTable:
 
     @property
     def format(self) -> RowFormat:
-        return row_format(self.storage, self.dim)
+        return row_format(self.storage, self.dim, self.ttl_s is not None)
 
     @property
     def id(self) -> str:

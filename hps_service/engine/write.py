@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hps_service.engine import ttl
 from hps_service.engine.table import ServedTable
 from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.keys import as_keys
@@ -40,6 +41,9 @@ class TableChange:
     versions: np.ndarray
     delete_keys: np.ndarray
     delete_versions: np.ndarray
+    #: Per row, when it was written (seconds since the epoch: its update message's ``produced_at_ns``), kept with
+    #: the row by a table with ``ttl_s``; None: now, by this server's clock.
+    written_s: np.ndarray | None = None
 
 #: Keys per L2 delete and L1 invalidation after an import (bounds one call).
 INVALIDATE_CHUNK = 65_536
@@ -98,10 +102,13 @@ def table_write(t: ServedTable, change: TableChange, admit: Admit | None = None)
     del_versions = delete_versions(change.delete_versions, del_keys.shape[0])
     if del_versions is None:
         raise InvalidArgumentError(f"deletes of {t.id} from the log need versions")
+    written = ttl.write_times(n, change.written_s) if t.ttl_s is not None else None
     if admit is not None and n and (keep := admit(t, keys)) is not None:
         keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+        written = written[keep] if written is not None else None
     puts, deletes = resolve_latest(keys, versions, del_keys, del_versions)
-    return TableWrite(table=t.id, keys=keys[puts], vectors=t.format.encode(vectors[puts]), versions=versions[puts],
+    stored = t.format.encode(vectors[puts], written[puts] if written is not None else None)
+    return TableWrite(table=t.id, keys=keys[puts], vectors=stored, versions=versions[puts],
                       delete_keys=del_keys[deletes], delete_versions=del_versions[deletes])
 
 
@@ -136,27 +143,31 @@ class Writer:
         return t.ingest.admit(keys, self.persistent if self.persistent is not None else self.volatile, t.id)
 
     def apply_updates(
-        self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int
+        self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int,
+        written_s: np.ndarray | None = None,
     ) -> int:
         """Write the rows the table admits (see :meth:`admitted`) to persistent (durable) -> volatile -> rows present
-        in L1. Returns rows written."""
+        in L1. Returns rows written. ``written_s``: the rows' write times for a table with ``ttl_s`` (None: now)."""
         keys = as_keys(keys)
         n = keys.shape[0]
         vectors = as_rows(vectors, n, t.dim, f"update of {t.id}")
         stamped = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,))
         if n == 0:
             return 0
+        written = ttl.write_times(n, written_s) if t.ttl_s is not None else None
         if (admitted := self.admitted(t, keys)) is not None:
             keys, vectors, stamped = keys[admitted], vectors[admitted], stamped[admitted]
+            written = written[admitted] if written is not None else None
             n = keys.shape[0]
             if n == 0:
                 return 0
         keep = latest_per_key(keys, stamped)
         if keep.shape[0] != n:
             keys, vectors, stamped = keys[keep], vectors[keep], stamped[keep]
+            written = written[keep] if written is not None else None
         else:
             stamped = np.ascontiguousarray(stamped)
-        vectors = t.format.encode(vectors)  # once: every tier and L1 hold the stored form
+        vectors = t.format.encode(vectors, written)  # once: every tier and L1 hold the stored form
         with t.guard.writing(keys):
             written = np.ones(keys.shape[0], dtype=bool)
             if self.persistent is not None:
@@ -212,7 +223,7 @@ class Writer:
             raise UnavailableError("import needs a persistent tier that bulk-loads (persistent.type rocksdb)")
         keys = as_keys(keys)
         with t.guard.writing(keys):
-            stored = t.format.encode(as_rows(vectors, keys.shape[0], t.dim, f"import into {t.id}"))
+            stored = t.format.encode(as_rows(vectors, keys.shape[0], t.dim, f"import into {t.id}"), ttl.now_s())
             written = int(self.persistent.bulk_import(t.id, keys, stored, version=version, progress=progress))
             versions = np.full(keys.shape[0], version, np.int64)
             if t.converting is not None and (copy := copy_write(t, _rows_write(t, keys, stored, versions))):

@@ -152,7 +152,7 @@ class WorkerEngine:
                 else:
                     tv = view.table(serial)
                     t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial,
-                                    storage=tv.storage, stored_as=tv.stored_as,
+                                    storage=tv.storage, stored_as=tv.stored_as, ttl_s=tc.ttl_s,
                                     published_generation=PublishedGeneration(tv.control, T_WRITE_GEN).read)
                     if tv.counters is not None:
                         t.counters = SharedTableCounters(tv.counters, self.process)

@@ -9,6 +9,11 @@ and shared memory hold quantised rows without knowing it:
   scale and bias (``value = code * scale + bias``; the bias is the row's minimum, the scale its range / 255).
 
 Rows are encoded once, when they are written, and decoded by the read path into the caller's float32 buffer.
+
+A table with ``ttl_s`` (see :mod:`hps_service.engine.ttl`) stores its rows *stamped*: one more trailing word per
+row, the row's write time as uint32 seconds since the Unix epoch (the word's bits; as a float32 it means nothing).
+Every decoder here strips it before the format's own words are read (int8's scale and bias stay at ``[-2], [-1]``
+of the unstamped row), so no decoder reads a stamp as data; :meth:`RowFormat.stamps` reads it.
 """
 
 from __future__ import annotations
@@ -35,20 +40,41 @@ class RowFormat:
 
     storage: Storage
     dim: int
+    #: Whether each stored row ends with its write time (one uint32 word; see the module docstring).
+    stamped: bool = False
 
     @property
     def words(self) -> int:
         """Width of a stored row in 4-byte words (what the tiers and L1 see as the table's dim)."""
-        return row_words(self.storage, self.dim)
+        return row_words(self.storage, self.dim) + int(self.stamped)
 
     @property
     def identity(self) -> bool:
         """Whether stored rows are the float32 rows themselves (nothing to encode or decode)."""
-        return self.storage == "fp32"
+        return self.storage == "fp32" and not self.stamped
 
-    def encode(self, vectors: np.ndarray) -> np.ndarray:
+    @property
+    def unstamped(self) -> RowFormat:
+        """The same format without the write-time word."""
+        return row_format(self.storage, self.dim)
+
+    def stamps(self, stored: np.ndarray) -> np.ndarray:
+        """The write times (uint32 seconds since the epoch, a view) of stamped rows ``(n, words)``."""
+        if not self.stamped:
+            raise ValueError(f"{self.storage} rows without a write time have no stamp")
+        return stored[:, -1].view(np.uint32)
+
+    def encode(self, vectors: np.ndarray, written_s: np.ndarray | int | None = None) -> np.ndarray:
         """Finite float32 rows ``(n, dim)`` -> stored rows ``(n, words)``; InvalidArgumentError for a row the
-        format cannot hold (beyond fp16's range)."""
+        format cannot hold (beyond fp16's range). ``written_s``: the rows' write times (seconds since the epoch,
+        one or one per row), needed by a stamped format and ignored by the others."""
+        if self.stamped:
+            if written_s is None:
+                raise ValueError("rows of a table with ttl_s need their write time")
+            stamped = np.empty((vectors.shape[0], self.words), dtype=np.float32)
+            stamped[:, :-1] = self.unstamped.encode(vectors)
+            stamped[:, -1].view(np.uint32)[:] = np.clip(np.asarray(written_s, dtype=np.int64), 0, 2**32 - 1)
+            return stamped
         if self.identity:
             return vectors
         self.check(vectors)
@@ -80,7 +106,9 @@ class RowFormat:
 
     def decode(self, stored: np.ndarray, out: np.ndarray) -> None:
         """Stored rows ``(n, words)`` -> float32 rows written into ``out`` ``(n, dim)``, C-contiguous."""
-        if self.identity:
+        if self.stamped:
+            self.unstamped.decode(stored[:, :-1], out)
+        elif self.identity:
             out[...] = stored
         elif self.storage == "bf16":
             kernels.decode_bf16(np.ascontiguousarray(stored), out)
@@ -91,6 +119,8 @@ class RowFormat:
 
     def decoded(self, stored: np.ndarray) -> np.ndarray:
         """Stored rows -> a new float32 ``(n, dim)`` array."""
+        if self.stamped:
+            return self.unstamped.decoded(np.ascontiguousarray(stored[:, :-1]))
         if self.identity:
             return stored
         out = np.empty((stored.shape[0], self.dim), dtype=np.float32)
@@ -104,11 +134,12 @@ def storage_key(table: str) -> str:
 
 
 @cache
-def row_format(storage: str, dim: int) -> RowFormat:
-    """The format of a table stored as ``storage`` with rows of ``dim`` values (InvalidArgumentError if unknown)."""
+def row_format(storage: str, dim: int, stamped: bool = False) -> RowFormat:
+    """The format of a table stored as ``storage`` with rows of ``dim`` values, ``stamped`` with their write time
+    (a table with ``ttl_s``); InvalidArgumentError if the storage is unknown."""
     if storage not in STORAGES:
         raise InvalidArgumentError(f"unknown row storage {storage!r}; use one of {', '.join(STORAGES)}")
-    return RowFormat(cast(Storage, storage), int(dim))
+    return RowFormat(cast(Storage, storage), int(dim), bool(stamped))
 
 
 def warm_up_kernels() -> None:

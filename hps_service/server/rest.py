@@ -65,7 +65,7 @@ AdminCredentials = Annotated[
     HTTPAuthorizationCredentials | None,
     Depends(HTTPBearer(auto_error=False, description="server.admin_token (or HPS_ADMIN_TOKEN)")),
 ]
-_SOURCE_NAMES = np.array(["unspecified", "cache", "volatile", "persistent", "default"])
+_SOURCE_NAMES = np.array(["unspecified", "cache", "volatile", "persistent", "default", "expired"])
 #: ``?model_version=N``: a version of the model (``POST /v1/models/{model}/versions``); 0: the model (or, for a
 #: read, the version its ``?label=`` or its label ``production`` names). Not ``version``: that is a row's version.
 ModelVersion = Annotated[int, Query(ge=0, le=2**31 - 1, description="a version of the model (0: see label)")]

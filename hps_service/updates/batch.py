@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from confluent_kafka import Message
 
-from hps_service.engine import TableChange
+from hps_service.engine import TableChange, ttl
 from hps_service.updates.message import DecodedUpdate
 
 
@@ -20,6 +20,8 @@ class TableBatch:
     versions: list[np.ndarray] = field(default_factory=list)
     delete_keys: list[np.ndarray] = field(default_factory=list)
     delete_versions: list[np.ndarray] = field(default_factory=list)
+    #: Per row, its message's write time (``produced_at_ns`` in seconds), for tables with ``ttl_s``.
+    written_s: list[np.ndarray] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
 
     def add(self, upd: DecodedUpdate, msg: Message) -> None:
@@ -28,6 +30,7 @@ class TableBatch:
             self.keys.append(upd.keys)
             self.vectors.append(upd.vectors)
             self.versions.append(upd.versions)
+            self.written_s.append(np.full(upd.keys.shape[0], ttl.message_time_s(upd.produced_at_ns), np.int64))
         if upd.delete_keys.shape[0]:
             self.delete_keys.append(upd.delete_keys)
             self.delete_versions.append(upd.delete_versions)
@@ -49,4 +52,5 @@ def table_change(model: str, table: str, batches: list[TableBatch], dim: int) ->
         versions=_concat([v for b in batches for v in b.versions], np.int64),
         delete_keys=_concat([k for b in batches for k in b.delete_keys], np.int64),
         delete_versions=_concat([v for b in batches for v in b.delete_versions], np.int64),
+        written_s=_concat([w for b in batches for w in b.written_s], np.int64),
     )

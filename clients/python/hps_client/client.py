@@ -316,7 +316,7 @@ class HPSClient:
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
         metadata: Metadata | None = None, version: int = 0, label: str = "",
     ) -> TableAnswer:
-        """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default)."""
+        """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default, 5 expired)."""
         return self.lookup_many(model, {table: keys}, timeout, metadata=metadata, version=version, label=label)[table]
 
     def lookup_many(

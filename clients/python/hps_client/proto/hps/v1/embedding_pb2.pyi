@@ -14,6 +14,7 @@ class Source(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SOURCE_VOLATILE: _ClassVar[Source]
     SOURCE_PERSISTENT: _ClassVar[Source]
     SOURCE_DEFAULT: _ClassVar[Source]
+    SOURCE_EXPIRED: _ClassVar[Source]
 
 class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -24,6 +25,7 @@ SOURCE_CACHE: Source
 SOURCE_VOLATILE: Source
 SOURCE_PERSISTENT: Source
 SOURCE_DEFAULT: Source
+SOURCE_EXPIRED: Source
 PRECISION_FP32: Precision
 PRECISION_STORED: Precision
 
