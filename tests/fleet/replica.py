@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import numpy as np
 
 from hps_service.client import HPSClient
 from hps_service.config import load_config
@@ -23,7 +24,7 @@ class Replica:
     (no retries)."""
 
     def __init__(self, tmp: Path, name: str, brokers: str, prefix: str, workers: int,
-                 admin_key: str | None = ADMIN_KEY) -> None:
+                 admin_key: str | None = ADMIN_KEY, shards: int = 1, shard: int = 0) -> None:
         self.config = load_config(
             None,
             server={"host": "127.0.0.1", "grpc_port": free_port(), "http_port": 0, "admin_token": TOKEN,
@@ -33,7 +34,7 @@ class Replica:
             persistent={"type": "rocksdb", "path": str(tmp / name), "block_cache_mb": 8},
             updates={"type": "kafka", "brokers": brokers, "topic_prefix": prefix, "group": name,
                      "admin_key": admin_key},
-            cluster={"partitions": 2},
+            cluster={"partitions": 2, "shards": shards, "shard": shard},
             models=[{"name": "base", "tables": [{"name": "item", "dim": DIM}]}],
         )
         self.srv = HPSServer(self.config)
@@ -50,7 +51,7 @@ class Replica:
         for _ in range(40):
             client = HPSClient(target, retries=0, options=[("grpc.use_local_subchannel_pool", 1)])
             before = [w["requests"] for w in self.http.get("/v1/stats").json()["node"]["workers"]]
-            client.lookup("base", "item", [1])
+            client.lookup("base", "item", [self.owned_key()])
             after = [w["requests"] for w in self.http.get("/v1/stats").json()["node"]["workers"]]
             worker = next(i for i, (a, b) in enumerate(zip(before, after)) if b > a)
             if worker in found:
@@ -60,6 +61,14 @@ class Replica:
             if len(found) == len(after):
                 return [found[i] for i in sorted(found)]
         raise AssertionError("the kernel never sent a connection to some worker")
+
+    def owned_key(self) -> int:
+        """A key of this replica's shard."""
+        from hps_client.partitioning import shard_of
+
+        keys = np.arange(1, 64, dtype=np.int64)
+        return int(keys[shard_of(keys, self.config.cluster.partitions, self.config.cluster.shards)
+                        == self.config.cluster.shard][0])
 
     def loaded(self, model: str) -> bool:
         return self.http.get(f"/v1/models/{model}").status_code == 200

@@ -95,3 +95,40 @@ def test_versions_and_label_switches_reach_every_replica_through_the_log(kafka_b
     dropped = b.http.delete("/v1/models/base/versions/1")
     assert dropped.status_code == 200 and dropped.json()["replicated"] is True, dropped.text
     assert wait_until(lambda: a.http.get("/v1/models/base").json()["versions"] == [], timeout=30)
+
+
+def test_both_shards_of_a_sharded_fleet_switch_a_label_at_the_same_offset(kafka_broker, tmp_path: Path) -> None:
+    """Two shards (one replica each) share the registration log: a version added on one, its rows published once
+    (each shard applies its keys), and a label switched on the other reach both, each having applied the log up
+    to the same offset."""
+    from hps_client.partitioning import shard_of
+
+    prefix = f"s{uuid.uuid4().hex[:6]}"
+    shards = [Replica(tmp_path, f"shard{i}", kafka_broker.bootstrap, prefix, workers=0, shards=2, shard=i)
+              for i in range(2)]
+    try:
+        keys = np.arange(1, 257, dtype=np.int64)
+        owned = [keys[shard_of(keys, 2, 2) == i] for i in range(2)]
+        r = shards[0].http.post("/v1/models/base/versions", json={"version": 1})
+        assert r.status_code == 201 and r.json()["replicated"] is True, r.text
+        assert wait_until(lambda: shards[1].http.get("/v1/models/base").json()["versions"] == [1], timeout=30)
+        new = np.full((keys.size, DIM), 0.5, np.float32)
+        with Publisher(kafka_broker.bootstrap, "base", topic_prefix=prefix, partitions=2, model_version=1) as pub:
+            pub.publish("item", keys, new, 1)
+
+        def serve(i: int, version: int) -> bool:
+            got = shards[i].clients[0].lookup("base", "item", owned[i], version=version)
+            return bool(np.array_equal(got, new[: owned[i].size])) if version else not got.any()
+
+        assert wait_until(lambda: serve(0, 1) and serve(1, 1), timeout=30)
+        assert serve(0, 0) and serve(1, 0)  # the model as configured has none of version 1's rows
+        switched = shards[1].http.put("/v1/models/base/labels/production", json={"version": 1})
+        assert switched.status_code == 200 and switched.json()["replicated"] is True, switched.text
+        for i in range(2):
+            assert wait_until(lambda i=i: np.array_equal(shards[i].clients[0].lookup("base", "item", owned[i]),
+                                                         new[: owned[i].size]), timeout=30)
+        offsets = {s.http.get("/v1/stats").json()["registry"]["applied_offset"] for s in shards}
+        assert len(offsets) == 1, offsets
+    finally:
+        for s in shards:
+            s.close()
