@@ -280,7 +280,7 @@ class LocalClient:
                 uniq, inverse = unique_with_inverse(keys[miss])
                 missing[name], positions[name] = uniq, (miss, inverse)
         if missing:  # every table of one request from one version: the one its local reads came from
-            fetched = self._call(build_request(model, missing, version=versions.pop() if versions else 0), timeout,
+            fetched = self._call(build_request(model, missing, version=versions.pop() if versions else None), timeout,
                                  metadata)
             for name, where in positions.items():
                 got = fetched[name]

@@ -221,8 +221,8 @@ def lookup(
         _fail(str(exc))
     with client:
         try:
-            answer = client.lookup_with_sources(model, table, np.array(keys, dtype=np.int64), version=model_version,
-                                                label=label)
+            answer = client.lookup_with_sources(model, table, np.array(keys, dtype=np.int64),
+                                                version=model_version or None, label=label)
         except HPSError as exc:
             _fail(str(exc))
     if as_json:

@@ -30,9 +30,9 @@ class ReadEngine(Protocol):
         """The served table (NotFoundError naming what is missing)."""
         ...
 
-    def resolve(self, model: str, version: int = 0, label: str = "") -> tuple[str, int]:
-        """The served name (``model`` or ``model#vN``) and version that a lookup naming ``version`` or ``label``
-        (neither: the label ``production``, else the model as configured) reads."""
+    def resolve(self, model: str, version: int | None = None, label: str = "") -> tuple[str, int]:
+        """The served name (``model`` or ``model#vN``) and version that a lookup naming ``version`` (0: the model as
+        configured) or ``label`` (neither: the label ``production``, else the model as configured) reads."""
         ...
 
     def lookup(self, model: str, table: str, keys: np.ndarray, out: np.ndarray | None = None,

@@ -144,7 +144,7 @@ class LookupEngine:
         """The loaded versions of ``model``, oldest first."""
         return self.registry.versions(model)
 
-    def resolve(self, model: str, version: int = 0, label: str = "") -> tuple[str, int]:
+    def resolve(self, model: str, version: int | None = None, label: str = "") -> tuple[str, int]:
         """The served name and version a lookup of ``model`` naming ``version`` or ``label`` reads (see
         :func:`hps_service.engine.versions.resolve`)."""
         return resolve(self.labels.current(), self.registry.tables(), model, version, label)

@@ -33,26 +33,28 @@ def check_label(label: str) -> str:
     return label
 
 
-def resolve(labels: LabelMap, served: Collection[str], model: str, version: int = 0,
+def resolve(labels: LabelMap, served: Collection[str], model: str, version: int | None = None,
             label: str = "") -> tuple[str, int]:
-    """``(served name, version)`` that a request for ``model`` with ``version`` or ``label`` reads; NotFoundError
-    naming what is missing, InvalidArgumentError for a request that names both."""
-    if version:
+    """``(served name, version)`` that a request for ``model`` with ``version`` (0: the model as configured; None:
+    none named) or ``label`` reads; NotFoundError naming what is missing, InvalidArgumentError for a request that
+    names both."""
+    if version is not None:
         if label:
             raise InvalidArgumentError(f"the request names version {version} and label '{label}': name one")
         name = served_name(model, version)
-        if name not in served:
+        if version and name not in served:
             raise NotFoundError(f"model '{model}' has no version {version} loaded")
         return name, version
     by_label = labels.get(model)
+    named = 0
     if label:
         if by_label is None or label not in by_label:
             check_label(label)
             raise NotFoundError(f"model '{model}' has no label '{label}'")
-        version = by_label[label]
+        named = by_label[label]
     elif by_label is not None:
-        version = by_label.get(DEFAULT_LABEL, 0)
-    return served_name(model, version), version
+        named = by_label.get(DEFAULT_LABEL, 0)
+    return served_name(model, named), named
 
 
 class Labels:

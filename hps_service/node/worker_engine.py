@@ -193,7 +193,7 @@ class WorkerEngine:
                 raise
             return self.reader.lookup(current, keys, out, sources, stored)
 
-    def resolve(self, model: str, version: int = 0, label: str = "") -> tuple[str, int]:
+    def resolve(self, model: str, version: int | None = None, label: str = "") -> tuple[str, int]:
         """The served name and version a lookup reads, by the labels of the owner's manifest now."""
         self.sync()
         return resolve(self._labels.current(), self._tables, model, version, label)

@@ -157,7 +157,8 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
                                        f"PRECISION_STORED (1)")
         self.metrics.observe_keys(total)
         # one version answers every table of the request, resolved once (a label switch lands before or after it)
-        served, version = self.engine.resolve(request.model, request.version, request.label)
+        served, version = self.engine.resolve(request.model, request.version if request.HasField("version") else None,
+                                              request.label)
         if len(request.tables) == 1 and total:
             return self._lookup_one(request, served, version, context, stored)
         answers = []

@@ -265,7 +265,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         rows as JSON (encoded once, not walked by FastAPI's encoder: a 65,536 x 64 answer is 4M floats)."""
         with ctx.metrics.observe(method) as outcome:
             try:
-                served, version = engine.resolve(model, version, label)
+                served, version = engine.resolve(model, version or None, label)
                 arr = keys()
                 if arr.shape[0] > ctx.config.server.max_batch_keys:
                     raise ResourceExhaustedError(f"{arr.shape[0]} keys in one request exceeds "

@@ -44,7 +44,7 @@ class Switch:
 
 @dataclass
 class LabelRead:
-    """A lookup that named ``asked`` (0: no version, the label decides) and the version that answered."""
+    """A lookup that named version ``asked`` (-1: none, the label decides) and the version that answered."""
 
     asked: int
     answered: int
@@ -57,7 +57,7 @@ def check_labels(switches: list[Switch], reads: list[LabelRead], initial: int = 
     out = []
     acked = sorted((s for s in switches if s.ack is not None), key=lambda s: s.ack or 0.0)
     for r in reads:
-        if r.asked:
+        if r.asked >= 0:
             if r.answered != r.asked:
                 out.append(f"a read of version {r.asked} answered by version {r.answered} at {r.start:.3f}")
             continue
@@ -140,10 +140,12 @@ class LabelWorkload:
 
     def _read(self, stub: pb_grpc.EmbeddingServiceStub, rng: np.random.Generator) -> None:
         keys = rng.choice(self.keys, 24)
-        asked = int(rng.choice([0, 0, *VERSIONS]))
+        asked = int(rng.choice([-1, -1, *VERSIONS]))  # -1: none named, the label decides
+        request = pb.LookupRequest(model="hist", tables=[pb.TableKeys(table="t", keys=keys.astype("<i8").tobytes())])
+        if asked >= 0:
+            request.version = asked  # 0 named explicitly: the model as configured
         start = time.monotonic()
-        response = stub.Lookup(pb.LookupRequest(model="hist", version=asked, tables=[
-            pb.TableKeys(table="t", keys=keys.astype("<i8").tobytes())]), timeout=10)
+        response = stub.Lookup(request, timeout=10)
         end = time.monotonic()
         tv = response.tables[0]
         rows = np.frombuffer(tv.vectors, dtype="<f4").reshape(len(keys), -1)

@@ -29,10 +29,13 @@ def _put(http: httpx.Client, value: float, version: int = 0, table: str = "item"
     assert r.status_code == 200, r.text
 
 
-def _lookup(stub: pb_grpc.EmbeddingServiceStub, version: int = 0, label: str = "",
+def _lookup(stub: pb_grpc.EmbeddingServiceStub, version: int | None = None, label: str = "",
             tables: tuple[str, ...] = ("item",)) -> pb.LookupResponse:
-    return stub.Lookup(pb.LookupRequest(model="demo", version=version, label=label, tables=[
-        pb.TableKeys(table=t, keys=KEYS.astype("<i8").tobytes()) for t in tables]), timeout=10)
+    request = pb.LookupRequest(model="demo", label=label, tables=[
+        pb.TableKeys(table=t, keys=KEYS.astype("<i8").tobytes()) for t in tables])
+    if version is not None:  # the field has presence: 0 names the model as configured
+        request.version = version
+    return stub.Lookup(request, timeout=10)
 
 
 def _value(response: pb.LookupResponse, i: int = 0) -> set[float]:
@@ -65,7 +68,8 @@ def stub(srv: HPSServer) -> Iterator[pb_grpc.EmbeddingServiceStub]:
         yield pb_grpc.EmbeddingServiceStub(channel)
 
 
-def test_versions_side_by_side_labels_and_rollback(http: httpx.Client, stub: pb_grpc.EmbeddingServiceStub) -> None:
+def test_versions_side_by_side_labels_and_rollback(srv: HPSServer, http: httpx.Client,
+                                                   stub: pb_grpc.EmbeddingServiceStub) -> None:
     _put(http, 1.0)
     for version, value in ((1, 2.0), (2, 3.0)):
         r = _add(http, version)
@@ -99,6 +103,12 @@ def test_versions_side_by_side_labels_and_rollback(http: httpx.Client, stub: pb_
     assert [(v["version"], v["labels"]) for v in listed["versions"]] == [(1, ["production"]), (2, ["canary"])]
     metrics = http.get("/metrics").text
     assert 'hps_model_label_version{label="production",model="demo"} 1.0' in metrics
+    # version 0 named explicitly is the model as configured, whatever the labels say
+    answer = _lookup(stub, version=0)
+    assert _value(answer) == {1.0} and answer.version == 0
+    with HPSClient(target(srv)) as client:
+        assert set(client.lookup("demo", "item", KEYS, version=0).ravel().tolist()) == {1.0}
+        assert set(client.lookup("demo", "item", KEYS).ravel().tolist()) == {2.0}
     # label 0 names the model as configured
     assert _label(http, "production", 0).status_code == 200
     assert _value(_lookup(stub)) == {1.0}

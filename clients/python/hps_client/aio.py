@@ -208,7 +208,7 @@ class AsyncHPSClient:
     # ---- lookups ------------------------------------------------------------------------------------------
     async def lookup(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-        metadata: Metadata | None = None, out: np.ndarray | None = None, version: int = 0, label: str = "",
+        metadata: Metadata | None = None, out: np.ndarray | None = None, version: int | None = None, label: str = "",
     ) -> np.ndarray:
         """Rows of ``keys`` as an (n, dim) float32 array, in the order asked; copied into ``out`` when given, as
         :meth:`hps_client.HPSClient.lookup`."""
@@ -218,7 +218,7 @@ class AsyncHPSClient:
 
     async def lookup_with_sources(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-        metadata: Metadata | None = None, version: int = 0, label: str = "",
+        metadata: Metadata | None = None, version: int | None = None, label: str = "",
     ) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default, 5 expired)."""
         answers = await self.lookup_many(model, {table: keys}, timeout, metadata=metadata, version=version, label=label)
@@ -226,13 +226,13 @@ class AsyncHPSClient:
 
     async def lookup_many(
         self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None, *,
-        metadata: Metadata | None = None, version: int = 0, label: str = "",
+        metadata: Metadata | None = None, version: int | None = None, label: str = "",
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``."""
         return await self._lookup_tables(model, tables, timeout, metadata, stored=False, version=version, label=label)
 
     async def lookup_stored(self, model: str, table: str, keys: np.ndarray | Sequence[int],
-                            timeout: float | None = None, *, metadata: Metadata | None = None, version: int = 0,
+                            timeout: float | None = None, *, metadata: Metadata | None = None, version: int | None = None,
                             label: str = "") -> StoredAnswer:
         """Rows of ``keys`` as the table stores them, as :meth:`hps_client.HPSClient.lookup_stored`."""
         answer: StoredAnswer = (await self._lookup_tables(model, {table: keys}, timeout, metadata, stored=True,
@@ -240,7 +240,7 @@ class AsyncHPSClient:
         return answer
 
     async def _lookup_tables(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                             timeout: float | None, metadata: Metadata | None, stored: bool, version: int = 0,
+                             timeout: float | None, metadata: Metadata | None, stored: bool, version: int | None = None,
                              label: str = "") -> dict[str, Any]:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout

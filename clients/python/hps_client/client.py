@@ -303,7 +303,7 @@ class HPSClient:
 
     # ---- lookups ------------------------------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-               metadata: Metadata | None = None, out: np.ndarray | None = None, version: int = 0,
+               metadata: Metadata | None = None, out: np.ndarray | None = None, version: int | None = None,
                label: str = "") -> np.ndarray:
         """Rows of ``keys`` as an (n, dim) float32 array, in the order asked (a read-only view of the response);
         copied into ``out`` when given (a writable C-contiguous float32 ``(n, dim)`` array the caller owns). Read
@@ -314,21 +314,21 @@ class HPSClient:
 
     def lookup_with_sources(
         self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-        metadata: Metadata | None = None, version: int = 0, label: str = "",
+        metadata: Metadata | None = None, version: int | None = None, label: str = "",
     ) -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default, 5 expired)."""
         return self.lookup_many(model, {table: keys}, timeout, metadata=metadata, version=version, label=label)[table]
 
     def lookup_many(
         self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None = None, *,
-        metadata: Metadata | None = None, version: int = 0, label: str = "",
+        metadata: Metadata | None = None, version: int | None = None, label: str = "",
     ) -> dict[str, TableAnswer]:
         """Several tables of one model in one request: ``{table: TableAnswer}``; ``metadata`` follows the client's
         on this call."""
         return self._lookup_tables(model, tables, timeout, metadata, stored=False, version=version, label=label)
 
     def lookup_stored(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None,
-                      *, metadata: Metadata | None = None, version: int = 0, label: str = "") -> StoredAnswer:
+                      *, metadata: Metadata | None = None, version: int | None = None, label: str = "") -> StoredAnswer:
         """Rows of ``keys`` as the table stores them (``precision = stored``: fp16, bf16 or int8 rows with their
         scales, up to 4x fewer bytes than float32), for a caller that decodes them itself; ``.rows.to_float32()``
         gives what :meth:`lookup` answers."""
@@ -337,7 +337,7 @@ class HPSClient:
         return answer
 
     def _lookup_tables(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]], timeout: float | None,
-                       metadata: Metadata | None, stored: bool, version: int = 0,
+                       metadata: Metadata | None, stored: bool, version: int | None = None,
                        label: str = "") -> dict[str, Any]:
         timeout = self.timeout if timeout is None else timeout
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -372,7 +372,7 @@ class HPSClient:
 
     def _lookup_sharded(self, routes: ShardRoutes, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
                         deadline: float | None, metadata: Metadata | None, precision: pb.Precision,
-                        version: int = 0, label: str = "") -> dict[str, Any]:
+                        version: int | None = None, label: str = "") -> dict[str, Any]:
         split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0),
                             precision=precision, version=version, label=label)
         total = sum(split.sizes)

@@ -20,7 +20,7 @@ from hps_client.errors import HPSError, InternalError, InvalidArgumentError, Una
 from hps_client.partitioning import shard_ids
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.stub import EmbeddingStub
-from hps_client.wire import WireResponse, WireTable, as_error, as_keys, decode_answer, decode_stored
+from hps_client.wire import WireResponse, WireTable, as_error, as_keys, decode_answer, decode_stored, version_field
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +95,7 @@ def _table_of(response: WireResponse, i: int, table: str) -> WireTable:
 
 
 def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], shape: ShardShape,
-                fallback_shard: int = 0, precision: pb.Precision = pb.PRECISION_FP32, version: int = 0,
+                fallback_shard: int = 0, precision: pb.Precision = pb.PRECISION_FP32, version: int | None = None,
                 label: str = "") -> SplitBatch:
     """One request per shard holding keys of the batch; every part names every table (possibly with no keys), so
     each answer carries each table's dim. A batch with no key at all goes to ``fallback_shard``. Each part names
@@ -111,7 +111,7 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
     if len(used) <= 1:  # every key on one shard (always so when unsharded): the batch as it is, to that shard
         request = pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=a.tobytes())
                                                         for t, a in zip(names, arrays)], precision=precision,
-                                   version=version, label=label)
+                                   label=label, **version_field(version))
         return SplitBatch(tables=names, sizes=sizes, parts=[
             ShardPart(shard=used[0] if used else fallback_shard, request=request, positions=None, keys=sum(sizes))])
     per_table = []  # (order, starts) per table
@@ -126,7 +126,7 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
         request = pb.LookupRequest(model=model, tables=[
             pb.TableKeys(table=t, keys=arr[pos].astype("<i8", copy=False).tobytes())
             for t, arr, pos in zip(names, arrays, positions)
-        ], precision=precision, version=version, label=label)
+        ], precision=precision, label=label, **version_field(version))
         parts.append(ShardPart(shard=s, request=request, positions=positions, keys=int(counts[s])))
     return SplitBatch(tables=names, sizes=sizes, parts=parts)
 

@@ -90,11 +90,18 @@ def decode_stored(tv: pb.TableVectors | WireTable) -> StoredAnswer:
 
 
 def build_request(model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                  precision: pb.Precision = pb.PRECISION_FP32, version: int = 0, label: str = "") -> pb.LookupRequest:
+                  precision: pb.Precision = pb.PRECISION_FP32, version: int | None = None,
+                  label: str = "") -> pb.LookupRequest:
     """One LookupRequest for several tables of ``model`` (``precision``: an hps.v1.Precision), of its ``version``
-    or the one ``label`` names (neither: its label ``production``, else the model as configured)."""
+    (0: the model as configured) or the one ``label`` names (neither: its label ``production``, else the model as
+    configured)."""
     return pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=encode_keys(k)) for t, k in tables.items()],
-                            precision=precision, version=version, label=label)
+                            precision=precision, label=label, **version_field(version))
+
+
+def version_field(version: int | None) -> dict[str, int]:
+    """The ``version`` field of a LookupRequest as constructor arguments: none when unset (it has presence)."""
+    return {} if version is None else {"version": version}
 
 
 @dataclass(slots=True)
