@@ -33,6 +33,7 @@ from prometheus_client import Counter
 from hps_service.config import ModelConfig, UpdatesConfig
 from hps_service.engine import LookupEngine
 from hps_service.errors import HPSError, UnavailableError
+from hps_service.fleet.switch_gate import SwitchGate
 from hps_service.runtime.background import BackgroundThread
 from hps_service.tiers.base import Tier
 from hps_service.updates.admin_signature import REASONS, Signature, registry_context
@@ -46,7 +47,7 @@ from hps_service.updates.watermarks import BrokerLogs
 
 log = logging.getLogger(__name__)
 
-REGISTER, UNLOAD, LABEL = "register", "unload", "label"
+REGISTER, UNLOAD, LABEL, STATUS = "register", "unload", "label", "status"
 REFUSED = Counter("hps_registry_refused_total",
                   "Changes on the registration log refused (not applied: unsigned, badly signed, or no key here), by why",
                   ["reason"])
@@ -70,26 +71,41 @@ class RegistryChange:
     of: str = ""
     label: str = ""
     version: int | None = None
+    #: A replica's status for the switch gate (:mod:`hps_service.fleet.switch_gate`), keyed by the replica.
+    status: dict[str, Any] | None = None
 
     @staticmethod
     def switch(model: str, label: str, version: int | None) -> RegistryChange:
         """The switch of ``label`` of ``model`` to ``version`` (keyed by the label: compaction keeps the last)."""
         return RegistryChange(LABEL, f"label:{model}/{label}", of=model, label=label, version=version)
 
+    @staticmethod
+    def of_status(status: dict[str, Any]) -> RegistryChange:
+        """A replica's status (keyed by the replica: compaction keeps its last)."""
+        return RegistryChange(STATUS, f"status:{status['replica']}", status=status)
+
     def encode(self) -> bytes:
         data: dict[str, Any] = {"op": self.op, "name": self.name,
                                 "model": self.model.model_dump(mode="json") if self.model else None}
         if self.op == LABEL:
             data.update({"of": self.of, "label": self.label, "version": self.version})
+        if self.op == STATUS:
+            data["status"] = self.status
         return json.dumps(data).encode()
 
     @staticmethod
     def decode(payload: bytes | None) -> RegistryChange:
         """The change a message carries; ValueError when it carries none."""
         data = json.loads(payload or b"null")
-        if not isinstance(data, dict) or data.get("op") not in (REGISTER, UNLOAD, LABEL) or not isinstance(
+        if not isinstance(data, dict) or data.get("op") not in (REGISTER, UNLOAD, LABEL, STATUS) or not isinstance(
                 data.get("name"), str):
             raise ValueError(f"not a registration: {str(payload)[:200]}")
+        if data["op"] == STATUS:
+            status = data.get("status")
+            if not isinstance(status, dict) or not isinstance(status.get("replica"), str) or not isinstance(
+                    status.get("at"), (int, float)) or not isinstance(status.get("served"), dict):
+                raise ValueError(f"not a replica status: {str(payload)[:200]}")
+            return RegistryChange.of_status(status)
         if data["op"] == LABEL:
             version = data.get("version")
             if not isinstance(data.get("of"), str) or not isinstance(data.get("label"), str) or not (
@@ -130,6 +146,8 @@ class ModelRegistrations:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()  # one change at a time, from REST or the log
         self._warned_local = False
+        #: Holds a label switch back until every replica can take it (set by the fleet when the log signs).
+        self.gate: SwitchGate | None = None
 
     def register(self, model: ModelConfig) -> bool:
         """Serve ``model`` (a model, or a version of one) here (and, through the log, on every replica) before this
@@ -145,7 +163,12 @@ class ModelRegistrations:
 
     def set_label(self, model: str, label: str, version: int | None) -> bool:
         """Point ``label`` of ``model`` at ``version`` (None: remove it) here (and, through the log, on every replica
-        and shard, at the same offset of the one-partition log) before this returns; whether it travelled."""
+        and shard, at the same offset of the one-partition log) before this returns; whether it travelled. Through
+        the log, the switch waits until every replica reports the version switchable (FailedPreconditionError
+        naming what is missing, after a while)."""
+        registry = self.log_of()
+        if version is not None and self.gate is not None and registry is not None and registry.signs:
+            self.gate.wait(model, version)
         return self._through_log(RegistryChange.switch(model, label, version))
 
     def _through_log(self, change: RegistryChange) -> bool:
@@ -174,7 +197,12 @@ class ModelRegistrations:
                         "them to every replica, set updates.admin_key, the same on every replica", topic)
 
     def apply(self, change: RegistryChange) -> None:
-        """A change read from the log: applied unless the config defines the model or it changes nothing."""
+        """A change read from the log: applied unless the config defines the model or it changes nothing (a
+        replica's status goes to the switch gate)."""
+        if change.op == STATUS:
+            if self.gate is not None and change.status is not None:
+                self.gate.record(change.status)
+            return
         if change.name in self.configured:
             log.info("model %s is defined by the config; its %s on the registration log is skipped", change.name,
                      change.op)
@@ -228,6 +256,8 @@ class RegistryLog:
         self.failed: dict[int, str] = {}
         #: Changes on the log refused here (not applied), by reason.
         self.refused = dict.fromkeys(REASONS, 0)
+        #: The offset of the last switch of each label applied here (every replica's are the same: one log).
+        self.label_offsets: dict[str, int] = {}
         self.last_error: str | None = None
         self._worker = BackgroundThread("hps-registry", self._run)
         self._stop = self._worker.stopping
@@ -273,7 +303,7 @@ class RegistryLog:
         """The ``registry`` section of /v1/stats."""
         return {"topic": self.topic, "signed": self.signs, "applied_offset": self.applied,
                 "catching_up": self.not_ready() is not None, "failed": {str(o): why for o, why in self.failed.items()},
-                "refused": dict(self.refused), "last_error": self.last_error}
+                "refused": dict(self.refused), "last_error": self.last_error, "label_offsets": dict(self.label_offsets)}
 
     def not_ready(self) -> str | None:
         """Why this replica has not applied the registrations on the log yet, or None (always without a key: it
@@ -364,7 +394,10 @@ class RegistryLog:
                 self._refuse(msg, reason)
             else:
                 try:
-                    self._apply(RegistryChange.decode(msg.value()))
+                    change = RegistryChange.decode(msg.value())
+                    self._apply(change)
+                    if change.op == LABEL:
+                        self.label_offsets = {**self.label_offsets, change.name: offset}
                 except Exception as exc:  # noqa: BLE001  (logged and skipped: one change must not stop the others)
                     self.failed = {**dict(list(self.failed.items())[-99:]), offset: str(exc)}
                     log.error("registration log %s: the change at offset %d was not applied here: %s", self.topic,

@@ -126,7 +126,7 @@ class HPSServer:
             self._start_grpc(credentials)
             assert self.engine is not None  # built above, by the node or in this process
             self._make_snapshotter()
-            self.fleet = FleetServices(self.config, self.engine, self.models_changed, self._group())
+            self.fleet = FleetServices(self.config, self.engine, self.models_changed, self._group(), self.not_ready)
             self.readiness.append(self.fleet.not_ready)
             self.stats_sections["registry"] = self.fleet.stats
             self._start_updates()  # first: an admin write answered before the log writer exists would bypass the log

@@ -5,6 +5,7 @@ processes, and tansu."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from pathlib import Path
 
@@ -90,8 +91,8 @@ def test_versions_and_label_switches_reach_every_replica_through_the_log(kafka_b
     rolled = a.http.put("/v1/models/base/labels/production", json={"version": 0})  # a rollback
     assert rolled.status_code == 200 and serve(a, old)
     assert wait_until(lambda: serve(b, old), timeout=30)
-    offsets = {replica.http.get("/v1/stats").json()["registry"]["applied_offset"] for replica in (a, b)}
-    assert len(offsets) == 1, offsets  # both applied the log up to the same offset
+    offsets = [replica.http.get("/v1/stats").json()["registry"]["label_offsets"] for replica in (a, b)]
+    assert offsets[0] == offsets[1] and offsets[0], offsets  # both made each switch at the same offset of the log
     dropped = b.http.delete("/v1/models/base/versions/1")
     assert dropped.status_code == 200 and dropped.json()["replicated"] is True, dropped.text
     assert wait_until(lambda: a.http.get("/v1/models/base").json()["versions"] == [], timeout=30)
@@ -127,8 +128,36 @@ def test_both_shards_of_a_sharded_fleet_switch_a_label_at_the_same_offset(kafka_
         for i in range(2):
             assert wait_until(lambda i=i: np.array_equal(shards[i].clients[0].lookup("base", "item", owned[i]),
                                                          new[: owned[i].size]), timeout=30)
-        offsets = {s.http.get("/v1/stats").json()["registry"]["applied_offset"] for s in shards}
-        assert len(offsets) == 1, offsets
+        offsets = [s.http.get("/v1/stats").json()["registry"]["label_offsets"] for s in shards]
+        assert offsets[0] == offsets[1] and offsets[0], offsets  # the switch made at the same offset on both
     finally:
         for s in shards:
             s.close()
+
+
+def test_a_switch_waits_for_every_replica_and_names_the_one_behind(kafka_broker, fleet, monkeypatch) -> None:
+    """A label switch goes on the log only once every replica reports the version switchable (its statuses on the
+    registration log): with the other replica not ready, the PUT answers 409 naming it and what it lacks; once it
+    is ready again, the same PUT switches both."""
+    from hps_service.fleet import switch_gate
+
+    prefix, (a, b) = fleet
+    assert a.http.post("/v1/models/base/versions", json={"version": 3}).status_code == 201
+    assert wait_until(lambda: "b" in a.http.get("/v1/stats").json()["registry"]["members"], timeout=30)
+
+    def held_back() -> str:
+        return "held back by the test"
+
+    monkeypatch.setattr(switch_gate, "WAIT_S", 3.0)
+    b.srv.readiness.append(held_back)
+    time.sleep(2 * switch_gate.PUBLISH_S + 0.5)  # b's next status on the log, and a reading it
+    try:
+        refused = a.http.put("/v1/models/base/labels/production", json={"version": 3})
+        assert refused.status_code == 409, refused.text
+        assert "replica b: held back by the test" in refused.json()["detail"], refused.text
+        assert a.http.get("/v1/models/base").json()["labels"] == {}
+    finally:
+        b.srv.readiness.remove(held_back)
+    switched = a.http.put("/v1/models/base/labels/production", json={"version": 3})
+    assert switched.status_code == 200, switched.text
+    assert wait_until(lambda: b.http.get("/v1/models/base").json()["labels"] == {"production": 3}, timeout=30)
