@@ -20,19 +20,10 @@ from hps_service.client import HPSClient
 from hps_service.local import LocalClient
 from hps_service.rows import row_format
 from tests.helpers import ServerProcess, free_port, run_hps, write_config
+from tests.server.conftest import wait_job
 
 DIM, ROWS, TOKEN = 32, 20_000, "convert-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def _wait_job(http: str, job_id: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = httpx.get(f"{http}/v1/jobs/{job_id}", timeout=10).json()
-        if job["state"] in ("succeeded", "failed"):
-            return job
-        time.sleep(0.1)
-    raise AssertionError(f"job {job_id} did not end within {timeout} s")
 
 
 def test_a_served_table_is_converted_to_int8_and_stays_so(tmp_path: Path) -> None:
@@ -97,7 +88,8 @@ def test_a_served_table_is_converted_to_int8_and_stays_so(tmp_path: Path) -> Non
                 put = httpx.put(f"{http}/v1/models/m/tables/item/embeddings", headers=AUTH, timeout=30,
                                 json={"keys": keys[:50].tolist(), "vectors": newer.tolist(), "version": 7})
                 assert put.status_code == 200, put.text
-                job = _wait_job(http, job["id"])
+                with httpx.Client(base_url=http, timeout=10) as client:
+                    job = wait_job(client, job["id"], 120)
                 time.sleep(0.5)  # lookups after the switch, too
             finally:
                 stop.set()

@@ -21,21 +21,12 @@ from hps_service.local import LocalClient
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from tests.helpers import ServerProcess, free_port, run_hps, write_config
+from tests.server.conftest import wait_job
 
 DIM, ROWS, TOKEN = 16, 5_000, "versions-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 #: Version v serves the base rows times SCALE[v].
 SCALE = {0: 1.0, 1: 2.0, 2: 3.0}
-
-
-def _wait_job(http: str, job_id: str, timeout: float = 120) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        job = httpx.get(f"{http}/v1/jobs/{job_id}", timeout=10).json()
-        if job["state"] in ("succeeded", "failed"):
-            return job
-        time.sleep(0.1)
-    raise AssertionError(f"job {job_id} did not end within {timeout} s")
 
 
 def _version_of(rows: np.ndarray, base: np.ndarray) -> int | None:
@@ -75,7 +66,8 @@ def test_versions_are_served_side_by_side_and_labels_switch_under_load(tmp_path:
             assert added.status_code == 201, added.text
         job = httpx.post(f"{http}/v1/models/m/tables/item/import", params={"model_version": 2}, headers=AUTH, timeout=10,
                          json={"path": str(tmp_path / "v2")}).json()
-        assert _wait_job(http, job["id"])["state"] == "succeeded"
+        with httpx.Client(base_url=http, timeout=10) as client:
+            assert wait_job(client, job["id"], 120)["state"] == "succeeded"
 
         stop, failures, seen = threading.Event(), [], []
 
