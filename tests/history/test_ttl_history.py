@@ -87,7 +87,7 @@ def _timeline(violation: str, puts: dict[int, list[tuple[int, float, float | Non
 #: Run on request only (HPS_RUN_LONG=1): in 1 of 4 runs (CI, 2026-12-04) a worker answered one key EXPIRED three
 #: times within 30 ms of its first write's acknowledgement (rule 2), which no rule allows. 21 runs here on
 #: 2026-12-04 (4 warm, 12 beside a CPU burner, 5 with numba's cache cleared first) did not repeat it, and no stored
-#: stamp was off (a lookup-side log of every expired row's stamp and source, 790k of them: all L1 rows, 3 s or more
+#: stamp was off (a lookup-side log of every expired row's stamp and source, over a million: all L1 rows, 3 s or more
 #: old). A failure now prints the key's timeline (_timeline). It stays out of `make test` until diagnosed.
 @pytest.mark.long
 @pytest.mark.timeout(SECONDS + 300)
