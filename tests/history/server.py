@@ -41,6 +41,9 @@ class HistoryServer:
     overrides: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     name: str = "server"
+    #: Update topics are ``<topic_prefix>.<model>``: a check that shares its model name with another on the session's
+    #: broker (the label and TTL checks: ``hist``) gives itself a prefix of its own, or it follows the other's writes.
+    topic_prefix: str = "hps"
     grpc_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
     local_path: Path = field(default_factory=lambda: Path(f"/dev/shm/hps-history-{uuid.uuid4().hex[:10]}"))
@@ -73,7 +76,8 @@ class HistoryServer:
             "persistent": {"type": "rocksdb", "path": str(self.db), "block_cache_mb": 8,
                            "write_buffer_mb": WRITE_BUFFER_MB, "max_total_wal_mb": MAX_TOTAL_WAL_MB,
                            "change_ring_keys": CHANGE_RING_KEYS},
-            "updates": {"type": "kafka", "brokers": self.broker, "group": f"{self.model}-{self.name}"},
+            "updates": {"type": "kafka", "brokers": self.broker, "group": f"{self.model}-{self.name}",
+                        "topic_prefix": self.topic_prefix},
             "models": [{"name": self.model, "tables": [{"name": self.table, "dim": DIM,
                                                          "default": {"constant": DEFAULT_VALUE}}]}],
         }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,7 @@ SECONDS = float(os.environ.get("HPS_LABEL_HISTORY_SECONDS", "16"))
 
 @pytest.mark.timeout(SECONDS + 300)
 def test_label_switches_and_versions_keep_the_history_rules(kafka_broker, tmp_path: Path) -> None:
-    server = HistoryServer(tmp_path, kafka_broker.bootstrap)
+    server = HistoryServer(tmp_path, kafka_broker.bootstrap, topic_prefix=f"labels-{uuid.uuid4().hex[:10]}")
     server.start()
     try:
         added = httpx.post(f"{server.http}/v1/models/hist/versions", json={"version": 1}, headers=AUTH, timeout=60)
