@@ -206,3 +206,33 @@ def test_the_clients_name_a_version_or_a_label(srv: HPSServer, http: httpx.Clien
             return await client.lookup("demo", "item", KEYS, label="canary")
 
     assert set(asyncio.run(aio()).ravel().tolist()) == {2.0}
+
+
+def test_the_limits_of_versions_and_labels_hold_at_and_past_each(http: httpx.Client,
+                                                                   stub: pb_grpc.EmbeddingServiceStub) -> None:
+    """A label of 64 characters is a name and one of 65 is not; version numbers stop at 2**31 - 1 (REST) and a lookup
+    of any uint32 version that is not loaded is NOT_FOUND; the routes' bodies are bounded before they are read."""
+    from hps_service.server.rest_access import MODEL_BODY_BYTES, SMALL_BODY_BYTES
+
+    top = 2**31 - 1
+    assert _add(http, top).status_code == 201
+    assert _add(http, top + 1).status_code == 422
+    longest, too_long = "l" * 64, "l" * 65
+    assert _label(http, longest, top).status_code == 200
+    refused = _label(http, too_long, top)
+    assert refused.status_code in (400, 422) and "is not a name of 1-64" in refused.json()["detail"]
+    assert _label(http, "production", top + 1).status_code == 422
+    assert http.delete(f"/v1/models/demo/versions/{top + 1}", headers=AUTH).status_code == 422
+    assert _lookup(stub, label=longest).version == top
+    for kwargs, code, text in ((dict(label=too_long), grpc.StatusCode.INVALID_ARGUMENT, "is not a name"),
+                               (dict(version=2**32 - 1), grpc.StatusCode.NOT_FOUND, "has no version 4294967295")):
+        with pytest.raises(grpc.RpcError) as err:
+            _lookup(stub, **kwargs)  # type: ignore[arg-type]
+        assert err.value.code() == code and text in err.value.details(), kwargs
+    for path, limit, method in ((f"/v1/models/demo/labels/{longest}", SMALL_BODY_BYTES, "PUT"),
+                                ("/v1/models/demo/versions", MODEL_BODY_BYTES, "POST")):
+        body = b'{"version": 1' + b" " * limit + b"}"
+        big = http.request(method, path, content=body, headers={**AUTH, "content-type": "application/json"})
+        assert big.status_code == 413 and "exceeds" in big.json()["detail"], (path, big.text[:200])
+    assert http.delete(f"/v1/models/demo/labels/{longest}", headers=AUTH).status_code == 200
+    assert http.delete(f"/v1/models/demo/versions/{top}", headers=AUTH).status_code == 200
