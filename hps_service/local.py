@@ -104,7 +104,7 @@ class LocalClient:
         self._channel, self._stub = self._open(self.socket_path)
         self._lock = threading.Lock()
         self._view: StoreView | None = None
-        self._tables: dict[tuple[str, str], _Table] = {}
+        self._tables: dict[tuple[str, str, int | None, str], _Table] = {}
         self._checked_at = 0.0
         self._attach_at = 0.0
         self.remaps = 0  # times a new generation of the store was mapped (the server restarted)
@@ -193,38 +193,58 @@ class LocalClient:
                 self._tables = {}
         return view
 
-    def _table(self, view: StoreView, model: str, table: str) -> _Table | None:
-        """The table of the version the model's label ``production`` names in the mapped manifest (the model as
-        configured without one); a new manifest (a label switch) drops these."""
-        t = self._tables.get((model, table))
+    @staticmethod
+    def _version(view: StoreView, model: str, version: int | None, label: str) -> int | None:
+        """The model version a lookup naming ``version`` or ``label`` reads by the mapped manifest (neither: the one
+        the label ``production`` names, else the model as configured); None when this client cannot tell (both named,
+        a label the manifest lacks): the server answers, or refuses, that lookup."""
+        if version is not None:
+            return None if label else version
+        labels = view.manifest.get("labels", {}).get(model, {})
+        named = labels.get(label or DEFAULT_LABEL)
+        if named is None:
+            return None if label else 0
+        return int(named)
+
+    def _table(self, view: StoreView, model: str, table: str, version: int | None = None,
+               label: str = "") -> _Table | None:
+        """The table of the model version that ``version`` or ``label`` names (see :meth:`_version`) in the mapped
+        manifest; a new manifest (a label switch) drops these."""
+        t = self._tables.get((model, table, version, label))
         if t is None:
-            version = int(view.manifest.get("labels", {}).get(model, {}).get(DEFAULT_LABEL, 0))
-            serial = view.served(served_name(model, version), table)
-            if serial is None:
+            resolved = self._version(view, model, version, label)
+            serial = view.served(served_name(model, resolved), table) if resolved is not None else None
+            if resolved is None or serial is None:
                 return None  # the server answers NOT_FOUND (or knows it by now)
-            t = _Table(view, serial, version)
-            self._tables[(model, table)] = t
+            t = _Table(view, serial, resolved)
+            self._tables[(model, table, version, label)] = t
         return t
 
     # ---- lookups ------------------------------------------------------------------------------
     def lookup(self, model: str, table: str, keys: np.ndarray | Sequence[int], timeout: float | None = None, *,
-               metadata: Metadata | None = None, out: np.ndarray | None = None) -> np.ndarray:
+               metadata: Metadata | None = None, out: np.ndarray | None = None, version: int | None = None,
+               label: str = "") -> np.ndarray:
         """Rows of ``keys`` as an (n, dim) float32 array, in the order asked; written into ``out`` when given (a
-        writable C-contiguous float32 ``(n, dim)`` array the caller reuses: L1 hits are copied there directly)."""
-        return self.lookup_with_sources(model, table, keys, timeout, metadata=metadata, out=out).vectors
+        writable C-contiguous float32 ``(n, dim)`` array the caller reuses: L1 hits are copied there directly). From
+        the model's ``version``, or the one ``label`` names (neither: its label ``production``), as HPSClient."""
+        return self.lookup_with_sources(model, table, keys, timeout, metadata=metadata, out=out, version=version,
+                                        label=label).vectors
 
     def lookup_with_sources(self, model: str, table: str, keys: np.ndarray | Sequence[int],
                             timeout: float | None = None, *, metadata: Metadata | None = None,
-                            out: np.ndarray | None = None) -> TableAnswer:
+                            out: np.ndarray | None = None, version: int | None = None,
+                            label: str = "") -> TableAnswer:
         """Rows of ``keys`` and, per key, which level answered (1 cache, 2 volatile, 3 persistent, 4 default,
         5 expired); the rows written into ``out`` when given, as :meth:`lookup`."""
         view = self._current()
-        t = self._tables.get((model, table)) if view is not None else None
+        t = self._tables.get((model, table, version, label)) if view is not None else None
         if t is None or not model:  # not mapped yet (or a bad request): the general path says why
-            return into(out, self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table])
+            return into(out, self.lookup_many(model, {table: keys}, timeout, metadata=metadata, version=version,
+                                              label=label)[table])
         keys = as_keys(keys)  # the usual call: one table already mapped
         if keys.shape[0] == 0:
-            return into(out, self.lookup_many(model, {table: keys}, timeout, metadata=metadata)[table])
+            return into(out, self.lookup_many(model, {table: keys}, timeout, metadata=metadata, version=version,
+                                              label=label)[table])
         answer, miss = self._read_local(t, keys, out)
         if miss is not None:  # from the version the hits came from, whatever the label names now
             uniq, inverse = unique_with_inverse(keys[miss])
@@ -234,14 +254,15 @@ class LocalClient:
         return answer
 
     def lookup_stored(self, model: str, table: str, keys: np.ndarray | Sequence[int],
-                      timeout: float | None = None, *, metadata: Metadata | None = None) -> StoredAnswer:
+                      timeout: float | None = None, *, metadata: Metadata | None = None, version: int | None = None,
+                      label: str = "") -> StoredAnswer:
         """Rows of ``keys`` as the table stores them (as :meth:`hps_client.HPSClient.lookup_stored`): L1 and
         hash-map hits copied as they are, with no decoding, the rest from the server."""
         view = self._current()
-        t = self._tables.get((model, table)) if view is not None else None
+        t = self._table(view, model, table, version, label) if view is not None and model else None
         keys = as_keys(keys)
         if t is None or not model or keys.shape[0] == 0:
-            request = build_request(model, {table: keys}, pb.PRECISION_STORED)
+            request = build_request(model, {table: keys}, pb.PRECISION_STORED, version, label)
             return self._call(request, timeout, metadata, decode_stored)[table]
         fmt = t.served.format
         words = np.empty((keys.shape[0], fmt.words), dtype=np.float32)
@@ -256,8 +277,10 @@ class LocalClient:
         return StoredAnswer(StoredRows(fmt.storage, fmt.dim, words.view(np.uint32)), sources)
 
     def lookup_many(self, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                    timeout: float | None = None, *, metadata: Metadata | None = None) -> dict[str, TableAnswer]:
-        """Several tables of one model: each table's hits read here, all their misses in one call to the server."""
+                    timeout: float | None = None, *, metadata: Metadata | None = None, version: int | None = None,
+                    label: str = "") -> dict[str, TableAnswer]:
+        """Several tables of one model (of ``version``, or the one ``label`` names, as :meth:`lookup`): each table's
+        hits read here, all their misses in one call to the server."""
         if not model:
             raise InvalidArgumentError("model name is empty")
         if not tables:
@@ -269,7 +292,7 @@ class LocalClient:
         versions = set()
         for name, raw in tables.items():
             keys = as_keys(raw)
-            t = self._table(view, model, name) if view is not None else None
+            t = self._table(view, model, name, version, label) if view is not None else None
             if t is None or keys.shape[0] == 0:
                 missing[name], positions[name] = keys, None
                 continue
@@ -280,8 +303,9 @@ class LocalClient:
                 uniq, inverse = unique_with_inverse(keys[miss])
                 missing[name], positions[name] = uniq, (miss, inverse)
         if missing:  # every table of one request from one version: the one its local reads came from
-            fetched = self._call(build_request(model, missing, version=versions.pop() if versions else None), timeout,
-                                 metadata)
+            request = (build_request(model, missing, version=versions.pop()) if versions
+                       else build_request(model, missing, version=version, label=label))
+            fetched = self._call(request, timeout, metadata)
             for name, where in positions.items():
                 got = fetched[name]
                 if where is None:

@@ -15,7 +15,9 @@ from pathlib import Path
 import grpc
 import httpx
 import numpy as np
+import pytest
 
+from hps_client.errors import InvalidArgumentError, NotFoundError
 from hps_service.admin.importer import synthesize_model, write_hugectr_dir
 from hps_service.local import LocalClient
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
@@ -35,6 +37,27 @@ def _version_of(rows: np.ndarray, base: np.ndarray) -> int | None:
         if np.array_equal(rows, (base * scale).astype(np.float32)):
             return version
     return None
+
+
+def _local_client_names_versions_and_labels(store: Path, keys: np.ndarray, vectors: np.ndarray,
+                                            row_of: dict[int, int]) -> None:
+    """LocalClient reads the version a call names, or its label's, from the mapped store as HPSClient does (label
+    ``production`` names version 2 here); what the store cannot tell, the server answers or refuses."""
+    ask = keys[:256]
+    base = vectors[[row_of[int(k)] for k in ask]]
+    with LocalClient(store, timeout=10) as client:
+        for kwargs, version in (({}, 2), ({"version": 1}, 1), ({"version": 0}, 0), ({"label": "production"}, 2)):
+            for _ in range(2):  # the first call maps the table, the second reads it through the fast path
+                answer = client.lookup_with_sources("m", "item", ask, **kwargs)  # type: ignore[arg-type]
+                assert _version_of(answer.vectors, base) == version, kwargs
+            both = client.lookup_many("m", {"item": ask}, **kwargs)  # type: ignore[arg-type]
+            assert _version_of(both["item"].vectors, base) == version, kwargs
+        for kwargs, error, text in (({"version": 9}, NotFoundError, "no version 9"),
+                                    ({"label": "nope"}, NotFoundError, "no label 'nope'"),
+                                    ({"version": 1, "label": "production"}, InvalidArgumentError, "name one")):
+            with pytest.raises(error) as err:
+                client.lookup("m", "item", ask, **kwargs)  # type: ignore[arg-type]
+            assert text in str(err.value), (kwargs, err.value)
 
 
 def test_versions_are_served_side_by_side_and_labels_switch_under_load(tmp_path: Path) -> None:
@@ -149,6 +172,7 @@ def test_versions_are_served_side_by_side_and_labels_switch_under_load(tmp_path:
         assert listed.returncode == 0, listed.stderr
         (model,) = [m for m in json.loads(listed.stdout)["models"] if m["name"] == "m"]
         assert model["labels"] == {"production": 2} and model["versions"] == [1, 2]
+        _local_client_names_versions_and_labels(store, keys, vectors, row_of)
     finally:
         srv.stop()
         shutil.rmtree(store, ignore_errors=True)
