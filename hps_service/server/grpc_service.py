@@ -130,27 +130,29 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             raise request.error()
         if not request.model:
             raise InvalidArgumentError("model name is empty")
-        if not request.tables:
+        tables = request.tables
+        if not tables:
             raise InvalidArgumentError("the request names no table")
-        if len(request.tables) > self.limits.max_tables_per_request:
+        if len(tables) > self.limits.max_tables_per_request:
             raise ResourceExhaustedError(
-                f"{len(request.tables)} tables in one request exceeds "
+                f"{len(tables)} tables in one request exceeds "
                 f"server.max_tables_per_request={self.limits.max_tables_per_request}"
             )
+        keys = [tk.keys for tk in tables]  # each access to a bytes field makes a new bytes object: once
         total = 0
-        for tk in request.tables:
-            if len(tk.keys) % 8:
+        for tk, raw in zip(tables, keys):
+            if len(raw) % 8:
                 raise InvalidArgumentError(
-                    f"table '{tk.table}': keys is {len(tk.keys)} bytes, not a multiple of 8 (packed int64)"
+                    f"table '{tk.table}': keys is {len(raw)} bytes, not a multiple of 8 (packed int64)"
                 )
-            total += len(tk.keys) // 8
+            total += len(raw) // 8
         if total > self.limits.max_batch_keys:
             raise ResourceExhaustedError(
                 f"{total} keys in one request exceeds server.max_batch_keys={self.limits.max_batch_keys}"
             )
         if self.shard_map.sharded:  # every table before any lookup: a misrouted request does no work
-            for tk in request.tables:
-                self.shard_map.check(np.frombuffer(tk.keys, dtype="<i8"), f"keys of table '{tk.table}'")
+            for tk, raw in zip(tables, keys):
+                self.shard_map.check(np.frombuffer(raw, dtype="<i8"), f"keys of table '{tk.table}'")
         stored = request.precision == pb.PRECISION_STORED
         if request.precision and not stored:
             raise InvalidArgumentError(f"precision {request.precision} is neither PRECISION_FP32 (0) nor "
@@ -159,15 +161,14 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         # one version answers every table of the request, resolved once (a label switch lands before or after it)
         served, version = self.engine.resolve(request.model, request.version if request.HasField("version") else None,
                                               request.label)
-        if len(request.tables) == 1 and total:
-            return self._lookup_one(request, served, version, context, stored)
+        if len(keys) == 1 and total:
+            return self._lookup_one(request, tables[0].table, keys[0], served, version, context, stored)
         answers = []
         shapes = []
-        for tk in request.tables:
+        for tk, raw in zip(tables, keys):
             if context is not None:
                 check_deadline(context)
-            keys = np.frombuffer(tk.keys, dtype="<i8")
-            res = self.engine.lookup(served, tk.table, keys, stored=stored)
+            res = self.engine.lookup(served, tk.table, np.frombuffer(raw, dtype="<i8"), stored=stored)
             answers.append((tk.table, res.vectors, res.sources))
             if stored:
                 t = self.engine.table(served, tk.table)
@@ -175,26 +176,26 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         return encode_lookup_response(request.model, request.request_id, answers, shapes if stored else None,
                                       version)
 
-    def _lookup_one(self, request: pb.LookupRequest, served: str, version: int,
+    def _lookup_one(self, request: pb.LookupRequest, table: str, keys: bytes, served: str, version: int,
                     context: grpc.ServicerContext | None, stored: bool = False) -> bytes:
-        """One table (the usual request) of ``served`` (the model or one of its versions): the lookup writes its
-        rows and sources straight into this thread's reused response buffer, so an all-hit batch goes from the
-        request's key bytes to the response's row bytes in one compiled pass and one copy out."""
+        """One table (the usual request) of ``served`` (the model or one of its versions), its ``keys`` the packed
+        int64 bytes: the lookup writes its rows and sources straight into this thread's reused response buffer, so
+        an all-hit batch goes from the request's key bytes to the response's row bytes in one compiled pass and one
+        copy out."""
         if context is not None:
             check_deadline(context)
-        tk = request.tables[0]
-        t = self.engine.table(served, tk.table)
+        t = self.engine.table(served, table)
         try:
             buf = self._local.buffer
         except AttributeError:
             buf = self._local.buffer = ResponseBuffer()
-        n = len(tk.keys) // 8
+        n = len(keys) // 8
         if stored:
-            rows, sources = buf.layout(request.model, tk.table, n, t.dim, request.request_id, t.format.words,
+            rows, sources = buf.layout(request.model, table, n, t.dim, request.request_id, t.format.words,
                                        STORAGE_CODES[t.storage], version)
         else:
-            rows, sources = buf.layout(request.model, tk.table, n, t.dim, request.request_id, version=version)
-        self.engine.lookup(served, tk.table, np.frombuffer(tk.keys, dtype="<i8"), rows, sources, stored)
+            rows, sources = buf.layout(request.model, table, n, t.dim, request.request_id, version=version)
+        self.engine.lookup(served, table, np.frombuffer(keys, dtype="<i8"), rows, sources, stored)
         return buf.finish()
 
     def _abort(self, context: grpc.ServicerContext, err: Exception) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, generate_latest
@@ -34,6 +33,30 @@ from hps_service.shm.counters import (
 log = logging.getLogger(__name__)
 
 _UNKNOWN = STATUS_INDEX["UNKNOWN"]
+
+
+class RequestTimer:
+    """Counts and times one request in its thread's counter row, as a context manager whose value is the request's
+    status (``[name]``, OK unless the body says otherwise; UNKNOWN when it raises without saying). A class rather
+    than a generator: it is entered on every lookup."""
+
+    __slots__ = ("_counters", "_method", "_row", "_start", "status")
+
+    def __init__(self, counters: RequestCounters, method: int) -> None:
+        self._counters = counters
+        self._method = method
+        self.status = ["OK"]
+
+    def __enter__(self) -> list[str]:
+        self._row = self._counters.begin()
+        self._start = time.perf_counter()
+        return self.status
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc_type is not None and self.status[0] == "OK":
+            self.status[0] = grpc.StatusCode.UNKNOWN.name
+        self._counters.finish(self._row, self._method, STATUS_INDEX.get(self.status[0], _UNKNOWN),
+                              time.perf_counter() - self._start)
 
 class EngineCollector(Collector):
     """Per table and tier hits, misses, rows, capacity and evictions, read from the engine at scrape time."""
@@ -168,21 +191,10 @@ class ServerMetrics:
         """Count how long a gRPC call waited for a handler thread (see :class:`hps_service.server.grpc_server.HandlerPool`)."""
         self.counters.observe_queue_wait(seconds)
 
-    @contextmanager
-    def observe(self, method: str) -> Iterator[list[str]]:
-        """Time one request; the body sets ``status[0]`` to the gRPC status name (OK unless it says otherwise)."""
-        status = ["OK"]
-        start = time.perf_counter()
-        row = self.counters.begin()
-        try:
-            yield status
-        except BaseException:
-            if status[0] == "OK":
-                status[0] = grpc.StatusCode.UNKNOWN.name
-            raise
-        finally:
-            self.counters.finish(row, METHOD_INDEX[method], STATUS_INDEX.get(status[0], _UNKNOWN),
-                                 time.perf_counter() - start)
+    def observe(self, method: str) -> RequestTimer:
+        """Time one request (``with metrics.observe("Lookup") as status``); the body sets ``status[0]`` to the gRPC
+        status name (OK unless it says otherwise)."""
+        return RequestTimer(self.counters, METHOD_INDEX[method])
 
     def observe_keys(self, n: int) -> None:
         """Count the keys of one request."""

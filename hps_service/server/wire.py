@@ -104,6 +104,10 @@ class ResponseBuffer:
         self._headers: dict[tuple[str, str, int, int, int, int], tuple[bytes, bytes, bytes]] = {}
         self._start = 0
         self._size = 0
+        #: The last layout's fields and views: a call of the same shape finds its field headers still in place
+        #: (a lookup writes only the rows and sources), so it takes the views as they are.
+        self._last: tuple[str, str, int, int, int | None, int, int, int] | None = None
+        self._views: tuple[np.ndarray, np.ndarray] | None = None
 
     def _parts(self, model: str, table: str, n: int, dim: int, words: int, storage: int) -> tuple[bytes, bytes, bytes]:
         key = (model, table, n, dim, words, storage)
@@ -130,6 +134,9 @@ class ResponseBuffer:
         """Lay out the response of ``n`` rows of ``dim`` (``n`` >= 1) answered by model version ``version``; returns
         writable views of its rows (C-contiguous float32 ``(n, dim)``, or ``(n, words)`` stored rows of RowStorage
         ``storage``) and sources (uint8 ``(n,)``), to be filled before :meth:`finish`."""
+        last = (model, table, n, dim, words, storage, request_id, version)
+        if last == self._last and self._views is not None:
+            return self._views
         words = dim if words is None else words
         head, tail, after = self._parts(model, table, n, dim, words, storage)
         trailer = after + (_RESPONSE_REQUEST_ID + varint(request_id) if request_id else b"")
@@ -150,6 +157,7 @@ class ResponseBuffer:
         self._start, self._size = start, size
         rows = np.frombuffer(buf, dtype="<f4", count=n * words, offset=rows_at).reshape(n, words)
         sources = np.frombuffer(buf, dtype=np.uint8, count=n, offset=sources_at)
+        self._last, self._views = last, (rows, sources)
         return rows, sources
 
     def finish(self) -> bytes:

@@ -63,6 +63,26 @@ def test_a_reused_buffer_written_in_place_matches_protobuf_serialization(
     assert _BUFFER.finish() == theirs == encode_lookup_response(model, request_id, [(table, vectors, sources)])
 
 
+@settings(max_examples=60, deadline=None)
+@given(shapes=st.lists(st.tuples(st.sampled_from(["m", "model"]), st.sampled_from(["t", ""]), st.integers(0, 2),
+                                 st.integers(1, 40), st.sampled_from([4, 8]), st.integers(0, 2)), min_size=2,
+                       max_size=8),
+       seed=st.integers(0, 2**32 - 1))
+def test_a_call_of_the_last_calls_shape_reuses_its_layout_and_still_matches(shapes: list, seed: int) -> None:
+    """Calls of one shape in a row take the laid-out views as they are (the headers are still in place); every
+    answer still matches protobuf's, whatever shape came before."""
+    buf, rng = ResponseBuffer(), np.random.default_rng(seed)
+    for model, table, request_id, n, dim, version in shapes + shapes[::-1] + shapes:
+        vectors = rng.standard_normal((n, dim)).astype(np.float32)
+        sources = rng.integers(1, 6, n).astype(np.uint8)
+        rows, srcs = buf.layout(model, table, n, dim, request_id, version=version)
+        rows[:] = vectors
+        srcs[:] = sources
+        theirs = pb.LookupResponse(model=model, request_id=request_id, version=version, tables=[pb.TableVectors(
+            table=table, dim=dim, count=n, vectors=vectors.tobytes(), sources=sources.tobytes())])
+        assert buf.finish() == theirs.SerializeToString()
+
+
 @settings(max_examples=100, deadline=None)
 @given(request_id=st.integers(0, 2**64 - 1), n=st.integers(1, 60), dim=st.integers(1, 20),
        storage=st.sampled_from(["fp32", "fp16", "bf16", "int8"]), seed=st.integers(0, 2**32 - 1))
