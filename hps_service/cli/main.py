@@ -128,6 +128,7 @@ def import_model(
     """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
     from hps_service.admin.importer import import_table, read_model_source
     from hps_service.config.base import served_name
+    from hps_service.engine import version_drop
     from hps_service.engine.stored_tables import stored_table
     from hps_service.engine.ttl import now_s
     from hps_service.fleet.sharding import ShardMap
@@ -158,6 +159,7 @@ def import_model(
     tid, storage = stored.id, stored.serving_storage(tc.storage)
     try:
         written_s = now_s() if tc.ttl_s is not None else None  # a TTL table's rows carry their write time
+        version_drop.clear(tier, served_name(model, model_version))  # rows imported are wanted: no drop to finish
         tier.create_table(tid, row_format(storage, tc.dim, stamped=written_s is not None).words)
         if if_empty and tier.count(tid) > 0:
             out_console.print(f"{tid} already holds rows; skipping import (--if-empty)", highlight=False)

@@ -13,13 +13,22 @@ import numpy as np
 
 from hps_service.config import ModelConfig
 from hps_service.config.base import served_name
+from hps_service.engine import version_drop
 from hps_service.engine.convert import ConvertProgress, convert_table
 from hps_service.engine.expiry_sweep import ExpirySweeper
 from hps_service.engine.ingest_admission import keep_counts
 from hps_service.engine.levels import DEFAULT, LookupResult
 from hps_service.engine.preload import Preloader
 from hps_service.engine.read import Reader
-from hps_service.engine.registry import ModelRegistry, close_tables, described, drop_stored, make_table, served_config
+from hps_service.engine.registry import (
+    ModelRegistry,
+    close_tables,
+    described,
+    drop_stored,
+    drop_stored_ids,
+    make_table,
+    served_config,
+)
 from hps_service.engine.repair import VolatileRepair
 from hps_service.engine.stats import TableStats, table_stats
 from hps_service.engine.table import CacheFactory, ServedTable
@@ -114,8 +123,16 @@ class LookupEngine:
         tables = self.registry.tables().get(name)
         if tables is None:
             raise NotFoundError(f"model '{model}' has no version {version} loaded")
+        version_drop.mark(self.persistent, name, {t.name: t.id for t in tables.values()})  # cleared with its registration
         self.unregister_model(name)
         return drop_stored(self.volatile, self.persistent, tables.values())
+
+    def finish_drop(self, name: str, tables: dict[str, str]) -> dict[str, int]:
+        """Free what is left of the tables (name -> tier id) of a served name whose drop a crash interrupted (see
+        :mod:`hps_service.engine.version_drop`); it is not served."""
+        if name in self.registry.tables():
+            raise FailedPreconditionError(f"{described(name)} is served: its drop is not pending")
+        return drop_stored_ids(self.volatile, self.persistent, tables)
 
     def add_version(self, model: ModelConfig) -> list[int]:
         """Serve version ``model.version`` beside the model, then drop the older unlabelled versions beyond

@@ -215,18 +215,23 @@ def close_tables(tables: Iterable[ServedTable]) -> None:
 def drop_stored(volatile: Tier | None, persistent: Tier | None, tables: Iterable[ServedTable]) -> dict[str, int]:
     """Free the stored rows of ``tables`` (no longer served) in the tiers that can drop tables: RocksDB column
     families, hash-map tables, Redis keys. Returns the rows each held in its lowest tier."""
+    return drop_stored_ids(volatile, persistent, {t.name: t.id for t in tables})
+
+
+def drop_stored_ids(volatile: Tier | None, persistent: Tier | None, tables: dict[str, str]) -> dict[str, int]:
+    """:func:`drop_stored` of tables by name -> tier id (a table already dropped is skipped)."""
     freed = {}
-    for t in tables:
+    for name, tid in tables.items():
         rows = 0
         for tier in (volatile, persistent):
             if tier is None or TierCapability.WRITES not in tier.capabilities:
                 continue
             try:
-                rows = tier.count(t.id)
-                tier.drop_table(t.id)
+                rows = tier.count(tid)
+                tier.drop_table(tid)
             except NotFoundError:
                 continue
         if persistent is not None and TierCapability.WRITES in persistent.capabilities:
-            persistent.set_metadata(storage_key(t.id), None)
-        freed[t.name] = rows
+            persistent.set_metadata(storage_key(tid), None)
+        freed[name] = rows
     return freed

@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from hps_service.config import ModelConfig
+from hps_service.engine import version_drop
 from hps_service.engine.registry import described
 from hps_service.tiers.base import Tier
 
@@ -33,10 +34,12 @@ def save_registration(tier: Tier | None, model: ModelConfig) -> bool:
 
 
 def forget_registration(tier: Tier | None, model: str) -> None:
-    """Drop a persisted registration (the model was unloaded)."""
+    """Drop a persisted registration (the model was unloaded), then the mark of its drop (a version's, see
+    :mod:`hps_service.engine.version_drop`): a start between the two finds the mark alone and finishes the drop."""
     key = registration_key(model)
     if tier is not None and key in tier.metadata(key):
         tier.set_metadata(key, None)
+    version_drop.clear(tier, model)
 
 
 def load_registrations(tier: Tier | None) -> list[ModelConfig]:
@@ -67,9 +70,30 @@ def sync_registrations(tier: Tier | None, configured: Collection[str], loaded: I
             forget_registration(tier, model.served_name)
 
 
+def finish_drops(engine: Any, configured: Collection[str]) -> list[str]:
+    """Finish, on ``engine`` (a LookupEngine, before it serves what was registered), the drops of versions that a
+    stop interrupted (their marks): their remaining tables are freed and their registrations forgotten, so they are
+    not served again. A version the config defines keeps its tables (the config wins); its mark is cleared. Returns
+    the served names whose drop was finished."""
+    finished = []
+    for name, tables in version_drop.pending(engine.persistent).items():
+        if name in configured:
+            log.warning("%s is defined by the config: its interrupted drop is not finished", described(name))
+            version_drop.clear(engine.persistent, name)
+            continue
+        freed = engine.finish_drop(name, tables)
+        forget_registration(engine.persistent, name)
+        log.info("%s: its drop, interrupted before the restart, is finished (%s)", described(name),
+                 ", ".join(f"{t}: {n} rows" for t, n in freed.items()) or "no tables")
+        finished.append(name)
+    return finished
+
+
 def serve_registered(engine: Any, configured: Collection[str]) -> None:
     """Serve again, on ``engine`` (a LookupEngine), the models and versions registered at runtime before a restart
-    (those the config defines excepted: the config wins), each model before its versions."""
+    (those the config defines excepted: the config wins), each model before its versions; versions whose drop a
+    stop interrupted are dropped instead (:func:`finish_drops`)."""
+    finish_drops(engine, configured)
     for model in load_registrations(engine.persistent):
         if model.served_name in configured:
             log.warning("model %s is defined by the config; its stored runtime registration is ignored", model.name)

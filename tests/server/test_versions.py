@@ -236,3 +236,43 @@ def test_the_limits_of_versions_and_labels_hold_at_and_past_each(http: httpx.Cli
         assert big.status_code == 413 and "exceeds" in big.json()["detail"], (path, big.text[:200])
     assert http.delete(f"/v1/models/demo/labels/{longest}", headers=AUTH).status_code == 200
     assert http.delete(f"/v1/models/demo/versions/{top}", headers=AUTH).status_code == 200
+
+
+def test_a_drop_interrupted_half_way_is_finished_by_the_restart(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stop after a version's first table was freed (the process died there) leaves the version's drop marked and
+    its registration stored: the restart finishes the drop instead of serving the version with that table empty,
+    and the version added again later has none of the old rows."""
+    from hps_service.engine import registry, version_drop
+
+    config = server_config(tmp_path, workers=0)
+    real = registry.drop_stored_ids
+
+    def dies_after_the_first(volatile, persistent, tables):  # type: ignore[no-untyped-def]
+        first = dict(list(sorted(tables.items()))[:1])
+        real(volatile, persistent, first)
+        raise RuntimeError("the process died here")
+
+    with running(config) as s, httpx.Client(base_url=base_url(s), timeout=30) as http:
+        assert _add(http, 1).status_code == 201
+        _put(http, 5.0, 1)
+        _put(http, 5.0, 1, table="user", dim=USER_DIM)
+        monkeypatch.setattr(registry, "drop_stored_ids", dies_after_the_first)
+        assert http.delete("/v1/models/demo/versions/1", headers=AUTH).status_code == 500
+        monkeypatch.setattr(registry, "drop_stored_ids", real)
+        assert s.engine is not None
+        assert set(version_drop.pending(s.engine.persistent)) == {"demo#v1"}
+        assert s.engine.persistent.count("demo#v1.user") == len(KEYS)  # the second table was not freed
+    with running(config) as s, httpx.Client(base_url=base_url(s), timeout=30) as http:
+        engine = s.engine
+        assert engine is not None
+        assert [v.version for v in engine.versions("demo")] == []
+        assert version_drop.pending(engine.persistent) == {}
+        with pytest.raises(Exception, match="no table|does not exist"):
+            engine.persistent.count("demo#v1.user")
+        assert _add(http, 1).status_code == 201  # the number again: a new version, none of the old rows
+        with grpc.insecure_channel(target(s)) as channel:
+            answer = _lookup(pb_grpc.EmbeddingServiceStub(channel), version=1, tables=("item", "user"))
+        assert _value(answer, 0) == {0.0} and _value(answer, 1) == {0.5}
+    with running(config) as s:  # and the finished drop stays finished
+        assert s.engine is not None and [v.version for v in s.engine.versions("demo")] == [1]
