@@ -31,8 +31,8 @@ from rich.console import Console
 from rich.table import Table
 
 from hps_service.runtime.processes import process_tree
-from loadtest.bench_node import NodePlan, _load, _point, _stats
-from loadtest.embedded import REPO, EmbeddedServer
+from loadtest.bench_node import NodePlan, _load, _point
+from loadtest.embedded import REPO, EmbeddedServer, table_stats
 from loadtest.loadgen import run_load
 from loadtest.report import write_json
 from tests.fixtures.otlp_collector import OtlpCollector
@@ -83,7 +83,7 @@ def _server(workdir: Path, name: str, rows: int, source: Path, tracing: dict[str
 
 def _wait_warm(server: EmbeddedServer) -> None:
     deadline = time.monotonic() + 600
-    while (stats := _stats(server))["cache"]["rows"] < 0.999 * server.rows:
+    while (stats := table_stats(server))["cache"]["rows"] < 0.999 * server.rows:
         if time.monotonic() > deadline:
             raise TimeoutError(f"L1 not warm after 600 s: {stats['cache']}")
         time.sleep(0.5)
