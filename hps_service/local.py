@@ -43,11 +43,10 @@ from hps_client.wire import (
     decode_stored,
     into,
 )
-from hps_service.config.base import served_name
 from hps_service.engine.read import Reader
 from hps_service.engine.table import ServedTable
 from hps_service.engine.ttl import manifest_ttl
-from hps_service.engine.versions import DEFAULT_LABEL
+from hps_service.engine.versions import resolve
 from hps_service.errors import HPSError
 from hps_service.keys import unique_with_inverse
 from hps_service.node.reader_tiers import SharedVolatile
@@ -193,28 +192,21 @@ class LocalClient:
                 self._tables = {}
         return view
 
-    @staticmethod
-    def _version(view: StoreView, model: str, version: int | None, label: str) -> int | None:
-        """The model version a lookup naming ``version`` or ``label`` reads by the mapped manifest (neither: the one
-        the label ``production`` names, else the model as configured); None when this client cannot tell (both named,
-        a label the manifest lacks): the server answers, or refuses, that lookup."""
-        if version is not None:
-            return None if label else version
-        labels = view.manifest.get("labels", {}).get(model, {})
-        named = labels.get(label or DEFAULT_LABEL)
-        if named is None:
-            return None if label else 0
-        return int(named)
-
     def _table(self, view: StoreView, model: str, table: str, version: int | None = None,
                label: str = "") -> _Table | None:
-        """The table of the model version that ``version`` or ``label`` names (see :meth:`_version`) in the mapped
-        manifest; a new manifest (a label switch) drops these."""
+        """The table of the model version that ``version`` or ``label`` names in the mapped manifest, resolved as the
+        server resolves it (neither: the version the label ``production`` names, else the model as configured); None
+        where the manifest does not tell (both named, a label or version it lacks): the server answers or refuses
+        that lookup. A new manifest (a label switch) drops these."""
         t = self._tables.get((model, table, version, label))
         if t is None:
-            resolved = self._version(view, model, version, label)
-            serial = view.served(served_name(model, resolved), table) if resolved is not None else None
-            if resolved is None or serial is None:
+            try:
+                name, resolved = resolve(view.manifest.get("labels", {}), view.manifest["served"], model, version,
+                                         label)
+            except HPSError:
+                return None
+            serial = view.served(name, table)
+            if serial is None:
                 return None  # the server answers NOT_FOUND (or knows it by now)
             t = _Table(view, serial, resolved)
             self._tables[(model, table, version, label)] = t

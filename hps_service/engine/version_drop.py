@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 
-from hps_service.tiers.base import Tier, TierCapability
+from hps_service.tiers.base import Tier, TierCapability, tier_can
 
 log = logging.getLogger(__name__)
 
@@ -25,21 +25,16 @@ def dropping_key(name: str) -> str:
     return _PREFIX + name
 
 
-def _keeps_metadata(tier: Tier | None) -> bool:
-    return tier is not None and TierCapability.WRITES in tier.capabilities
-
-
 def mark(tier: Tier | None, name: str, tables: dict[str, str]) -> None:
     """Mark ``name`` as being dropped, with its tables (table name -> tier id); nothing without a persistent tier."""
-    if _keeps_metadata(tier):
-        assert tier is not None
+    if tier_can(tier, TierCapability.WRITES):
         tier.set_metadata(dropping_key(name), json.dumps(tables, sort_keys=True).encode())
 
 
 def clear(tier: Tier | None, name: str) -> None:
     """Forget the mark of ``name`` (its drop is complete, or its rows are wanted again)."""
     key = dropping_key(name)
-    if _keeps_metadata(tier) and tier is not None and key in tier.metadata(key):
+    if tier_can(tier, TierCapability.WRITES) and key in tier.metadata(key):
         tier.set_metadata(key, None)
 
 

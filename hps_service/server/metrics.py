@@ -58,6 +58,7 @@ class RequestTimer:
         self._counters.finish(self._row, self._method, STATUS_INDEX.get(self.status[0], _UNKNOWN),
                               time.perf_counter() - self._start)
 
+
 class EngineCollector(Collector):
     """Per table and tier hits, misses, rows, capacity and evictions, read from the engine at scrape time."""
 

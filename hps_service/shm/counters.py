@@ -49,12 +49,12 @@ TABLE_FIELDS = 8
 _LATENCY = np.array(LATENCY_BUCKETS, dtype=np.float64)
 _KEYS = np.array(KEYS_BUCKETS, dtype=np.float64)
 
-# The kernels below keep the GIL (no ``nogil``): each takes tens of nanoseconds, and a release would hand the GIL to a
-# waiting handler thread three times a request, each time costing the releasing thread a wake-up and a wait.
 STATUS_INDEX = {name: i for i, name in enumerate(STATUSES)}
 METHOD_INDEX = {name: i for i, name in enumerate(METHODS)}
 
 
+# The kernels below keep the GIL (no ``nogil``): each takes tens of nanoseconds, and a release would hand the GIL to a
+# waiting handler thread three times a request, each time costing the releasing thread a wake-up and a wait.
 @numba.njit(cache=True)
 def _bucket(bounds: np.ndarray, value: float) -> int:
     for b in range(bounds.shape[0]):
