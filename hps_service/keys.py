@@ -54,6 +54,42 @@ def unique_with_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return uniq[:m], inverse
 
 
+@numba.njit(cache=True, nogil=True)
+def _first_occurrences(keys: np.ndarray, positions: np.ndarray, found: np.ndarray, out: np.ndarray) -> int:
+    # An open-addressing set of the keys seen so far, twice the entries' count rounded up to a power of two; the
+    # slots hold indices into positions (-1: empty), so any int64 is a key.
+    m = positions.shape[0]
+    size = 2
+    while size < 2 * m:
+        size *= 2
+    mask = np.uint64(size - 1)
+    slots = np.full(size, -1, np.int64)
+    count = 0
+    for j in range(m):
+        if not found[j]:
+            continue
+        key = keys[positions[j]]
+        s = (np.uint64(key) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(32) & mask
+        while True:
+            held = slots[s]
+            if held < 0:
+                slots[s] = j
+                out[count] = j
+                count += 1
+                break
+            if keys[positions[held]] == key:
+                break
+            s = (s + np.uint64(1)) & mask
+    return count
+
+
+def first_occurrences(keys: np.ndarray, positions: np.ndarray, found: np.ndarray) -> np.ndarray:
+    """The ``j`` (in order) at which each distinct key among ``keys[positions[j]]`` with ``found[j]`` first
+    appears: a batch's rows offered once per key, with no sort."""
+    out = np.empty(positions.shape[0], dtype=np.int64)
+    return out[:_first_occurrences(keys, positions, found, out)]
+
+
 def warm_up_kernels() -> None:
     """Compile (or load) the dedup kernel for the key arrays lookups pass: writable and read-only (see warmup)."""
     from hps_service.jit.warmup import read_only
@@ -61,3 +97,6 @@ def warm_up_kernels() -> None:
     keys = np.array([3, 1, 3], dtype=np.int64)
     unique_with_inverse(keys)
     unique_with_inverse(read_only(keys))
+    positions, found = np.arange(3), np.ones(3, dtype=np.bool_)
+    first_occurrences(keys, positions, found)
+    first_occurrences(read_only(keys), positions, found)

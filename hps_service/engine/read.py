@@ -21,7 +21,7 @@ from hps_service.engine.levels import (
 )
 from hps_service.engine.promote import Promote, promote
 from hps_service.engine.table import ServedTable
-from hps_service.keys import as_keys, unique_with_inverse
+from hps_service.keys import as_keys, first_occurrences, unique_with_inverse
 from hps_service.tiers.base import Tier
 
 
@@ -60,11 +60,16 @@ class Reader:
         miss_idx, batch_hit_rate = self._from_cache(t, keys, out, sources, stored)
         if batch_hit_rate == 1.0:
             return LookupResult(out, sources)
-        miss_keys = keys if miss_idx is None else keys[miss_idx]
-        if miss_keys.shape[0] == 0:
+        start = VOLATILE
+        if miss_idx is not None and self.volatile is not None and (stored or t.format.identity):
+            # the rows are answered as stored: the volatile tier fills L1's holes in place, no dedupe, no copies
+            miss_idx = self._fill_volatile(t, keys, miss_idx, out, sources, batch_hit_rate, fetched_at)
+            start = PERSISTENT
+        if miss_idx is not None and miss_idx.shape[0] == 0:
             return LookupResult(out, sources)
+        miss_keys = keys if miss_idx is None else keys[miss_idx]
         uniq, inverse = unique_with_inverse(miss_keys)
-        got = self.fetch_below(t, uniq)
+        got = self.fetch_below(t, uniq, start=start)
         rows = got.stored_rows(t.format) if stored else got.vectors
         if miss_idx is None:
             np.take(rows, inverse, axis=0, out=out)
@@ -80,6 +85,27 @@ class Reader:
                 t.cache.admit(uniq[held], got.stored[held], got.versions[held], batch_hit_rate,
                               fetched_at=fetched_at)
         return LookupResult(out, sources)
+
+    def _fill_volatile(self, t: ServedTable, keys: np.ndarray, miss_idx: np.ndarray, out: np.ndarray,
+                       sources: np.ndarray, batch_hit_rate: float, fetched_at: int) -> np.ndarray:
+        """The volatile tier's rows of the keys L1 missed, written into ``out`` where L1 left them out (``out``
+        holds stored rows: fp32, or the stored format asked), counted per key as L1 counts and offered to L1 once
+        per distinct key; returns the indices it did not hold either."""
+        assert self.volatile is not None
+        m = miss_idx.shape[0]
+        versions = np.empty(m, dtype=np.int64)
+        found = np.empty(m, dtype=np.bool_)
+        n_found = self.volatile.fill(t.id, keys, miss_idx, out, versions, found)
+        t.count("volatile", n_found, m - n_found)
+        if n_found == 0:
+            return miss_idx
+        filled = miss_idx if n_found == m else miss_idx[found]
+        sources[filled] = VOLATILE
+        if t.cache is not None:
+            first = first_occurrences(keys, miss_idx, found)
+            at = miss_idx[first]
+            t.cache.admit(keys[at], out[at], versions[first], batch_hit_rate, fetched_at=fetched_at)
+        return miss_idx[~found]
 
     @staticmethod
     def _from_cache(t: ServedTable, keys: np.ndarray, out: np.ndarray,
@@ -126,10 +152,12 @@ class Reader:
         sources[at] = VOLATILE
         return np.flatnonzero(~held) if miss_idx is None else miss_idx[~held]
 
-    def fetch_below(self, t: ServedTable, keys: np.ndarray, count: bool = True, through: int = PERSISTENT) -> Fetched:
+    def fetch_below(self, t: ServedTable, keys: np.ndarray, count: bool = True, through: int = PERSISTENT,
+                    start: int = VOLATILE) -> Fetched:
         """Rows and versions of unique ``keys`` from volatile, then persistent, then the default; promotes L3 hits
         to L2. ``count``: add to the table's per-level counters (lookups do; the cache's own reads do not).
-        ``through=VOLATILE`` stops above the persistent tier: what it misses is left DEFAULT, with no row."""
+        ``through=VOLATILE`` stops above the persistent tier: what it misses is left DEFAULT, with no row;
+        ``start=PERSISTENT`` skips the volatile tier (which a lookup already asked)."""
         read_at = t.write_generation()
         m = keys.shape[0]
         rows: np.ndarray | None = None
@@ -138,7 +166,7 @@ class Reader:
         src.fill(DEFAULT)
         pending: np.ndarray | None = None  # indices still unanswered; None: all of them
         for level, code, tier in (("volatile", VOLATILE, self.volatile), ("persistent", PERSISTENT, self.persistent)):
-            if tier is None or code > through:
+            if tier is None or code > through or code < start:
                 continue
             asked = keys if pending is None else keys[pending]
             got = tier.get(t.id, asked)

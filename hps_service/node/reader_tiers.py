@@ -68,6 +68,14 @@ class SharedVolatile(Tier):
                         found=np.zeros(keys.shape[0], bool))
         return reader.get(keys)
 
+    def fill(self, table: str, keys: np.ndarray, positions: np.ndarray, out: np.ndarray, versions: np.ndarray,
+             found: np.ndarray) -> int:
+        reader = self._view().volatile(table)
+        if reader is None:
+            found.fill(False)
+            return 0
+        return reader.fill(keys, positions, out, versions, found)
+
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
         raise _read_only(f"put into {table}")
 

@@ -48,6 +48,17 @@ class TierCapability(Flag):
     SCAN = auto()  # scan(): every stored entry of a table, rows and tombstones, in key order (format conversions)
 
 
+def check_positions(keys: np.ndarray, positions: np.ndarray, out: np.ndarray, words: int) -> None:
+    """InvalidArgumentError unless :meth:`Tier.fill`'s arguments fit: ascending ``positions`` inside ``keys``, and
+    ``out`` a C-contiguous float32 ``(len(keys), words)`` (a compiled fill writes where they say, unchecked)."""
+    n = keys.shape[0]
+    if positions.shape[0] and (positions[0] < 0 or positions[-1] >= n):
+        raise InvalidArgumentError(f"fill positions must lie in [0, {n})")
+    if out.dtype != np.float32 or out.shape != (n, words) or not out.flags.c_contiguous:
+        raise InvalidArgumentError(f"fill needs a C-contiguous float32 out of shape ({n}, {words}), got "
+                                   f"{out.dtype} {out.shape}")
+
+
 def tier_can(tier: Tier | None, needs: TierCapability) -> TypeGuard[Tier]:
     """Whether ``tier`` has every capability in ``needs``; a disabled tier (None) has none."""
     return tier is not None and needs in tier.capabilities
@@ -197,6 +208,21 @@ class Tier(ABC):
     @abstractmethod
     def get(self, table: str, keys: np.ndarray) -> Rows:
         """Look up ``keys`` (int64, 1-D). Missing keys have ``found == False``; never raises for a miss."""
+
+    def fill(self, table: str, keys: np.ndarray, positions: np.ndarray, out: np.ndarray, versions: np.ndarray,
+             found: np.ndarray) -> int:
+        """Fill only the holes (HugeCTR's ``fetch``): the stored row of each key ``keys[positions[j]]`` this tier
+        holds goes into ``out[positions[j]]``, its version into ``versions[j]``, and ``found[j]`` says whether it was
+        held; returns how many were. ``positions`` ascend, as ``np.flatnonzero`` gives them. This default asks
+        :meth:`get` once per distinct key; the in-process tiers read straight into ``out`` in one compiled pass."""
+        asked = keys[positions]
+        uniq, inverse = unique_with_inverse(asked)
+        got = self.get(table, uniq)
+        np.take(got.found, inverse, out=found)
+        np.take(got.versions, inverse, out=versions)
+        hit = np.flatnonzero(found)
+        out[positions[hit]] = got.vectors[inverse[hit]]
+        return int(hit.shape[0])
 
     @abstractmethod
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.shm.region import Region
+from hps_service.tiers.base import Rows
 from hps_service.tiers.hashmap import seqlock as hk
 from hps_service.tiers.hashmap.reader import TableArrays, TableReader
 from hps_service.tiers.hashmap.stamps import stamp_halves
@@ -61,7 +62,18 @@ def reader_main(path: str, writable: bool, n_keys: int, dim: int) -> None:
     while not last:
         last = stop.exists()
         batch = rng.choice(keys, min(256, n_keys))
-        got = reader.get(batch)
+        if reads % 2:  # a lookup's holes: rows written in place at some positions of a larger answer
+            holes = np.flatnonzero(rng.random(batch.shape[0]) < 0.5)
+            answer = np.full((batch.shape[0], dim), -1.0, dtype=np.float32)
+            versions, found = np.empty(holes.shape[0], np.int64), np.empty(holes.shape[0], bool)
+            reader.fill(batch, holes, answer, versions, found)
+            untouched = np.ones(batch.shape[0], bool)
+            untouched[holes] = False
+            torn += int(np.count_nonzero((answer[untouched] != -1.0).any(axis=1)))  # written outside the holes
+            batch = batch[holes]
+            got = Rows(vectors=answer[holes], versions=versions, found=found)
+        else:
+            got = reader.get(batch)
         reads += 1
         missing += int(np.count_nonzero(~got.found))
         expect = (batch * 1000 + got.versions).astype(np.float32)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from hps_service.tiers.base import Rows
+from hps_service.tiers.base import Rows, check_positions
 from hps_service.tiers.hashmap import seqlock
 from hps_service.tiers.hashmap.stamps import stamp_halves
 
@@ -49,18 +49,26 @@ class TableReader:
         self.retries = 0
 
     def get(self, keys: np.ndarray) -> Rows:
-        """Rows of ``keys`` as of one state of the table (see ``seqlock.read_rows``)."""
-        a = self.arrays
+        """Rows of ``keys`` as of one state of the table (see ``seqlock.read_rows_at``)."""
         n = keys.shape[0]
         out = Rows(vectors=np.empty((n, self.dim), dtype=np.float32), versions=np.empty(n, dtype=np.int64),
                    found=np.empty(n, dtype=bool))
-        row_ids = np.empty(n, dtype=np.int64)
+        self.fill(keys, np.arange(n), out.vectors, out.versions, out.found)
+        return out
+
+    def fill(self, keys: np.ndarray, positions: np.ndarray, out: np.ndarray, versions: np.ndarray,
+             found: np.ndarray) -> int:
+        """The rows of ``keys[positions]`` into ``out[positions]``, as of one state of the table (see
+        :meth:`hps_service.tiers.base.Tier.fill`); returns how many the table holds."""
+        check_positions(keys, positions, out, self.dim)
+        a = self.arrays
+        row_ids = np.empty(positions.shape[0], dtype=np.int64)
         attempt = 0
         sleep = _READ_SLEEP_S
         while True:
             index = a.index
-            got = seqlock.read_rows(a.ctrl, index, np.int64(a.index_gen), self._keys, a.rows, self._versions,
-                                    self._stamps, keys, out.vectors, out.versions, out.found, row_ids)
+            got = seqlock.read_rows_at(a.ctrl, index, np.int64(a.index_gen), self._keys, a.rows, self._versions,
+                                       self._stamps, keys, positions, out, versions, found, row_ids)
             if got >= 0:
                 break
             if got == seqlock.READ_REMAP:
@@ -74,7 +82,7 @@ class TableReader:
         if a.reader_stamps is not None and got:
             seqlock.stamp_reads(a.reader_stamps, row_ids, seqlock.tick(a.ctrl) if not self._lfu else np.int64(0),
                                 self._lfu)
-        return out
+        return int(got)
 
     def _remap(self) -> None:
         """Map the index generation the writer published (its length is its file's)."""

@@ -75,7 +75,28 @@ def get_rows(
     clock: np.int64,
     lfu: bool,
 ) -> int:
-    """Copy the rows of ``query`` into the outputs and stamp every hit; returns the number of hits.
+    """Copy the rows of every key of ``query`` into the same rows of the outputs (see :func:`get_rows_at`)."""
+    return get_rows_at(index, keys, rows, versions, stamps, query, np.arange(query.size), out_vectors, out_versions,
+                       found, clock, lfu)
+
+
+@njit(cache=True, nogil=True)
+def get_rows_at(
+    index: np.ndarray,
+    keys: np.ndarray,
+    rows: np.ndarray,
+    versions: np.ndarray,
+    stamps: np.ndarray,
+    query: np.ndarray,
+    positions: np.ndarray,
+    out_vectors: np.ndarray,
+    out_versions: np.ndarray,
+    found: np.ndarray,
+    clock: np.int64,
+    lfu: bool,
+) -> int:
+    """Copy the row of each key ``query[positions[j]]`` into ``out_vectors[positions[j]]`` (its version into
+    ``out_versions[j]``) and stamp every hit; returns the number of hits.
 
     Tombstones count as misses and keep their stamp.
 
@@ -83,44 +104,45 @@ def get_rows(
     pass are independent of each other and their cache misses overlap.
     """
     mask = np.int64(index.size - 1)
-    n = query.size
+    n = positions.size
     dim = rows.shape[1]
     row_ids = np.empty(n, dtype=np.int64)
-    for i in range(n):
-        row_ids[i] = index[home_slot(query[i], mask)]
-    for i in range(n):
-        r = row_ids[i]
-        if r >= 0 and keys[r] != query[i]:
-            pos, ok = probe(index, keys, query[i], mask)
-            row_ids[i] = index[pos] if ok else -1
-    for i in range(min(PREFETCH_AHEAD, n)):
-        if row_ids[i] >= 0:
-            prefetch_row(rows, versions, row_ids[i])
+    for j in range(n):
+        row_ids[j] = index[home_slot(query[positions[j]], mask)]
+    for j in range(n):
+        r = row_ids[j]
+        key = query[positions[j]]
+        if r >= 0 and keys[r] != key:
+            pos, ok = probe(index, keys, key, mask)
+            row_ids[j] = index[pos] if ok else -1
+    for j in range(min(PREFETCH_AHEAD, n)):
+        if row_ids[j] >= 0:
+            prefetch_row(rows, versions, row_ids[j])
     hits = 0
-    for i in range(n):
-        ahead = i + PREFETCH_AHEAD
+    for j in range(n):
+        ahead = j + PREFETCH_AHEAD
         if ahead < n and row_ids[ahead] >= 0:
             prefetch_row(rows, versions, row_ids[ahead])
-        r = row_ids[i]
+        r = row_ids[j]
         if r < 0 or stamps[r] < 0:  # absent, or a tombstone (the key was deleted)
-            row_ids[i] = -1
-            found[i] = False
+            row_ids[j] = -1
+            found[j] = False
             continue
         src = rows[r]
-        dst = out_vectors[i]
+        dst = out_vectors[positions[j]]
         for d in range(dim):
             dst[d] = src[d]
-        out_versions[i] = versions[r]
-        found[i] = True
+        out_versions[j] = versions[r]
+        found[j] = True
         hits += 1
     if lfu:
-        for i in range(n):
-            if row_ids[i] >= 0:
-                stamps[row_ids[i]] = counted(stamps[row_ids[i]])
+        for j in range(n):
+            if row_ids[j] >= 0:
+                stamps[row_ids[j]] = counted(stamps[row_ids[j]])
     else:
-        for i in range(n):
-            if row_ids[i] >= 0:
-                stamps[row_ids[i]] = live(clock)
+        for j in range(n):
+            if row_ids[j] >= 0:
+                stamps[row_ids[j]] = live(clock)
     return hits
 
 

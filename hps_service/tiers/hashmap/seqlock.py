@@ -63,10 +63,34 @@ def read_rows(
     found: np.ndarray,
     row_ids: np.ndarray,
 ) -> int:
-    """A lock-free read of ``query`` by a process that is not the writer; returns the number of hits, or
-    ``READ_OVERLAPPED`` (a write overlapped: run again) or ``READ_REMAP`` (the index was replaced: map
-    generation ``ctrl[CTRL_INDEX_GEN]`` and run again). Writes only its outputs; ``row_ids[i]`` is the row of
-    each hit (-1 otherwise), for :func:`stamp_reads`.
+    """A lock-free read of every key of ``query`` into the same rows of the outputs (see :func:`read_rows_at`)."""
+    return read_rows_at(ctrl, index, index_gen, keys, rows, versions, stamps, query,
+                        np.arange(query.size), out_vectors, out_versions, found, row_ids)
+
+
+@njit(cache=True, nogil=True)
+def read_rows_at(
+    ctrl: np.ndarray,
+    index: np.ndarray,
+    index_gen: np.int64,
+    keys: np.ndarray,
+    rows: np.ndarray,
+    versions: np.ndarray,
+    stamps: np.ndarray,
+    query: np.ndarray,
+    positions: np.ndarray,
+    out_vectors: np.ndarray,
+    out_versions: np.ndarray,
+    found: np.ndarray,
+    row_ids: np.ndarray,
+) -> int:
+    """A lock-free read, by a process that is not the writer, of the keys ``query[positions]``: the row of
+    ``query[positions[j]]`` goes to ``out_vectors[positions[j]]`` (a lookup's answer, filled only where L1 left a
+    hole), its version to ``out_versions[j]``. Returns the number of hits, or ``READ_OVERLAPPED`` (a write
+    overlapped: run again) or ``READ_REMAP`` (the index was replaced: map generation ``ctrl[CTRL_INDEX_GEN]`` and
+    run again). Writes only its outputs; ``row_ids[j]`` is the row of each hit (-1 otherwise), for
+    :func:`stamp_reads`. A read that overlapped a write may have left anything in the rows it was filling: the
+    caller runs it again, which rewrites them.
 
     Sequence lock, as in Boehm's "Can seqlocks get along with programming language memory models?" (2012):
     the sequence is loaded with acquire ordering first (no read of the table moves above it), the table is read
@@ -87,10 +111,10 @@ def read_rows(
     mask = np.int64(size - 1)
     capacity = rows.shape[0]
     dim = rows.shape[1]
-    n = query.size
+    n = positions.size
     torn = False
-    for i in range(n):
-        key = query[i]
+    for j in range(n):
+        key = query[positions[j]]
         pos = home_slot(key, mask)
         r = np.int64(-1)
         for _ in range(size):
@@ -106,26 +130,27 @@ def read_rows(
             pos = (pos + 1) & mask
         if torn:
             break
-        row_ids[i] = r
+        row_ids[j] = r
     if torn:
         return READ_OVERLAPPED
-    for i in range(min(PREFETCH_AHEAD, n)):
-        if row_ids[i] >= 0:
-            prefetch_row(rows, versions, row_ids[i])
+    for j in range(min(PREFETCH_AHEAD, n)):
+        if row_ids[j] >= 0:
+            prefetch_row(rows, versions, row_ids[j])
     hits = 0
-    for i in range(n):
-        ahead = i + PREFETCH_AHEAD
+    for j in range(n):
+        ahead = j + PREFETCH_AHEAD
         if ahead < n and row_ids[ahead] >= 0:
             prefetch_row(rows, versions, row_ids[ahead])
-        r = row_ids[i]
+        r = row_ids[j]
         if r < 0 or stamps[r] < 0:
-            row_ids[i] = -1
-            found[i] = False
+            row_ids[j] = -1
+            found[j] = False
             continue
+        i = positions[j]
         for d in range(dim):
             out_vectors[i, d] = rows[r, d]
-        out_versions[i] = versions[r]
-        found[i] = True
+        out_versions[j] = versions[r]
+        found[j] = True
         hits += 1
     acquire_fence()
     if atomic_load(ctrl, CTRL_SEQ) != seq:

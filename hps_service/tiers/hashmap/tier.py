@@ -25,7 +25,15 @@ import numpy as np
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.keys import as_keys
 from hps_service.shm.region import NamedAllocator, anonymous
-from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats, delete_versions, max_version_per_key
+from hps_service.tiers.base import (
+    Rows,
+    Tier,
+    TierCapability,
+    TierStats,
+    check_positions,
+    delete_versions,
+    max_version_per_key,
+)
 from hps_service.tiers.hashmap import index as index_ops
 from hps_service.tiers.hashmap import rows as row_ops
 from hps_service.tiers.hashmap import seqlock
@@ -279,6 +287,16 @@ class HashMapTier(Tier):
             )  # fmt: skip
         return out
 
+    def fill(self, table: str, keys: np.ndarray, positions: np.ndarray, out: np.ndarray, versions: np.ndarray,
+             found: np.ndarray) -> int:
+        """The rows of ``keys[positions]`` straight into ``out[positions]`` in one compiled pass, hits stamped as
+        :meth:`get` stamps them (see :meth:`Tier.fill`)."""
+        t = self._table(table)
+        check_positions(keys, positions, out, t.dim)
+        with t.lock:
+            return int(row_ops.get_rows_at(t.index, t.keys, t.rows, t.versions, t.stamps, keys, positions, out,
+                                           versions, found, t.tick(), self._lfu))
+
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
         """Upsert rows unless the stored version is newer; evicts by policy when the table is full.
 
@@ -440,6 +458,8 @@ def warm_up_kernels() -> None:
                 tier.put("warm.up", variant(chunk), variant(ones), variant(np.full(chunk.shape[0], 2, np.int64)))
             few = variant(keys[-4:])
             tier.get("warm.up", few)
+            tier.fill("warm.up", few, np.arange(4), np.empty((4, 2), np.float32), np.empty(4, np.int64),
+                      np.empty(4, np.bool_))
             tier.put("warm.up", few, variant(np.ones((4, 2), np.float32)), variant(np.ones(4, np.int64)))
             tier.delete("warm.up", few[:2], variant(np.full(2, 3, np.int64)))
             tier.delete("warm.up", few[2:])
