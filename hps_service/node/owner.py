@@ -52,6 +52,11 @@ log = logging.getLogger(__name__)
 
 #: How often the owner refreshes its GetClusterInfo answer in the store (``layout.CLUSTER_INFO``).
 CLUSTER_INFO_PERIOD_S = 0.5
+#: How long the owner waits, once woken, before it drains the workers' queues: on a mix of hits and misses every
+#: lookup hands over the rows it fetched, and a drain per lookup cost the owner about 0.12 ms of CPU a call (its
+#: wake-up, and the per-record work); gathering 5 ms of records cut that to about 0.075 ms, while admissions still
+#: reach L1 within milliseconds (the queues hold 8 MiB, hundreds of lookups' offers).
+DRAIN_GATHER_S = 0.005
 
 
 def store_parent() -> Path:
@@ -351,9 +356,11 @@ class NodeOwner:
         self._publisher.start()
 
     def _drain_queues(self) -> None:
-        """Apply what the workers handed over; woken by the semaphore a worker releases when its queue fills."""
+        """Apply what the workers handed over; woken by the semaphore a worker releases when its queue goes from empty
+        to not empty, then ``DRAIN_GATHER_S`` later (see there)."""
         while not self._stop.is_set():
-            self.wake.acquire(timeout=0.1)
+            if self.wake.acquire(timeout=0.1):
+                self._stop.wait(DRAIN_GATHER_S)  # let the workers' next records join this drain
             for ring in self.store.queues:
                 try:
                     records = ring.pop_all()
