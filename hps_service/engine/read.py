@@ -144,6 +144,12 @@ class Reader:
         miss_idx, hit_rate = self._from_cache(t, keys, out, sources, stored)
         if hit_rate == 1.0:
             return miss_idx if miss_idx is not None else np.empty(0, dtype=np.intp)
+        if miss_idx is not None and self.volatile is not None and (stored or t.format.identity):
+            m = miss_idx.shape[0]
+            found = np.empty(m, dtype=np.bool_)
+            if self.volatile.fill(t.id, keys, miss_idx, out, np.empty(m, dtype=np.int64), found):
+                sources[miss_idx[found]] = VOLATILE
+            return miss_idx[~found]
         asked = keys if miss_idx is None else keys[miss_idx]
         got = self.fetch_below(t, asked, count=False, through=VOLATILE)
         held = got.sources != DEFAULT
