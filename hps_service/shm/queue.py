@@ -37,6 +37,47 @@ def _load(ctrl: np.ndarray, which: int) -> np.int64:
     return atomic_load(ctrl, which)
 
 
+@numba.njit(cache=True, nogil=True)
+def _append(ctrl: np.ndarray, words: np.ndarray, floats: np.ndarray, kind: int, table: int, generation: int,
+            hit_bits: np.int64, keys: np.ndarray, versions: np.ndarray, rows: np.ndarray) -> bool:
+    # Ring.push in one compiled pass (header, keys, versions and rows written, then tail advanced): the NumPy views
+    # and copies of each part cost about 8 us a record of 100 rows, and a worker pushes one per lookup that missed.
+    size = words.shape[0] * 8
+    n, dim = rows.shape
+    length = 8 * _HEADER + 16 * n + ((4 * n * dim + 7) // 8) * 8
+    if length > size // 2:
+        return False
+    head = atomic_load(ctrl, CTRL_HEAD)
+    tail = ctrl[CTRL_TAIL]
+    pos = tail % size
+    pad = size - pos if pos + length > size else 0
+    if tail + pad + length - head > size:
+        return False
+    if pad:
+        words[pos // 8] = pad
+        words[pos // 8 + 1] = KIND_PAD
+        pos = 0
+    w = pos // 8
+    words[w] = length
+    words[w + 1] = kind
+    words[w + 2] = table
+    words[w + 3] = n
+    words[w + 4] = dim
+    words[w + 5] = generation
+    words[w + 6] = hit_bits
+    words[w + 7] = 0
+    w += _HEADER
+    for i in range(n):
+        words[w + i] = keys[i]
+        words[w + n + i] = versions[i]
+    f = 2 * (w + 2 * n)
+    for i in range(n):
+        for d in range(dim):
+            floats[f + i * dim + d] = rows[i, d]
+    atomic_fetch_add(ctrl, CTRL_TAIL, pad + length)
+    return True
+
+
 @dataclass
 class Record:
     kind: int
@@ -62,34 +103,14 @@ class Ring:
         self.size = data.shape[0]
         if self.size & (self.size - 1) or self.size < 4096:
             raise ValueError(f"ring size must be a power of two >= 4096, got {self.size}")
+        self._words = data.view(np.int64)  # records start at multiples of 8 bytes: header, keys and versions
+        self._floats = data.view(np.float32)  # and their rows
 
     def push(self, kind: int, table: int, generation: int, hit_rate: float, keys: np.ndarray, versions: np.ndarray,
              rows: np.ndarray) -> bool:
         """Append a record (producer only); False when it does not fit now."""
-        n, dim = rows.shape
-        length = record_bytes(n, dim)
-        if length > self.size // 2:
-            return False
-        head = int(_load(self.ctrl, CTRL_HEAD))
-        tail = int(self.ctrl[CTRL_TAIL])
-        pos = tail % self.size
-        pad = self.size - pos if pos + length > self.size else 0
-        if tail + pad + length - head > self.size:
-            return False
-        if pad:
-            self.data[pos:pos + 8].view(np.int64)[0] = pad
-            self.data[pos + 8:pos + 16].view(np.int64)[0] = KIND_PAD
-            pos = 0
-        header = self.data[pos:pos + 8 * _HEADER].view(np.int64)
-        header[:] = (length, kind, table, n, dim, generation, np.float64(hit_rate).view(np.int64), 0)
-        at = pos + 8 * _HEADER
-        self.data[at:at + 8 * n].view(np.int64)[:] = keys
-        at += 8 * n
-        self.data[at:at + 8 * n].view(np.int64)[:] = versions
-        at += 8 * n
-        self.data[at:at + 4 * n * dim].view(np.float32).reshape(n, dim)[:] = rows
-        _advance(self.ctrl, CTRL_TAIL, pad + length)
-        return True
+        return bool(_append(self.ctrl, self._words, self._floats, kind, table, generation,
+                            np.float64(hit_rate).view(np.int64), keys, versions, rows))
 
     def empty(self) -> bool:
         return int(_load(self.ctrl, CTRL_TAIL)) == int(self.ctrl[CTRL_HEAD])
