@@ -57,6 +57,7 @@ def test_queue_round_trip_wraps_and_refuses_what_does_not_fit(tmp_path: Path) ->
                 np.testing.assert_array_equal(rec.versions, versions_)
                 np.testing.assert_array_equal(rec.rows, rows_)
     assert len(ring.pop_all()) == len(sent)
+    ring = _ring(tmp_path / "full")  # from position 0: as many of these as the ring holds, then a refusal
     big = record_bytes(40, 8)
     n_fit = 4096 // big
     assert all(ring.push(1, 0, 0, 0.0, np.zeros(40, np.int64), np.zeros(40, np.int64), np.zeros((40, 8), np.float32))
