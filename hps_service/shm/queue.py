@@ -5,7 +5,7 @@ The producer (one worker process; its threads take a process-local lock) appends
 grow (a position is the counter modulo the ring size) and are advanced with sequentially consistent atomic adds,
 which are full barriers: the bytes of a record are in place before ``tail`` says so, and they are read before
 ``head`` lets the producer overwrite them. A record never wraps: when it does not fit before the end, a padding
-record fills the rest and it starts at 0. A full ring refuses the record (the caller counts it as dropped), so a
+record fills the rest and it starts at 0 (in the last 8 bytes, a padding record is its length alone). A full ring refuses the record (the caller counts it as dropped), so a
 slow owner never blocks a lookup.
 
 Record: eight int64 header fields (``length, kind, table, n, dim, generation, hit_rate as float64 bits, 0``),
@@ -55,7 +55,8 @@ def _append(ctrl: np.ndarray, words: np.ndarray, floats: np.ndarray, kind: int, 
         return False
     if pad:
         words[pos // 8] = pad
-        words[pos // 8 + 1] = KIND_PAD
+        if pad >= 16:  # the last 8 bytes hold a length alone (a record is never shorter than its header)
+            words[pos // 8 + 1] = KIND_PAD
         pos = 0
     w = pos // 8
     words[w] = length
@@ -120,22 +121,22 @@ class Ring:
         tail = int(_load(self.ctrl, CTRL_TAIL))
         head = start = int(self.ctrl[CTRL_HEAD])
         out: list[Record] = []
+        words, floats = self._words, self._floats
         while head < tail and head - start < limit_bytes:
             pos = head % self.size
-            length, kind = (int(v) for v in self.data[pos:pos + 16].view(np.int64))
+            w = pos // 8
+            length = int(words[w])
             if length <= 0 or length > self.size:
                 raise RuntimeError(f"corrupt queue record of {length} bytes at {head}")
-            if kind != KIND_PAD:
-                _, _, table, n, dim, generation, hit_bits, _ = (int(v) for v in
-                                                                 self.data[pos:pos + 8 * _HEADER].view(np.int64))
-                at = pos + 8 * _HEADER
-                keys = self.data[at:at + 8 * n].view(np.int64).copy()
-                at += 8 * n
-                versions = self.data[at:at + 8 * n].view(np.int64).copy()
-                at += 8 * n
-                rows = self.data[at:at + 4 * n * dim].view(np.float32).reshape(n, dim).copy()
-                out.append(Record(kind, table, generation, float(np.int64(hit_bits).view(np.float64)), keys,
-                                  versions, rows))
+            # a record with no room for a header before the end is the padding that sends the next one to 0
+            if pos + 8 * _HEADER <= self.size:
+                _, kind, table, n, dim, generation, hit_bits, _ = words[w:w + _HEADER].tolist()
+                if kind != KIND_PAD:
+                    w += _HEADER
+                    f = 2 * (w + 2 * n)
+                    out.append(Record(kind, table, generation, float(np.int64(hit_bits).view(np.float64)),
+                                      words[w:w + n].copy(), words[w + n:w + 2 * n].copy(),
+                                      floats[f:f + n * dim].reshape(n, dim).copy()))
             head += length
         if head != start:
             _advance(self.ctrl, CTRL_HEAD, head - start)

@@ -66,6 +66,23 @@ def test_queue_round_trip_wraps_and_refuses_what_does_not_fit(tmp_path: Path) ->
     assert len(ring.pop_all()) == n_fit and ring.empty()
 
 
+def test_a_record_after_the_last_8_bytes_of_the_ring_starts_at_0(tmp_path: Path) -> None:
+    """Records that end 8 bytes before the ring's end leave room for a padding length and nothing else."""
+    ring = _ring(tmp_path)
+    one = (np.array([7], np.int64), np.array([1], np.int64))
+    sizes = [record_bytes(1, 2)] * 45 + [record_bytes(1, 12)]
+    assert sum(sizes) == ring.size - 8
+    for i, size in enumerate(sizes):
+        assert ring.push(1, i, 0, 0.0, *one, np.zeros((1, 2 if size == sizes[0] else 12), np.float32))
+    assert len(ring.pop_all()) == len(sizes)
+    rows = np.arange(6, dtype=np.float32).reshape(1, 6)
+    assert ring.push(2, 99, 5, 0.5, *one, rows)
+    (rec,) = ring.pop_all()
+    assert (rec.kind, rec.table, rec.generation, rec.hit_rate) == (2, 99, 5, 0.5)
+    np.testing.assert_array_equal(rec.rows, rows)
+    assert ring.empty()
+
+
 def test_change_ring_names_the_keys_written_since_a_position(tmp_path: Path) -> None:
     region = Region(tmp_path / "c", writable=True)
     ring = ChangeRing(region.create("keys", (16,), np.int64), region.create("ctrl", (24,), np.int64), 16)
