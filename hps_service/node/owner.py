@@ -333,6 +333,7 @@ class NodeOwner:
         """The owner's gRPC health statuses (service name -> status), for the workers to answer (when they change)."""
         if statuses != self._health:
             self.store.write_json(layout.HEALTH, statuses)
+            self.store.header[layout.H_HEALTH] += 1  # after the file is in place: a worker that sees it reads it
             self._health = dict(statuses)
 
     def publish_cluster_info(self, cluster_info: Callable[[], dict[str, Any]]) -> None:

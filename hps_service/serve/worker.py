@@ -178,13 +178,19 @@ class FollowingHealth(HealthServicer):
         self._engine = engine
         self._gate = gate
         self._shown: dict[str, int] = {}
+        self._statuses: dict[str, int] = {}  # the owner's statuses as last read, and the publication they came from
+        self._published = -1
         self._follow_lock = threading.Lock()  # HealthServicer has its own _lock
         self._service = pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name
 
     def follow(self) -> None:
         with self._follow_lock:
             self._engine.sync()
-            statuses = dict(self._view.read_json(layout.HEALTH, {}))
+            published = int(self._view.header[layout.H_HEALTH])
+            if published != self._published:  # read the file only when the owner replaced it (polled 50 times a second)
+                self._statuses = dict(self._view.read_json(layout.HEALTH, {}))
+                self._published = published
+            statuses = dict(self._statuses)
             # An owner killed without a word leaves the store saying SERVING: its lock tells (a worker outlives it
             # by up to OWNER_POLL_S, and a probe in that time must not see a server that is gone as serving).
             if int(self._view.header[layout.H_STATE]) != layout.SERVING or not self._gate.owner_running(now=True):

@@ -17,10 +17,11 @@ from pathlib import Path
 
 from hps_service.shm.permissions import StoreAccess
 
-#: Header fields (int64): magic, layout version, generation id, state, manifest generation, owner pid, and the
-#: owner's RocksDB announcements to its workers' secondary instances (:mod:`hps_service.node.store.l3_events`).
+#: Header fields (int64): magic, layout version, generation id, state, manifest generation, owner pid, the
+#: owner's RocksDB announcements to its workers' secondary instances (:mod:`hps_service.node.store.l3_events`), and
+#: how many times the owner replaced ``HEALTH`` (a worker reads the file again only when it changed).
 H_MAGIC, H_LAYOUT, H_GENERATION, H_STATE, H_MANIFEST, H_OWNER_PID = 0, 1, 2, 3, 4, 5
-H_L3_FILES, H_L3_OPENS = 6, 7
+H_L3_FILES, H_L3_OPENS, H_HEALTH = 6, 7, 8
 HEADER_LEN = 16
 MAGIC = 0x4850535354524531  # "HPSSTRE1"
 #: 2: four-byte L1 clocks, and the hash map's owner and reader stamps as int32 halves of each row's third metadata
