@@ -57,9 +57,18 @@ class SeqLock:
     @contextmanager
     def write(self) -> Iterator[None]:
         """Change the protected data in the body; overlapping lock-free reads are discarded and rerun."""
-        with self._mutex:
-            cpu_kernels.seq_begin(self.meta)
-            try:
-                yield
-            finally:
-                cpu_kernels.seq_end(self.meta)
+        with self._mutex, self.changing():
+            yield
+
+    @contextmanager
+    def changing(self) -> Iterator[None]:
+        """Inside :meth:`exclusive`: the body changes the protected data, so lock-free reads that overlap it are
+        rerun. A writer prepares its change before this (readers carry on meanwhile) and makes it here: every
+        microsecond the counter stays odd is one in which every reader's work is thrown away."""
+        if not self._mutex.locked():
+            raise RuntimeError("SeqLock.changing() outside exclusive()")
+        cpu_kernels.seq_begin(self.meta)
+        try:
+            yield
+        finally:
+            cpu_kernels.seq_end(self.meta)

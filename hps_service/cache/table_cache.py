@@ -349,7 +349,8 @@ class SetAssocTableCache:
         """Insert offers in one go, each without the keys changed since it was read; returns rows written."""
         if not batch:
             return 0
-        with self._lock.write():
+        # Writers are held off while the offers are checked against the change log; readers only during the insert.
+        with self._lock.exclusive():
             kept_keys, kept_rows, kept_versions = [], [], []
             for keys, vectors, versions, generation in batch:
                 changed = self._changes.changed_since(generation, keys)
@@ -369,7 +370,8 @@ class SetAssocTableCache:
                 keys, vectors, versions = kept_keys[0], kept_rows[0], kept_versions[0]
             if keys.shape[0] == 0:
                 return 0
-            return self._inserted(self._cache.insert(keys, vectors, versions, evict=evict))
+            with self._lock.changing():
+                return self._inserted(self._cache.insert(keys, vectors, versions, evict=evict))
 
     def _refresh_loop(self) -> None:
         while not self._stop.wait(self._refresh_interval_s):
@@ -388,13 +390,14 @@ class SetAssocTableCache:
         if keys.shape[0] == 0:
             return 0
         rows, versions, stored = self._fetched(keys)
-        with self._lock.write():
+        with self._lock.exclusive():
             changed = self._changes.changed_since(generation, keys)
             if changed is None:
                 return 0
             keep = ~changed & stored
             # Version-aware: a row updated meanwhile (newer than what was read) is kept.
-            refreshed = self._cache.update(keys[keep], rows[keep], versions[keep])
+            with self._lock.changing():
+                refreshed = self._cache.update(keys[keep], rows[keep], versions[keep])
         self._count("refreshed_rows", refreshed)
         return refreshed
 

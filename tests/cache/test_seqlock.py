@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from hps_service.cache.seqlock import SeqLock
 
 WAIT_S = 10.0
@@ -77,3 +79,21 @@ def test_exclusive_holds_off_writers() -> None:
         order.append("reader")
     thread.join(WAIT_S)
     assert order == ["reader", "writer"]
+
+
+def test_a_writer_preparing_its_change_under_exclusive_does_not_rerun_readers() -> None:
+    """Only ``changing()`` makes readers rerun: a read that overlaps the preparation is kept, one that overlaps
+    the change is not; ``changing()`` outside ``exclusive()`` is refused (it would let two writers in)."""
+    lock = SeqLock()
+    calls: list[int] = []
+    with lock.exclusive():
+        before = lock.sequence
+        assert lock.read(lambda: calls.append(1) or 1) == 1  # overlaps the preparation: kept at once
+        with lock.changing():
+            assert lock.sequence == before + 1
+        assert lock.sequence == before + 2
+    assert calls == [1]
+    with pytest.raises(RuntimeError, match="outside exclusive"):
+        with lock.changing():
+            pass
+    assert lock.sequence % 2 == 0
