@@ -42,7 +42,7 @@ an invalid config stops `hps serve` with exit code 2 and one line naming each ba
 
 ```yaml
 server:     {host: 127.0.0.1, grpc_port: 8500, http_port: 8000, max_batch_keys: 65536}
-cache:      {backend: auto, capacity: 0.2, ways: 32, policy: lru, admit_after_misses: 2}
+cache:      {backend: auto, capacity: 0.2, ways: 32, policy: lru, admit_after_misses: 3}
 volatile:   {type: hashmap, capacity_rows: 10000000, overflow_policy: lru}
 persistent: {type: rocksdb, path: ./var/rocksdb}
 updates:    {type: disabled}
