@@ -93,7 +93,6 @@ def test_a_writer_preparing_its_change_under_exclusive_does_not_rerun_readers() 
             assert lock.sequence == before + 1
         assert lock.sequence == before + 2
     assert calls == [1]
-    with pytest.raises(RuntimeError, match="outside exclusive"):
-        with lock.changing():
-            pass
+    with pytest.raises(RuntimeError, match="outside exclusive"), lock.changing():
+        pass
     assert lock.sequence % 2 == 0
