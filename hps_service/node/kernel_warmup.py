@@ -34,8 +34,6 @@ def warm_up_kernels() -> None:
     row_ids = np.empty(3, np.int64)
     for meta in (writable_meta, _read_only(writable_meta.copy())):
         for query in (keys, _read_only(keys.copy())):
-            hk.read_rows(ctrl, index, np.int64(0), meta[:, 0], rows, meta[:, 1], stamp_halves(meta)[0], query, out,
-                         versions, found, row_ids)
             hk.read_rows_at(ctrl, index, np.int64(0), meta[:, 0], rows, meta[:, 1], stamp_halves(meta)[0], query,
                             np.flatnonzero(found | True), out, versions, found, row_ids)
     hk.stamp_reads(stamp_halves(writable_meta)[1], row_ids, hk.tick(ctrl), False)

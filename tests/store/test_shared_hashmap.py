@@ -166,8 +166,8 @@ def test_overlapped_reads_are_detected_and_rerun(tmp_path: Path) -> None:
     versions, found, row_ids = np.empty(10, np.int64), np.empty(10, bool), np.empty(10, np.int64)
 
     def read(gen: int) -> int:
-        return int(hk.read_rows(a.ctrl, a.index, np.int64(gen), a.meta[:, 0], a.rows, a.meta[:, 1], stamp_halves(a.meta)[0], keys,
-                                out, versions, found, row_ids))
+        return int(hk.read_rows_at(a.ctrl, a.index, np.int64(gen), a.meta[:, 0], a.rows, a.meta[:, 1],
+                                   stamp_halves(a.meta)[0], keys, np.arange(10), out, versions, found, row_ids))
 
     assert read(a.index_gen) == 10 and found.all()
     assert read(a.index_gen + 1) == hk.READ_REMAP

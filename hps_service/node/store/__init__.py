@@ -3,7 +3,7 @@ memory-backed directory that every process of the node maps (the primitives are 
 
 One process (the owner) creates and writes it; the gRPC worker processes and colocated readers
 (:class:`hps_service.local.LocalClient`) attach to it and read it without locks (sequence locks, see
-``tiers/hashmap/seqlock.read_rows`` and ``cache/cpu_kernels.query_kernel``). Modules: ``layout`` (the header, a
+``tiers/hashmap/seqlock.read_rows_at`` and ``cache/cpu_kernels.query_kernel``). Modules: ``layout`` (the header, a
 generation's directory and its manifest), ``l3_events`` (the owner's announcements to the workers' RocksDB
 secondaries), ``node_store`` (the owner's side) and ``view`` (a reader's side).
 """

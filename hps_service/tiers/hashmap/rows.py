@@ -62,25 +62,6 @@ def _drop_row(
 
 
 @njit(cache=True, nogil=True)
-def get_rows(
-    index: np.ndarray,
-    keys: np.ndarray,
-    rows: np.ndarray,
-    versions: np.ndarray,
-    stamps: np.ndarray,
-    query: np.ndarray,
-    out_vectors: np.ndarray,
-    out_versions: np.ndarray,
-    found: np.ndarray,
-    clock: np.int64,
-    lfu: bool,
-) -> int:
-    """Copy the rows of every key of ``query`` into the same rows of the outputs (see :func:`get_rows_at`)."""
-    return get_rows_at(index, keys, rows, versions, stamps, query, np.arange(query.size), out_vectors, out_versions,
-                       found, clock, lfu)
-
-
-@njit(cache=True, nogil=True)
 def get_rows_at(
     index: np.ndarray,
     keys: np.ndarray,

@@ -1,7 +1,7 @@
 """The hash map tier's sequence lock, between its one writer and lock-free readers in other processes (the node's
 workers, colocated clients), over the table's control array (sequence, index generation and length, clock).
 
-Writers bracket every change with :func:`seq_begin` and :func:`seq_end`; :func:`read_rows` is the sequence-lock read
+Writers bracket every change with :func:`seq_begin` and :func:`seq_end`; :func:`read_rows_at` is the sequence-lock read
 over the index and rows (see its docstring). Readers never write the rows' metadata: they record their accesses in
 ``reader_stamps``, their own int32 half of each row's stamp word (:func:`stamp_reads`), which eviction takes
 into account.
@@ -22,7 +22,7 @@ from hps_service.tiers.hashmap.stamps import counted, live
 #: every change; readers only load it), then what readers need to map the index, and the table clock.
 CTRL_SEQ, CTRL_INDEX_GEN, CTRL_INDEX_LEN, CTRL_CLOCK = 0, 8, 9, 16
 CTRL_LEN = 24
-#: :func:`read_rows` results other than a hit count.
+#: :func:`read_rows_at` results other than a hit count.
 READ_OVERLAPPED = -1
 READ_REMAP = -2
 
@@ -46,26 +46,6 @@ def seq_end(ctrl: np.ndarray) -> None:
 def tick(ctrl: np.ndarray) -> np.int64:
     """Advance the table clock by one (one tick per batch, from any process) and return the new value."""
     return atomic_fetch_add(ctrl, CTRL_CLOCK, 1) + 1
-
-
-@njit(cache=True, nogil=True)
-def read_rows(
-    ctrl: np.ndarray,
-    index: np.ndarray,
-    index_gen: np.int64,
-    keys: np.ndarray,
-    rows: np.ndarray,
-    versions: np.ndarray,
-    stamps: np.ndarray,
-    query: np.ndarray,
-    out_vectors: np.ndarray,
-    out_versions: np.ndarray,
-    found: np.ndarray,
-    row_ids: np.ndarray,
-) -> int:
-    """A lock-free read of every key of ``query`` into the same rows of the outputs (see :func:`read_rows_at`)."""
-    return read_rows_at(ctrl, index, index_gen, keys, rows, versions, stamps, query,
-                        np.arange(query.size), out_vectors, out_versions, found, row_ids)
 
 
 @njit(cache=True, nogil=True)

@@ -281,8 +281,8 @@ class HashMapTier(Tier):
             found=np.empty(query.size, dtype=bool),
         )
         with t.lock:
-            row_ops.get_rows(
-                t.index, t.keys, t.rows, t.versions, t.stamps, query,
+            row_ops.get_rows_at(
+                t.index, t.keys, t.rows, t.versions, t.stamps, query, np.arange(query.size),
                 out.vectors, out.versions, out.found, t.tick(), self._lfu,
             )  # fmt: skip
         return out
