@@ -229,18 +229,20 @@ class SetAssocTableCache:
         keys = self._keys_arg(keys)
         vectors = self._rows_arg(keys, vectors)
         versions = versions_arg(versions, keys.shape[0])
-        with self._lock.write():
-            self._changes.record(keys)
-            self._cache.update(keys, vectors, versions)
+        with self._lock.exclusive():
+            self._changes.record(keys)  # the change log is the writers' alone: lock-free readers carry on meanwhile
+            with self._lock.changing():
+                self._cache.update(keys, vectors, versions)
 
     def invalidate(self, keys: np.ndarray, versions: np.ndarray | None = None) -> None:
         """Deletes: with ``versions``, drop cached rows not newer than the delete's; with None, drop the keys."""
         keys = self._keys_arg(keys)
         if versions is not None:
             versions = versions_arg(versions, keys.shape[0])
-        with self._lock.write():
+        with self._lock.exclusive():
             self._changes.record(keys)
-            self._cache.invalidate(keys, versions)
+            with self._lock.changing():
+                self._cache.invalidate(keys, versions)
 
     def clear(self) -> None:
         """Drop everything, including offers still queued."""
