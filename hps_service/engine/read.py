@@ -61,7 +61,7 @@ class Reader:
         if batch_hit_rate == 1.0:
             return LookupResult(out, sources)
         start = VOLATILE
-        if miss_idx is not None and self.volatile is not None and (stored or t.format.identity):
+        if miss_idx is not None and self._fills(t, stored):
             # the rows are answered as stored: the volatile tier fills L1's holes in place, no dedupe, no copies
             miss_idx = self._fill_volatile(t, keys, miss_idx, out, sources, batch_hit_rate, fetched_at)
             start = PERSISTENT
@@ -107,6 +107,11 @@ class Reader:
             t.cache.admit(keys[at], out[at], versions[first], batch_hit_rate, fetched_at=fetched_at)
         return miss_idx[~found]
 
+    def _fills(self, t: ServedTable, stored: bool) -> bool:
+        """Whether the volatile tier can fill L1's holes in place: the answer holds rows as stored (fp32, or the
+        stored format asked), so no decode stands between the tier and the answer."""
+        return self.volatile is not None and (stored or t.format.identity)
+
     @staticmethod
     def _from_cache(t: ServedTable, keys: np.ndarray, out: np.ndarray,
                     sources: np.ndarray, stored: bool = False) -> tuple[np.ndarray | None, float]:
@@ -144,7 +149,8 @@ class Reader:
         miss_idx, hit_rate = self._from_cache(t, keys, out, sources, stored)
         if hit_rate == 1.0:
             return miss_idx if miss_idx is not None else np.empty(0, dtype=np.intp)
-        if miss_idx is not None and self.volatile is not None and (stored or t.format.identity):
+        if miss_idx is not None and self._fills(t, stored):
+            assert self.volatile is not None
             m = miss_idx.shape[0]
             found = np.empty(m, dtype=np.bool_)
             if self.volatile.fill(t.id, keys, miss_idx, out, np.empty(m, dtype=np.int64), found):
