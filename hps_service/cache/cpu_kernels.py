@@ -16,8 +16,12 @@ Writers bump the counter to odd before they change anything and back to even aft
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import cast
+
 import numba
 import numpy as np
+from numba.cpython.unsafe.numbers import trailing_zeros as _numba_trailing_zeros
 
 from hps_service.cache.layout import (
     CLOCK_MASK,
@@ -34,11 +38,16 @@ from hps_service.cache.layout import (
 from hps_service.jit.atomic import acquire_fence, atomic_fetch_add, atomic_load
 from hps_service.jit.hashing import mix64
 from hps_service.jit.prefetch import prefetch
+from hps_service.jit.rowcopy import copy_row
 from hps_service.jit.ticks import age
 
 _S32 = np.uint64(32)
 _TAG_BIT = np.uint64(TAG_BIT)
 _TAG_MASK = np.uint64(TAG_HASH_MASK)
+#: The count of trailing zero bits of a uint64 (LLVM cttz), as kernels call it.
+_trailing_zeros = cast(Callable[[np.uint64], int], _numba_trailing_zeros)
+_ONES = np.uint64(0x0101010101010101)
+_HIGHS = np.uint64(0x8080808080808080)
 _I64_MIN = np.iinfo(np.int64).min
 _I64_MAX = np.iinfo(np.int64).max
 
@@ -97,12 +106,15 @@ def next_tick(meta):
 @numba.njit(cache=True, nogil=True)
 def query_kernel(tags, table, clock, values, meta, keys, out, hit, sets, lfu, touch):
     # Software-pipelined over three stages PREFETCH_AHEAD keys apart: the tag row of key j is prefetched;
-    # the tags of key j-D are scanned and the candidate's key slot and value row prefetched; the key of
-    # j-2D is compared and its row copied. Returns the number of hits, or -1 if a writer overlapped.
+    # the tags of key j-D are scanned (eight a step) and the candidate's key slot and value row prefetched;
+    # the key of j-2D is compared and its row copied (one memcpy). Returns the number of hits, or -1 if a writer overlapped.
     seq = atomic_load(meta, META_SEQ)
     if seq & 1:
         return -1
     ways = tags.shape[1]
+    # The tag rows as 8-byte words, scanned eight tags a step (no words when a row is not whole words).
+    words = tags.ravel()[: (tags.size // 8) * 8].view(np.uint64)
+    nw = ways // 8 if ways % 8 == 0 else 0
     dim = values.shape[1]
     usets = np.uint64(sets)
     n = keys.shape[0]
@@ -121,12 +133,23 @@ def query_kernel(tags, table, clock, values, meta, keys, out, hit, sets, lfu, to
         i = j - ahead
         if 0 <= i < n:
             s = set_idx[i]
-            t = tag[i]
             w = -1
-            for v in range(ways):
-                if tags[s, v] == t:
-                    w = v
-                    break
+            if nw:
+                # A zero byte of word ^ pattern is a tag match (the has-zero-byte trick): the lowest flagged
+                # byte is exact, flags above it may be false, so a later candidate comes from _find.
+                pattern = _ONES * np.uint64(tag[i])
+                for q in range(nw):
+                    x = words[s * nw + q] ^ pattern
+                    z = (x - _ONES) & ~x & _HIGHS
+                    if z != 0:
+                        w = q * 8 + int(_trailing_zeros(z) >> 3)
+                        break
+            else:
+                t = tag[i]
+                for v in range(ways):
+                    if tags[s, v] == t:
+                        w = v
+                        break
             slots[i] = w
             if w >= 0:
                 prefetch(table, s, w)
@@ -144,8 +167,7 @@ def query_kernel(tags, table, clock, values, meta, keys, out, hit, sets, lfu, to
                 slots[i] = -1
             else:
                 slot = s * ways + w
-                for d in range(dim):
-                    out[i, d] = values[slot, d]
+                copy_row(out, i, values, slot)
                 hit[i] = True
                 slots[i] = slot
                 nhit += 1

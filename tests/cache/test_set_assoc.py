@@ -153,6 +153,34 @@ def test_every_int64_edge_is_an_ordinary_key(compiled: bool) -> None:
     assert cache.rows() == len(keys) - 1
 
 
+@pytest.mark.parametrize("ways", [32, 16, 12, 3])
+def test_a_wide_set_with_shared_and_neighbouring_tags_answers_like_the_reference(ways: int) -> None:
+    """The compiled probe scans a set's tags eight at a time (whole words when ``ways`` allows): a key behind
+    others with its tag, a key whose tag differs by one bit from a resident's, freed slots that still hold a
+    key, and absent keys with a resident's tag all answer as the one-tag-at-a-time reference does."""
+    candidates = np.arange(-(1 << 20), 1 << 20, dtype=np.int64)
+    in_set0 = candidates[set_index(candidates, 2) == 0]
+    tags = tag_of(in_set0)
+    target = int(np.bincount(tags).argmax())
+    same = in_set0[tags == target]
+    near = np.concatenate([in_set0[tags == (target ^ bit)][:2] for bit in (1, 2, 0x40)])
+    resident = np.concatenate([near[: ways // 3], same[: ways - ways // 3]])[:ways]
+    absent = same[ways : ways + 8]
+    freed = resident[1::4]
+    compiled, reference = (SetAssociativeCache(2 * ways, 2, ways=ways, compiled=c) for c in (True, False))
+    rows = np.stack([resident.astype(np.float32), -resident.astype(np.float32)], axis=1)
+    for cache in (compiled, reference):
+        assert cache.insert(resident, rows, 1).placed == len(resident)
+        cache.invalidate(freed)
+    asked = np.concatenate([resident, absent, freed, resident[::-1]])
+    want_hit = ~np.isin(asked, freed) & np.isin(asked, resident)
+    for cache in (compiled, reference):
+        out = np.full((len(asked), 2), np.nan, np.float32)
+        hit = cache.query(asked, out)
+        assert hit.tolist() == want_hit.tolist()
+        assert np.array_equal(out[hit, 0], asked[hit].astype(np.float32))
+
+
 @settings(max_examples=200, deadline=None)
 @given(keys=st.lists(st.one_of(I64, st.sampled_from(EDGES)), max_size=50), sets=st.integers(1, 2**32))
 def test_set_index_and_tag_are_the_documented_mapping(keys: list[int], sets: int) -> None:

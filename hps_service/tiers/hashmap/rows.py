@@ -18,6 +18,7 @@ from numba import njit
 
 from hps_service.jit.hashing import home_slot
 from hps_service.jit.prefetch import prefetch as _prefetch
+from hps_service.jit.rowcopy import copy_row
 from hps_service.tiers.hashmap.index import PREFETCH_AHEAD, probe, rebuild_index, remove_slot
 from hps_service.tiers.hashmap.stamps import counted, live, tombstone
 
@@ -86,7 +87,6 @@ def get_rows_at(
     """
     mask = np.int64(index.size - 1)
     n = positions.size
-    dim = rows.shape[1]
     row_ids = np.empty(n, dtype=np.int64)
     for j in range(n):
         row_ids[j] = index[home_slot(query[positions[j]], mask)]
@@ -109,10 +109,7 @@ def get_rows_at(
             row_ids[j] = -1
             found[j] = False
             continue
-        src = rows[r]
-        dst = out_vectors[positions[j]]
-        for d in range(dim):
-            dst[d] = src[d]
+        copy_row(out_vectors, positions[j], rows, r)
         out_versions[j] = versions[r]
         found[j] = True
         hits += 1

@@ -14,6 +14,7 @@ from numba import njit
 
 from hps_service.jit.atomic import acquire_fence, atomic_fetch_add, atomic_load
 from hps_service.jit.hashing import home_slot
+from hps_service.jit.rowcopy import copy_row
 from hps_service.tiers.hashmap.index import PREFETCH_AHEAD
 from hps_service.tiers.hashmap.rows import prefetch_row
 from hps_service.tiers.hashmap.stamps import counted, live
@@ -90,7 +91,6 @@ def read_rows_at(
     size = index.size
     mask = np.int64(size - 1)
     capacity = rows.shape[0]
-    dim = rows.shape[1]
     n = positions.size
     torn = False
     for j in range(n):
@@ -126,9 +126,7 @@ def read_rows_at(
             row_ids[j] = -1
             found[j] = False
             continue
-        i = positions[j]
-        for d in range(dim):
-            out_vectors[i, d] = rows[r, d]
+        copy_row(out_vectors, positions[j], rows, r)
         out_versions[j] = versions[r]
         found[j] = True
         hits += 1
