@@ -104,13 +104,15 @@ def next_tick(meta):
 
 
 @numba.njit(cache=True, nogil=True)
-def query_kernel(tags, table, clock, values, meta, keys, out, hit, sets, lfu, touch):
+def query_kernel(tags, table, clock, values, meta, asked, out, hit, sets, lfu, touch):
     # Software-pipelined over three stages PREFETCH_AHEAD keys apart: the tag row of key j is prefetched;
     # the tags of key j-D are scanned (eight a step) and the candidate's key slot and value row prefetched;
     # the key of j-2D is compared and its row copied (one memcpy). Returns the number of hits, or -1 if a writer overlapped.
+    # ``asked``: the int64 keys, compared as uint64 (``table`` is the cached keys viewed so): viewed here, not by callers.
     seq = atomic_load(meta, META_SEQ)
     if seq & 1:
         return -1
+    keys = asked.view(np.uint64)
     ways = tags.shape[1]
     # The tag rows as 8-byte words, scanned eight tags a step (no words when a row is not whole words).
     words = tags.ravel()[: (tags.size // 8) * 8].view(np.uint64)

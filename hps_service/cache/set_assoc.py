@@ -256,10 +256,9 @@ class SetAssociativeCache:
         ``touch=False`` leaves clocks and the tick alone (a reader that maps the cache read-only).
         """
         if self.compiled:
-            return int(cpu_kernels.query_kernel(
-                self.tags, self._keys_u64, self.clock, self.values, self.meta, keys.view(np.uint64), out, hit,
-                self.sets, self._lfu, touch,
-            ))
+            nhit: int = cpu_kernels.query_kernel(self.tags, self._keys_u64, self.clock, self.values, self.meta, keys,
+                                                 out, hit, self.sets, self._lfu, touch)
+            return nhit
         seq = int(self.meta[META_SEQ])
         if seq & 1:
             return -1

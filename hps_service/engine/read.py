@@ -113,17 +113,17 @@ class Reader:
         return self.volatile is not None and (stored or t.format.identity)
 
     @staticmethod
-    def _from_cache(t: ServedTable, keys: np.ndarray, out: np.ndarray,
-                    sources: np.ndarray, stored: bool = False) -> tuple[np.ndarray | None, float]:
+    def _from_cache(t: ServedTable, keys: np.ndarray, out: np.ndarray, sources: np.ndarray, stored: bool = False,
+                    hit: np.ndarray | None = None) -> tuple[np.ndarray | None, float]:
         """L1's rows of ``keys`` into ``out`` (decoded, or ``stored`` as they are): the indices it missed (None: all
-        of them) and its hit rate."""
+        of them) and its hit rate. ``hit``: L1 was already read into ``out`` (fp32 rows), this is its hit mask."""
         n = keys.shape[0]
         if t.cache is None or not n:
             return None, 0.0
         fmt = t.format
-        if fmt.identity or stored:
+        if hit is None and (fmt.identity or stored):
             hit = t.cache.lookup(keys, out)
-        else:  # L1 holds stored rows: gather them, then decode the batch into out
+        elif hit is None:  # L1 holds stored rows: gather them, then decode the batch into out
             words = np.empty((n, fmt.words), dtype=np.float32)
             hit = t.cache.lookup(keys, words)
             fmt.decode(words, out)
@@ -135,18 +135,21 @@ class Reader:
         return np.flatnonzero(~hit), n_hit / n
 
     def lookup_held(self, t: ServedTable, keys: np.ndarray, out: np.ndarray, sources: np.ndarray,
-                    stored: bool = False) -> np.ndarray:
+                    stored: bool = False, hit: np.ndarray | None = None) -> np.ndarray:
         """The rows L1 and the volatile tier hold, into ``out`` and ``sources`` (no promotion, admission or
         default; ``stored``: as the table stores them); returns the indices of the keys neither holds, for the
         process that reads the tiers below (a colocated reader of a node's store asks its server for them). A table
-        with ``ttl_s`` answers the expired rows it holds with the default (see :mod:`hps_service.engine.ttl`)."""
+        with ``ttl_s`` answers the expired rows it holds with the default (see :mod:`hps_service.engine.ttl`).
+        ``hit``: the caller already read L1's fp32 rows into ``out`` (a table without ``ttl_s``), with this mask."""
         if t.ttl_s is not None:
+            if hit is not None:
+                raise ValueError("a table with ttl_s reads L1 through its expiry check, not from a caller's read")
             return ttl.lookup_held(self._lookup_held, t, keys, out, sources, stored)
-        return self._lookup_held(t, keys, out, sources, stored)
+        return self._lookup_held(t, keys, out, sources, stored, hit)
 
     def _lookup_held(self, t: ServedTable, keys: np.ndarray, out: np.ndarray, sources: np.ndarray,
-                     stored: bool = False) -> np.ndarray:
-        miss_idx, hit_rate = self._from_cache(t, keys, out, sources, stored)
+                     stored: bool = False, hit: np.ndarray | None = None) -> np.ndarray:
+        miss_idx, hit_rate = self._from_cache(t, keys, out, sources, stored, hit)
         if hit_rate == 1.0:
             return miss_idx if miss_idx is not None else np.empty(0, dtype=np.intp)
         if miss_idx is not None and self._fills(t, stored):

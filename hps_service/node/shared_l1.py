@@ -66,12 +66,20 @@ class SharedL1Reader:
         if out.dtype is not _FLOAT32 or out.shape != (n, self.dim) or not out.flags.c_contiguous:
             raise InvalidArgumentError(f"out must be C-contiguous float32 of shape ({n}, {self.dim})")
         hit = np.empty(n, dtype=np.bool_)
+        self.read(keys, out, hit)
+        return hit
+
+    def read(self, keys: np.ndarray, out: np.ndarray, hit: np.ndarray) -> int:
+        """:meth:`lookup` into the caller's ``hit`` mask, with no argument checks (the caller's are done: int64
+        C-contiguous keys, float32 C-contiguous ``out`` of ``(n, dim)``, bool ``hit`` of ``(n,)``); returns the
+        number of hits. The one call a colocated all-hit read makes."""
         cache = self._cache
         attempt = 0
         sleep = _SLEEP_S
         while True:
-            if cache.query_once(keys, out, hit, self._touch) >= 0:
-                return hit
+            nhit = cache.query_once(keys, out, hit, self._touch)
+            if nhit >= 0:
+                return nhit
             self.retries += 1
             attempt += 1
             if attempt >= READ_ATTEMPTS:

@@ -125,6 +125,31 @@ def test_local_reads_answer_exactly_as_grpc_sources_included(server: tuple[Local
     np.testing.assert_array_equal(asked[stored].shape[0], seen[1] + seen[2])
 
 
+def test_lookup_after_the_first_call_answers_as_grpc(server: tuple[LocalServer, np.ndarray, np.ndarray]) -> None:
+    """Once a table is mapped, ``lookup`` reads L1 in one compiled call and hands its hit mask to the general path
+    only when a key missed: batches of L1 hits alone, and of L1 and hash-map hits, defaults, duplicates and the int64
+    edges, each answered as gRPC answers them, with and without ``out=``."""
+    srv, keys, _ = server
+    rng = np.random.default_rng(17)
+    edges = np.array([-(2**63), 2**63 - 1, 0, -1, 1], np.int64)
+    with LocalClient(srv.store) as local, HPSClient(srv.srv.target) as remote:
+        local.lookup("m", "item", keys[:8])  # maps the table
+        l1_keys = keys[:ROWS][local.lookup_with_sources("m", "item", keys[:ROWS]).sources == 1]
+        assert l1_keys.shape[0] > 1000
+        for i in range(16):
+            if i % 2:
+                asked = l1_keys[rng.integers(0, l1_keys.shape[0], 1 + 97 * i)]
+            else:
+                pool = np.concatenate((keys, edges, rng.integers(2**40, 2**41, 500)))
+                asked = np.concatenate((edges[i % 5:][:1], pool[rng.integers(0, pool.shape[0], 131 * i)]))
+            want = remote.lookup_with_sources("m", "item", asked)
+            assert (want.sources == 1).all() == bool(i % 2)
+            out = np.full((asked.shape[0], DIM), np.nan, np.float32) if i % 4 < 2 else None
+            got = local.lookup("m", "item", asked, out=out)
+            assert out is None or got is out
+            np.testing.assert_array_equal(got, want.vectors)
+
+
 def test_rows_go_into_the_callers_buffer_when_given(server: tuple[LocalServer, np.ndarray, np.ndarray]) -> None:
     """``out=``: L1 and hash-map hits and the server's answers for the rest land in the caller's array, the same
     rows as without it, on both clients; a buffer of the wrong shape, dtype or layout is refused, naming it."""

@@ -83,7 +83,7 @@ class StoreView:
 
     def changed(self) -> bool:
         """The owner published a new manifest since :meth:`reload`."""
-        return int(self.header[layout.H_MANIFEST]) != self.manifest_gen
+        return bool(self.header.item(layout.H_MANIFEST) != self.manifest_gen)  # item: a Python int, in half the time
 
     def reload(self) -> None:
         """Read the current manifest (tables no longer in it are dropped, new ones mapped when first used)."""
