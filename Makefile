@@ -59,13 +59,16 @@ test-deps:
 	@command -v promtool >/dev/null || { echo "promtool (Debian package prometheus) is required for the tests"; exit 1; }
 
 # The serving kernels compile into numba's on-disk cache on the second core while lint runs on the first, so that a
-# fresh clone does not pay that compile (about 30 s) inside the first tests that look rows up.
+# fresh clone does not pay that compile (about 30 s) inside the first tests that look rows up. The tests then run
+# a file at a time on TEST_WORKERS processes (pytest-xdist): most of a test's time is spent waiting on the servers
+# it started, so two processes on two cores take about half the time one does (TEST_WORKERS=0: one process).
+TEST_WORKERS ?= 2
 test: install-dev test-deps
 	@$(PY) -m hps_service.jit.warmup > $(VENV)/kernel-warmup.log 2>&1 & warm=$$!; \
 	  $(MAKE) --no-print-directory lint; status=$$?; \
 	  wait $$warm || { echo "the kernel warm-up failed:"; cat $(VENV)/kernel-warmup.log; exit 1; }; \
 	  tail -n 1 $(VENV)/kernel-warmup.log; exit $$status
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The CPU image built and run with rootful podman (Debian's packages, no daemon) on an mmdebstrap stand-in for its
 # base image; minutes long, so not part of `make test`.
