@@ -148,6 +148,12 @@ def test_lookup_after_the_first_call_answers_as_grpc(server: tuple[LocalServer, 
             got = local.lookup("m", "item", asked, out=out)
             assert out is None or got is out
             np.testing.assert_array_equal(got, want.vectors)
+        # keys the one-call read does not take go the general way: none, a strided view, Python ints
+        assert local.lookup("m", "item", np.empty(0, np.int64)).shape == (0, DIM)
+        strided = l1_keys[:200:2]
+        np.testing.assert_array_equal(local.lookup("m", "item", strided), remote.lookup("m", "item", strided))
+        listed = [int(k) for k in l1_keys[:50]] + [2**63 - 1]
+        np.testing.assert_array_equal(local.lookup("m", "item", listed), remote.lookup("m", "item", listed))
 
 
 def test_rows_go_into_the_callers_buffer_when_given(server: tuple[LocalServer, np.ndarray, np.ndarray]) -> None:
