@@ -13,6 +13,14 @@ pytest_plugins = ["tests.exit_watchdog"]
 RUN_LONG = os.environ.get("HPS_RUN_LONG", "") not in ("", "0")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Give each pytest-xdist worker (and every process it starts) its own slice of the port range, so servers
+    started by two workers at once never pick the same port."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw"):
+        os.environ["HPS_PORT_SLICE"] = f"{int(worker[2:])}/{os.environ['PYTEST_XDIST_WORKER_COUNT']}"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if RUN_LONG:
         return

@@ -24,7 +24,6 @@ from hps_service.tiers.factory import build_volatile
 from hps_service.tiers.redis import RedisClusterTier
 from hps_service.updates import Publisher
 from tests.faults.support import readyz, wait_for
-from tests.fixtures.redis_cluster import _free_cluster_port
 from tests.helpers import HPS, REPO, free_port, wait_serving, write_config
 from tests.security.certs import PKI, make_pki
 
@@ -123,7 +122,7 @@ def secure_redis(pki: PKI, tmp_path: Path) -> Iterator[int]:
     """A one-node Redis Cluster that speaks only TLS and needs AUTH (ACL user ``hps``); yields its TLS port."""
     if shutil.which("redis-server") is None:
         pytest.fail("redis-server must be on PATH (make test-deps installs it)")
-    port = _free_cluster_port()
+    port = free_port(pair=True)
     proc = subprocess.Popen([
         "redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
         "--tls-cert-file", str(pki.server_cert), "--tls-key-file", str(pki.server_key),
