@@ -104,11 +104,12 @@ def next_tick(meta):
 
 
 @numba.njit(cache=True, nogil=True)
-def query_kernel(tags, table, clock, values, meta, asked, out, hit, sets, lfu, touch):
+def query_kernel(tags, table, clock, values, meta, sets, lfu, touch, asked, out, hit):
     # Software-pipelined over three stages PREFETCH_AHEAD keys apart: the tag row of key j is prefetched;
     # the tags of key j-D are scanned (eight a step) and the candidate's key slot and value row prefetched;
     # the key of j-2D is compared and its row copied (one memcpy). Returns the number of hits, or -1 if a writer overlapped.
     # ``asked``: the int64 keys, compared as uint64 (``table`` is the cached keys viewed so): viewed here, not by callers.
+    # The cache's arrays and settings come first, so that a caller binds them once (hps_service.jit.bound).
     seq = atomic_load(meta, META_SEQ)
     if seq & 1:
         return -1

@@ -51,6 +51,7 @@ from hps_service.cache.layout import (
     scores,
 )
 from hps_service.errors import InvalidArgumentError
+from hps_service.jit.bound import bind_kernel
 from hps_service.jit.hashing import mix64_array
 from hps_service.shm.counters import HitCounts
 
@@ -171,6 +172,8 @@ class SetAssociativeCache:
         self.counts = HitCounts()
         self._lfu = policy == "lfu"
         self._keys_u64 = arrays.keys.view(np.uint64)
+        self._query_arrays = (self.tags, self._keys_u64, self.clock, self.values, self.meta)
+        self._bound_query: dict[bool, Callable[[np.ndarray, np.ndarray, np.ndarray], int]] = {}
 
     def finish_reads_under(self, exclusive: Callable[[], AbstractContextManager[Any]]) -> None:
         """Nothing to do: a read here retries until it sees no writer (the device cache's finishes under a lock)."""
@@ -252,12 +255,12 @@ class SetAssociativeCache:
         """One lock-free attempt: copy cached rows into ``out`` and set ``hit``; returns the number of hits, or -1
         when a writer overlapped the read (then ``out`` and ``hit`` are garbage and nothing was touched).
 
-        Arguments must already be right (int64 keys, C-contiguous float32 ``out`` of ``(n, dim)``, bool ``hit``).
+        Arguments must already be right, as the compiled query trusts them: C-contiguous int64 keys, writable
+        C-contiguous float32 ``out`` of ``(n, dim)``, C-contiguous bool ``hit``.
         ``touch=False`` leaves clocks and the tick alone (a reader that maps the cache read-only).
         """
         if self.compiled:
-            nhit: int = cpu_kernels.query_kernel(self.tags, self._keys_u64, self.clock, self.values, self.meta, keys,
-                                                 out, hit, self.sets, self._lfu, touch)
+            nhit: int = (self._bound_query.get(touch) or self.bound_query(touch))(keys, out, hit)
             return nhit
         seq = int(self.meta[META_SEQ])
         if seq & 1:
@@ -272,6 +275,16 @@ class SetAssociativeCache:
             self._touch(hs, hw, self._draw_tick(), unique=False)
         return int(np.count_nonzero(present))
 
+    def bound_query(self, touch: bool) -> Callable[[np.ndarray, np.ndarray, np.ndarray], int]:
+        """The compiled :meth:`query_once` as one C call, ``query(keys, out, hit) -> hits or -1``, with no Python frame
+        and no type dispatch: for a caller whose arguments are checked as :meth:`query_once` asks."""
+        query = self._bound_query.get(touch)
+        if query is None:
+            query = self._bound_query[touch] = bind_kernel(
+                cpu_kernels.query_kernel, (*self._query_arrays, self.sets, self._lfu, touch),
+                (np.empty(0, np.int64), np.empty((0, self.dim), np.float32), np.empty(0, np.bool_)))
+        return query
+
     def query(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Copy the cached row of ``keys[i]`` into ``out[i]`` where cached; return the bool hit mask.
 
@@ -280,9 +293,9 @@ class SetAssociativeCache:
         """
         keys = self._check_keys(keys)
         if (not isinstance(out, np.ndarray) or out.shape != (keys.shape[0], self.dim) or out.dtype != _FLOAT32
-                or not out.flags.c_contiguous):
+                or not out.flags.c_contiguous or not out.flags.writeable):
             raise InvalidArgumentError(
-                f"out must be C-contiguous float32 of shape ({keys.shape[0]}, {self.dim}), "
+                f"out must be writable C-contiguous float32 of shape ({keys.shape[0]}, {self.dim}), "
                 f"got {getattr(out, 'shape', None)}")
         hit = np.empty(keys.shape[0], dtype=np.bool_)
         nhit = self.query_once(keys, out, hit)

@@ -138,9 +138,9 @@ class SetAssocTableCache:
             keys = self._keys_arg(keys)
         n = keys.shape[0]
         if (type(out) is not np.ndarray or out.dtype is not _FLOAT32 or out.shape != (n, self.dim)
-                or not out.flags.c_contiguous):
+                or not out.flags.c_contiguous or not out.flags.writeable):
             raise InvalidArgumentError(
-                f"out must be a C-contiguous float32 array of shape ({n}, {self.dim}), "
+                f"out must be a writable C-contiguous float32 array of shape ({n}, {self.dim}), "
                 f"got {getattr(out, 'shape', None)}")
         hit = np.empty(n, dtype=np.bool_)
         cache = self._cache

@@ -56,35 +56,36 @@ class SharedL1Reader:
         self._generation = generation
         self._offer = offer
         self._touch = touch
+        self._query = self._cache.bound_query(touch)
         self.retries = 0
 
     def lookup(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
         """Copy cached rows of ``keys`` into ``out[i]`` where hit; return the hit mask (misses' rows unspecified)."""
-        n = keys.shape[0]
         if not (type(keys) is np.ndarray and keys.dtype is _INT64 and keys.ndim == 1 and keys.flags.c_contiguous):
             raise InvalidArgumentError("keys must be a C-contiguous 1-D int64 array")
-        if out.dtype is not _FLOAT32 or out.shape != (n, self.dim) or not out.flags.c_contiguous:
-            raise InvalidArgumentError(f"out must be C-contiguous float32 of shape ({n}, {self.dim})")
+        n = keys.shape[0]
+        if (type(out) is not np.ndarray or out.dtype is not _FLOAT32 or out.shape != (n, self.dim)
+                or not out.flags.c_contiguous or not out.flags.writeable):
+            raise InvalidArgumentError(f"out must be writable C-contiguous float32 of shape ({n}, {self.dim})")
         hit = np.empty(n, dtype=np.bool_)
         self.read(keys, out, hit)
         return hit
 
     def read(self, keys: np.ndarray, out: np.ndarray, hit: np.ndarray) -> int:
         """:meth:`lookup` into the caller's ``hit`` mask, with no argument checks (the caller's are done: int64
-        C-contiguous keys, float32 C-contiguous ``out`` of ``(n, dim)``, bool ``hit`` of ``(n,)``); returns the
-        number of hits. The one call a colocated all-hit read makes."""
-        cache = self._cache
+        C-contiguous keys, writable float32 C-contiguous ``out`` of ``(n, dim)``, bool ``hit`` of ``(n,)``; the
+        compiled query trusts them); returns the number of hits. The one call a colocated all-hit read makes."""
+        nhit: int = self._query(keys, out, hit)
         attempt = 0
         sleep = _SLEEP_S
-        while True:
-            nhit = cache.query_once(keys, out, hit, self._touch)
-            if nhit >= 0:
-                return nhit
+        while nhit < 0:
             self.retries += 1
             attempt += 1
             if attempt >= READ_ATTEMPTS:
                 time.sleep(sleep)
                 sleep = min(2 * sleep, _SLEEP_CAP_S)
+            nhit = self._query(keys, out, hit)
+        return nhit
 
     def generation(self) -> int:
         """The owner's published change generation (never ahead of the owner's own)."""

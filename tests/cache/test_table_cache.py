@@ -320,3 +320,21 @@ def test_refresh_keeps_rows_newer_than_it_read(tier: LowerTier) -> None:
         assert hit.all() and (out[:2] == 9.0).all() and np.array_equal(out[2:], tier.rows[keys[2:]])
     finally:
         cache.close()
+
+
+def test_an_out_buffer_the_query_cannot_take_is_refused_by_name(cache: SetAssocTableCache, tier: LowerTier) -> None:
+    """The compiled query is called with no type dispatch, so the checks before it are all that stands between a
+    wrong buffer and memory: a read-only, strided, wrongly typed or shaped ``out`` is refused, and left as it was."""
+    keys = np.arange(64, dtype=np.int64)
+    tier.offer(cache, keys, batch_hit_rate=0.0)  # admitted inline: the reads below hit
+    read_only = np.zeros((64, DIM), np.float32)
+    read_only.flags.writeable = False
+    for bad, why in ((read_only, "writable"), (np.zeros((DIM, 64), np.float32).T, "C-contiguous"),
+                     (np.zeros((64, DIM), np.float64), "float32"), (np.zeros((63, DIM), np.float32), r"\(64, 8\)")):
+        for query in (cache.lookup, cache._cache.query):
+            with pytest.raises(InvalidArgumentError, match=why):
+                query(keys, bad)
+    assert not read_only.any()
+    hit, out = lookup(cache, keys)
+    assert hit.all()
+    np.testing.assert_array_equal(out, tier.rows[keys])
