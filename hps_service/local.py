@@ -61,6 +61,8 @@ _INT64 = np.dtype(np.int64)
 #: How often the store's owner is checked to be alive (its lock), and a missing store looked for again.
 LIVENESS_PERIOD_S = 0.01
 ATTACH_PERIOD_S = 0.05
+#: Batch sizes whose hit mask a thread keeps for the next call of that size (more sizes: the masks start again).
+SCRATCH_SIZES = 8
 #: The socket a server with ``server.local`` enabled listens on, inside the store's directory.
 SOCKET_NAME = "grpc.sock"
 
@@ -106,6 +108,7 @@ class LocalClient:
         self._socket_seen = False
         self._channel, self._stub = self._open(self.socket_path)
         self._lock = threading.Lock()
+        self._scratch = threading.local()
         self._view: StoreView | None = None
         self._tables: dict[tuple[str, str, int | None, str], _Table] = {}
         self._checked_at = 0.0
@@ -174,7 +177,8 @@ class LocalClient:
         view = self._view
         now = time.monotonic()
         if view is not None:
-            if view.header.item(layout.H_STATE) != layout.SERVING:
+            words = view.header_words
+            if words[layout.H_STATE] != layout.SERVING:
                 self._drop()
                 view = None
             elif now - self._checked_at > LIVENESS_PERIOD_S:
@@ -186,7 +190,7 @@ class LocalClient:
             if now - self._attach_at > ATTACH_PERIOD_S:
                 self._attach()
             return self._view
-        if view.changed():
+        if words[layout.H_MANIFEST] != view.manifest_gen:  # view.changed(), inline: this runs on every call
             with self._lock:
                 try:
                     view.reload()
@@ -232,7 +236,10 @@ class LocalClient:
             l1 = t.l1_fp32
             n = keys.shape[0]
             out = np.empty((n, l1.dim), dtype=np.float32) if out is None else check_out(out, n, l1.dim)
-            hit = np.empty(n, dtype=np.bool_)
+            try:
+                hit = self._scratch.hits[n]
+            except (AttributeError, KeyError):
+                hit = self._hit_mask(n)
             if l1.read(keys, out, hit) == n:
                 return out
             answer, miss = self._read_local(t, keys, out, hit)
@@ -241,6 +248,16 @@ class LocalClient:
             return answer.vectors
         return self.lookup_with_sources(model, table, keys, timeout, metadata=metadata, out=out, version=version,
                                         label=label).vectors
+
+    def _hit_mask(self, n: int) -> np.ndarray:
+        """This thread's hit mask for batches of ``n`` keys (a few sizes kept): a lookup's L1 read fills it, and
+        nothing keeps it past the lookup."""
+        hits: dict[int, np.ndarray] = getattr(self._scratch, "hits", None) or {}
+        if len(hits) >= SCRATCH_SIZES:
+            hits.clear()
+        hits[n] = np.empty(n, dtype=np.bool_)
+        self._scratch.hits = hits
+        return hits[n]
 
     def lookup_with_sources(self, model: str, table: str, keys: np.ndarray | Sequence[int],
                             timeout: float | None = None, *, metadata: Metadata | None = None,

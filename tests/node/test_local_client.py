@@ -156,6 +156,37 @@ def test_lookup_after_the_first_call_answers_as_grpc(server: tuple[LocalServer, 
         np.testing.assert_array_equal(local.lookup("m", "item", listed), remote.lookup("m", "item", listed))
 
 
+def test_threads_reading_batches_of_one_size_at_once_each_get_their_own_rows(
+        server: tuple[LocalServer, np.ndarray, np.ndarray]) -> None:
+    """Each thread keeps its own hit mask per batch size: four threads reading batches of one size at once (L1 hits
+    alone, and L1 with hash-map hits) each get their own batch's rows, never rows placed by another's mask."""
+    srv, keys, _ = server
+    rng = np.random.default_rng(23)
+    with LocalClient(srv.store) as local, HPSClient(srv.srv.target) as remote:
+        local.lookup("m", "item", keys[:8])  # maps the table
+        l1_keys = keys[:ROWS][local.lookup_with_sources("m", "item", keys[:ROWS]).sources == 1]
+        batches = [l1_keys[rng.integers(0, l1_keys.shape[0], 512)] if b % 2 else
+                   np.concatenate((l1_keys[rng.integers(0, l1_keys.shape[0], 384)], keys[ROWS:][:128]))
+                   for b in range(8)]
+        wants = [remote.lookup("m", "item", batch) for batch in batches]
+        failures: list[BaseException] = []
+
+        def read(first: int) -> None:
+            try:
+                for i in range(400):
+                    j = (first + i) % len(batches)
+                    np.testing.assert_array_equal(local.lookup("m", "item", batches[j]), wants[j])
+            except BaseException as exc:  # noqa: BLE001  (handed to the test's thread)
+                failures.append(exc)
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not failures, failures[0]
+
+
 def test_rows_go_into_the_callers_buffer_when_given(server: tuple[LocalServer, np.ndarray, np.ndarray]) -> None:
     """``out=``: L1 and hash-map hits and the server's answers for the rest land in the caller's array, the same
     rows as without it, on both clients; a buffer of the wrong shape, dtype or layout is refused, naming it."""
@@ -170,12 +201,16 @@ def test_rows_go_into_the_callers_buffer_when_given(server: tuple[LocalServer, n
         out.fill(np.nan)
         assert remote.lookup("m", "item", asked, out=out) is out
         np.testing.assert_array_equal(out, want)
+        read_only = np.zeros((asked.shape[0], DIM), np.float32)
+        read_only.flags.writeable = False
         for bad, why in ((np.empty((asked.shape[0], DIM + 1), np.float32), r"shape \(1024, 16\), got float32"),
                          (np.empty((asked.shape[0], DIM), np.float64), "got float64"),
-                         (np.empty((DIM, asked.shape[0]), np.float32).T, "not C-contiguous")):
+                         (np.empty((DIM, asked.shape[0]), np.float32).T, "not C-contiguous"),
+                         (read_only, "read-only")):
             for client in (local, remote):
                 with pytest.raises(InvalidArgumentError, match=why):
                     client.lookup("m", "item", asked, out=bad)
+        assert not read_only.any()
 
 
 def test_no_torn_row_and_every_acknowledged_update_is_read_at_once(server: tuple[LocalServer, np.ndarray, np.ndarray]

@@ -56,6 +56,9 @@ class StoreView:
                 layout.LAYOUT_VERSION:
             raise UnavailableError(f"{self.path} is not an hps store of layout {layout.LAYOUT_VERSION}")
         self.generation = int(self.header[layout.H_GENERATION])
+        #: The header as Python ints by index (a memoryview reads one in half the time of ``header.item``), for the
+        #: checks a colocated reader makes on every call.
+        self.header_words = self.header.data
         self.manifest: dict[str, Any] = {}
         self.manifest_gen = -1
         self._tables: dict[int, TableView] = {}
@@ -83,7 +86,7 @@ class StoreView:
 
     def changed(self) -> bool:
         """The owner published a new manifest since :meth:`reload`."""
-        return bool(self.header.item(layout.H_MANIFEST) != self.manifest_gen)  # item: a Python int, in half the time
+        return bool(self.header_words[layout.H_MANIFEST] != self.manifest_gen)
 
     def reload(self) -> None:
         """Read the current manifest (tables no longer in it are dropped, new ones mapped when first used)."""
