@@ -240,7 +240,8 @@ class LocalClient:
                 hit = self._scratch.hits[n]
             except (AttributeError, KeyError):
                 hit = self._hit_mask(n)
-            if l1.read(keys, out, hit) == n:
+            nhit = l1.read_once(keys, out, hit)
+            if nhit == n or (nhit < 0 and l1.read(keys, out, hit) == n):
                 return out
             answer, miss = self._read_local(t, keys, out, hit)
             if miss is not None:

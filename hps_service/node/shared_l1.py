@@ -56,7 +56,9 @@ class SharedL1Reader:
         self._generation = generation
         self._offer = offer
         self._touch = touch
-        self._query = self._cache.bound_query(touch)
+        #: One attempt of :meth:`read` as one C call, ``read_once(keys, out, hit) -> hits, or -1`` when a writer
+        #: overlapped it (then :meth:`read`): for a caller whose checks are done, as :meth:`read` asks.
+        self.read_once = self._cache.bound_query(touch)
         self.retries = 0
 
     def lookup(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:
@@ -75,7 +77,7 @@ class SharedL1Reader:
         """:meth:`lookup` into the caller's ``hit`` mask, with no argument checks (the caller's are done: int64
         C-contiguous keys, writable float32 C-contiguous ``out`` of ``(n, dim)``, bool ``hit`` of ``(n,)``; the
         compiled query trusts them); returns the number of hits. The one call a colocated all-hit read makes."""
-        nhit: int = self._query(keys, out, hit)
+        nhit: int = self.read_once(keys, out, hit)
         attempt = 0
         sleep = _SLEEP_S
         while nhit < 0:
@@ -84,7 +86,7 @@ class SharedL1Reader:
             if attempt >= READ_ATTEMPTS:
                 time.sleep(sleep)
                 sleep = min(2 * sleep, _SLEEP_CAP_S)
-            nhit = self._query(keys, out, hit)
+            nhit = self.read_once(keys, out, hit)
         return nhit
 
     def generation(self) -> int:

@@ -49,9 +49,10 @@ def as_keys(keys: np.ndarray | Sequence[int]) -> np.ndarray:
 def check_out(out: np.ndarray, n: int, dim: int) -> np.ndarray:
     """``out`` if it can take the rows of ``n`` keys of ``dim`` (a writable C-contiguous float32 ``(n, dim)``
     array), else InvalidArgumentError saying what it is."""
-    if (type(out) is np.ndarray and out.dtype is _FLOAT32 and out.shape == (n, dim) and out.flags.c_contiguous
-            and out.flags.writeable):
-        return out  # the usual buffer, checked in a third of the time the general test below takes
+    if type(out) is np.ndarray and out.dtype is _FLOAT32 and out.shape == (n, dim):
+        flags = out.flags  # a new object at each access
+        if flags.c_contiguous and flags.writeable:
+            return out  # the usual buffer, checked in a third of the time the general test below takes
     if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (n, dim)
             or not out.flags.c_contiguous or not out.flags.writeable):
         got = (f"{out.dtype} {out.shape}" + ("" if out.flags.c_contiguous else ", not C-contiguous")
