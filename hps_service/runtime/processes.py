@@ -39,9 +39,9 @@ def _bindable(port: int) -> bool:
 
 
 def free_port(pair: bool = False) -> int:
-    """A TCP port on 127.0.0.1 that is free now, from this process's slice, taken in turn from a random start (so not
-    handed out again until the slice wraps round);
-    with ``pair``, ``port + PAIR_OFFSET`` is free too (Redis Cluster's bus and SeaweedFS bind both)."""
+    """A TCP port on 127.0.0.1 that is free now, from this process's slice, taken in turn from a random start (not
+    handed out again until the slice wraps round); with ``pair``, ``port + PAIR_OFFSET`` is free too (Redis
+    Cluster's bus and SeaweedFS bind both)."""
     index, count = port_slice()
     width = PORT_SPAN // count
     start = PORT_BASE + index * width
