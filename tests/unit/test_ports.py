@@ -47,3 +47,13 @@ def test_a_malformed_slice_is_refused_by_name(monkeypatch: pytest.MonkeyPatch, r
     monkeypatch.setenv("HPS_PORT_SLICE", raw)
     with pytest.raises(ValueError, match="HPS_PORT_SLICE"):
         port_slice()
+
+
+def test_a_slice_with_no_free_port_left_is_an_error_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPS_PORT_SLICE", f"{PORT_SPAN - 1}/{PORT_SPAN}")  # a slice of one port
+    monkeypatch.setattr(processes, "_cursor", {})
+    only = PORT_BASE + PORT_SPAN - 1
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", only))
+        with pytest.raises(RuntimeError, match=f"no free port on 127.0.0.1 in {only}..{only}"):
+            free_port()
