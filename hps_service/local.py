@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from hps_client.buffers import check_out
 from hps_client.channel import Metadata, channel_options, merge_metadata
 from hps_client.errors import InvalidArgumentError, UnavailableError
 from hps_client.rows import StoredAnswer, StoredRows
@@ -38,7 +39,6 @@ from hps_client.wire import (
     as_error,
     as_keys,
     build_request,
-    check_out,
     decode_answer,
     decode_stored,
     into,

@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from hps_client.buffers import check_out
 from hps_service.cache import cpu_kernels
 from hps_service.cache.layout import (
     CLOCK_MASK,
@@ -56,7 +57,6 @@ from hps_service.jit.hashing import mix64_array
 from hps_service.shm.counters import HitCounts
 
 _INT64 = np.dtype(np.int64)
-_FLOAT32 = np.dtype(np.float32)
 
 _S32 = np.uint64(32)
 #: Sets are addressed with 32 hash bits (multiply-shift range reduction), so at most 2**32 of them.
@@ -292,11 +292,7 @@ class SetAssociativeCache:
         with concurrent readers is :class:`SetAssocTableCache`'s job).
         """
         keys = self._check_keys(keys)
-        if (not isinstance(out, np.ndarray) or out.shape != (keys.shape[0], self.dim) or out.dtype != _FLOAT32
-                or not out.flags.c_contiguous or not out.flags.writeable):
-            raise InvalidArgumentError(
-                f"out must be writable C-contiguous float32 of shape ({keys.shape[0]}, {self.dim}), "
-                f"got {getattr(out, 'shape', None)}")
+        check_out(out, keys.shape[0], self.dim)
         hit = np.empty(keys.shape[0], dtype=np.bool_)
         nhit = self.query_once(keys, out, hit)
         while nhit < 0:

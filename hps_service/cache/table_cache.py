@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from hps_client.buffers import check_out
 from hps_service.cache.admission import MissSketch
 from hps_service.cache.change_log import ChangeLog
 from hps_service.cache.layout import CacheArrays
@@ -50,7 +51,6 @@ Offer = tuple[np.ndarray, np.ndarray, np.ndarray, int]
 
 WarmKeys = Callable[[int], np.ndarray]
 _INT64 = np.dtype(np.int64)
-_FLOAT32 = np.dtype(np.float32)
 
 
 class SetAssocTableCache:
@@ -137,11 +137,7 @@ class SetAssocTableCache:
         if not (type(keys) is np.ndarray and keys.dtype is _INT64 and keys.ndim == 1 and keys.flags.c_contiguous):
             keys = self._keys_arg(keys)
         n = keys.shape[0]
-        if (type(out) is not np.ndarray or out.dtype is not _FLOAT32 or out.shape != (n, self.dim)
-                or not out.flags.c_contiguous or not out.flags.writeable):
-            raise InvalidArgumentError(
-                f"out must be a writable C-contiguous float32 array of shape ({n}, {self.dim}), "
-                f"got {getattr(out, 'shape', None)}")
+        check_out(out, n, self.dim)
         hit = np.empty(n, dtype=np.bool_)
         cache = self._cache
         for _ in range(READ_ATTEMPTS):

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from hps_client.buffers import check_out
 from hps_service.cache.layout import CacheArrays
 from hps_service.cache.set_assoc import READ_ATTEMPTS, SetAssociativeCache
 from hps_service.errors import InvalidArgumentError
@@ -23,7 +24,6 @@ from hps_service.errors import InvalidArgumentError
 #: Back-off of a reader that keeps overlapping writes (doubling up to the cap).
 _SLEEP_S, _SLEEP_CAP_S = 20e-6, 2e-3
 _INT64 = np.dtype(np.int64)
-_FLOAT32 = np.dtype(np.float32)
 
 #: ``offer(keys, versions, vectors, batch_hit_rate, fetched_at)``: hand fetched rows to the owner.
 Offer = Callable[[np.ndarray, np.ndarray, np.ndarray, float, int], None]
@@ -66,9 +66,7 @@ class SharedL1Reader:
         if not (type(keys) is np.ndarray and keys.dtype is _INT64 and keys.ndim == 1 and keys.flags.c_contiguous):
             raise InvalidArgumentError("keys must be a C-contiguous 1-D int64 array")
         n = keys.shape[0]
-        if (type(out) is not np.ndarray or out.dtype is not _FLOAT32 or out.shape != (n, self.dim)
-                or not out.flags.c_contiguous or not out.flags.writeable):
-            raise InvalidArgumentError(f"out must be writable C-contiguous float32 of shape ({n}, {self.dim})")
+        check_out(out, n, self.dim)
         hit = np.empty(n, dtype=np.bool_)
         self.read(keys, out, hit)
         return hit

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from hps_client.buffers import check_out
 from hps_client.errors import HPSError, InternalError, InvalidArgumentError, error_for
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.rows import STORAGE_NAMES, StoredAnswer, StoredRows, row_words
@@ -31,7 +32,6 @@ def as_error(err: grpc.RpcError) -> HPSError:
 
 
 _INT64 = np.dtype("<i8")
-_FLOAT32 = np.dtype(np.float32)
 
 
 def as_keys(keys: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -45,20 +45,6 @@ def as_keys(keys: np.ndarray | Sequence[int]) -> np.ndarray:
         raise InvalidArgumentError(f"keys must be integers, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype="<i8")
 
-
-def check_out(out: np.ndarray, n: int, dim: int) -> np.ndarray:
-    """``out`` if it can take the rows of ``n`` keys of ``dim`` (a writable C-contiguous float32 ``(n, dim)``
-    array), else InvalidArgumentError saying what it is."""
-    if type(out) is np.ndarray and out.dtype is _FLOAT32 and out.shape == (n, dim):
-        flags = out.flags  # a new object at each access
-        if flags.c_contiguous and flags.writeable:
-            return out  # the usual buffer, checked in a third of the time the general test below takes
-    if (not isinstance(out, np.ndarray) or out.dtype != np.float32 or out.shape != (n, dim)
-            or not out.flags.c_contiguous or not out.flags.writeable):
-        got = (f"{out.dtype} {out.shape}" + ("" if out.flags.c_contiguous else ", not C-contiguous")
-               + ("" if out.flags.writeable else ", read-only")) if isinstance(out, np.ndarray) else type(out).__name__
-        raise InvalidArgumentError(f"out must be a writable C-contiguous float32 array of shape ({n}, {dim}), got {got}")
-    return out
 
 
 def into(out: np.ndarray | None, answer: TableAnswer) -> TableAnswer:
