@@ -102,6 +102,7 @@ def test_the_consumer_commits_nothing_past_a_failed_write_and_resumes_without_a_
         volume: Path, kafka_broker, monkeypatch: pytest.MonkeyPatch) -> None:
     from hps_service.config import UpdatesConfig
     from hps_service.updates import Publisher, UpdateConsumer
+    from hps_service.updates.publisher import Deliveries
     from tests.updates.conftest import make_engine, wait_until
 
     monkeypatch.setattr(rocksdb_recovery, "RETRY_S", 0.05)
@@ -120,8 +121,9 @@ def test_the_consumer_commits_nothing_past_a_failed_write_and_resumes_without_a_
         assert wait_until(lambda: consumer.stats()["committed_offsets"].get(f"hps.{model}[0]", -1) >= 1, 30)
         ballast = fill(volume, 64 << 10)
         big = np.arange(100_000, 140_000, dtype=np.int64)  # 10 MB of rows: more than is left
-        pub.publish("t", big, rows(big, 2), 2)
-        pub.flush(10)
+        sent = Deliveries()
+        assert pub.publish("t", big, rows(big, 2), 2, deliveries=sent) > 1  # several messages: several offsets
+        last = pub.wait(sent, 10)[0]
         assert wait_until(lambda: consumer.stats()["apply_failures"] > 0, 30), consumer.stats()
         assert not engine.healthy()["persistent"]
         committed = consumer.stats()["committed_offsets"]
@@ -130,7 +132,8 @@ def test_the_consumer_commits_nothing_past_a_failed_write_and_resumes_without_a_
         assert engine.persistent.get(f"{model}.t", big[:10]).found.sum() == 0
 
         ballast.unlink()
-        assert wait_until(lambda: consumer.stats()["committed_offsets"].get(f"hps.{model}[0]", -1) >= 2, 60), \
+        # every message of ``big`` committed, not only its first: a committed offset is the next one to read
+        assert wait_until(lambda: consumer.stats()["committed_offsets"].get(f"hps.{model}[0]", -1) > last, 60), \
             consumer.stats()
         assert engine.healthy()["persistent"]
         got = engine.persistent.get(f"{model}.t", np.concatenate((first, big)))
