@@ -172,7 +172,6 @@ class SetAssociativeCache:
         self.counts = HitCounts()
         self._lfu = policy == "lfu"
         self._keys_u64 = arrays.keys.view(np.uint64)
-        self._query_arrays = (self.tags, self._keys_u64, self.clock, self.values, self.meta)
         self._bound_query: dict[bool, Callable[[np.ndarray, np.ndarray, np.ndarray], int]] = {}
 
     def finish_reads_under(self, exclusive: Callable[[], AbstractContextManager[Any]]) -> None:
@@ -280,9 +279,9 @@ class SetAssociativeCache:
         and no type dispatch: for a caller whose arguments are checked as :meth:`query_once` asks."""
         query = self._bound_query.get(touch)
         if query is None:
-            query = self._bound_query[touch] = bind_kernel(
-                cpu_kernels.query_kernel, (*self._query_arrays, self.sets, self._lfu, touch),
-                (np.empty(0, np.int64), np.empty((0, self.dim), np.float32), np.empty(0, np.bool_)))
+            fixed = (self.tags, self._keys_u64, self.clock, self.values, self.meta, self.sets, self._lfu, touch)
+            sample = (np.empty(0, np.int64), np.empty((0, self.dim), np.float32), np.empty(0, np.bool_))
+            query = self._bound_query[touch] = bind_kernel(cpu_kernels.query_kernel, fixed, sample)
         return query
 
     def query(self, keys: np.ndarray, out: np.ndarray) -> np.ndarray:

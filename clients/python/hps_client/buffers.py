@@ -21,5 +21,6 @@ def check_out(out: np.ndarray, n: int, dim: int) -> np.ndarray:
             or not out.flags.c_contiguous or not out.flags.writeable):
         got = (f"{out.dtype} {out.shape}" + ("" if out.flags.c_contiguous else ", not C-contiguous")
                + ("" if out.flags.writeable else ", read-only")) if isinstance(out, np.ndarray) else type(out).__name__
-        raise InvalidArgumentError(f"out must be a writable C-contiguous float32 array of shape ({n}, {dim}), got {got}")
+        raise InvalidArgumentError(
+            f"out must be a writable C-contiguous float32 array of shape ({n}, {dim}), got {got}")
     return out
