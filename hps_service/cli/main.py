@@ -129,7 +129,7 @@ def import_model(
     from hps_service.admin.importer import import_table, read_model_source
     from hps_service.config.base import served_name
     from hps_service.engine import version_drop
-    from hps_service.engine.stored_tables import stored_table
+    from hps_service.engine.stored_tables import TableNames
     from hps_service.engine.ttl import now_s
     from hps_service.fleet.sharding import ShardMap
     from hps_service.rows import row_format
@@ -154,8 +154,9 @@ def import_model(
         _fail(str(exc))
     except Exception as exc:
         _fail(f"cannot open {cfg.persistent.path}: {exc}")
-    # a converted table is imported where and as it is stored now; a version's under its own tier id
-    stored = stored_table(tier, served_name(model, model_version), table)
+    # a converted table is imported where and as it is stored now; a version's under its own tier id (a fresh one
+    # when an earlier table of that name was dropped, recorded for the server to serve)
+    stored = TableNames(tier).claim(served_name(model, model_version), table)
     tid, storage = stored.id, stored.serving_storage(tc.storage)
     try:
         written_s = now_s() if tc.ttl_s is not None else None  # a TTL table's rows carry their write time

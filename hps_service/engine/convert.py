@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from hps_service.engine.registry import record_storage
-from hps_service.engine.stored_tables import converting_key, next_stored_id, stored_as_key, stored_id
+from hps_service.engine.stored_tables import converting_key, stored_id
 from hps_service.engine.table import Conversion, ServedTable
 from hps_service.errors import FailedPreconditionError, NotFoundError, UnavailableError
 from hps_service.rows import row_format, storage_key
@@ -84,7 +84,7 @@ def convert_table(engine: LookupEngine, model: str, table: str, storage: str,
     with engine.writing(model, table) as t:
         check_conversion(engine, model, table, storage)
         fmt = row_format(storage, t.dim, t.format.stamped)  # a TTL table's copy keeps its rows' write times
-        conv = Conversion(next_stored_id(name, t.id), fmt, t.format)
+        conv = Conversion(engine.names.new_id(name, t.id), fmt, t.format)
         tier.set_metadata(converting_key(name), conv.id.encode())  # first: a stop after it drops the copy
         tier.create_table(conv.id, fmt.words)
         record_storage(tier, conv.id, storage)
@@ -138,7 +138,7 @@ def _switch(engine: LookupEngine, tier: Tier, t: ServedTable, conv: Conversion) 
     name = table_id(t.model, t.name)
     with engine.writing(t.model, t.name) as current:
         _served(t, current, conv)
-        tier.set_metadata(stored_as_key(name), conv.id.encode())
+        engine.names.moved(name, conv.id)
         tier.set_metadata(converting_key(name), None)
     served = engine.model(t.model)
     engine.register_model(served.model_copy(update={"tables": [

@@ -16,7 +16,7 @@ import numpy as np
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.config.base import Storage, split_served
 from hps_service.engine.ingest_admission import ingest_filter
-from hps_service.engine.stored_tables import drop_abandoned, stored_table
+from hps_service.engine.stored_tables import TableNames, drop_abandoned
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.ttl import check_stamping
 from hps_service.engine.write_guard import WriteGuard
@@ -166,14 +166,16 @@ def make_table(
     cache_factory: CacheFactory | None,
     fetch_below: Callable[[ServedTable, np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
     warm_source: Tier | None,
+    names: TableNames,
     warm_from: ServedTable | None = None,
 ) -> ServedTable:
     """Create a table in every tier and build its L1 cache, which reads misses through ``fetch_below`` and warms
     from the keys hottest in ``warm_from``'s L1 (the table of the version served now, for a new version), else
     from the first keys ``warm_source`` (the persistent tier) holds. A table that a conversion moved is served
-    where and as it was converted (see :mod:`hps_service.engine.stored_tables`), whatever ``tc.storage`` says."""
+    where and as it was converted, and a table registered again after a drop under an id of its own (``names``:
+    see :mod:`hps_service.engine.stored_tables`), whatever ``tc.storage`` says."""
     drop_abandoned(warm_source, model, tc.name)
-    stored = stored_table(warm_source, model, tc.name)
+    stored = names.claim(model, tc.name)
     storage = cast(Storage, stored.serving_storage(tc.storage))
     if storage != tc.storage:
         log.warning("table %s.%s was converted to %s: serving it as %s (tables[].storage says %s)", model, tc.name,
@@ -212,16 +214,20 @@ def close_tables(tables: Iterable[ServedTable]) -> None:
             t.cache.close()
 
 
-def drop_stored(volatile: Tier | None, persistent: Tier | None, tables: Iterable[ServedTable]) -> dict[str, int]:
+def drop_stored(volatile: Tier | None, persistent: Tier | None, tables: Iterable[ServedTable],
+                names: TableNames) -> dict[str, int]:
     """Free the stored rows of ``tables`` (no longer served) in the tiers that can drop tables: RocksDB column
-    families, hash-map tables, Redis keys. Returns the rows each held in its lowest tier."""
-    return drop_stored_ids(volatile, persistent, {t.name: t.id for t in tables})
+    families, hash-map tables, Redis keys; their ids are retired in ``names`` first, never to be used again. Returns
+    the rows each held in its lowest tier."""
+    return drop_stored_ids(volatile, persistent, {t.name: t.id for t in tables}, names)
 
 
-def drop_stored_ids(volatile: Tier | None, persistent: Tier | None, tables: dict[str, str]) -> dict[str, int]:
+def drop_stored_ids(volatile: Tier | None, persistent: Tier | None, tables: dict[str, str],
+                    names: TableNames) -> dict[str, int]:
     """:func:`drop_stored` of tables by name -> tier id (a table already dropped is skipped)."""
     freed = {}
     for name, tid in tables.items():
+        names.retire(tid)
         rows = 0
         for tier in (volatile, persistent):
             if tier is None or TierCapability.WRITES not in tier.capabilities:

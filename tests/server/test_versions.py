@@ -248,9 +248,9 @@ def test_a_drop_interrupted_half_way_is_finished_by_the_restart(tmp_path: Path,
     config = server_config(tmp_path, workers=0)
     real = registry.drop_stored_ids
 
-    def dies_after_the_first(volatile, persistent, tables):  # type: ignore[no-untyped-def]
+    def dies_after_the_first(volatile, persistent, tables, names):  # type: ignore[no-untyped-def]
         first = dict(list(sorted(tables.items()))[:1])
-        real(volatile, persistent, first)
+        real(volatile, persistent, first, names)
         raise RuntimeError("the process died here")
 
     with running(config) as s, httpx.Client(base_url=base_url(s), timeout=30) as http:
