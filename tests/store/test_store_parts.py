@@ -245,3 +245,31 @@ def test_a_store_of_another_layout_is_refused_by_name(tmp_path: Path) -> None:
             StoreView(store.path, writable=False)
     finally:
         store.close()
+
+
+def test_a_reader_that_mapped_a_dropped_table_maps_the_one_created_again_under_its_id(tmp_path: Path) -> None:
+    """The hash map's arrays of a table created again under a dropped table's id lie elsewhere in the store, and
+    the manifest says where: a reader that mapped the dropped one reads the new one after its next reload (and
+    lets the dropped one's mapping go), never the freed rows."""
+    from hps_service.node.store.view import StoreView
+    from hps_service.tiers.hashmap.tier import HashMapTier
+
+    store = NodeStore(tmp_path / "hps", private=False, processes=2, workers=1)
+    alloc, release = store.volatile_allocator(lfu=False)
+    tier = HashMapTier(1000, allocator=alloc, release=release)
+    keys = np.arange(1, 9, dtype=np.int64)
+    tier.create_table("m.t", 4)
+    tier.put("m.t", keys, np.ones((8, 4), np.float32), np.ones(8, np.int64))
+    store.publish([], {})
+    view = StoreView(store.path, writable=False)
+    first = view.volatile("m.t")
+    assert first is not None and (first.get(keys).vectors == 1).all()
+    tier.drop_table("m.t")  # no manifest between the drop and the new table: the reader sees only the new one
+    tier.create_table("m.t", 4)
+    tier.put("m.t", keys, np.full((8, 4), 2, np.float32), np.ones(8, np.int64))
+    store.publish([], {})
+    view.reload()
+    again = view.volatile("m.t")
+    assert again is not None and again is not first
+    assert (again.get(keys).vectors == 2).all()
+    store.close()

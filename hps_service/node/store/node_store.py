@@ -6,8 +6,8 @@ generation) says what readers attach to:
 * ``models``: the served models (their configs), ``served``: model -> table -> table serial;
 * ``tables``: per serial, the model and table names, dim, default, the table's ``control`` array (published change
   generations and the RocksDB change ring position), its ``changes`` ring, its ``counters`` and its ``l1`` arrays;
-* ``volatile``: per hash-map table, where its arrays are (the index file changes as it grows:
-  ``<prefix>/index.<ctrl[CTRL_INDEX_GEN]>``);
+* ``volatile``: per hash-map table, where its arrays are (a prefix of their own per table placed; the index file
+  changes as it grows: ``<prefix>/index.<ctrl[CTRL_INDEX_GEN]>``);
 * ``requests`` (request counters), ``queues`` (one ring per worker), ``uds`` (where misses may be sent).
 """
 
@@ -112,30 +112,41 @@ class NodeStore:
         self._next_serial = 1
         self._lock = threading.Lock()
         self._volatile: dict[str, dict[str, Any]] = {}
+        self._volatile_prefix: dict[str, str] = {}  # hash-map table -> where its arrays are
+        self._volatile_placed = 0
         self._volatile_lfu = False
         self.extra: dict[str, Any] = {}
         self._closed = False
 
     # ---- placement ----------------------------------------------------------------------------
     def volatile_allocator(self, lfu: bool) -> tuple[NamedAllocator, Any]:
-        """(alloc, release) for the hash-map tier: its tables' arrays become files under ``volatile/``."""
+        """(alloc, release) for the hash-map tier: each table's arrays become files under ``volatile/<n>.<table>/``,
+        ``n`` counting the tables placed, so a table created again under a dropped one's id never takes its files
+        and a reader that mapped the dropped one sees, by the prefix in the manifest, that it is another table."""
         self._volatile_lfu = lfu
 
         def alloc(name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
             table, _, part = name.rpartition("/")
-            arr = self.region.create(f"volatile/{name}", shape, dtype)
+            with self._lock:
+                prefix = self._volatile_prefix.get(table)
+                if prefix is None:
+                    self._volatile_placed += 1
+                    prefix = self._volatile_prefix[table] = f"volatile/{self._volatile_placed}.{table}"
+            arr = self.region.create(f"{prefix}/{part}", shape, dtype)
             if part == "rows":
                 with self._lock:
-                    self._volatile[table] = {"prefix": f"volatile/{table}", "capacity": int(shape[0]),
-                                             "dim": int(shape[1])}
+                    self._volatile[table] = {"prefix": prefix, "capacity": int(shape[0]), "dim": int(shape[1])}
             return arr
 
         def release(name: str) -> None:
             table, _, part = name.rpartition("/")
-            if part == "ctrl":
-                with self._lock:
+            with self._lock:
+                prefix = self._volatile_prefix.get(table)
+                if part == "ctrl":
                     self._volatile.pop(table, None)
-            self.region.remove(f"volatile/{name}")
+                    self._volatile_prefix.pop(table, None)
+            if prefix is not None:
+                self.region.remove(f"{prefix}/{part}")
 
         return alloc, release
 

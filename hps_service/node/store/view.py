@@ -62,7 +62,7 @@ class StoreView:
         self.manifest: dict[str, Any] = {}
         self.manifest_gen = -1
         self._tables: dict[int, TableView] = {}
-        self._volatile: dict[str, TableReader] = {}
+        self._volatile: dict[str, tuple[str, TableReader]] = {}  # table id -> (prefix of its arrays, reader)
         self.reload()
 
     @classmethod
@@ -100,7 +100,9 @@ class StoreView:
         keep = {int(s) for s in manifest["tables"]}
         self._tables = {s: v for s, v in self._tables.items() if s in keep}
         vol = manifest["volatile"]["tables"]
-        self._volatile = {t: r for t, r in self._volatile.items() if t in vol}
+        # a reader is kept while its arrays are the table's: a table created again under a dropped one's id (its
+        # arrays elsewhere) is mapped afresh, and a dropped one's mapping goes with its last reader
+        self._volatile = {t: held for t, held in self._volatile.items() if vol.get(t, {}).get("prefix") == held[0]}
 
     # ---- tables -------------------------------------------------------------------------------
     def served(self, model: str, table: str) -> int | None:
@@ -127,30 +129,31 @@ class StoreView:
 
     def volatile(self, table_id: str) -> TableReader | None:
         """A lock-free reader of a hash-map table, or None when the tier holds no such table."""
-        reader = self._volatile.get(table_id)
-        if reader is None:
-            entry = self.manifest["volatile"]["tables"].get(table_id)
-            if entry is None:
-                return None
-            prefix, cap, dim = entry["prefix"], int(entry["capacity"]), int(entry["dim"])
-            region = self.region
-            # Workers tick the table clock (their reads' stamps); a read-only reader never writes it.
-            ctrl = region.open(f"{prefix}/ctrl", (hk.CTRL_LEN,), np.int64)
-            # A worker writes its reads' stamps, the readers' half of each row's stamp word (see hashmap.stamps)
-            meta = region.open(f"{prefix}/meta", (cap, 3), np.int64, writable=self.writable)
-            rows = region.open(f"{prefix}/rows", (cap, dim), np.float32, writable=False)
-            stamps = stamp_halves(meta)[1] if self.writable else None
+        held = self._volatile.get(table_id)
+        if held is not None:
+            return held[1]
+        entry = self.manifest["volatile"]["tables"].get(table_id)
+        if entry is None:
+            return None
+        prefix, cap, dim = entry["prefix"], int(entry["capacity"]), int(entry["dim"])
+        region = self.region
+        # Workers tick the table clock (their reads' stamps); a read-only reader never writes it.
+        ctrl = region.open(f"{prefix}/ctrl", (hk.CTRL_LEN,), np.int64)
+        # A worker writes its reads' stamps, the readers' half of each row's stamp word (see hashmap.stamps)
+        meta = region.open(f"{prefix}/meta", (cap, 3), np.int64, writable=self.writable)
+        rows = region.open(f"{prefix}/rows", (cap, dim), np.float32, writable=False)
+        stamps = stamp_halves(meta)[1] if self.writable else None
 
-            def open_index(gen: int) -> np.ndarray:
-                name = f"{prefix}/index.{gen}"
-                size = (region.path / name).stat().st_size // 4
-                return region.open(name, (size,), np.int32, writable=False)
+        def open_index(gen: int) -> np.ndarray:
+            name = f"{prefix}/index.{gen}"
+            size = (region.path / name).stat().st_size // 4
+            return region.open(name, (size,), np.int32, writable=False)
 
-            gen = int(ctrl[hk.CTRL_INDEX_GEN])
-            arrays = TableArrays(ctrl=ctrl, meta=meta, rows=rows, reader_stamps=stamps, index=open_index(gen),
-                                 index_gen=gen)
-            reader = TableReader(arrays, open_index, lfu=bool(self.manifest["volatile"]["lfu"]))
-            self._volatile[table_id] = reader
+        gen = int(ctrl[hk.CTRL_INDEX_GEN])
+        arrays = TableArrays(ctrl=ctrl, meta=meta, rows=rows, reader_stamps=stamps, index=open_index(gen),
+                             index_gen=gen)
+        reader = TableReader(arrays, open_index, lfu=bool(self.manifest["volatile"]["lfu"]))
+        self._volatile[table_id] = (prefix, reader)
         return reader
 
     def queue(self, worker: int) -> Ring:
