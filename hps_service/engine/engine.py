@@ -4,6 +4,7 @@ and write paths, the preload and the outage repair together and owns their lifec
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -31,6 +32,7 @@ from hps_service.engine.registry import (
 )
 from hps_service.engine.repair import VolatileRepair
 from hps_service.engine.stats import TableStats, table_stats
+from hps_service.engine.stored_tables import TableNames
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.versions import Labels, check_label, load_labels, resolve, save_label, to_drop
 from hps_service.engine.write import TableChange, Writer, table_write
@@ -56,6 +58,8 @@ class LookupEngine:
         self.cache_factory = cache_factory
         self.max_batch_keys = max_batch_keys
         self.registry = ModelRegistry()
+        #: The tier id of each table, never reused (see :mod:`hps_service.engine.stored_tables`).
+        self.names = TableNames(persistent)
         self.labels = Labels(load_labels(persistent))
         self.reader = Reader(volatile, persistent, max_batch_keys)
         self.writer = Writer(volatile, persistent)
@@ -66,37 +70,49 @@ class LookupEngine:
             self.repairer = VolatileRepair(volatile, persistent, self._served_tables)
             self.repairer.start(repair_interval_s)
         self.sweeper = ExpirySweeper(self)  # started by the first table with ttl_s
+        #: Held across a label switch's or a version drop's check and act, so that neither sees the other half-done
+        #: (a label pointed at a version being dropped).
+        self._lifecycle = threading.RLock()
 
     # ---- models -------------------------------------------------------------------------------
     def register_model(self, model: ModelConfig) -> None:
         """Create the model's tables in every tier and build their L1 caches (replaces a loaded model).
 
         The write locks of the model's tables are held from before the new L1 caches exist until the new tables are
-        served, so every write lands entirely before (and is read by the caches' warm start) or entirely after (and
-        reaches the new caches, whose change logs keep the rows read before it out).
+        served and every reader knows it (:meth:`_announce`), so every write lands entirely before (and is read by the
+        caches' warm start) or entirely after (and reaches the new caches, whose change logs keep the rows read before
+        it out, and which every reader reads).
         """
         tiers = [tier for tier in (self.volatile, self.persistent) if tier is not None]
         served = model.served_name
         guards = {tc.name: self.registry.guard(served, tc.name) for tc in model.tables}
         warm_from = self._serving_tables(model)
-        with ExitStack() as held:
-            for name in sorted(guards):
-                held.enter_context(guards[name].lock)
-            tables = {
-                tc.name: make_table(served, tc, guards[tc.name], tiers, self.cache_factory, self._fetch_for_cache,
-                                    self.persistent, warm_from.get(tc.name))
-                for tc in model.tables
-            }
-            keep_counts(self.registry.tables().get(model.name, {}), tables)
-            model = served_config(model, tables)
-            old = self.registry.put(model, tables)
-        if old:
-            close_tables(old.values())
+        old: dict[str, ServedTable] | None = None
+        try:
+            with ExitStack() as held:
+                for name in sorted(guards):
+                    held.enter_context(guards[name].lock)
+                tables = {
+                    tc.name: make_table(served, tc, guards[tc.name], tiers, self.cache_factory, self._fetch_for_cache,
+                                        self.persistent, self.names, warm_from.get(tc.name))
+                    for tc in model.tables
+                }
+                keep_counts(self.registry.tables().get(model.name, {}), tables)
+                model = served_config(model, tables)
+                old = self.registry.put(model, tables)
+                self._announce(served)
+        finally:
+            if old:
+                close_tables(old.values())
         log.info("%s loaded: %s", described(served), ", ".join(f"{t.name}(dim {t.dim})" for t in model.tables))
         for t in tables.values():
             self.preloader.start(t)
         if any(t.ttl_s is not None for t in tables.values()):
             self.sweeper.start()
+
+    def _announce(self, served: str) -> None:
+        """Tell every other reader of the tiers that ``served``'s tables are new, before a write reaches them: called
+        with their write locks held (nothing to tell in a single process; a node's owner tells its workers)."""
 
     def _serving_tables(self, model: ModelConfig) -> dict[str, ServedTable]:
         """For a new version: the tables of the version a request naming none reads now, by name, where they match
@@ -116,23 +132,24 @@ class LookupEngine:
         """Stop serving a version of ``model`` and free its rows in every tier (the rows it held, per table);
         FailedPreconditionError while a label names it."""
         name = served_name(model, version)
-        if version in self.labels.labelled(model):
-            raise FailedPreconditionError(f"version {version} of model '{model}' is labelled "
-                                          f"({', '.join(sorted(k for k, v in self.labels.of(model).items() if v == version))}): "
-                                          "point the label elsewhere first")
-        tables = self.registry.tables().get(name)
-        if tables is None:
-            raise NotFoundError(f"model '{model}' has no version {version} loaded")
-        version_drop.mark(self.persistent, name, {t.name: t.id for t in tables.values()})  # cleared with its registration
-        self.unregister_model(name)
-        return drop_stored(self.volatile, self.persistent, tables.values())
+        with self._lifecycle:
+            if version in self.labels.labelled(model):
+                names = ", ".join(sorted(k for k, v in self.labels.of(model).items() if v == version))
+                raise FailedPreconditionError(f"version {version} of model '{model}' is labelled ({names}): point the "
+                                              "label elsewhere first")
+            tables = self.registry.tables().get(name)
+            if tables is None:
+                raise NotFoundError(f"model '{model}' has no version {version} loaded")
+            version_drop.mark(self.persistent, name, {t.name: t.id for t in tables.values()})  # cleared with its registration
+            self.unregister_model(name)
+            return drop_stored(self.volatile, self.persistent, tables.values(), self.names)
 
     def finish_drop(self, name: str, tables: dict[str, str]) -> dict[str, int]:
         """Free what is left of the tables (name -> tier id) of a served name whose drop a crash interrupted (see
         :mod:`hps_service.engine.version_drop`); it is not served."""
         if name in self.registry.tables():
             raise FailedPreconditionError(f"{described(name)} is served: its drop is not pending")
-        return drop_stored_ids(self.volatile, self.persistent, tables)
+        return drop_stored_ids(self.volatile, self.persistent, tables, self.names)
 
     def add_version(self, model: ModelConfig) -> list[int]:
         """Serve version ``model.version`` beside the model, then drop the older unlabelled versions beyond
@@ -140,13 +157,14 @@ class LookupEngine:
         if not model.version:
             raise InvalidArgumentError("a version of a model is numbered from 1")
         self.register_model(model)
-        keep = self.labels.labelled(model.name) | {model.version}
-        older = [v for v in self.versions(model.name) if v.version != model.version]
-        dropped = [v.version for v in to_drop(older, keep, model.keep_versions - 1)]
-        for version in dropped:
-            self.drop_version(model.name, version)
-            log.info("version %d of model %s dropped: models[].keep_versions is %d", version, model.name,
-                     model.keep_versions)
+        with self._lifecycle:
+            keep = self.labels.labelled(model.name) | {model.version}
+            older = [v for v in self.versions(model.name) if v.version != model.version]
+            dropped = [v.version for v in to_drop(older, keep, model.keep_versions - 1)]
+            for version in dropped:
+                self.drop_version(model.name, version)
+                log.info("version %d of model %s dropped: models[].keep_versions is %d", version, model.name,
+                         model.keep_versions)
         return dropped
 
     def models(self) -> list[ModelConfig]:
@@ -179,11 +197,12 @@ class LookupEngine:
         """Point ``label`` of ``model`` at a loaded ``version`` (None: remove it), persisted; returns the version it
         named before. NotFoundError for a version that is not loaded."""
         check_label(label)
-        self.registry.model(model)
-        if version is not None and served_name(model, version) not in self.registry.tables():
-            raise NotFoundError(f"model '{model}' has no version {version} loaded")
-        save_label(self.persistent, model, label, version)
-        return self.labels.point(model, label, version)
+        with self._lifecycle:
+            self.registry.model(model)
+            if version is not None and served_name(model, version) not in self.registry.tables():
+                raise NotFoundError(f"model '{model}' has no version {version} loaded")
+            save_label(self.persistent, model, label, version)
+            return self.labels.point(model, label, version)
 
     def model(self, name: str) -> ModelConfig:
         return self.registry.model(name)

@@ -124,12 +124,15 @@ class OwnerEngine(LookupEngine):
     def register_model(self, model: ModelConfig) -> None:
         old = set(self._slots_of(model.served_name))
         super().register_model(model)
-        for t in self.registry.tables().get(model.served_name, {}).values():
-            slot = self._slot(t)
-            t.guard.mirror_to(slot.control, T_WRITE_GEN)
-        self.publish()
         self._drop_slots(old)
-        wait_workers_serve(self.store, self.config.server.worker_processes(), described(model.served_name))
+
+    def _announce(self, served: str) -> None:
+        """Publish the new tables and wait until every worker serves them, with their write locks still held: a write
+        acknowledged after this reaches tables that every worker reads (see ``LookupEngine.register_model``)."""
+        for t in self.registry.tables().get(served, {}).values():
+            t.guard.mirror_to(self._slot(t).control, T_WRITE_GEN)
+        self.publish()
+        wait_workers_serve(self.store, self.config.server.worker_processes(), described(served))
 
     def unregister_model(self, name: str) -> None:
         old = set(self._slots_of(name))
@@ -137,6 +140,18 @@ class OwnerEngine(LookupEngine):
         self.publish()
         self._drop_slots(old)
         wait_workers_serve(self.store, self.config.server.worker_processes(), f"the unload of model {name}")
+
+    def drop_version(self, model: str, version: int) -> dict[str, int]:
+        """Unpublished before its rows are freed (:meth:`unregister_model`), and published again after, so no reader
+        keeps the freed arrays mapped."""
+        freed = super().drop_version(model, version)
+        self.publish()
+        return freed
+
+    def finish_drop(self, name: str, tables: dict[str, str]) -> dict[str, int]:
+        freed = super().finish_drop(name, tables)
+        self.publish()
+        return freed
 
     def set_label(self, model: str, label: str, version: int | None) -> int | None:
         """Switch the label here, then in every worker: it returns once they all read the new version."""
@@ -394,8 +409,15 @@ class NodeOwner:
         rings = {slot.entry["model"] + "." + slot.entry["table"]: {"keys_noted": slot.changes.position(),
                                                                     "slots": slot.changes.size}
                  for slot in self.store.table_slots().values()}
-        return {"workers": workers, "restarts": self.supervisor.restarts, "owner_requests": int(per_process[0]),
+        return {"workers": workers, "restarts": self.supervisor.restarts,
+                "given_up": [self.supervisor.given_up[i] for i in sorted(self.supervisor.given_up)],
+                "owner_requests": int(per_process[0]),
                 "store": str(self.store.path), "change_rings": rings}
+
+    def workers_not_serving(self) -> str | None:
+        """A readiness check: which gRPC workers do not serve now (None when every one does), so that a node whose
+        workers crash never says ready."""
+        return "; ".join(self.supervisor.not_serving()) or None
 
     def stop_workers(self, grace: float) -> None:
         self.supervisor.stop(grace)

@@ -7,9 +7,11 @@ gRPC state and no threads (gRPC does not survive a fork of a process that used i
 the fork server's pages of code and compiled kernels instead of holding its own copy; restarting one later does
 not fork the owner, whose threads (the consumer, RocksDB, the REST server) could hold locks at that moment.
 
-A worker that dies is started again (after a short back-off when it dies right after starting); its in-flight
-calls fail with UNAVAILABLE and clients retry them on another connection. Stopping sends SIGTERM (each worker
-drains its calls) and SIGKILL to what is left after the grace period.
+A worker that dies is started again (after a back-off that doubles while it keeps dying right after starting); its
+in-flight calls fail with UNAVAILABLE and clients retry them on another connection. A worker that dies right after
+starting ``CRASH_LOOP_EXITS`` times in a row is not started again: it is marked failed, which the log, the metrics
+and ``/readyz`` say, instead of spinning. Stopping sends SIGTERM (each worker drains its calls) and SIGKILL to what
+is left after the grace period.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ from hps_service.runtime.sockets import bound_socket
 
 log = logging.getLogger(__name__)
 
-#: A worker that exits within this long of its start is restarted only after RESTART_BACKOFF_S (so a worker that
-#: cannot start does not spin).
-QUICK_EXIT_S, RESTART_BACKOFF_S = 2.0, 1.0
+#: A worker that exits within ``QUICK_EXIT_S`` of its start is restarted only after a back-off, ``RESTART_BACKOFF_S``
+#: doubled for each such exit in a row, and not at all after ``CRASH_LOOP_EXITS`` of them (so a worker that cannot
+#: start, or dies on what it reads at start, does not spin).
+QUICK_EXIT_S, RESTART_BACKOFF_S, CRASH_LOOP_EXITS = 2.0, 0.5, 5
 
 
 def reserve_port(host: str, port: int) -> socket.socket:
@@ -76,6 +79,9 @@ class WorkerSupervisor:
         self._ctx = multiprocessing.get_context("forkserver")
         self._procs: dict[int, multiprocessing.process.BaseProcess] = {}
         self._started_at: dict[int, float] = {}
+        self._quick_exits: dict[int, int] = {}  # worker -> exits right after its start, in a row
+        #: Why a worker is not started again (worker -> reason), for the log, /readyz and /v1/stats.
+        self.given_up: dict[int, str] = {}
         self._stopping = threading.Event()
         self._lock = threading.Lock()
         self._monitor: threading.Thread | None = None
@@ -137,17 +143,38 @@ class WorkerSupervisor:
             if self._stopping.is_set():
                 return
             for i, proc in procs.items():
-                if proc.sentinel not in ready:
-                    continue
-                proc.join(0)
-                lived = time.monotonic() - self._started_at.get(i, 0.0)
-                log.error("gRPC worker %d (pid %s) exited with %s after %.1f s; starting it again", i, proc.pid,
-                          proc.exitcode, lived)
-                self.store.workers[i, ns.W_STATE] = ns.W_STOPPED
-                if lived < QUICK_EXIT_S and self._stopping.wait(RESTART_BACKOFF_S):
+                if proc.sentinel in ready and self._restart(i, proc):
                     return
-                self.restarts += 1
-                self._spawn(i)
+
+    def _restart(self, i: int, proc: multiprocessing.process.BaseProcess) -> bool:
+        """Start worker ``i`` again after it exited (a back-off first when it died right after starting), or give it
+        up when it crash-loops; True when the supervisor is stopping."""
+        proc.join(0)
+        lived = time.monotonic() - self._started_at.get(i, 0.0)
+        quick = self._quick_exits[i] = self._quick_exits.get(i, 0) + 1 if lived < QUICK_EXIT_S else 0
+        self.store.workers[i, ns.W_STATE] = ns.W_STOPPED
+        if quick >= CRASH_LOOP_EXITS:
+            self.given_up[i] = (f"gRPC worker {i} crash-loops ({quick} exits within {QUICK_EXIT_S:g} s of its start, "
+                                f"the last with {proc.exitcode}) and is not started again; restart the server")
+            self.store.workers[i, ns.W_STATE] = ns.W_FAILED
+            with self._lock:
+                del self._procs[i]
+            log.error("%s", self.given_up[i])
+            return False
+        backoff = RESTART_BACKOFF_S * 2 ** (quick - 1) if quick else 0.0
+        log.error("gRPC worker %d (pid %s) exited with %s after %.1f s; starting it again%s", i, proc.pid,
+                  proc.exitcode, lived, f" in {backoff:g} s" if backoff else "")
+        if backoff and self._stopping.wait(backoff):
+            return True
+        self.restarts += 1
+        self._spawn(i)
+        return False
+
+    def not_serving(self) -> list[str]:
+        """Why a worker does not serve now (empty when every one does): starting, restarting, or given up."""
+        states = self.store.workers[: self.count, ns.W_STATE]
+        return [self.given_up.get(i) or f"gRPC worker {i} is {'starting' if state == ns.W_STARTING else 'restarting'}"
+                for i, state in enumerate(states.tolist()) if state != ns.W_READY]
 
     def stop(self, grace: float) -> None:
         """SIGTERM every worker (each drains its calls), SIGKILL those still running after ``grace`` seconds."""

@@ -207,6 +207,7 @@ class HPSServer:
             self.stats_sections["node"] = node.stats
             self.grpc_port = node.reserve_port()
             node.start_workers(self.grpc_port)
+            self.readiness.append(node.workers_not_serving)
         except BaseException:
             node.stop_workers(0)
             if self.engine is not None:
