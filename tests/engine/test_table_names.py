@@ -85,3 +85,41 @@ def test_an_engine_version_dropped_and_added_again_starts_empty_under_a_new_id(t
     assert again.table("m#v2", "item").id == new_id
     assert (again.lookup("m#v2", "item", keys).vectors == 2).all()
     again.close()
+
+
+def test_a_label_switch_and_a_drop_of_its_version_never_leave_the_label_naming_a_dropped_version(
+        tmp_path: Path) -> None:
+    """Run side by side, either the switch or the drop wins: the label names a loaded version, or the drop was
+    refused because the label named its version."""
+    import threading
+
+    from hps_service.errors import FailedPreconditionError, NotFoundError
+
+    eng = LookupEngine(HashMapTier(10_000), RocksDBTier(tmp_path / "db"))
+    eng.register_model(versioned_model(0))
+    for version in range(1, 41):
+        eng.add_version(versioned_model(version).model_copy(update={"keep_versions": 100}))
+        start = threading.Barrier(2)
+
+        def switch(v: int = version, start: threading.Barrier = start) -> None:
+            start.wait()
+            try:
+                eng.set_label("m", "production", v)
+            except NotFoundError:
+                pass
+
+        def drop(v: int = version, start: threading.Barrier = start) -> None:
+            start.wait()
+            try:
+                eng.drop_version("m", v)
+            except FailedPreconditionError:
+                pass
+
+        threads = [threading.Thread(target=switch), threading.Thread(target=drop)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        named = eng.labels.of("m").get("production")
+        assert named is None or named in {v.version for v in eng.versions("m")} | {0}, (version, named)
+    eng.close()
