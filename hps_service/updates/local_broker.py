@@ -46,12 +46,25 @@ class KafkaBroker:
     process: subprocess.Popen
 
     def pause(self) -> None:
-        """Freeze the broker (SIGSTOP): connections stay open but nothing answers."""
+        """Freeze the broker (SIGSTOP): connections stay open but nothing answers. Returns once every thread of it
+        has stopped: the signal is delivered asynchronously, and a loaded machine let the broker take a produce
+        request sent right after ``send_signal`` returned."""
         self.process.send_signal(signal.SIGSTOP)
+        self._wait_threads(stopped=True)
 
     def resume(self) -> None:
         """Unfreeze the broker (SIGCONT); its in-memory log is intact."""
         self.process.send_signal(signal.SIGCONT)
+        self._wait_threads(stopped=False)
+
+    def _wait_threads(self, stopped: bool, timeout_s: float = 10.0) -> None:
+        """Wait until every thread of the broker is stopped (or none is), by their states in ``/proc``."""
+        deadline = time.monotonic() + timeout_s
+        while _threads_stopped(self.process.pid) != stopped:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"tansu (pid {self.process.pid}) did not {'stop' if stopped else 'continue'} "
+                                   f"within {timeout_s:g} s")
+            time.sleep(0.001)
 
     def create_topics(self, names: list[str], partitions: int = TEST_PARTITIONS) -> None:
         """Create topics (ignoring ones that already exist) and wait until metadata shows them."""
@@ -72,6 +85,17 @@ class KafkaBroker:
                 return
             time.sleep(0.05)
         raise TimeoutError(f"topics {names} did not appear in broker metadata")
+
+
+def _threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is stopped by a signal (state T in ``/proc/<pid>/task/<tid>/stat``)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rpartition(")")[2].split()[0])
+        except OSError:  # the thread ended
+            continue
+    return bool(states) and all(state == "T" for state in states)
 
 
 def _wait_for_metadata(bootstrap: str, process: subprocess.Popen, timeout_s: float = 30.0) -> None:
