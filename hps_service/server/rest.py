@@ -335,7 +335,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         ctx.shard_map.check(keys)
         if (writer := ctx.log_writer()) is not None:
             return writer.delete(model, table, keys, body.version, wait_applied=wait == "applied")
-        return {"deleted": engine.apply_deletes(model, table, keys)}
+        return {"deleted": engine.apply_deletes(model, table, keys, body.version)}
 
     # ---- import jobs ------------------------------------------------------------------------------
     @app.post("/v1/models/{model}/tables/{table}/import", tags=["jobs"], status_code=202, dependencies=admin,

@@ -68,8 +68,9 @@ def rows_bodies(max_batch_keys: int) -> RowsBodies:
     class KeysBody(BaseModel):
         keys: keys_list
         version: Int64 | None = Field(
-            None, ge=0, description="with Kafka updates on: the tombstone version (default: the version this replica "
-            "holds for each key); without, deletes forget the keys whatever their version")
+            None, ge=0, description="the tombstone's version: a stored row as new or newer is kept, and an older put "
+            "that lands later stays deleted (default, with Kafka updates on: the version this replica holds for each "
+            "key; without: none, the keys are forgotten whatever their version)")
 
     return RowsBodies(LookupBody, RowsPut, KeysBody)
 
