@@ -399,3 +399,31 @@ def test_the_write_ahead_logs_stay_bounded_though_the_positions_never_fill_a_mem
     _write_with_positions(unbounded, 96)
     assert _log_bytes(tmp_path / "unbounded") >= 90 * _MiB  # what the bound prevents
     unbounded.close()
+
+
+def test_a_secondary_opens_while_the_primary_drops_and_creates_column_families(tmp_path: Path) -> None:
+    """A secondary lists the primary's column families, then opens them: one dropped in between (a version
+    dropped, a conversion's old rows freed) is listed afresh, never an open that fails with 'Column family not
+    found'."""
+    import threading
+
+    primary = RocksDBTier(tmp_path / "db", block_cache_mb=8)
+    stop = threading.Event()
+
+    def churn() -> None:
+        n = 0
+        while not stop.is_set():
+            primary.create_table(f"m.t@{n}", 4)
+            if n:
+                primary.drop_table(f"m.t@{n - 1}")
+            n += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for i in range(40):
+            RocksDBTier(tmp_path / "db", block_cache_mb=8, secondary_path=tmp_path / f"s{i}").close()
+    finally:
+        stop.set()
+        thread.join()
+        primary.close()
