@@ -49,6 +49,8 @@ class HistoryServer:
     local_path: Path = field(default_factory=lambda: Path(f"/dev/shm/hps-history-{uuid.uuid4().hex[:10]}"))
     proc: subprocess.Popen | None = None
     starts: int = 0
+    #: The served models, when not the one table of :mod:`tests.history.model`'s rows.
+    models: list[dict[str, Any]] | None = None
 
     @property
     def target(self) -> str:
@@ -78,8 +80,8 @@ class HistoryServer:
                            "change_ring_keys": CHANGE_RING_KEYS},
             "updates": {"type": "kafka", "brokers": self.broker, "group": f"{self.model}-{self.name}",
                         "topic_prefix": self.topic_prefix},
-            "models": [{"name": self.model, "tables": [{"name": self.table, "dim": DIM,
-                                                         "default": {"constant": DEFAULT_VALUE}}]}],
+            "models": self.models or [{"name": self.model, "tables": [{"name": self.table, "dim": DIM,
+                                                                      "default": {"constant": DEFAULT_VALUE}}]}],
         }
         for section, values in self.overrides.items():
             cfg.setdefault(section, {}).update(values)
