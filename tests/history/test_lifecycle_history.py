@@ -5,7 +5,7 @@ the label ``production`` switches; writers put and delete, readers look up throu
 read is checked by the rules of :mod:`tests.history.lifecycle`; no worker may die.
 
 ``make test`` runs it for HPS_LIFECYCLE_HISTORY_SECONDS (default 30 s); ``make history`` for
-HPS_HISTORY_LONG_SECONDS (default 300 s) beside the main check.
+HPS_LIFECYCLE_LONG_SECONDS (default 240 s) after the main check.
 """
 
 from __future__ import annotations
@@ -71,4 +71,4 @@ def test_lifecycle_keeps_the_history_rules(tmp_path: Path) -> None:
 @pytest.mark.long
 @pytest.mark.skipif(not os.environ.get("HPS_RUN_LONG"), reason="make history runs it (HPS_RUN_LONG=1)")
 def test_lifecycle_keeps_the_history_rules_long(tmp_path: Path) -> None:
-    run_lifecycle(tmp_path, float(os.environ.get("HPS_HISTORY_LONG_SECONDS", "300")))
+    run_lifecycle(tmp_path, float(os.environ.get("HPS_LIFECYCLE_LONG_SECONDS", "240")))
