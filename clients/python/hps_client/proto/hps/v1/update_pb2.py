@@ -15,13 +15,14 @@ _sym_db = _symbol_database.Default()
 from hps_client.proto.hps.v1 import rows_pb2 as hps_dot_v1_dot_rows__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13hps/v1/update.proto\x12\x06hps.v1\x1a\x11hps/v1/rows.proto\"\x8f\x02\n\x0f\x45mbeddingUpdate\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\x12\x0f\n\x07vectors\x18\x05 \x01(\x0c\x12\x10\n\x08versions\x18\x06 \x01(\x0c\x12\x16\n\x0eproduced_at_ns\x18\x07 \x01(\x03\x12\x13\n\x0b\x64\x65lete_keys\x18\x08 \x01(\x0c\x12\x17\n\x0f\x64\x65lete_versions\x18\t \x01(\x0c\x12\x1e\n\x16purge_tombstones_below\x18\n \x01(\x03\x12#\n\x07storage\x18\x0b \x01(\x0e\x32\x12.hps.v1.RowStorage\x12\x15\n\rmodel_version\x18\x0c \x01(\rb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13hps/v1/update.proto\x12\x06hps.v1\x1a\x11hps/v1/rows.proto\"\x8f\x02\n\x0f\x45mbeddingUpdate\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05table\x18\x02 \x01(\t\x12\x0b\n\x03\x64im\x18\x03 \x01(\r\x12\x0c\n\x04keys\x18\x04 \x01(\x0c\x12\x0f\n\x07vectors\x18\x05 \x01(\x0c\x12\x10\n\x08versions\x18\x06 \x01(\x0c\x12\x16\n\x0eproduced_at_ns\x18\x07 \x01(\x03\x12\x13\n\x0b\x64\x65lete_keys\x18\x08 \x01(\x0c\x12\x17\n\x0f\x64\x65lete_versions\x18\t \x01(\x0c\x12\x1e\n\x16purge_tombstones_below\x18\n \x01(\x03\x12#\n\x07storage\x18\x0b \x01(\x0e\x32\x12.hps.v1.RowStorage\x12\x15\n\rmodel_version\x18\x0c \x01(\rBO\n\ncom.hps.v1P\x01Z6github.com/hps-service/hps-service/gen/go/hps/v1;hpsv1\xaa\x02\x06Hps.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hps.v1.update_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\ncom.hps.v1P\001Z6github.com/hps-service/hps-service/gen/go/hps/v1;hpsv1\252\002\006Hps.V1'
   _globals['_EMBEDDINGUPDATE']._serialized_start=51
   _globals['_EMBEDDINGUPDATE']._serialized_end=322
 # @@protoc_insertion_point(module_scope)
