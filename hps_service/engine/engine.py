@@ -35,7 +35,7 @@ from hps_service.engine.stats import TableStats, table_stats
 from hps_service.engine.stored_tables import TableNames
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.engine.versions import Labels, check_label, load_labels, resolve, save_label, to_drop
-from hps_service.engine.write import TableChange, Writer, table_write
+from hps_service.engine.write import PreparedChange, TableChange, Writer, prepare_change
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.tiers.base import Positions, Tier, WriteResult, tier_health, tier_memory
 
@@ -274,21 +274,22 @@ class LookupEngine:
         with self.writing(model, table) as t:
             return self.writer.import_rows(t, keys, vectors, version, progress)
 
-    def check_change(self, change: TableChange) -> None:
-        """Raise InvalidArgumentError or NotFoundError if ``change`` cannot be applied (unknown table, wrong dim,
-        rows not finite), before anything of it is written."""
-        table_write(self.table(change.model, change.table), change)
+    def check_change(self, change: TableChange) -> PreparedChange:
+        """``change`` checked before anything of it is written (InvalidArgumentError or NotFoundError: unknown table,
+        wrong dim, rows not finite), handed back ready for :meth:`apply_changes`."""
+        return prepare_change(self.table(change.model, change.table), change)
 
-    def apply_changes(self, changes: Sequence[TableChange], positions: Positions | None = None) -> list[WriteResult]:
-        """Apply the rows and versioned deletes of several tables, each key's newest change winning, and store
-        ``positions`` (opaque ``(source, partition) -> next offset``) in the same atomic persistent write, so the
-        positions a store holds never run ahead of its rows. Then the volatile tier and L1."""
+    def apply_changes(self, changes: Sequence[TableChange | PreparedChange],
+                      positions: Positions | None = None) -> list[WriteResult]:
+        """Apply the rows and versioned deletes of several tables (checked ones as :meth:`check_change` handed them
+        back), each key's newest change winning, and store ``positions`` (opaque ``(source, partition) -> next
+        offset``) in the same atomic persistent write, so the positions a store holds never run ahead of its rows.
+        Then the volatile tier and L1."""
         with ExitStack() as held:  # every table's write lock, in one order, for the whole write
             tables = {key: held.enter_context(self.writing(*key))
                       for key in sorted({(c.model, c.table) for c in changes})}
-            prepared = [(tables[(c.model, c.table)], table_write(tables[(c.model, c.table)], c, self.writer.admitted))
-                        for c in changes]
-            return self.writer.apply_changes(prepared, positions)
+            writes = [(t, c.write(t, self.writer.admitted)) for c in changes for t in [tables[(c.model, c.table)]]]
+            return self.writer.apply_changes(writes, positions)
 
     def positions(self) -> dict[tuple[str, int], int]:
         """The positions stored by :meth:`apply_changes` (empty without a persistent tier that keeps them)."""

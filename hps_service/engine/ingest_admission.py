@@ -4,7 +4,7 @@ holds of rows already stored.
 
 Rules, for a table with ``N > 1`` (``N == 1``, the default, builds no filter and costs nothing):
 
-- every put of the update log (``Writer.apply_changes`` through ``table_write``) and of ``Writer.apply_updates``
+- every put of the update log (``LookupEngine.apply_changes`` through ``PreparedChange.write``) and of ``Writer.apply_updates``
   counts one write of its key in a count-min sketch of the table; duplicates of a key in one batch count as as many
   writes, in batch order;
 - a key already stored in the table is always admitted: one the persistent tier holds a live row of, or, without a

@@ -45,6 +45,10 @@ class TableChange:
     #: the row by a table with ``ttl_s``; None: now, by this server's clock.
     written_s: np.ndarray | None = None
 
+    def write(self, t: ServedTable, admit: Admit | None = None) -> TableWrite:
+        """The write of this change to ``t``, checked (see :func:`prepare_change`) and resolved."""
+        return prepare_change(t, self).write(t, admit)
+
 #: Keys per L2 delete and L1 invalidation after an import (bounds one call).
 INVALIDATE_CHUNK = 65_536
 
@@ -90,10 +94,41 @@ def resolve_latest(
 Admit = Callable[[ServedTable, np.ndarray], np.ndarray | None]
 
 
-def table_write(t: ServedTable, change: TableChange, admit: Admit | None = None) -> TableWrite:
-    """``change`` checked against the table (dims, finite rows, int64 keys and versions), its puts passed through
-    ``admit`` (None: a check, nothing counted or dropped), and resolved to one winner per key; raises
-    InvalidArgumentError naming the problem."""
+@dataclass(slots=True)
+class PreparedChange:
+    """A :class:`TableChange` checked against the table it was prepared for (int64 keys and versions, rows of its
+    dim, finite): what :meth:`LookupEngine.check_change` hands back, so that the write does not check it again.
+    ``resolved`` is the write itself (one winner per key, rows encoded) where no ingest filter must see the puts."""
+
+    model: str
+    table: str
+    served: ServedTable
+    keys: np.ndarray
+    vectors: np.ndarray
+    versions: np.ndarray
+    written: np.ndarray | None
+    delete_keys: np.ndarray
+    delete_versions: np.ndarray
+    resolved: TableWrite | None = None
+
+    def write(self, t: ServedTable, admit: Admit | None = None) -> TableWrite:
+        """The write to ``t``: the one resolved at the check when ``t`` is still the table checked against, else
+        its puts passed through ``admit`` (each counted as a write: see ``ingest_admission``) and resolved."""
+        if t is not self.served:
+            return prepare_change(t, TableChange(self.model, self.table, self.keys, self.vectors, self.versions,
+                                                 self.delete_keys, self.delete_versions, self.written)).write(t, admit)
+        if self.resolved is not None and (admit is None or t.ingest is None):
+            return self.resolved
+        keys, vectors, versions, written = self.keys, self.vectors, self.versions, self.written
+        if admit is not None and keys.shape[0] and (keep := admit(t, keys)) is not None:
+            keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+            written = written[keep] if written is not None else None
+        return _resolved(t, keys, vectors, versions, written, self.delete_keys, self.delete_versions)
+
+
+def prepare_change(t: ServedTable, change: TableChange) -> PreparedChange:
+    """``change`` checked against the table (dims, finite rows, int64 keys and versions); raises
+    InvalidArgumentError naming the problem. Resolved at once where the table filters no puts at ingest."""
     keys = as_keys(change.keys)
     n = keys.shape[0]
     vectors = as_rows(change.vectors, n, t.dim, f"update of {t.id}") if n else np.empty((0, t.dim), np.float32)
@@ -103,9 +138,15 @@ def table_write(t: ServedTable, change: TableChange, admit: Admit | None = None)
     if del_versions is None:
         raise InvalidArgumentError(f"deletes of {t.id} from the log need versions")
     written = ttl.write_times(n, change.written_s) if t.ttl_s is not None else None
-    if admit is not None and n and (keep := admit(t, keys)) is not None:
-        keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
-        written = written[keep] if written is not None else None
+    prepared = PreparedChange(change.model, change.table, t, keys, vectors, versions, written, del_keys, del_versions)
+    if t.ingest is None:
+        prepared.resolved = _resolved(t, keys, vectors, versions, written, del_keys, del_versions)
+    return prepared
+
+
+def _resolved(t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, written: np.ndarray | None,
+              del_keys: np.ndarray, del_versions: np.ndarray) -> TableWrite:
+    """One winner per key among the puts and deletes, the puts' rows encoded in the table's format."""
     puts, deletes = resolve_latest(keys, versions, del_keys, del_versions)
     stored = t.format.encode(vectors[puts], written[puts] if written is not None else None)
     return TableWrite(table=t.id, keys=keys[puts], vectors=stored, versions=versions[puts],
@@ -238,7 +279,7 @@ class Writer:
     def apply_changes(
         self, changes: Sequence[tuple[ServedTable, TableWrite]], positions: Positions | None = None
     ) -> list[WriteResult]:
-        """Apply several tables' resolved changes (see :func:`table_write`): one atomic persistent write that also
+        """Apply several tables' resolved changes (see :class:`PreparedChange`): one atomic persistent write that also
         stores ``positions`` (where the tier keeps them), then the volatile tier, then L1."""
         writes = [w for _, w in changes]
         with ExitStack() as stamped:  # the caller holds the tables' write locks

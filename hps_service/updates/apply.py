@@ -20,6 +20,7 @@ from confluent_kafka import KafkaError, Message
 
 from hps_service.config.base import served_name, split_served
 from hps_service.engine import LookupEngine, TableChange
+from hps_service.engine.write import PreparedChange
 from hps_service.errors import InvalidArgumentError, NotFoundError
 from hps_service.updates.admin_signature import AdminMessages
 from hps_service.updates.batch import TableBatch, table_change
@@ -185,14 +186,14 @@ class BatchApply:
             raise MalformedUpdateError(str(exc)) from None
 
     def _changes(self, groups: dict[tuple[str, str], TableBatch], done: Applied,
-                 dlq: DeadLetters) -> list[TableChange]:
-        """One change per table. A change the engine refuses is checked message by message, and only the messages
-        it refuses on their own are dead-lettered; a table whose model is not loaded is left out (``done``)."""
+                 dlq: DeadLetters) -> list[PreparedChange]:
+        """One change per table, checked by the engine (which hands it back ready to write). A change the engine
+        refuses is checked message by message, and only the messages it refuses on their own are dead-lettered; a
+        table whose model is not loaded is left out (``done``)."""
         changes = []
         for (model, table), batch in groups.items():
             try:
-                change = self._change(model, table, [batch])
-                self.engine.check_change(change)
+                change = self.engine.check_change(self._change(model, table, [batch]))
             except ModelUnloadedError:
                 done.unloaded.add(model)
                 continue
@@ -212,14 +213,14 @@ class BatchApply:
                                           f"rejected by the engine: {one if len(batch.messages) > 1 else exc}")
                 if model in done.unloaded or not kept:
                     continue
-                change = self._change(model, table, kept)
+                change = self.engine.check_change(self._change(model, table, kept))
             changes.append(change)
         return changes
 
     def _change(self, model: str, table: str, batches: list[TableBatch]) -> TableChange:
         return table_change(model, table, batches, self._table_dim(model, table))
 
-    def _apply(self, changes: list[TableChange], positions: dict[Partition, int],
+    def _apply(self, changes: list[PreparedChange], positions: dict[Partition, int],
                purges: dict[tuple[str, str], int], done: Applied, topics: dict[str, str]) -> Applied | None:
         """Write the changes and the positions they bring the partitions to in one atomic engine call (purges run
         between the rows and the positions); retry transient failures until done (None if stopping first). The
