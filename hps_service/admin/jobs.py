@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hps_service.admin.importer import check_import_shape, read_model_source
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.engine.convert import ConvertProgress
 from hps_service.errors import HPSError, NotFoundError, UnavailableError
 from hps_service.fleet.sharding import ShardMap
@@ -137,7 +137,7 @@ class JobRunner:
         return not not_done
 
 
-def writable_persistent(engine: LookupEngine, what: str, needs: TierCapability) -> Tier:
+def writable_persistent(engine: Engine, what: str, needs: TierCapability) -> Tier:
     """The engine's persistent tier if it ``needs`` and writes, or UnavailableError naming why ``what`` cannot run."""
     tier = engine.persistent
     if not tier_can(tier, needs):
@@ -147,12 +147,12 @@ def writable_persistent(engine: LookupEngine, what: str, needs: TierCapability) 
     return tier
 
 
-def import_tier(engine: LookupEngine) -> Tier:
+def import_tier(engine: Engine) -> Tier:
     """The persistent tier that an import job bulk-loads, or UnavailableError naming why there is none."""
     return writable_persistent(engine, "import", TierCapability.BULK_IMPORT)
 
 
-def convert_job(engine: LookupEngine, model: str, table: str, storage: str) -> Callable[[Job], dict]:
+def convert_job(engine: Engine, model: str, table: str, storage: str) -> Callable[[Job], dict]:
     """The work of ``POST .../tables/{table}:convert``: re-encode the table as ``storage`` while it is served, then
     serve it so (see :mod:`hps_service.engine.convert`); ``rows_total`` counts the entries to copy."""
 
@@ -166,7 +166,7 @@ def convert_job(engine: LookupEngine, model: str, table: str, storage: str) -> C
 
 
 def import_job(
-    engine: LookupEngine, model: str, table: str, path: Path, version: int, shard_map: ShardMap | None = None
+    engine: Engine, model: str, table: str, path: Path, version: int, shard_map: ShardMap | None = None
 ) -> Callable[[Job], dict]:
     """The work of ``POST .../import``: read the file, keep this shard's rows, then bulk-load L3 and evict the keys
     from L2 and L1 as one write of the table (see :meth:`LookupEngine.import_rows`)."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from hps_service.admin.jobs import writable_persistent
 from hps_service.config import ModelConfig
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.engine.stored_tables import stored_table
 from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
 from hps_service.fleet.bucket import Progress
@@ -75,7 +75,7 @@ class Snapshots(Generic[S]):
     once :meth:`start` ed). ``refuse(model)`` says why the model must not be snapshotted now (its rows miss updates
     the log lost), or None."""
 
-    def __init__(self, engine: LookupEngine, store: S,
+    def __init__(self, engine: Engine, store: S,
                  refuse: Callable[[str], str | None] = lambda model: None) -> None:
         self.engine = engine
         self.store = store

@@ -9,7 +9,8 @@ the tiers has: registrations, writes, positions and statistics (the REST admin A
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -17,13 +18,18 @@ from hps_service.config import ModelConfig
 from hps_service.engine.levels import LookupResult
 from hps_service.engine.stats import TableStats
 from hps_service.engine.table import ServedTable
-from hps_service.engine.write import TableChange
+from hps_service.engine.versions import Labels
+from hps_service.engine.write import PreparedChange, TableChange
 from hps_service.tiers.base import Positions, Tier, WriteResult
+
+if TYPE_CHECKING:
+    from hps_service.engine.convert import ConvertProgress
 
 
 class ReadEngine(Protocol):
     """Lookups of the served models, with the tiers' health: what every serving process answers calls with."""
 
+    #: The most keys one lookup may ask (``server.max_batch_keys``).
     max_batch_keys: int
 
     def table(self, model: str, table: str) -> ServedTable:
@@ -59,37 +65,112 @@ class ReadEngine(Protocol):
 
 
 class Engine(ReadEngine, Protocol):
-    """A read engine that also owns the tiers: it loads models, applies writes and reports statistics."""
+    """A read engine that also owns the tiers: it loads models and versions, points labels, applies writes, converts
+    tables and reports statistics (the REST admin API, the update consumer, the fleet's registrations, admin jobs).
+    :class:`~hps_service.engine.engine.LookupEngine` is the one implementation; a node's owner extends it."""
 
+    #: The tiers (None: disabled) and every model's labels (label -> version).
     volatile: Tier | None
     persistent: Tier | None
+    labels: Labels
 
-    def register_model(self, model: ModelConfig) -> None: ...
+    # ---- models, versions and labels
+    def register_model(self, model: ModelConfig) -> None:
+        """Serve ``model`` (or a version of it), replacing what is served under its name."""
+        ...
 
-    def unregister_model(self, name: str) -> None: ...
+    def unregister_model(self, name: str) -> None:
+        """Stop serving a served name (its rows stay stored)."""
+        ...
+
+    def add_version(self, model: ModelConfig) -> list[int]:
+        """Serve a new version beside the model; returns the older versions ``keep_versions`` dropped."""
+        ...
+
+    def drop_version(self, model: str, version: int) -> dict[str, int]:
+        """Stop serving a version and free its rows (FailedPreconditionError while a label names it)."""
+        ...
+
+    def finish_drop(self, name: str, tables: dict[str, str]) -> dict[str, int]:
+        """Free what a drop interrupted by a crash left of a served name's tables (name -> tier id)."""
+        ...
+
+    def served_models(self) -> list[ModelConfig]:
+        """Every loaded model and version."""
+        ...
+
+    def versions(self, model: str) -> list[ModelConfig]:
+        """The loaded versions of ``model``, oldest first."""
+        ...
+
+    def not_switchable(self, model: str, version: int) -> list[str]:
+        """Why a label cannot point at ``version`` yet (empty: it can)."""
+        ...
+
+    def set_label(self, model: str, label: str, version: int | None) -> int | None:
+        """Point ``label`` at ``version`` (None: remove it); returns the version it named before."""
+        ...
+
+    # ---- writes
+    def writing(self, model: str, table: str) -> AbstractContextManager[ServedTable]:
+        """The served table with its write lock held (writes of one table never interleave across the tiers)."""
+        ...
 
     def apply_updates(self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray,
-                      versions: np.ndarray | int) -> int: ...
+                      versions: np.ndarray | int, written_s: np.ndarray | None = None) -> int:
+        """Write rows to every tier (a newer stored version is kept); returns rows written."""
+        ...
 
     def apply_deletes(self, model: str, table: str, keys: np.ndarray,
-                      versions: np.ndarray | int | None = None) -> int: ...
+                      versions: np.ndarray | int | None = None) -> int:
+        """Delete keys from every tier (versioned: tombstones; else forgotten whatever their version)."""
+        ...
 
     def import_rows(self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, version: int = 0,
-                    progress: Callable[[int], None] | None = None) -> int: ...
+                    progress: Callable[[int], None] | None = None) -> int:
+        """Bulk-load rows into the persistent tier; returns rows written."""
+        ...
 
-    def check_change(self, change: TableChange) -> None: ...
+    def check_change(self, change: TableChange) -> PreparedChange:
+        """``change`` checked before anything is written, handed back ready for :meth:`apply_changes`."""
+        ...
 
-    def apply_changes(self, changes: Sequence[TableChange],
-                      positions: Positions | None = None) -> list[WriteResult]: ...
+    def apply_changes(self, changes: Sequence[TableChange | PreparedChange],
+                      positions: Positions | None = None) -> list[WriteResult]:
+        """Several tables' changes and the log positions they reach, in one atomic persistent write."""
+        ...
 
-    def positions(self) -> dict[tuple[str, int], int]: ...
+    def positions(self) -> dict[tuple[str, int], int]:
+        """The log positions stored with the rows."""
+        ...
 
-    def stores_positions(self) -> bool: ...
+    @property
+    def stores_positions(self) -> bool:
+        """Whether positions survive a restart (they live in the persistent tier)."""
+        ...
 
-    def purge_tombstones(self, model: str, table: str, below_version: int) -> dict[str, int]: ...
+    def purge_tombstones(self, model: str, table: str, below_version: int) -> dict[str, int]:
+        """Remove tombstones older than ``below_version``; how many, per level."""
+        ...
 
-    def table_stats(self, model: str, table: str) -> TableStats: ...
+    def check_conversion(self, model: str, table: str, storage: str) -> None:
+        """Raise the error that says why ``model.table`` cannot be converted to ``storage`` now, if it cannot."""
+        ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def convert_table(self, model: str, table: str, storage: str,
+                      progress: ConvertProgress | None = None) -> dict[str, Any]:
+        """Re-encode a served table's rows as ``storage`` while it is served."""
+        ...
 
-    def close(self, timeout_s: float = 30.0) -> bool: ...
+    # ---- statistics and lifecycle
+    def table_stats(self, model: str, table: str) -> TableStats:
+        """Per level: hits, misses, hit rate, rows, capacity, evictions."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """The ``/v1/stats`` shape."""
+        ...
+
+    def close(self, timeout_s: float = 30.0) -> bool:
+        """Stop the background work and close the tiers; False when something did not stop in time."""
+        ...

@@ -15,7 +15,8 @@ import numpy as np
 from hps_service.config import ModelConfig
 from hps_service.config.base import served_name
 from hps_service.engine import version_drop
-from hps_service.engine.convert import ConvertProgress, convert_table
+from hps_service.engine.api import Engine
+from hps_service.engine.convert import ConvertProgress, check_conversion, convert_table
 from hps_service.engine.expiry_sweep import ExpirySweeper
 from hps_service.engine.ingest_admission import keep_counts
 from hps_service.engine.levels import DEFAULT, LookupResult
@@ -42,7 +43,7 @@ from hps_service.tiers.base import Positions, Tier, WriteResult, tier_health, ti
 log = logging.getLogger(__name__)
 
 
-class LookupEngine:
+class LookupEngine(Engine):
     """Answers batched lookups through the tier hierarchy and applies writes to every tier."""
 
     def __init__(
@@ -304,6 +305,10 @@ class LookupEngine:
         """Remove the tombstones older than ``below_version`` from every tier; returns how many, per level."""
         with self.writing(model, table) as t:
             return self.writer.purge_tombstones(t, below_version)
+
+    def check_conversion(self, model: str, table: str, storage: str) -> None:
+        """Raise the error that says why ``model.table`` cannot be converted to ``storage`` now, if it cannot."""
+        check_conversion(self, model, table, storage)
 
     def convert_table(self, model: str, table: str, storage: str,
                       progress: ConvertProgress | None = None) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import numpy as np
 
 from hps_service.config import DEFAULT_PARTITIONS, UpdatesConfig
 from hps_service.config.base import split_served
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.errors import FailedPreconditionError, UnavailableError
 from hps_service.updates import Publisher
 from hps_service.updates.consumer import UpdateConsumer
@@ -22,7 +22,7 @@ class LogWriter:
     """Publishes admin writes to the update topics; one idempotent producer per model, created on first use."""
 
     def __init__(
-        self, cfg: UpdatesConfig, engine: LookupEngine, consumer: UpdateConsumer | None, ack_timeout_s: float = 30.0,
+        self, cfg: UpdatesConfig, engine: Engine, consumer: UpdateConsumer | None, ack_timeout_s: float = 30.0,
         partitions: int = DEFAULT_PARTITIONS,
     ) -> None:
         """``partitions``: what a missing topic is created with (``cluster.partitions``, which shards rely on)."""

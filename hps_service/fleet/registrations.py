@@ -71,7 +71,7 @@ def sync_registrations(tier: Tier | None, configured: Collection[str], loaded: I
 
 
 def finish_drops(engine: Any, configured: Collection[str]) -> list[str]:
-    """Finish, on ``engine`` (a LookupEngine, before it serves what was registered), the drops of versions that a
+    """Finish, on ``engine`` (an Engine, before it serves what was registered), the drops of versions that a
     stop interrupted (their marks): their remaining tables are freed and their registrations forgotten, so they are
     not served again. A version the config defines keeps its tables (the config wins); its mark is cleared. Returns
     the served names whose drop was finished."""
@@ -90,7 +90,7 @@ def finish_drops(engine: Any, configured: Collection[str]) -> list[str]:
 
 
 def serve_registered(engine: Any, configured: Collection[str]) -> None:
-    """Serve again, on ``engine`` (a LookupEngine), the models and versions registered at runtime before a restart
+    """Serve again, on ``engine`` (an Engine), the models and versions registered at runtime before a restart
     (those the config defines excepted: the config wins), each model before its versions; versions whose drop a
     stop interrupted are dropped instead (:func:`finish_drops`)."""
     finish_drops(engine, configured)

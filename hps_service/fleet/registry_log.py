@@ -31,7 +31,7 @@ from confluent_kafka.admin import AdminClient
 from prometheus_client import Counter
 
 from hps_service.config import ModelConfig, UpdatesConfig
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.errors import HPSError, UnavailableError
 from hps_service.fleet.switch_gate import SwitchGate
 from hps_service.runtime.background import BackgroundThread
@@ -137,7 +137,7 @@ class ModelRegistrations:
     """Registers and unloads models at runtime: through the registration log when there is one (``log()``) and
     it signs, else on this replica only; :meth:`apply` is what the log's follower calls for every change on the log."""
 
-    def __init__(self, engine: LookupEngine, configured: Collection[str], changed: Callable[[], None],
+    def __init__(self, engine: Engine, configured: Collection[str], changed: Callable[[], None],
                  log_of: Callable[[], RegistryLog | None] = lambda: None, timeout_s: float = 30.0) -> None:
         self.engine = engine
         self.configured = set(configured)

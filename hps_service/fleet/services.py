@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from hps_service.config import HPSConfig
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.fleet.recovery import LostUpdatesRecovery
 from hps_service.fleet.registry_log import ModelRegistrations, RegistryChange, RegistryLog
 from hps_service.fleet.snapshots import BucketSnapshots
@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 class FleetServices:
     """The registration log and the recovery of lost partitions of one replica (see the module docstring)."""
 
-    def __init__(self, config: HPSConfig, engine: LookupEngine, models_changed: Callable[[], None],
+    def __init__(self, config: HPSConfig, engine: Engine, models_changed: Callable[[], None],
                  group: str, not_ready: Callable[[], list[str]] = list) -> None:
         """``not_ready``: why this replica is not ready (what its status tells the others' switch gates)."""
         self.config = config

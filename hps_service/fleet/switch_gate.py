@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hps_service.config.base import served_name
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.errors import FailedPreconditionError, HPSError
 from hps_service.runtime.background import BackgroundThread
 
@@ -42,7 +42,7 @@ class ReplicaStatus:
     served: dict[str, list[str]]
 
 
-def local_status(engine: LookupEngine, not_ready: Callable[[], list[str]]) -> dict[str, list[str]]:
+def local_status(engine: Engine, not_ready: Callable[[], list[str]]) -> dict[str, list[str]]:
     """This replica's status: per served name (every model and version), what keeps a label from pointing at it."""
     reasons = not_ready()
     return {m.served_name: [*engine.not_switchable(m.name, m.version), *reasons] for m in engine.served_models()}
@@ -51,7 +51,7 @@ def local_status(engine: LookupEngine, not_ready: Callable[[], list[str]]) -> di
 class SwitchGate:
     """The statuses of the fleet's replicas, this one's published, and the wait before a switch."""
 
-    def __init__(self, replica: str, engine: LookupEngine, not_ready: Callable[[], list[str]],
+    def __init__(self, replica: str, engine: Engine, not_ready: Callable[[], list[str]],
                  publish: Callable[[dict[str, Any]], None]) -> None:
         """``publish(status)``: put this replica's status on the registration log."""
         self.replica = replica

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from hps_service.config import HPSConfig, ModelConfig
+from hps_service.engine.api import ReadEngine
 from hps_service.engine.levels import LEVELS, LookupResult
 from hps_service.engine.read import Reader
 from hps_service.engine.registry import find_table, not_loaded
@@ -83,7 +84,7 @@ class WorkerTable(ServedTable):
     serial: int = 0
 
 
-class WorkerEngine:
+class WorkerEngine(ReadEngine):
     """Lookups of one worker process over the shared store (see the module docstring)."""
 
     def __init__(self, config: HPSConfig, view: StoreView, worker: int, wake: Any | None = None) -> None:

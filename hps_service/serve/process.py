@@ -20,7 +20,7 @@ from hps_service.admin.checkpoints import DirectoryStore
 from hps_service.admin.jobs import JobRunner
 from hps_service.admin.snapshots import Snapshots
 from hps_service.config import HPSConfig
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.errors import UnavailableError
 from hps_service.fleet.admin_writes import LogWriter
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 class HPSServer:
     """One server process: the lookup engine behind gRPC (health checking, reflection) and the REST admin API."""
 
-    def __init__(self, config: HPSConfig, engine: LookupEngine | None = None) -> None:
+    def __init__(self, config: HPSConfig, engine: Engine | None = None) -> None:
         self.config = config
         self.engine = engine
         self.shard_map = ShardMap.from_config(config.cluster)

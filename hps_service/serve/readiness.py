@@ -9,7 +9,7 @@ from typing import Protocol
 from grpc_health.v1 import health_pb2
 
 from hps_client.channel import ACCEPTING_SERVICE
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.fleet.bootstrap import BootstrapProgress
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.gate import DRAINING, ServingGate
@@ -21,7 +21,7 @@ from hps_service.updates.readiness import update_consumer_not_ready
 class ServingState(Protocol):
     """What readiness is judged from (an :class:`~hps_service.serve.process.HPSServer`)."""
 
-    engine: LookupEngine | None
+    engine: Engine | None
     consumer: UpdateConsumer | None
     bootstrap: BootstrapProgress
     gate: ServingGate

@@ -17,14 +17,14 @@ _TRACING = "hps_service.server.tracing"
 
 def grpc_tracing(servicer: EmbeddingServicer, role: str) -> list[grpc.ServerInterceptor]:
     """The server interceptors of a process (``role``: ``owner`` or ``worker-N``, named by its spans): none with
-    tracing off; on, the servicer's lookups go through a :class:`~hps_service.server.tracing.TracedEngine` too."""
+    tracing off; on, the servicer's lookups go through a :class:`~hps_service.server.tracing.TracedReadEngine` too."""
     cfg = servicer.limits.tracing
     if not cfg.enabled:
         return []
     from hps_service.server import tracing
 
     provider = tracing.tracer_provider(cfg, role)
-    servicer.engine = tracing.TracedEngine(servicer.engine, provider)
+    servicer.engine = tracing.TracedReadEngine(servicer.engine, provider)
     return tracing.grpc_interceptors(provider)
 
 

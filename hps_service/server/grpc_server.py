@@ -150,7 +150,7 @@ def build_grpc_server(
 
     ``reuseport``: let the node's worker processes bind one port together (SO_REUSEPORT; the kernel spreads the
     connections over them). ``role``: the process (``owner``, ``worker-N``) its spans name, with tracing on; then the
-    servicer's lookups go through a :class:`~hps_service.server.tracing.TracedEngine` too."""
+    servicer's lookups go through a :class:`~hps_service.server.tracing.TracedReadEngine` too."""
     cfg = config.server
     receive, send = message_limits(config)
     pool = HandlerPool(servicer.metrics.queue_wait, max_workers=cfg.grpc_threads(), thread_name_prefix="grpc")

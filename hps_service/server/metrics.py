@@ -1,7 +1,7 @@
 """Prometheus metrics of one server: request counters and latency histograms, plus a collector over engine stats.
 
 Request metrics live in a per-server CollectorRegistry (so several servers in one process stay apart). Tier and
-cache figures are not counted twice: a custom collector reads ``LookupEngine.table_stats`` at scrape time, the one
+cache figures are not counted twice: a custom collector reads ``Engine.table_stats`` at scrape time, the one
 source of truth that ``/v1/stats`` also shows. ``/metrics`` serves this registry followed by the default registry,
 which holds the process metrics and the update consumer's series.
 """
@@ -18,7 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from hps_service import __version__
-from hps_service.engine import LEVELS, LookupEngine
+from hps_service.engine import LEVELS
+from hps_service.engine.api import Engine
 from hps_service.shm.counters import (
     KEYS_BUCKETS,
     LATENCY_BUCKETS,
@@ -62,7 +63,7 @@ class RequestTimer:
 class EngineCollector(Collector):
     """Per table and tier hits, misses, rows, capacity and evictions, read from the engine at scrape time."""
 
-    def __init__(self, engine: LookupEngine) -> None:
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     def describe(self) -> list[Metric]:
@@ -178,7 +179,7 @@ class ServerMetrics:
     and the registry that exposes them with the engine's figures. Counting costs a few array updates in the
     calling thread's own row: no lock, no Prometheus client object on the request path."""
 
-    def __init__(self, engine: LookupEngine | None, counters: RequestCounters | None = None) -> None:
+    def __init__(self, engine: Engine | None, counters: RequestCounters | None = None) -> None:
         self.counters = counters if counters is not None else RequestCounters(new_counters(1, REQ_FIELDS), 0)
         self.registry = CollectorRegistry()
         self.registry.register(RequestCollector(self.counters))

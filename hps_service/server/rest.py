@@ -29,8 +29,8 @@ from starlette.exceptions import HTTPException
 from hps_service.admin.jobs import JobRunner, convert_job, import_job, import_tier
 from hps_service.admin.snapshots import Snapshots
 from hps_service.config import HPSConfig, ModelConfig
-from hps_service.engine import LEVELS, LookupEngine, as_rows
-from hps_service.engine.convert import check_conversion
+from hps_service.engine import LEVELS, as_rows
+from hps_service.engine.api import Engine
 from hps_service.errors import HPSError, InvalidArgumentError, ResourceExhaustedError
 from hps_service.fleet.registry_log import ModelRegistrations
 from hps_service.fleet.sharding import ShardMap
@@ -75,7 +75,7 @@ ModelVersion = Annotated[int, Query(ge=0, le=2**31 - 1, description="a version o
 class AdminContext:
     """What the admin API works on; owned by HPSServer."""
 
-    engine: LookupEngine
+    engine: Engine
     config: HPSConfig
     metrics: ServerMetrics
     gate: ServingGate
@@ -124,7 +124,7 @@ def rows_array(vectors: list[list[float]], n: int) -> np.ndarray:
         raise InvalidArgumentError("vectors must be a list of rows of equal length") from None
 
 
-def describe_model(engine: LookupEngine, name: str) -> dict[str, Any]:
+def describe_model(engine: Engine, name: str) -> dict[str, Any]:
     """Tables, dims, defaults and rows per tier of a loaded model."""
     mc = engine.model(name)
     tables = []
@@ -354,7 +354,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.post("/v1/models/{model}/tables/{table}:convert", tags=["jobs"], status_code=202, dependencies=admin,
               summary="Re-encode a table in another row format as a background job, served throughout")
     def convert_table(model: str, table: str, body: ConvertRequest) -> dict[str, Any]:
-        check_conversion(engine, model, table, body.storage)
+        engine.check_conversion(model, table, body.storage)
         job = ctx.jobs.submit("convert", {"model": model, "table": table, "storage": body.storage},
                               convert_job(engine, model, table, body.storage))
         return job.view()

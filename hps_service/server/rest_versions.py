@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.config.base import served_name
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.engine.versions import check_label
 from hps_service.fleet.registry_log import ModelRegistrations
 from hps_service.server.probes import Readiness
@@ -35,7 +35,7 @@ class LabelRequest(BaseModel):
     version: int = Field(ge=0, le=2**31 - 1)
 
 
-def describe_versions(engine: LookupEngine, model: str) -> dict[str, Any]:
+def describe_versions(engine: Engine, model: str) -> dict[str, Any]:
     """The versions of a loaded model, its labels, and the version a request naming neither reads."""
     engine.model(model)
     _, default = engine.resolve(model)
@@ -47,7 +47,7 @@ def describe_versions(engine: LookupEngine, model: str) -> dict[str, Any]:
                          for v in engine.versions(model)]}
 
 
-def add_version_routes(app: FastAPI, engine: LookupEngine, registrations: ModelRegistrations,
+def add_version_routes(app: FastAPI, engine: Engine, registrations: ModelRegistrations,
                        readiness: Readiness, admin: Sequence[Any]) -> None:
     """Register the version and label routes on ``app`` (``admin``: the dependencies of an admin route)."""
 

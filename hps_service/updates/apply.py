@@ -19,7 +19,8 @@ import numpy as np
 from confluent_kafka import KafkaError, Message
 
 from hps_service.config.base import served_name, split_served
-from hps_service.engine import LookupEngine, TableChange
+from hps_service.engine import TableChange
+from hps_service.engine.api import Engine
 from hps_service.engine.write import PreparedChange
 from hps_service.errors import InvalidArgumentError, NotFoundError
 from hps_service.updates.admin_signature import AdminMessages
@@ -68,7 +69,7 @@ class BatchApply:
     """Reads polled batches and applies them to the engine (see the module docstring); runs in the consumer
     thread."""
 
-    def __init__(self, engine: LookupEngine, metrics: FreshnessStats, admin_messages: AdminMessages,
+    def __init__(self, engine: Engine, metrics: FreshnessStats, admin_messages: AdminMessages,
                  gaps: OffsetGaps, group: str, stopping: threading.Event, on_error: Callable[[str], None]) -> None:
         """``stopping`` ends the retries of a failing apply; ``on_error`` hears every error met."""
         self.engine = engine

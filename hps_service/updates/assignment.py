@@ -17,7 +17,7 @@ from typing import Any
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.errors import FailedPreconditionError, UnavailableError
 from hps_service.updates.gaps import OffsetGaps
 from hps_service.updates.message import dlq_topic_name
@@ -44,7 +44,7 @@ class Assignment:
         shard: int,
         client_config: dict[str, Any],
         replication: Replication,
-        engine: LookupEngine,
+        engine: Engine,
         logs: BrokerLogs,
         ledger: LogLedger,
         progress: Progress,

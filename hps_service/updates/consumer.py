@@ -42,7 +42,7 @@ from confluent_kafka import (
 )
 
 from hps_service.config import UpdatesConfig
-from hps_service.engine import LookupEngine
+from hps_service.engine.api import Engine
 from hps_service.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_service.updates.admin_signature import AdminMessages
 from hps_service.updates.apply import BatchApply, ModelUnloadedError
@@ -93,7 +93,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
     def __init__(
         self,
         cfg: UpdatesConfig,
-        engine: LookupEngine,
+        engine: Engine,
         models: Sequence[str],
         group: str,
         *,

@@ -304,3 +304,17 @@ def test_text_log_lines_name_the_call() -> None:
     with serving(CallInfo("req-8")):
         assert line() == "WARNING node failed [request_id=req-8]"
     assert line() == "WARNING node failed"
+
+
+def test_the_traced_engines_spell_out_every_method_of_the_engine_protocols() -> None:
+    """A method added to ``Engine`` or ``ReadEngine`` must be traced or passed through by name in the wrappers (mypy
+    refuses to build one that lacks it); none reaches the engine through a catch-all."""
+    from hps_service.engine.api import Engine, ReadEngine
+    from hps_service.server.tracing.lookups import TracedEngine, TracedReadEngine
+
+    for protocol, wrapper in ((ReadEngine, TracedReadEngine), (Engine, TracedEngine)):
+        methods = {n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or
+                                                                                     isinstance(v, property))}
+        own = {n for cls in wrapper.__mro__ if cls.__module__ == wrapper.__module__ for n in vars(cls)}
+        assert methods and methods <= own, sorted(methods - own)
+    assert not hasattr(TracedEngine, "__getattr__")

@@ -15,8 +15,8 @@ except ImportError as exc:
     raise ConfigError(f"server.tracing.enabled needs the otel extra (pip install 'hps-service[otel]'): {exc}") from None
 
 from hps_service.server.tracing.grpc_calls import grpc_interceptors
-from hps_service.server.tracing.lookups import TracedEngine
+from hps_service.server.tracing.lookups import TracedEngine, TracedReadEngine
 from hps_service.server.tracing.provider import flush, tracer_provider
 from hps_service.server.tracing.rest_calls import traced_rest_app
 
-__all__ = ["TracedEngine", "flush", "grpc_interceptors", "traced_rest_app", "tracer_provider"]
+__all__ = ["TracedEngine", "TracedReadEngine", "flush", "grpc_interceptors", "traced_rest_app", "tracer_provider"]

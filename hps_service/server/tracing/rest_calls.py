@@ -23,7 +23,7 @@ UNTRACED = "/healthz$,/readyz$,/metrics$"
 
 def traced_rest_app(ctx: AdminContext, provider: TracerProvider) -> FastAPI:
     """The admin API over ``ctx`` with its requests traced."""
-    app = create_app(replace(ctx, engine=TracedEngine(ctx.engine, provider)))  # type: ignore[arg-type]  # passes the rest through; no engine protocol yet
+    app = create_app(replace(ctx, engine=TracedEngine(ctx.engine, provider)))
     app.add_middleware(RequestIdMiddleware)
     FastAPIInstrumentor.instrument_app(app, tracer_provider=provider, excluded_urls=UNTRACED,
                                        exclude_spans=["receive", "send"])
