@@ -45,7 +45,7 @@ def _one_batch(local: Any, model: str, table: str, keys: np.ndarray, vectors: np
         got = local.lookup_with_sources(model, table, a)
         np.testing.assert_array_equal(got.vectors, vectors[i])
         l1_share.append(float(np.mean(got.sources == 1)))
-    l1 = local._tables[(model, table, None, "")].served.cache  # the reader LocalClient runs: its bare compiled query
+    l1 = local.colocated._tables[(model, table, None, "")].served.cache  # the reader LocalClient runs: its bare compiled query
     assert l1 is not None
     client_out, gather_out, query_out = (np.empty((batch, vectors.shape[1]), np.float32) for _ in range(3))
     hit = np.empty(batch, np.bool_)

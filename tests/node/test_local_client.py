@@ -22,6 +22,7 @@ from hps_service.admin.importer import synthesize_model
 from hps_service.client import HPSClient
 from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.local import LocalClient
+from hps_service.node.colocated import ColocatedTransport
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.helpers import ServerProcess, free_port, write_config
 
@@ -117,7 +118,8 @@ def test_local_reads_answer_exactly_as_grpc_sources_included(server: tuple[Local
             seen += np.bincount(mine.sources, minlength=5)
         assert local.list_models() == remote.list_models() == {"m": {"item": DIM}}
     with HPSClient(f"local://{srv.store}") as by_target, HPSClient(srv.srv.target) as remote:
-        assert isinstance(by_target, LocalClient) and by_target.mapped  # the client package's way to a LocalClient
+        # the client package's way to colocated reads: the transport hps-service registers, picked by the target
+        assert isinstance(by_target.transport, ColocatedTransport) and by_target.transport.mapped
         np.testing.assert_array_equal(by_target.lookup("m", "item", asked[:4096]), remote.lookup("m", "item", asked[:4096]))
     assert seen[1] and seen[2] and seen[4] and not seen[3], seen.tolist()
     index = {int(k): i for i, k in enumerate(keys)}
@@ -273,12 +275,12 @@ def test_a_restart_under_a_reading_loop_raises_nothing_and_rows_stay_right(tmp_p
     reader.start()
     try:
         time.sleep(0.5)
-        old = local._view.generation if local._view is not None else None
+        old = local.colocated._view.generation if local.colocated._view is not None else None
         assert srv.stop() == 0
         srv = LocalServer(tmp_path, shm / "restart")
         srv.srv.start(timeout=120)
         deadline = time.monotonic() + 120
-        while local._view is None or local._view.generation == old:
+        while local.colocated._view is None or local.colocated._view.generation == old:
             assert time.monotonic() < deadline and reader.is_alive(), errors
             time.sleep(0.05)
         time.sleep(0.5)

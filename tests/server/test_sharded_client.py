@@ -138,7 +138,7 @@ def test_a_replica_down_at_first_use_is_used_once_it_comes_up(tmp_path: Path) ->
             with running(shard_config(tmp_path / "late", 0, grpc_port=late_port)) as late:
                 fill(late)
                 deadline = time.monotonic() + 30
-                while 2 not in client._routes.known and time.monotonic() < deadline:  # noqa: SLF001
+                while 2 not in client.transport._routes.known and time.monotonic() < deadline:  # noqa: SLF001
                     client.lookup("demo", "item", KEYS[:8])
                     time.sleep(0.1)
                 first.stop(grace=0)  # shard 0 now has only the replica that was down when the client started

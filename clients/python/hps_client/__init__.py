@@ -22,6 +22,7 @@ from hps_client.errors import (
     UnavailableError,
 )
 from hps_client.rows import StoredAnswer, StoredRows
+from hps_client.transport import AsyncTransport, Transport
 from hps_client.wire import TableAnswer, build_request, decode_answer, decode_stored, encode_keys
 
 try:
@@ -33,7 +34,7 @@ __all__ = [
     "ACCEPTING_SERVICE", "AsyncHPSClient", "CancelledError", "DeadlineExceededError", "FailedPreconditionError",
     "HPSClient", "HPSError", "HedgingPolicy", "InternalError", "InvalidArgumentError", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "StoredAnswer", "StoredRows", "TableAnswer",
-    "UnauthenticatedError", "UnavailableError", "build_request", "channel_options", "channel_target", "decode_answer",
+    "AsyncTransport", "Transport", "UnauthenticatedError", "UnavailableError", "build_request", "channel_options", "channel_target", "decode_answer",
     "decode_stored", "encode_keys", "service_config",
 ]
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from hps_client.buffers import check_out
 from hps_client.errors import HPSError, InternalError, InvalidArgumentError, error_for
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.rows import STORAGE_NAMES, StoredAnswer, StoredRows, row_words
@@ -45,14 +44,6 @@ def as_keys(keys: np.ndarray | Sequence[int]) -> np.ndarray:
         raise InvalidArgumentError(f"keys must be integers, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype="<i8")
 
-
-
-def into(out: np.ndarray | None, answer: TableAnswer) -> TableAnswer:
-    """``answer`` with its rows copied into the caller's ``out`` (when given: checked as :func:`check_out`)."""
-    if out is None:
-        return answer
-    np.copyto(check_out(out, *answer.vectors.shape), answer.vectors)
-    return TableAnswer(vectors=out, sources=answer.sources)
 
 
 def encode_keys(keys: np.ndarray | Sequence[int]) -> bytes:
