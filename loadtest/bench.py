@@ -2,7 +2,7 @@
 
 1. L1 hit lookup in process vs a raw NumPy gather (loadtest.bench_cache), batch 256..16384; target >= 0.5.
 2. Served over gRPC from other processes (batch 1024, dim 64, zipf(1.05), hot set cached after a warm-up):
-   vs the transport floor (loadtest.floor_server, same proto and payload, same calls in flight), targets (issue 29)
+   vs the transport floor (loadtest.harness.floor_server, same proto and payload, same calls in flight), targets (issue 29)
    >= 0.7x keys/s and <= 2x server CPU per call; vs a plain Redis Cluster client (hash-tagged MGET per master, all
    sent before reading), target >= 1.2x keys/s (issue 29; issue 2's 0.8x and 3.5x before).
 3. L3 miss path (no L1, no volatile tier) vs raw rocksdict multi-get of the same keys on the same store; >= 0.67x.
@@ -57,13 +57,13 @@ from hps_service.runtime.processes import process_tree
 from hps_service.serve.process import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.bench_curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
-from loadtest.bench_report import curves_table, ratio_table
-from loadtest.embedded import EmbeddedServer
-from loadtest.floor_server import FloorServer
-from loadtest.loadgen import RESULTS, LoadSpec, run_load
-from loadtest.redis_baseline import loaded_cluster
-from loadtest.report import machine, write_json
-from loadtest.workload import KeySampler, load_keys
+from loadtest.harness.embedded import EmbeddedServer
+from loadtest.harness.floor_server import FloorServer
+from loadtest.harness.loadgen import RESULTS, LoadSpec, run_load
+from loadtest.harness.redis_baseline import loaded_cluster
+from loadtest.harness.report import machine, write_json
+from loadtest.harness.summary import curves_table, ratio_table
+from loadtest.harness.workload import KeySampler, load_keys
 
 MODEL, TABLE, DIM = "demo", "item", 64
 

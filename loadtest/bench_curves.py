@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from rich.console import Console
 
-from loadtest.embedded import EmbeddedServer
-from loadtest.loadgen import LoadSpec, run_load
+from loadtest.harness.embedded import EmbeddedServer
+from loadtest.harness.loadgen import LoadSpec, run_load
 
 if TYPE_CHECKING:
     from loadtest.bench import Plan

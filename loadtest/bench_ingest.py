@@ -36,9 +36,9 @@ import numpy as np
 
 from hps_service.runtime.processes import process_tree
 from hps_service.updates import Publisher
-from loadtest.embedded import EmbeddedServer
-from loadtest.loadgen import RESULTS, LoadSpec, process_cpu_s, run_load
-from loadtest.workload import load_keys
+from loadtest.harness.embedded import EmbeddedServer
+from loadtest.harness.loadgen import RESULTS, LoadSpec, process_cpu_s, run_load
+from loadtest.harness.workload import load_keys
 
 MODEL, TABLE, DIM = "demo", "item", 64
 PREFIX = "bench"

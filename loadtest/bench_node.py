@@ -4,7 +4,7 @@
     same multi-process gRPC client (``--clients`` processes, 4 connections each, so SO_REUSEPORT spreads them over
     the workers):
     a. server CPU per call (every process of the server: owner, fork server, workers) and keys/s, against the
-       thread-pool floor (``loadtest.floor_server``: the same proto and payload, no work) run with as many
+       thread-pool floor (``loadtest.harness.floor_server``: the same proto and payload, no work) run with as many
        processes as the server has workers; targets (issue 29) <= 1.25x the CPU, >= 0.85x the keys/s;
     b. keys/s with each worker count of ``--workers`` under that load, and against a Redis Cluster with as many
        masters as workers (hash-tagged MGET per master); target >= 1.2x;
@@ -44,11 +44,11 @@ from rich.table import Table
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree, pss_bytes
 from loadtest import bench_local_sizes, bench_streams
-from loadtest.embedded import EmbeddedServer, start_node
-from loadtest.floor_server import FloorServer
-from loadtest.loadgen import LoadSpec, run_load
-from loadtest.redis_baseline import loaded_cluster
-from loadtest.report import write_json
+from loadtest.harness.embedded import EmbeddedServer, start_node
+from loadtest.harness.floor_server import FloorServer
+from loadtest.harness.loadgen import LoadSpec, run_load
+from loadtest.harness.redis_baseline import loaded_cluster
+from loadtest.harness.report import write_json
 
 MODEL, TABLE, DIM, BATCH = "demo", "item", 64, 1024
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -124,7 +124,7 @@ def bench_local(server: EmbeddedServer, store: Path, redis_seed: str | None, p: 
         np.testing.assert_array_equal(remote.lookup(MODEL, TABLE, b), vectors[i])
     redis_driver = None
     if redis_seed is not None:
-        from loadtest.redis_baseline import RedisMgetDriver, cluster_layout
+        from loadtest.harness.redis_baseline import RedisMgetDriver, cluster_layout
 
         redis_driver = RedisMgetDriver(cluster_layout(redis_seed), np.stack(batches), DIM)
 

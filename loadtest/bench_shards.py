@@ -32,8 +32,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.embedded import EmbeddedServer, synth_model
-from loadtest.loadgen import process_cpu_s
+from loadtest.harness.embedded import EmbeddedServer, synth_model
+from loadtest.harness.loadgen import process_cpu_s
 
 MODEL, TABLE, DIM = "demo", "item", 64
 REPO = Path(__file__).resolve().parents[1]

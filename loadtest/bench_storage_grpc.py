@@ -28,8 +28,8 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.rows import STORAGES
 from hps_service.runtime.processes import process_tree
-from loadtest.embedded import EmbeddedServer, start_node
-from loadtest.loadgen import process_cpu_s
+from loadtest.harness.embedded import EmbeddedServer, start_node
+from loadtest.harness.loadgen import process_cpu_s
 
 BATCH, DIM = 1024, 64
 #: The least keys/s and the most server CPU per call, against fp32's, of a table answered as float32.

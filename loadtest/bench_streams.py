@@ -25,8 +25,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.embedded import EmbeddedServer, start_node
-from loadtest.loadgen import LoadSpec, run_load
+from loadtest.harness.embedded import EmbeddedServer, start_node
+from loadtest.harness.loadgen import LoadSpec, run_load
 
 #: The ratio of unary p99 with the idle streams open to the p99 without them that the issue asks for, at most.
 TARGET = 1.2

@@ -1,5 +1,5 @@
 """The client's share of a Lookup: ``HPSClient`` against bare stub calls with the same request, all against the
-transport floor (``loadtest.floor_server``, one fixed answer), so that the server's cost is the same for every
+transport floor (``loadtest.harness.floor_server``, one fixed answer), so that the server's cost is the same for every
 contender and the difference is the client's. Interleaved rounds; the median of each contender's process CPU per
 call (this process: Python and gRPC's own threads) and its wall time.
 
@@ -27,7 +27,7 @@ from hps_client.channel import channel_options
 from hps_client.stub import LOOKUP
 from hps_client.wire import build_request
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from loadtest.floor_server import FloorServer
+from loadtest.harness.floor_server import FloorServer
 
 MODEL, TABLE = "demo", "item"
 #: The contender the others are measured against: the generated stub, protobuf both ways.

@@ -2,8 +2,8 @@
 pre-serialised LookupResponse of the size ours sends (same proto, same rows and sources bytes), so any gap
 between it and hps-service is the cost of our server beyond moving the bytes.
 
-    python -m loadtest.floor_server --port 9500 --batch 1024 --dim 64 --table item --mode aio
-    python -m loadtest.floor_server --port 9500 --mode sync --processes 2    # as many processes as a node's workers
+    python -m loadtest.harness.floor_server --port 9500 --batch 1024 --dim 64 --table item --mode aio
+    python -m loadtest.harness.floor_server --port 9500 --mode sync --processes 2    # as many processes as a node's workers
 
 With ``--processes N`` it forks N servers (before any gRPC state exists) that share the port with SO_REUSEPORT, as
 ``hps serve``'s worker processes do, so a node is compared with a floor of as many processes. ``FloorServer`` runs
@@ -29,7 +29,7 @@ import numpy as np
 
 from hps_service.engine import Source
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
-from loadtest.drivers import LOOKUP_METHOD
+from loadtest.harness.drivers import LOOKUP_METHOD
 
 _OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)]
 _SHARED_PORT = [*_OPTIONS[:2], ("grpc.so_reuseport", 1)]
@@ -90,7 +90,7 @@ def serve_sync(port: int, payload: bytes, workers: int, shared: bool = False) ->
 
 
 class FloorServer:
-    """loadtest.floor_server as a subprocess (a context manager: entered once it answers)."""
+    """loadtest.harness.floor_server as a subprocess (a context manager: entered once it answers)."""
 
     def __init__(self, mode: str, batch: int, workdir: Path, processes: int = 1, threads: int | None = None,
                  *, model: str = "demo", table: str = "item", dim: int = 64) -> None:
@@ -101,9 +101,9 @@ class FloorServer:
         extra = ["--processes", str(processes)] + (["--workers", str(threads)] if threads else [])
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "loadtest.floor_server", "--port", str(self.port), "--mode", mode,
+                [sys.executable, "-m", "loadtest.harness.floor_server", "--port", str(self.port), "--mode", mode,
                  "--batch", str(batch), "--dim", str(dim), "--table", table, "--model", model, *extra],
-                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[1],
+                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2],
             )
 
     @property

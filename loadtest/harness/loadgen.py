@@ -1,8 +1,8 @@
 """Load generator for hps-service: asyncio gRPC (grpc.aio) over several worker processes.
 
-    python -m loadtest.loadgen --target 127.0.0.1:8500 --http 127.0.0.1:8000 --model demo --table item \\
+    python -m loadtest.harness.loadgen --target 127.0.0.1:8500 --http 127.0.0.1:8000 --model demo --table item \\
         --keys var/demo/demo.npz --batch 1024 --concurrency 8 --duration 10
-    python -m loadtest.loadgen --embedded --sweep 200,400,800      # starts the embedded default itself
+    python -m loadtest.harness.loadgen --embedded --sweep 200,400,800      # starts the embedded default itself
 
 Closed loop keeps N calls in flight; open loop sends at a target rate and times each call from its intended
 send time (no coordinated omission). Keys are zipf(alpha) or uniform over the table's key set. Reports QPS,
@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 
 from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
-from loadtest.report import (
+from loadtest.harness.report import (
     merge,
     plot_hit_rate,
     plot_latency_vs_load,
@@ -35,11 +35,11 @@ from loadtest.report import (
     summarize,
     write_json,
 )
-from loadtest.runner import Backend, Mode, WorkerSpec, worker_main
-from loadtest.server_stats import StatsPoller
-from loadtest.workload import Distribution
+from loadtest.harness.runner import Backend, Mode, WorkerSpec, worker_main
+from loadtest.harness.server_stats import StatsPoller
+from loadtest.harness.workload import Distribution
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 #: Seconds a worker may take to load keys, draw its pool and connect.
 READY_TIMEOUT_S = 180.0
 
@@ -195,7 +195,7 @@ def save(report: dict[str, Any], sweep: list[dict[str, Any]], out_dir: Path, nam
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.loadgen", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loadtest.harness.loadgen", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     where = p.add_argument_group("server")
     where.add_argument("--target", help="gRPC host:port")
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     scratch = None
     try:
         if args.embedded:
-            from loadtest.embedded import EmbeddedServer
+            from loadtest.harness.embedded import EmbeddedServer
 
             scratch = tempfile.TemporaryDirectory(prefix="hps-loadtest-")
             console.print(f"starting the embedded default server with a generated {args.rows} x {args.dim} table")

@@ -21,7 +21,7 @@ import redis.connection
 from redis.crc import key_slot
 
 from hps_service.errors import InvalidArgumentError
-from loadtest.drivers import BAD_RESPONSE, CLIENT_ERROR, CallResult
+from loadtest.harness.drivers import BAD_RESPONSE, CLIENT_ERROR, CallResult
 
 if TYPE_CHECKING:
     from rich.console import Console

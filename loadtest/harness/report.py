@@ -14,7 +14,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.drivers import STATUS_NAMES
+from loadtest.harness.drivers import STATUS_NAMES
 
 PERCENTILES = {"p50": 50.0, "p95": 95.0, "p99": 99.0, "p99.9": 99.9}
 

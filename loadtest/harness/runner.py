@@ -18,8 +18,8 @@ from typing import Any, Literal
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
-from loadtest.drivers import CLIENT_ERROR, Driver, GrpcLookupDriver
-from loadtest.workload import Distribution, KeySampler, load_keys, pool_size
+from loadtest.harness.drivers import CLIENT_ERROR, Driver, GrpcLookupDriver
+from loadtest.harness.workload import Distribution, KeySampler, load_keys, pool_size
 
 Mode = Literal["closed", "open"]
 Backend = Literal["grpc", "redis"]
@@ -101,7 +101,7 @@ def make_driver(spec: WorkerSpec) -> Driver:
     if spec.backend == "grpc":
         return GrpcLookupDriver(spec.target, spec.model, list(spec.tables), pool, spec.timeout_s, spec.channels)
     if spec.backend == "redis":
-        from loadtest.redis_baseline import RedisMgetDriver, cluster_layout, validate_single_table
+        from loadtest.harness.redis_baseline import RedisMgetDriver, cluster_layout, validate_single_table
 
         validate_single_table(list(spec.tables))
         return RedisMgetDriver(cluster_layout(spec.target), pool, spec.dim, spec.timeout_s)

@@ -8,7 +8,7 @@ from rich.console import Console
 
 from hps_service.engine import convert as convert_module
 from loadtest import bench_convert
-from loadtest.bench_report import ratio_table
+from loadtest.harness.summary import ratio_table
 
 
 def test_the_conversion_bench_reports_every_phase(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from loadtest import bench_versions
-from loadtest.bench_report import ratio_table
+from loadtest.harness.summary import ratio_table
 
 
 def test_the_versions_bench_measures_a_switch_on_every_replica_and_the_memory_a_drop_frees() -> None:
