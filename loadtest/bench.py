@@ -1,6 +1,6 @@
 """The benchmark suite (``make bench``): every ratio measured side by side in one run on this machine.
 
-1. L1 hit lookup in process vs a raw NumPy gather (loadtest.bench_cache), batch 256..16384; target >= 0.5.
+1. L1 hit lookup in process vs a raw NumPy gather (loadtest.benchmarks.cache), batch 256..16384; target >= 0.5.
 2. Served over gRPC from other processes (batch 1024, dim 64, zipf(1.05), hot set cached after a warm-up):
    vs the transport floor (loadtest.harness.floor_server, same proto and payload, same calls in flight), targets (issue 29)
    >= 0.7x keys/s and <= 2x server CPU per call; vs a plain Redis Cluster client (hash-tagged MGET per master, all
@@ -8,23 +8,23 @@
 3. L3 miss path (no L1, no volatile tier) vs raw rocksdict multi-get of the same keys on the same store; >= 0.67x.
 4. Bytes per row held by the in-process tiers (hash map, L1 arrays) over the raw row bytes; target <= 1.3x.
 5. Cost curves over gRPC: keys/s and p99 vs batch size, table size and cache fraction (PNG).
-6. Freshness under load: loadtest.bench_updates run beside the lookup numbers (reported as not run if it fails).
-7. Lookups under sustained ingest (loadtest.bench_ingest): gRPC keys/s with vs without 10,000 rows/s of Kafka
+6. Freshness under load: loadtest.benchmarks.updates run beside the lookup numbers (reported as not run if it fails).
+7. Lookups under sustained ingest (loadtest.benchmarks.ingest): gRPC keys/s with vs without 10,000 rows/s of Kafka
    updates applied meanwhile, interleaved rounds; target >= 0.8x. With --profile also who holds the GIL meanwhile.
-8. Sharding (loadtest.bench_shards): fan-out keys/s and p99 through the client against 1, 2 and 4 shards beside an
+8. Sharding (loadtest.benchmarks.shards): fan-out keys/s and p99 through the client against 1, 2 and 4 shards beside an
    unsharded server (batch 1024 and 4096), and the import of a 1M-row table into 2 shards vs 1.
 9. Replicas: bootstrap of a table from a snapshot in S3 vs ``hps import`` of the same rows (target <= 1.5x), and the
-   catch-up of a replica behind rows on the topic (loadtest.bench_bootstrap).
-10-11. A node (loadtest.bench_node): server CPU per all-hit call and keys/s vs the floor with as many processes
+   catch-up of a replica behind rows on the topic (loadtest.benchmarks.bootstrap).
+10-11. A node (loadtest.benchmarks.node): server CPU per all-hit call and keys/s vs the floor with as many processes
    (<= 1.25x, >= 0.85x), workers 1 vs the CPUs and vs a Redis Cluster of as many masters (>= 1.2x), PSS per worker
    count; colocated reads: LocalClient vs gRPC (>= 10x) vs the raw gather (>= 0.3x).
-12. Tracing (loadtest.bench_tracing): server CPU per all-hit call with server.tracing off vs the base commit's code
+12. Tracing (loadtest.benchmarks.tracing): server CPU per all-hit call with server.tracing off vs the base commit's code
    (no cost when off), and on (unsampled, every call sampled) vs off.
-13. Quantised rows (loadtest.bench_storage, bench_storage_grpc, bench_storage_cliff): memory and disk per row of
+13. Quantised rows (loadtest.benchmarks.storage, storage_grpc, storage_cliff): memory and disk per row of
    fp16 / bf16 / int8 vs fp32 (<= 0.55x / 0.35x), gRPC keys/s and server CPU (>= 0.95x), wire bytes with
    precision=stored, and the table-size cliff of one hash-map budget (int8 >= 2.9x fp32's); 13d: a served table
-   converted to int8 (loadtest.bench_convert): copy rate, and lookups before, during and after; 13e: model
-   versions (loadtest.bench_versions): a label switch across 3 replicas, and the memory a dropped version frees.
+   converted to int8 (loadtest.benchmarks.convert): copy rate, and lookups before, during and after; 13e: model
+   versions (loadtest.benchmarks.versions): a label switch across 3 replicas, and the memory a dropped version frees.
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -56,7 +56,7 @@ from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree
 from hps_service.serve.process import build_engine
 from hps_service.tiers.base import table_id
-from loadtest.bench_curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
+from loadtest.benchmarks.curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
 from loadtest.harness.embedded import EmbeddedServer
 from loadtest.harness.floor_server import FloorServer
 from loadtest.harness.loadgen import RESULTS, LoadSpec, run_load
@@ -104,10 +104,10 @@ def plan(quick: bool, table_sizes: str | None) -> Plan:
 
 # ---------------------------------------------------------------------------------------------- 1. L1
 def bench_l1(p: Plan, console: Console) -> dict[str, Any]:
-    """bench_cache's interleaved medians; ratio = gather time / our time (speed relative to the gather)."""
-    from loadtest import bench_cache
+    """loadtest.benchmarks.cache's interleaved medians; ratio = gather time / our time (speed relative to the gather)."""
+    from loadtest.benchmarks import cache
 
-    results = bench_cache.run(rows=1 << 17, dim=DIM, ways=32, batches=list(p.batches), repeats=p.l1_repeats,
+    results = cache.run(rows=1 << 17, dim=DIM, ways=32, batches=list(p.batches), repeats=p.l1_repeats,
                               budget_s=p.l1_budget_s)
     rows = [{"batch": r["batch"], "gather_us": r["gather"] * 1e6, "query_us": r["query"] * 1e6,
              "lookup_us": r["TableCache.lookup"] * 1e6, "ratio_query": r["gather"] / r["query"],
@@ -291,15 +291,15 @@ def bench_memory(p: Plan) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- 6. freshness
 def bench_freshness(p: Plan, console: Console) -> dict[str, Any]:
-    """loadtest.bench_updates (owned by the updates work) as a subprocess; its printed freshness lines parsed."""
-    cmd = [sys.executable, "-m", "loadtest.bench_updates", "--rows", "50000", "--samples", str(p.freshness_samples)]
+    """loadtest.benchmarks.updates (owned by the updates work) as a subprocess; its printed freshness lines parsed."""
+    cmd = [sys.executable, "-m", "loadtest.benchmarks.updates", "--rows", "50000", "--samples", str(p.freshness_samples)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
                               cwd=Path(__file__).resolve().parents[1])
     except subprocess.TimeoutExpired:
-        return {"run": False, "reason": "bench_updates did not finish within 300 s"}
+        return {"run": False, "reason": "loadtest.benchmarks.updates did not finish within 300 s"}
     if proc.returncode != 0:
-        return {"run": False, "reason": f"bench_updates exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+        return {"run": False, "reason": f"loadtest.benchmarks.updates exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
     text = proc.stdout
     match = re.search(r"served by engine\.lookup p50 ([\d.]+) ms, p99 ([\d.]+) ms", text)
     lookups = re.search(r"lookups ([\d,]+) keys/s meanwhile", text)
@@ -311,8 +311,8 @@ def bench_freshness(p: Plan, console: Console) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------- 7. ingest
 def bench_ingest(p: Plan, workdir: Path, console: Console, profile: bool) -> dict[str, Any]:
-    """loadtest.bench_ingest on a table of the plan's rows: lookups with and without 10k rows/s of updates."""
-    from loadtest import bench_ingest as ingest
+    """loadtest.benchmarks.ingest on a table of the plan's rows: lookups with and without 10k rows/s of updates."""
+    from loadtest.benchmarks import ingest
 
     result = ingest.run(rows=p.rows, rate=10_000, rounds=p.rounds + 1, measure_s=p.measure_s, workers=p.workers,
                         concurrency=p.concurrency, profile=profile, persistent={}, workdir=workdir / "ingest",
@@ -323,16 +323,16 @@ def bench_ingest(p: Plan, workdir: Path, console: Console, profile: bool) -> dic
 
 # ---------------------------------------------------------------------------------------------- 9. replicas
 def bench_replicas(quick: bool) -> dict[str, Any]:
-    """loadtest.bench_bootstrap as a subprocess (its own S3 server and broker); its printed lines parsed."""
+    """loadtest.benchmarks.bootstrap as a subprocess (its own S3 server and broker); its printed lines parsed."""
     rows, catch_up = (200_000, 50_000) if quick else (1_000_000, 200_000)
-    cmd = [sys.executable, "-m", "loadtest.bench_bootstrap", "--rows", str(rows), "--catch-up-rows", str(catch_up)]
+    cmd = [sys.executable, "-m", "loadtest.benchmarks.bootstrap", "--rows", str(rows), "--catch-up-rows", str(catch_up)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
                               cwd=Path(__file__).resolve().parents[1])
     except subprocess.TimeoutExpired:
-        return {"run": False, "reason": "bench_bootstrap did not finish within 900 s"}
+        return {"run": False, "reason": "loadtest.benchmarks.bootstrap did not finish within 900 s"}
     if proc.returncode != 0:
-        return {"run": False, "reason": f"bench_bootstrap exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+        return {"run": False, "reason": f"loadtest.benchmarks.bootstrap exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
     text = proc.stdout
     boot = re.search(r"snapshot \(([\d.]+) MiB .*?: ([\d.]+) s; hps import of the same rows: ([\d.]+) s", text)
     up = re.search(r"rows on the topic: ([\d.]+) s \(([\d,]+) rows/s\)", text)
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="hps-bench-"))
     try:
         if "l1" not in skip:
-            console.rule("1. L1 hit path vs raw NumPy gather (loadtest.bench_cache)")
+            console.rule("1. L1 hit path vs raw NumPy gather (loadtest.benchmarks.cache)")
             res["l1"] = bench_l1(p, console)
         base = EmbeddedServer(workdir / "base", rows=p.rows, table_dim=DIM,
                               overrides={"cache": {"capacity": args.cache_fraction}})
@@ -400,48 +400,48 @@ def main(argv: list[str] | None = None) -> int:
             curves["table_sizes"] = curve_table_sizes(p, workdir, at_1024 or {}, console) if at_1024 else []
             res["curves_png"] = str(plot_curves(curves, args.out / "bench-cost-curves.png"))
         if "freshness" not in skip:
-            console.rule("6. freshness under load (loadtest.bench_updates)")
+            console.rule("6. freshness under load (loadtest.benchmarks.updates)")
             res["freshness"] = bench_freshness(p, console)
         if "ingest" not in skip:
-            console.rule("7. lookups under sustained ingest (loadtest.bench_ingest)")
+            console.rule("7. lookups under sustained ingest (loadtest.benchmarks.ingest)")
             res["ingest"] = bench_ingest(p, workdir, console, args.profile)
         if "shards" not in skip:
-            from loadtest import bench_shards
+            from loadtest.benchmarks import shards
 
-            res["shards"] = bench_shards.run(args.quick, console)
+            res["shards"] = shards.run(args.quick, console)
         if "replicas" not in skip:
-            console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up (loadtest.bench_bootstrap)")
+            console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up (loadtest.benchmarks.bootstrap)")
             res["replicas"] = bench_replicas(args.quick)
         if "node" not in skip:
-            from loadtest import bench_node
+            from loadtest.benchmarks import node
 
-            console.rule("10-11. a node's worker processes, colocated reads (loadtest.bench_node)")
-            node_plan = bench_node.plan(args.quick, None, None, None)
-            res["node"] = {"plan": asdict(node_plan), **bench_node.bench_nodes(node_plan, workdir, console)}
+            console.rule("10-11. a node's worker processes, colocated reads (loadtest.benchmarks.node)")
+            node_plan = node.plan(args.quick, None, None, None)
+            res["node"] = {"plan": asdict(node_plan), **node.bench_nodes(node_plan, workdir, console)}
         if "tracing" not in skip:
-            from loadtest import bench_tracing
+            from loadtest.benchmarks import tracing
 
-            console.rule("12. tracing off vs the base commit, and on (loadtest.bench_tracing)")
-            res["tracing"] = bench_tracing.run(args.quick, console)
+            console.rule("12. tracing off vs the base commit, and on (loadtest.benchmarks.tracing)")
+            res["tracing"] = tracing.run(args.quick, console)
         if "storage" not in skip:
-            from loadtest import bench_storage, bench_storage_cliff, bench_storage_grpc
+            from loadtest.benchmarks import storage, storage_cliff, storage_grpc
 
-            console.rule("13. quantised rows: memory, disk and lookup speed per format (loadtest.bench_storage)")
-            res["storage"] = bench_storage.run(200_000 if args.quick else 1_000_000, 64, console)
-            console.rule("13b. quantised rows over gRPC: keys/s, server CPU and wire bytes (loadtest.bench_storage_grpc)")
-            res["storage_grpc"] = bench_storage_grpc.run(100_000 if args.quick else 1_000_000, console)
-            console.rule("13c. quantised rows: the table-size cliff of one hash-map budget (loadtest.bench_storage_cliff)")
-            res["storage_cliff"] = {dim: bench_storage_cliff.run(8 if args.quick else 64, dim, console)
+            console.rule("13. quantised rows: memory, disk and lookup speed per format (loadtest.benchmarks.storage)")
+            res["storage"] = storage.run(200_000 if args.quick else 1_000_000, 64, console)
+            console.rule("13b. quantised rows over gRPC: keys/s, server CPU and wire bytes (loadtest.benchmarks.storage_grpc)")
+            res["storage_grpc"] = storage_grpc.run(100_000 if args.quick else 1_000_000, console)
+            console.rule("13c. quantised rows: the table-size cliff of one hash-map budget (loadtest.benchmarks.storage_cliff)")
+            res["storage_cliff"] = {dim: storage_cliff.run(8 if args.quick else 64, dim, console)
                                     for dim in (64, 128)}
-            from loadtest import bench_convert
+            from loadtest.benchmarks import convert
 
-            console.rule("13d. a served table converted to int8: copy rate, lookups meanwhile (loadtest.bench_convert)")
-            res["storage_convert"] = bench_convert.run(200_000 if args.quick else 1_000_000, 64, console)
-            from loadtest import bench_versions
+            console.rule("13d. a served table converted to int8: copy rate, lookups meanwhile (loadtest.benchmarks.convert)")
+            res["storage_convert"] = convert.run(200_000 if args.quick else 1_000_000, 64, console)
+            from loadtest.benchmarks import versions
 
             console.rule("13e. model versions: a label switch across 3 replicas, memory a dropped version frees "
-                         "(loadtest.bench_versions)")
-            res["versions"] = bench_versions.run(200_000 if args.quick else 1_000_000, 64, 4 if args.quick else 10,
+                         "(loadtest.benchmarks.versions)")
+            res["versions"] = versions.run(200_000 if args.quick else 1_000_000, 64, 4 if args.quick else 10,
                                                  console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -452,17 +452,17 @@ def main(argv: list[str] | None = None) -> int:
     if res.get("curves"):
         console.print(curves_table(res["curves"]))
     if res.get("shards"):
-        from loadtest import bench_shards
+        from loadtest.benchmarks import shards
 
-        console.print(bench_shards.table(res["shards"]))
+        console.print(shards.table(res["shards"]))
     if res.get("node"):
-        from loadtest import bench_node
+        from loadtest.benchmarks import node
 
-        console.print(bench_node.table(res["node"]))
+        console.print(node.table(res["node"]))
     if res.get("tracing"):
-        from loadtest import bench_tracing
+        from loadtest.benchmarks import tracing
 
-        console.print(bench_tracing.table(res["tracing"]))
+        console.print(tracing.table(res["tracing"]))
     prof = (res.get("grpc") or {}).get("profile")
     if prof and "by_category" in prof:
         console.print(f"server under gRPC load (py-spy --gil): GIL held {prof['gil_busy']:.0%} of the time; by part: " + ", ".join(

@@ -7,7 +7,7 @@ update log, in one run on this machine.
 2. Catch-up: rows published to a tansu topic, then a consumer over an empty engine started and timed until it says
    caught up (every partition applied up to the end offsets it saw at assignment); rows/s.
 
-Run: ``python -m loadtest.bench_bootstrap [--rows 1000000] [--dim 64] [--catch-up-rows 200000]``.
+Run: ``python -m loadtest.benchmarks.bootstrap [--rows 1000000] [--dim 64] [--catch-up-rows 200000]``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def bench_catch_up(rows: int, dim: int, work: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_bootstrap", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.bootstrap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=64)

@@ -1,6 +1,6 @@
 """L1 cache hit path vs a raw NumPy gather of the same rows, side by side in one run.
 
-``python -m loadtest.bench_cache``: for each batch size, times (interleaved, median of repeats)
+``python -m loadtest.benchmarks.cache``: for each batch size, times (interleaved, median of repeats)
 ``np.take(table, idx, axis=0, out=buf, mode="clip")`` from a preallocated array, the probe the cache used
 before slot tags (every key of the set compared; kept here to measure the tags against it in one run), the
 cache's compiled query (tag bytes scanned, a key compared only on a tag match), the same query behind a plain

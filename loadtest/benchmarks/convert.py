@@ -2,7 +2,7 @@
 before, during the copy and after the switch, side by side in one run. One engine (RocksDB and a hash map big enough
 to hold the table) in this process, one thread looking up 1,024 random keys in a loop.
 
-    python -m loadtest.bench_convert [--rows 1000000] [--dim 64]
+    python -m loadtest.benchmarks.convert [--rows 1000000] [--dim 64]
 """
 
 from __future__ import annotations

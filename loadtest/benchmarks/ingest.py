@@ -1,9 +1,9 @@
 """Lookups under sustained ingest: keys/s served over gRPC with and without a concurrent ingest of 10,000 rows/s of
 Kafka updates, in one run (rounds interleaved), and where the ingest's cost goes.
 
-    python -m loadtest.bench_ingest                       # ~2 min (part of make bench)
-    python -m loadtest.bench_ingest --rows 1000000 --rounds 3 --profile
-    python -m loadtest.bench_ingest --persistent '{"compaction_threads": 1}'     # a RocksDB setting to compare
+    python -m loadtest.benchmarks.ingest                       # ~2 min (part of make bench)
+    python -m loadtest.benchmarks.ingest --rows 1000000 --rounds 3 --profile
+    python -m loadtest.benchmarks.ingest --persistent '{"compaction_threads": 1}'     # a RocksDB setting to compare
 
 ``hps serve`` runs the embedded default (L1 = 20% of the table, the hash map holds every row, RocksDB) with Kafka
 updates from a local tansu broker; the load generator's worker processes keep 8 calls of 1024 zipf(1.05) keys in
@@ -128,7 +128,7 @@ def _rocksdb_lines() -> dict[tuple[str, int], str]:
     """(module, line) of RocksDBTier.put's steps, to name the innermost frames py-spy reports inside it."""
     names = {}
     for module in _ROCKSDB_FILES:
-        source = (Path(__file__).resolve().parents[1] / "hps_service" / "tiers" / module).read_text().splitlines()
+        source = (Path(__file__).resolve().parents[2] / "hps_service" / "tiers" / module).read_text().splitlines()
         for i, line in enumerate(source, start=1):
             if "_stored_states(cf, encoded" in line or "return decode_states(" in line:
                 names[(module, i)] = "RocksDB: read the stored versions (multi-get)"
@@ -315,7 +315,7 @@ def _profile(spec: LoadSpec, ingest: Ingest, pid: int, workdir: Path, say) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_ingest", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.ingest", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=200_000, help="rows of the served table")
     ap.add_argument("--rate", type=int, default=10_000, help="ingested rows per second in the ingest phases")

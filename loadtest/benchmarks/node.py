@@ -9,15 +9,15 @@
     b. keys/s with each worker count of ``--workers`` under that load, and against a Redis Cluster with as many
        masters as workers (hash-tagged MGET per master); target >= 1.2x;
     c. the server's PSS (/proc/PID/smaps_rollup, all its processes) for each worker count;
-    d. unary p99 of that load with 2x``workers`` idle streams open vs none (``loadtest.bench_streams``); target
+    d. unary p99 of that load with 2x``workers`` idle streams open vs none (``loadtest.benchmarks.streams``); target
        <= 1.2x.
 11. One caller, batches of 1024 L1 hits: ``LocalClient`` (the store mapped read-only) vs ``HPSClient`` over gRPC vs
     a plain Redis Cluster client vs the raw NumPy gather of the same rows from a preallocated array; targets
     >= 10x gRPC, >= 0.3x the gather; 11e. ``LocalClient(out=)`` vs the gather at batches 256..16384, beside its
-    bare L1 query (``loadtest.bench_local_sizes``); target >= 0.5x at each.
+    bare L1 query (``loadtest.benchmarks.local_sizes``); target >= 0.5x at each.
 
-    python -m loadtest.bench_node --quick                    # ~5 minutes on 2 cores
-    python -m loadtest.bench_node --workers 1,2,4,8,16 --clients 16 --rows 5000000    # a 16-core machine
+    python -m loadtest.benchmarks.node --quick                    # ~5 minutes on 2 cores
+    python -m loadtest.benchmarks.node --workers 1,2,4,8,16 --clients 16 --rows 5000000    # a 16-core machine
 
 On a 16-core (GPU) machine the second line measures every worker count in one run, with 16 load processes (64
 connections) so that the clients are not the limit; L1 stays in host memory there too (workers share it through
@@ -43,7 +43,7 @@ from rich.table import Table
 
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree, pss_bytes
-from loadtest import bench_local_sizes, bench_streams
+from loadtest.benchmarks import local_sizes, streams
 from loadtest.harness.embedded import EmbeddedServer, start_node
 from loadtest.harness.floor_server import FloorServer
 from loadtest.harness.loadgen import LoadSpec, run_load
@@ -51,7 +51,7 @@ from loadtest.harness.redis_baseline import loaded_cluster
 from loadtest.harness.report import write_json
 
 MODEL, TABLE, DIM, BATCH = "demo", "item", 64, 1024
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ def bench_local(server: EmbeddedServer, store: Path, redis_seed: str | None, p: 
             loop.run_until_complete(redis_driver.rows(j))
 
         contenders["redis"] = redis_call
-    us = bench_local_sizes.interleaved_us(contenders, 3 * p.local_s)
+    us = local_sizes.interleaved_us(contenders, 3 * p.local_s)
     if redis_driver is not None:
         loop.run_until_complete(redis_driver.close())
     loop.close()
@@ -200,12 +200,12 @@ def bench_nodes(p: NodePlan, workdir: Path, console: Console) -> dict[str, Any]:
                                 replace(spec, backend="redis", target=redis_seed, http_target=None, channels=1),
                                 redis_pids)))
                     console.print(f"  workers {w}: unary p99 without and with {2 * w} idle streams open")
-                    entry["idle_streams"] = bench_streams.measure(spec, 2 * w, p.rounds)
+                    entry["idle_streams"] = streams.measure(spec, 2 * w, p.rounds)
                     if w == widest:
                         console.print("  11. colocated reads: LocalClient, gRPC, Redis, raw gather")
                         out["local"] = bench_local(server, store, redis_seed, p)
                         console.print("  11e. LocalClient vs the raw gather at batches 256..16384")
-                        out["local_sizes"] = bench_local_sizes.measure(store, server.keys_file, MODEL, TABLE,
+                        out["local_sizes"] = local_sizes.measure(store, server.keys_file, MODEL, TABLE,
                                                                        4 * p.local_s)
                 finally:
                     redis.__exit__(None, None, None)
@@ -256,7 +256,7 @@ def table(res: dict[str, Any]) -> Table:
         row(f"10c. server PSS, workers {w} ({e['processes']} processes)", f"{e['pss_bytes'] / 2**20:.0f} MiB", "",
             e["pss_vs_first"], "<= 1.15 (2 vs 1)", None if w == 1 else e["pss_vs_first"] <= 1.15)
         if e.get("idle_streams"):
-            row(*bench_streams.report_row(w, e["idle_streams"]))
+            row(*streams.report_row(w, e["idle_streams"]))
     loc = res.get("local")
     if loc:
         r, us = loc["keys_per_s"], loc["us_per_call"]
@@ -279,7 +279,7 @@ def table(res: dict[str, Any]) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_node", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.node", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="200k rows, shorter runs")
     ap.add_argument("--rows", type=int, help="rows of the table (all of them in L1)")

@@ -7,8 +7,8 @@
 2. Import of a 1M-row table: `hps import` unsharded vs into each of 2 shards (each reads the whole file and keeps its
    half), one after the other and both at once (as two pods would).
 
-    python -m loadtest.bench_shards            # ~3 min on 2 cores
-    python -m loadtest.bench_shards --quick
+    python -m loadtest.benchmarks.shards            # ~3 min on 2 cores
+    python -m loadtest.benchmarks.shards --quick
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from loadtest.harness.embedded import EmbeddedServer, synth_model
 from loadtest.harness.loadgen import process_cpu_s
 
 MODEL, TABLE, DIM = "demo", "item", 64
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HPS = [sys.executable, "-m", "hps_service.cli.main"]
 
 
@@ -310,7 +310,7 @@ def run(quick: bool, console: Console, skip: set[str] | None = None) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_shards", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.shards", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", default="", help="fanout,import")

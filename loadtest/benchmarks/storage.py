@@ -1,7 +1,7 @@
 """Quantised rows (issue 31): memory per row in L1 + the hash map, RocksDB bytes on disk per row, and lookup speed
 of each storage format beside fp32, measured side by side in one run.
 
-    python -m loadtest.bench_storage [--rows 1000000] [--dim 64]
+    python -m loadtest.benchmarks.storage [--rows 1000000] [--dim 64]
 
 Memory is the bytes of the arrays that hold a table in L1 and the in-process hash map once every row is in both
 (keys, versions, clocks, index and rows: what a node's PSS grows by); RocksDB is the size of its SST files after a

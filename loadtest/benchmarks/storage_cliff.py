@@ -3,7 +3,7 @@
 hash map answers with its keys/s. Past the largest table the budget holds whole, lookups fall to RocksDB: the
 cliff. int8 rows move it out by the ratio of the two formats' bytes per row (target: 2.9x or more).
 
-    python -m loadtest.bench_storage_cliff [--budget-mb 16] [--dim 64]
+    python -m loadtest.benchmarks.storage_cliff [--budget-mb 16] [--dim 64]
 """
 
 from __future__ import annotations

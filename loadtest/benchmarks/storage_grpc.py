@@ -7,7 +7,7 @@ falls on all of them alike:
   caller with NumPy, as ``StoredRows.to_float32``); targets for fp32 answers of fp16/int8 tables: >= 0.95x fp32's;
 * the bytes of each answer on the wire.
 
-    python -m loadtest.bench_storage_grpc [--rows 200000]
+    python -m loadtest.benchmarks.storage_grpc [--rows 200000]
 """
 
 from __future__ import annotations

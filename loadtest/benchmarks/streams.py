@@ -1,10 +1,10 @@
 """Unary p99 with idle StreamLookup calls open (issue 29): 2x``workers`` streams, each answered once and then waiting
 for its next request, must leave the unary calls their threads; target: p99 within 1.2x of the p99 without them.
 
-    python -m loadtest.bench_streams --quick          # ~1 minute on 2 cores: workers 1 and 2
-    python -m loadtest.bench_streams --workers 1,2,4,8,16 --rows 1000000
+    python -m loadtest.benchmarks.streams --quick          # ~1 minute on 2 cores: workers 1 and 2
+    python -m loadtest.benchmarks.streams --workers 1,2,4,8,16 --rows 1000000
 
-Part 10 of ``loadtest.bench_node`` measures it too, on the server and load it has running (rows ``10d``).
+Part 10 of ``loadtest.benchmarks.node`` measures it too, on the server and load it has running (rows ``10d``).
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ def report_row(workers: int, res: dict[str, Any]) -> tuple[str, str, str, float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench_streams", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.streams", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="50k rows, 3 s runs, 2 rounds")
     ap.add_argument("--rows", type=int, help="rows of the table (all of them in L1)")

@@ -10,7 +10,7 @@ by side in one run, rounds interleaved, on four servers of the same table with t
 CPU is that of every process of each server (owner, fork server, workers), from /proc, over the measured seconds;
 each figure is the median over the rounds (a loaded machine makes single rounds vary by 2x).
 
-    python -m loadtest.bench_tracing --quick     # ~3 min on 2 cores
+    python -m loadtest.benchmarks.tracing --quick     # ~3 min on 2 cores
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hps_service.runtime.processes import process_tree
-from loadtest.bench_node import NodePlan, _load, _point
+from loadtest.benchmarks.node import NodePlan, _load, _point
 from loadtest.harness.embedded import REPO, EmbeddedServer, table_stats
 from loadtest.harness.loadgen import run_load
 from loadtest.harness.report import write_json
@@ -39,7 +39,7 @@ from tests.fixtures.otlp_collector import OtlpCollector
 
 DIM = 64
 BASE = "1a18ab6"
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 #: The contenders, in the order of the first round (later rounds rotate it).
 NAMES = ("base", "off", "unsampled", "on")
 

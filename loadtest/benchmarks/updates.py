@@ -1,6 +1,6 @@
 """Online-update ingest and freshness against a real tansu broker, while another thread serves lookups.
 
-Run: ``python -m loadtest.bench_updates --rows 200000 --dim 64``. In one run, side by side:
+Run: ``python -m loadtest.benchmarks.updates --rows 200000 --dim 64``. In one run, side by side:
   1. raw: a bare confluent-kafka consumer draining a pre-filled topic and parsing each message (the floor a
      consumer cannot beat on this broker) vs the UpdateConsumer draining the same log into the engine
      (RocksDB synced writes -> hash map -> L1); both while a lookup thread runs; prints the ratio.

@@ -11,7 +11,7 @@ frees when it drops a version, side by side in one run.
    its block cache (shared by every table and bounded by persistent.block_cache_mb: a dropped table's blocks leave
    it as other reads evict them), before, with the version, and after the drop.
 
-    python -m loadtest.bench_versions [--rows 1000000] [--dim 64] [--switches 10]
+    python -m loadtest.benchmarks.versions [--rows 1000000] [--dim 64] [--switches 10]
 """
 
 from __future__ import annotations
