@@ -191,7 +191,7 @@ def _profile_server(server: EmbeddedServer, base: LoadSpec, workdir: Path, conso
     """py-spy samples of the server while the load generator runs; on-CPU share per category."""
     import threading
 
-    from loadtest import profiling
+    from loadtest.probes import profiling
 
     assert server.proc is not None
     seconds = max(3.0, base.duration_s)

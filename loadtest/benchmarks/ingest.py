@@ -283,7 +283,7 @@ def run(rows: int, rate: int, rounds: int, measure_s: float, workers: int, concu
 
 def _profile(spec: LoadSpec, ingest: Ingest, pid: int, workdir: Path, say) -> dict[str, Any]:  # noqa: ANN001
     """py-spy of every busy server thread while lookups and the ingest run."""
-    from loadtest import profiling
+    from loadtest.probes import profiling
 
     exe = profiling.py_spy()
     if exe is None:

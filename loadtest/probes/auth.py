@@ -6,7 +6,7 @@ REST, then called ``--calls`` times from this process; its CPU (user + system, /
 variants run side by side and are measured in turn, ``--rounds`` times; the median and the least of each are printed
 with their ratios to ``none`` (the least is the least disturbed by whatever else the host runs).
 
-    python -m loadtest.bench_auth --before /tmp/hps-before     # git archive <commit> | tar -x -C /tmp/hps-before
+    python -m loadtest.probes.auth --before /tmp/hps-before     # git archive <commit> | tar -x -C /tmp/hps-before
 """
 
 from __future__ import annotations

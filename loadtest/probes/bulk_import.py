@@ -1,6 +1,6 @@
 """Bulk import and L3 multi-get of RocksDBTier, side by side with raw rocksdict on the same rows, in one run.
 
-Run: ``python -m loadtest.bench_import --rows 1000000 --dim 64``. Prints times and the ratios ours/raw
+Run: ``python -m loadtest.probes.bulk_import --rows 1000000 --dim 64``. Prints times and the ratios ours/raw
 (targets: import < 2x raw SstFileWriter + ingest; get of 1024 present keys within 1.5x raw multi-get).
 """
 

@@ -3,7 +3,7 @@ transport floor (``loadtest.harness.floor_server``, one fixed answer), so that t
 contender and the difference is the client's. Interleaved rounds; the median of each contender's process CPU per
 call (this process: Python and gRPC's own threads) and its wall time.
 
-    python -m loadtest.client_share --batch 1024 --dim 64 --rounds 15 --calls 300
+    python -m loadtest.probes.client_share --batch 1024 --dim 64 --rounds 15 --calls 300
 """
 
 from __future__ import annotations

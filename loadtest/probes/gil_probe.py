@@ -1,6 +1,6 @@
 """Which RocksDB calls of the update path hold the GIL (and so stall every lookup thread while they run)?
 
-    python -m loadtest.gil_probe
+    python -m loadtest.probes.gil_probe
 
 For each call, another Python thread is made runnable just before the call starts and records when it got the GIL.
 If the call released the GIL, that thread runs at once (in the first half of the call); if the call held it

@@ -1,6 +1,6 @@
 """Device check of the CUDA L1 cache: correctness against the CPU reference and query speed against cupy.take.
 
-``python -m loadtest.gpu_check`` on a machine with a CUDA GPU and the ``gpu`` extra (numba-cuda, CuPy), in
+``python -m loadtest.probes.gpu_check`` on a machine with a CUDA GPU and the ``gpu`` extra (numba-cuda, CuPy), in
 under 5 minutes:
 
 1. Correctness: the same random sequence of lookups, inserts (with eviction), versioned updates and deletes,

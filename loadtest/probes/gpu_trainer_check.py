@@ -1,6 +1,6 @@
 """Device check of the trainer: the same run on the GPU in fp32, bf16 and fp16 next to the CPU in fp32.
 
-``python -m loadtest.gpu_trainer_check`` on a machine with a CUDA GPU and the ``trainer`` extra, in a few minutes:
+``python -m loadtest.probes.gpu_trainer_check`` on a machine with a CUDA GPU and the ``trainer`` extra, in a few minutes:
 trains the DLRM + MoE on the planted teacher (3 tables x 5000 ids, batch 4096) for ``--steps`` steps on the CPU in
 fp32 and on the GPU in fp32, bf16 and fp16, and prints for each the final AUC gap to the oracle, samples/s, model
 FLOP/s and MFU against the device's peak. Every GPU run must end within 0.01 AUC of the CPU run and keep fp32

@@ -1,6 +1,6 @@
 """Sync gRPC server (thread pool) vs grpc.aio for Lookup, batch 1024, dim 64, measured from another process.
 
-Run: ``python -m loadtest.bench_grpc_modes --seconds 8 --concurrency 1 8 --rows 1000000 --cache-fraction 0.2``.
+Run: ``python -m loadtest.probes.grpc_modes --seconds 8 --concurrency 1 8 --rows 1000000 --cache-fraction 0.2``.
 Each server mode runs in its own subprocess over a copy of the same RocksDB store and the same L1 config; this
 process is the client (grpc.aio, the same client for every mode, ``concurrency`` requests in flight). Modes are
 driven in interleaved slices (``--rounds``), so load that drifts on a shared machine falls on every mode alike. Keys
@@ -173,7 +173,7 @@ def main() -> None:
                 config_path = workdir / f"{mode}.yaml"
                 config_path.write_text(yaml.safe_dump(_config(workdir / mode, port, args.rows, args.cache_fraction)))
                 shutil.copytree(workdir / "rocksdb", workdir / mode / "rocksdb")
-                proc = subprocess.Popen([sys.executable, "-m", "loadtest.bench_grpc_modes", "--serve", mode,
+                proc = subprocess.Popen([sys.executable, "-m", "loadtest.probes.grpc_modes", "--serve", mode,
                                          "--config", str(config_path)], stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
                 procs[mode] = (proc, port)

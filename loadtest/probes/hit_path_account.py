@@ -4,7 +4,7 @@ gather, the response encode; each measured alone on the same request, beside the
 rows. Issue 29's account of the difference to the bare gRPC floor starts here (the floor's own cost per call is
 ``make bench`` part 10).
 
-    python -m loadtest.hit_path_account --batch 1024 --dim 64
+    python -m loadtest.probes.hit_path_account --batch 1024 --dim 64
 """
 
 from __future__ import annotations

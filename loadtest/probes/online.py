@@ -1,8 +1,8 @@
 """The planted teacher at the demo's sizes: the gap to the oracle on the full held-out set, and samples/s with and
 without the online options (admission, expiry, publishing in the background), all in one process.
 
-    python -m loadtest.bench_online                 # 700 steps of 4096 over 3 x 1500 ids, 4 experts (minutes)
-    python -m loadtest.bench_online --steps 100 --throughput-only
+    python -m loadtest.probes.online                 # 700 steps of 4096 over 3 x 1500 ids, 4 experts (minutes)
+    python -m loadtest.probes.online --steps 100 --throughput-only
 """
 
 from __future__ import annotations

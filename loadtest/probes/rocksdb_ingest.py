@@ -1,8 +1,8 @@
 """RocksDB settings for a sustained versioned ingest: what flushes and compactions cost, per setting, in one run.
 
-    python -m loadtest.bench_rocksdb_ingest                      # 1M rows x dim 64, 2M updates per setting
-    python -m loadtest.bench_rocksdb_ingest --rows 20000 --dim 32  # the soak's table
-    python -m loadtest.bench_rocksdb_ingest --interleave --no-sync --only "default,compression,sorted"
+    python -m loadtest.probes.rocksdb_ingest                      # 1M rows x dim 64, 2M updates per setting
+    python -m loadtest.probes.rocksdb_ingest --rows 20000 --dim 32  # the soak's table
+    python -m loadtest.probes.rocksdb_ingest --interleave --no-sync --only "default,compression,sorted"
 
 Each setting gets its own store (the same rows imported), then the same stream of versioned updates through
 ``RocksDBTier.put`` (the update consumer's read-modify-write: multi-get of the stored versions, one write batch),

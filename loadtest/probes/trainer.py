@@ -5,8 +5,8 @@ Writes a planted-signal click log (26 hex categorical fields, 13 integer feature
 prints samples/s over the last 50 steps (reading the data included), model FLOP/s, the final AUC of each and the
 ratios, and the CPU seconds each run used (what the wall-clock ratio means only on otherwise idle cores).
 
-    python -m loadtest.bench_trainer                       # 1 vs 2 processes, 200k rows, batch 4096
-    python -m loadtest.bench_trainer --rows 400000 --nproc 2 --experts 0
+    python -m loadtest.probes.trainer                       # 1 vs 2 processes, 200k rows, batch 4096
+    python -m loadtest.probes.trainer --rows 400000 --nproc 2 --experts 0
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_data(path: Path, rows: int) -> None:
