@@ -23,7 +23,6 @@ broker's CPU and RSS, since the broker shares the machine. Samples, plot and ver
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -49,7 +48,7 @@ from hps_service.runtime.processes import free_port, process_tree, pss_bytes, st
 from hps_service.updates import Publisher
 from loadtest.harness.loadgen import process_cpu_s
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TABLE = "item"
 _MiB = 2**20
 
@@ -562,52 +561,3 @@ def run_soak(duration_s: float, interval_s: float, out_dir: Path, brokers: str |
     summary["passed"] = result.passed
     (out_dir / "soak.json").write_text(json.dumps(summary, indent=1))
     return result
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--duration", type=float, default=180.0, help="seconds of load")
-    parser.add_argument("--interval", type=float, default=None, help="seconds per sample (default duration/60, "
-                        "between 2 and 30)")
-    parser.add_argument("--out", type=Path, default=REPO / "loadtest" / "results" / "soak")
-    parser.add_argument("--brokers", default=None, help="an existing broker; default: start a local tansu")
-    parser.add_argument("--broker-pid", type=int, default=None, help="its pid, to plot its CPU and RSS")
-    parser.add_argument("--keys", type=int, default=20_000)
-    parser.add_argument("--dim", type=int, default=32)
-    parser.add_argument("--lookup-workers", type=int, default=2)
-    parser.add_argument("--rows-per-s", type=int, default=10_000, help="distinct rows published per second")
-    parser.add_argument("--publish-every", type=float, default=1.0, help="seconds between publishes (at least)")
-    parser.add_argument("--partitions", type=int, default=4, help="partitions of the soak's update topic")
-    parser.add_argument("--compression", default="lz4", help="producer compression.type")
-    parser.add_argument("--max-record-batches", type=int, default=20_000,
-                        help="bound on the record batches the broker's log holds at the end")
-    parser.add_argument("--max-no-apply", type=float, default=30.0, help="FAIL once rows waited this long with "
-                        "nothing applied")
-    parser.add_argument("--min-lookup-ratio", type=float, default=0.8, help="lookups per interval, late / early")
-    parser.add_argument("--max-p99-ratio", type=float, default=1.5, help="p99, late / early")
-    parser.add_argument("--max-mem-growth", type=float, default=0.05,
-                        help="fitted growth of PSS net of memtables and block cache over the last half")
-    args = parser.parse_args()
-    interval = args.interval or min(30.0, max(2.0, args.duration / 60))
-    limits = Limits(max_no_apply_s=args.max_no_apply, min_lookup_ratio=args.min_lookup_ratio,
-                    max_p99_ratio=args.max_p99_ratio, max_mem_growth=args.max_mem_growth)
-    every, rows, batches = plan_publishing(args.duration, args.rows_per_s, args.publish_every, args.partitions,
-                                           args.max_record_batches, args.keys)
-    print(f"soak {args.duration:.0f} s: {rows} rows every {every:.2f} s ({rows / every:,.0f} rows/s) on "
-          f"{args.partitions} partitions, {args.compression}; the broker's log ends at {batches} record batches "
-          f"(bound {args.max_record_batches}); sampling every {interval:.0f} s", flush=True)
-    result = run_soak(args.duration, interval, args.out, brokers=args.brokers, broker_pid=args.broker_pid,
-                      keys=args.keys, dim=args.dim, lookup_workers=args.lookup_workers, rows_per_s=args.rows_per_s,
-                      publish_every_s=args.publish_every, partitions=args.partitions, compression=args.compression,
-                      max_record_batches=args.max_record_batches, limits=limits)
-    print(f"ran {result.ran_s:.0f} s: {result.lookups} lookups, {result.rows_published} rows published, "
-          f"{result.rows_applied} applied")
-    for check in result.checks:
-        print(f"  {'ok  ' if check.passed else 'FAIL'} {check.name}: {check.detail}")
-    print(f"plot: {result.plot}")
-    print("PASS" if result.passed else "FAIL")
-    sys.exit(0 if result.passed else 1)
-
-
-if __name__ == "__main__":
-    main()
