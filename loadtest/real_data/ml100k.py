@@ -32,15 +32,14 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import yaml
 
-from loadtest.past_features import first_time, past_sums, previous_time
+from loadtest.real_data.past_features import first_time, past_sums, previous_time
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FIELDS = ("C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8")
 
 
@@ -296,41 +295,3 @@ def markdown(table: dict) -> str:
         rows.append(f"| reference: logistic regression, one-hot + the same dense features (C={d['C']}) | "
                     f"{d['progressive_auc']:.4f} | {d['heldout_auc']:.4f} |")
     return "\n".join(rows)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ml100k", type=Path, required=True, help="the directory holding ml-100k.inter/.user/.item")
-    parser.add_argument("--test-fraction", type=float, default=0.2)
-    parser.add_argument("--validation", action="store_true",
-                        help="hold out the newest tenth of the training part instead (the held-out set is not read)")
-    parser.add_argument("--no-dense", action="store_true", help="the one-hot fields only (the I fields empty)")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("train_args", nargs="*", help="more hps train options (after --)")
-    args = parser.parse_args()
-    cols = load_ml100k(args.ml100k)
-    split = int(len(cols["label"]) * (1 - args.test_fraction))
-    if args.validation:
-        cols = {k: v[:split] for k, v in cols.items()}
-        split = int(split * 0.9)
-    dense = None if args.no_dense else dense_features(cols)
-    table = {"samples": len(cols["label"]), "train": split, "test": len(cols["label"]) - split,
-             "positive_rate": float(cols["label"].mean()), "validation": args.validation,
-             "popularity": popularity(cols, split, args.batch), "logistic": logistic(cols, split, args.batch)}
-    if dense is not None:
-        table["logistic_dense"] = logistic(cols, split, args.batch, dense)
-    with tempfile.TemporaryDirectory(prefix="hps-ml100k-") as tmp:
-        work = Path(tmp)
-        train = write_parquet(work / "train.parquet", cols, slice(0, split), dense)
-        tests = {"heldout": write_parquet(work / "test.parquet", cols, slice(split, None), dense)}
-        if dense is not None:
-            tests["frozen"] = write_parquet(work / "frozen.parquet", cols, slice(split, None),
-                                            dense_features(cols, frozen_after=split))
-        table["ours"] = ours(train, tests, work, args)
-    print(json.dumps(table, indent=2))
-    print(markdown(table))
-
-
-if __name__ == "__main__":
-    main()
