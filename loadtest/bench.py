@@ -57,11 +57,12 @@ from hps_service.runtime.processes import process_tree
 from hps_service.serve.process import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.benchmarks.curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
+from loadtest.harness.cli import write_json
 from loadtest.harness.embedded import EmbeddedServer
 from loadtest.harness.floor_server import FloorServer
 from loadtest.harness.loadgen import RESULTS, LoadSpec, run_load
 from loadtest.harness.redis_baseline import loaded_cluster
-from loadtest.harness.report import machine, write_json
+from loadtest.harness.report import machine
 from loadtest.harness.summary import curves_table, ratio_table
 from loadtest.harness.workload import KeySampler, load_keys
 

@@ -32,9 +32,9 @@ from rich.table import Table
 
 from hps_service.runtime.processes import process_tree
 from loadtest.benchmarks.node import NodePlan, _load, _point
+from loadtest.harness.cli import write_json
 from loadtest.harness.embedded import REPO, EmbeddedServer, table_stats
 from loadtest.harness.loadgen import run_load
-from loadtest.harness.report import write_json
 from tests.fixtures.otlp_collector import OtlpCollector
 
 DIM = 64

@@ -26,6 +26,7 @@ from typing import Any
 from rich.console import Console
 
 from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
+from loadtest.harness.cli import write_json
 from loadtest.harness.report import (
     merge,
     plot_hit_rate,
@@ -33,7 +34,6 @@ from loadtest.harness.report import (
     print_summary,
     print_sweep,
     summarize,
-    write_json,
 )
 from loadtest.harness.runner import Backend, Mode, WorkerSpec, worker_main
 from loadtest.harness.server_stats import StatsPoller

@@ -1,9 +1,8 @@
 """Turn the workers' per-call samples into the load report: QPS, keys/s, latency percentiles, errors by status,
-client and server hit rates, a timeline; print it as a rich table, write it as JSON and plot it (matplotlib Agg)."""
+client and server hit rates, a timeline; print it as a rich table and plot it (matplotlib Agg)."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 from itertools import pairwise
@@ -121,12 +120,6 @@ def print_sweep(reports: list[dict[str, Any]], console: Console | None = None) -
                       _fmt(lat["p95"]), _fmt(lat["p99"]), _fmt(lat["p99.9"]), str(sum(r["errors"].values())),
                       str(r["dropped"]))
     console.print(table)
-
-
-def write_json(data: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=False))
-    return path
 
 
 def _pyplot():
