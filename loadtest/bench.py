@@ -57,10 +57,10 @@ from hps_service.runtime.processes import process_tree
 from hps_service.serve.process import build_engine
 from hps_service.tiers.base import table_id
 from loadtest.benchmarks.curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
-from loadtest.harness.cli import write_json
+from loadtest.harness.cli import REPO, RESULTS, write_json
 from loadtest.harness.embedded import EmbeddedServer
 from loadtest.harness.floor_server import FloorServer
-from loadtest.harness.loadgen import RESULTS, LoadSpec, run_load
+from loadtest.harness.loadgen import LoadSpec, run_load
 from loadtest.harness.redis_baseline import loaded_cluster
 from loadtest.harness.report import machine
 from loadtest.harness.summary import curves_table, ratio_table
@@ -296,7 +296,7 @@ def bench_freshness(p: Plan, console: Console) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "loadtest.benchmarks.updates", "--rows", "50000", "--samples", str(p.freshness_samples)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                              cwd=Path(__file__).resolve().parents[1])
+                              cwd=REPO)
     except subprocess.TimeoutExpired:
         return {"run": False, "reason": "loadtest.benchmarks.updates did not finish within 300 s"}
     if proc.returncode != 0:
@@ -329,7 +329,7 @@ def bench_replicas(quick: bool) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "loadtest.benchmarks.bootstrap", "--rows", str(rows), "--catch-up-rows", str(catch_up)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
-                              cwd=Path(__file__).resolve().parents[1])
+                              cwd=REPO)
     except subprocess.TimeoutExpired:
         return {"run": False, "reason": "loadtest.benchmarks.bootstrap did not finish within 900 s"}
     if proc.returncode != 0:

@@ -36,8 +36,9 @@ import numpy as np
 
 from hps_service.runtime.processes import process_tree
 from hps_service.updates import Publisher
+from loadtest.harness.cli import REPO, RESULTS
 from loadtest.harness.embedded import EmbeddedServer
-from loadtest.harness.loadgen import RESULTS, LoadSpec, process_cpu_s, run_load
+from loadtest.harness.loadgen import LoadSpec, process_cpu_s, run_load
 from loadtest.harness.workload import load_keys
 
 MODEL, TABLE, DIM = "demo", "item", 64
@@ -128,7 +129,7 @@ def _rocksdb_lines() -> dict[tuple[str, int], str]:
     """(module, line) of RocksDBTier.put's steps, to name the innermost frames py-spy reports inside it."""
     names = {}
     for module in _ROCKSDB_FILES:
-        source = (Path(__file__).resolve().parents[2] / "hps_service" / "tiers" / module).read_text().splitlines()
+        source = (REPO / "hps_service" / "tiers" / module).read_text().splitlines()
         for i, line in enumerate(source, start=1):
             if "_stored_states(cf, encoded" in line or "return decode_states(" in line:
                 names[(module, i)] = "RocksDB: read the stored versions (multi-get)"

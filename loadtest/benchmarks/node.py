@@ -44,14 +44,13 @@ from rich.table import Table
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree, pss_bytes
 from loadtest.benchmarks import local_sizes, streams
-from loadtest.harness.cli import write_json
+from loadtest.harness.cli import RESULTS, write_json
 from loadtest.harness.embedded import EmbeddedServer, start_node
 from loadtest.harness.floor_server import FloorServer
 from loadtest.harness.loadgen import LoadSpec, run_load
 from loadtest.harness.redis_baseline import loaded_cluster
 
 MODEL, TABLE, DIM, BATCH = "demo", "item", 64, 1024
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 @dataclass(frozen=True)

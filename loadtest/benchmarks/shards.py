@@ -32,11 +32,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from loadtest.harness.cli import REPO
 from loadtest.harness.embedded import EmbeddedServer, synth_model
 from loadtest.harness.loadgen import process_cpu_s
 
 MODEL, TABLE, DIM = "demo", "item", 64
-REPO = Path(__file__).resolve().parents[2]
 HPS = [sys.executable, "-m", "hps_service.cli.main"]
 
 

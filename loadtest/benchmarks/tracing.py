@@ -32,14 +32,13 @@ from rich.table import Table
 
 from hps_service.runtime.processes import process_tree
 from loadtest.benchmarks.node import NodePlan, _load, _point
-from loadtest.harness.cli import write_json
-from loadtest.harness.embedded import REPO, EmbeddedServer, table_stats
+from loadtest.harness.cli import REPO, RESULTS, write_json
+from loadtest.harness.embedded import EmbeddedServer, table_stats
 from loadtest.harness.loadgen import run_load
 from tests.fixtures.otlp_collector import OtlpCollector
 
 DIM = 64
 BASE = "1a18ab6"
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 #: The contenders, in the order of the first round (later rounds rotate it).
 NAMES = ("base", "off", "unsampled", "on")
 

@@ -18,9 +18,9 @@ import yaml
 
 from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.runtime.processes import stop_process
+from loadtest.harness.cli import REPO
 from tests.helpers import free_port, wait_serving
 
-REPO = Path(__file__).resolve().parents[2]
 EMBEDDED_CONFIG = REPO / "examples" / "embedded.yaml"
 #: ``python -m hps_service.cli``, which runs ``hps`` in this tree and in older ones (a benchmark's base commit, where
 #: ``hps_service.cli`` was one module).

@@ -29,6 +29,7 @@ import numpy as np
 
 from hps_service.engine import Source
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
+from loadtest.harness.cli import REPO
 from loadtest.harness.drivers import LOOKUP_METHOD
 
 _OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)]
@@ -103,7 +104,7 @@ class FloorServer:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "loadtest.harness.floor_server", "--port", str(self.port), "--mode", mode,
                  "--batch", str(batch), "--dim", str(dim), "--table", table, "--model", model, *extra],
-                stdout=log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parents[2],
+                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
             )
 
     @property

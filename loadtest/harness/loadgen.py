@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 
 from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
-from loadtest.harness.cli import write_json
+from loadtest.harness.cli import RESULTS, write_json
 from loadtest.harness.report import (
     merge,
     plot_hit_rate,
@@ -39,7 +39,6 @@ from loadtest.harness.runner import Backend, Mode, WorkerSpec, worker_main
 from loadtest.harness.server_stats import StatsPoller
 from loadtest.harness.workload import Distribution
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 #: Seconds a worker may take to load keys, draw its pool and connect.
 READY_TIMEOUT_S = 180.0
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[2]
+from loadtest.harness.cli import REPO
 
 
 def _write_data(path: Path, rows: int) -> None:

@@ -37,9 +37,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from loadtest.harness.cli import REPO
 from loadtest.real_data.past_features import first_time, past_sums, previous_time
 
-REPO = Path(__file__).resolve().parents[2]
 FIELDS = ("C1", "C2", "C3", "C4", "C5", "C6", "C7", "C8")
 
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from loadtest.harness.cli import RESULTS
 from loadtest.soak import run as soak
 
 
@@ -14,7 +15,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of load")
     parser.add_argument("--interval", type=float, default=None, help="seconds per sample (default duration/60, "
                         "between 2 and 30)")
-    parser.add_argument("--out", type=Path, default=soak.REPO / "loadtest" / "results" / "soak")
+    parser.add_argument("--out", type=Path, default=RESULTS / "soak")
     parser.add_argument("--brokers", default=None, help="an existing broker; default: start a local tansu")
     parser.add_argument("--broker-pid", type=int, default=None, help="its pid, to plot its CPU and RSS")
     parser.add_argument("--keys", type=int, default=20_000)

@@ -46,9 +46,9 @@ from hps_service.client import HPSClient
 from hps_service.errors import HPSError
 from hps_service.runtime.processes import free_port, process_tree, pss_bytes, stop_process
 from hps_service.updates import Publisher
+from loadtest.harness.cli import REPO
 from loadtest.harness.loadgen import process_cpu_s
 
-REPO = Path(__file__).resolve().parents[2]
 TABLE = "item"
 _MiB = 2**20
 
