@@ -12,10 +12,8 @@ Run: ``python -m loadtest.benchmarks.bootstrap [--rows 1000000] [--dim 64] [--ca
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -31,6 +29,7 @@ from hps_service.serve.process import build_engine
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 from hps_service.updates import Publisher, UpdateConsumer
 from hps_service.updates.local_broker import running_tansu
+from loadtest.harness import cli
 from tests.fixtures.seaweedfs import running_seaweedfs
 
 MODEL, TABLE = "bench", "item"
@@ -95,8 +94,7 @@ def bench_catch_up(rows: int, dim: int, work: Path) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.bootstrap", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--catch-up-rows", type=int, default=200_000)
@@ -116,4 +114,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

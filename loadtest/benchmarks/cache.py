@@ -16,7 +16,6 @@ also walks its key and clock lines, which measures cache residency rather than t
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import threading
 import time
@@ -29,6 +28,7 @@ from hps_service.cache import SetAssociativeCache, SetAssocTableCache
 from hps_service.cache.cpu_kernels import PREFETCH_AHEAD
 from hps_service.jit.hashing import mix64
 from hps_service.jit.prefetch import prefetch
+from loadtest.harness import cli
 
 #: Different batches each contender cycles through (the same ones for every contender).
 DISTINCT_BATCHES = 64
@@ -168,8 +168,8 @@ def report(results: list[dict]) -> None:
               f"the bare compiled query {at_1024['gather'] / at_1024['query']:.2f}x")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(__spec__, __doc__)
     parser.add_argument("--rows", type=int, default=1 << 17)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--ways", type=int, default=32)
@@ -177,12 +177,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--budget-s", type=float, default=2.0, help="seconds of timing per batch size")
     parser.add_argument("--distinct", type=int, default=DISTINCT_BATCHES, help="different batches per batch size")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = run(args.rows, args.dim, args.ways, args.batches, args.repeats, args.budget_s, args.distinct)
     if args.distinct > 1 and 1024 in args.batches:
         results += run(args.rows, args.dim, args.ways, [1024], args.repeats, args.budget_s, distinct=1)
     report(results)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -7,7 +7,6 @@ to hold the table) in this process, one thread looking up 1,024 random keys in a
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import threading
@@ -24,6 +23,7 @@ from hps_service.engine import convert as convert_module
 from hps_service.node.owner import store_parent
 from hps_service.tiers.hashmap.tier import HashMapTier
 from hps_service.tiers.rocksdb.tier import RocksDBTier
+from loadtest.harness import cli
 
 BATCH = 1024
 #: Seconds of lookups measured before the conversion and after its switch.
@@ -104,13 +104,14 @@ def run(rows: int, dim: int, console: Console) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=64)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     run(args.rows, args.dim, Console())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

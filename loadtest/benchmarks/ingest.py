@@ -19,10 +19,8 @@ thread's share split into the stored-version read, the write batch, the hash map
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -36,7 +34,7 @@ import numpy as np
 
 from hps_service.runtime.processes import process_tree
 from hps_service.updates import Publisher
-from loadtest.harness.cli import REPO, RESULTS
+from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer
 from loadtest.harness.loadgen import LoadSpec, process_cpu_s, run_load
 from loadtest.harness.workload import load_keys
@@ -129,7 +127,7 @@ def _rocksdb_lines() -> dict[tuple[str, int], str]:
     """(module, line) of RocksDBTier.put's steps, to name the innermost frames py-spy reports inside it."""
     names = {}
     for module in _ROCKSDB_FILES:
-        source = (REPO / "hps_service" / "tiers" / module).read_text().splitlines()
+        source = (cli.REPO / "hps_service" / "tiers" / module).read_text().splitlines()
         for i, line in enumerate(source, start=1):
             if "_stored_states(cf, encoded" in line or "return decode_states(" in line:
                 names[(module, i)] = "RocksDB: read the stored versions (multi-get)"
@@ -305,7 +303,7 @@ def _profile(spec: LoadSpec, ingest: Ingest, pid: int, workdir: Path, say) -> di
         return {"error": "py-spy could not sample the server"}
     result = consumer_breakdown(out_file)
     result["gil_busy"] = profiling.gil_busy(out_file, seconds, rate=100)
-    kept = RESULTS / "bench-ingest-profile.txt"
+    kept = cli.RESULTS / "bench-ingest-profile.txt"
     kept.parent.mkdir(parents=True, exist_ok=True)
     kept.write_bytes(out_file.read_bytes())
     result["collapsed_stacks"] = str(kept)
@@ -316,8 +314,7 @@ def _profile(spec: LoadSpec, ingest: Ingest, pid: int, workdir: Path, say) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.ingest", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--rows", type=int, default=200_000, help="rows of the served table")
     ap.add_argument("--rate", type=int, default=10_000, help="ingested rows per second in the ingest phases")
     ap.add_argument("--publish-every", type=float, default=0.1, help="seconds between publishes of rate x this")
@@ -327,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=8, help="calls in flight")
     ap.add_argument("--profile", action="store_true", help="py-spy the server's threads during ingest")
     ap.add_argument("--persistent", default="{}", help="JSON of persistent.* settings for the server")
-    ap.add_argument("--json", type=Path, default=None, help="write the result here")
+    cli.add_json(ap)
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hps-bench-ingest-") as tmp:
         res = run(args.rows, args.rate, args.rounds, args.measure, args.workers, args.concurrency, args.profile,
@@ -336,9 +333,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{res['keys_per_s_ingest'] / 1e6:.3f} M keys/s vs {res['keys_per_s_idle'] / 1e6:.3f} M keys/s without: "
           f"ratio {res['ratio']:.2f}x (target >= {res['target']})")
     if args.json:
-        args.json.write_text(json.dumps(res, indent=1))
+        cli.write_json(res, args.json)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

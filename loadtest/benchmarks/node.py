@@ -26,13 +26,10 @@ the store; a device L1 is not shared with worker processes). Needs ``make instal
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import shutil
 import statistics
-import sys
 import tempfile
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -44,7 +41,7 @@ from rich.table import Table
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree, pss_bytes
 from loadtest.benchmarks import local_sizes, streams
-from loadtest.harness.cli import RESULTS, write_json
+from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer, start_node
 from loadtest.harness.floor_server import FloorServer
 from loadtest.harness.loadgen import LoadSpec, run_load
@@ -278,26 +275,25 @@ def table(res: dict[str, Any]) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.node", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--quick", action="store_true", help="200k rows, shorter runs")
     ap.add_argument("--rows", type=int, help="rows of the table (all of them in L1)")
     ap.add_argument("--workers", help="worker counts to measure, e.g. 1,2,4,8,16 (default: 1 and the CPUs)")
     ap.add_argument("--clients", type=int, help="load-generator processes (default 2)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    cli.add_out(ap)
     args = ap.parse_args(argv)
     p = plan(args.quick, args.rows, args.workers, args.clients)
-    console = Console(width=max(Console().width, 150))
+    console = cli.console()
     workdir = Path(tempfile.mkdtemp(prefix="hps-bench-node-"))
     try:
         res = {"plan": p.__dict__, **bench_nodes(p, workdir, console)}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    path = write_json(res, args.out / time.strftime("bench-node-%Y%m%d-%H%M%S.json"))
+    path = cli.write_result(res, args.out, "bench-node")
     console.print(table(res))
     console.print(f"wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import multiprocessing as mp
 import os
@@ -32,7 +31,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.harness.cli import REPO
+from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer, synth_model
 from loadtest.harness.loadgen import process_cpu_s
 
@@ -219,7 +218,7 @@ def _import_config(path: Path, db: Path, shards: int, shard: int) -> Path:
 
 def _import(config: Path, source: Path) -> subprocess.Popen:
     return subprocess.Popen([*HPS, "import", "--config", str(config), "--model", MODEL, "--table", TABLE,
-                             str(source)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+                             str(source)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cli.REPO)
 
 
 def _children_cpu_s() -> float:
@@ -310,16 +309,15 @@ def run(quick: bool, console: Console, skip: set[str] | None = None) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.shards", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--skip", default="", help="fanout,import")
     args = ap.parse_args(argv)
-    console = Console(width=max(Console().width, 140))
+    console = cli.console(140)
     res = run(args.quick, console, {s.strip() for s in args.skip.split(",") if s.strip()})
     console.print(table(res))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -11,7 +11,6 @@ included), rounds of every format interleaved so that the machine's noise falls 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
@@ -27,6 +26,7 @@ from hps_service.engine import LookupEngine
 from hps_service.rows import STORAGES
 from hps_service.tiers.hashmap.tier import HashMapTier
 from hps_service.tiers.rocksdb.tier import RocksDBTier
+from loadtest.harness import cli
 
 BATCH = 1024
 TARGETS = {"fp16": 0.55, "bf16": 0.55, "int8": 0.35}
@@ -100,13 +100,14 @@ def run(rows: int, dim: int, console: Console, rounds: int = 30) -> dict[str, An
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=64)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     run(args.rows, args.dim, Console())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

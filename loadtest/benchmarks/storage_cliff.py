@@ -8,7 +8,6 @@ cliff. int8 rows move it out by the ratio of the two formats' bytes per row (tar
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
@@ -23,6 +22,7 @@ from hps_service.engine import LookupEngine
 from hps_service.rows.formats import row_format
 from hps_service.tiers.hashmap.tier import HashMapTier, rows_within
 from hps_service.tiers.rocksdb.tier import RocksDBTier
+from loadtest.harness import cli
 
 BATCH = 1024
 FORMATS = ("fp32", "int8")
@@ -89,13 +89,14 @@ def run(budget_mb: int, dim: int, console: Console) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--budget-mb", type=int, default=16)
     ap.add_argument("--dim", type=int, default=64)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     run(args.budget_mb, args.dim, Console())
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

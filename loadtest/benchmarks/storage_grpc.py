@@ -12,7 +12,6 @@ falls on all of them alike:
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import time
@@ -28,6 +27,7 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.rows import STORAGES
 from hps_service.runtime.processes import process_tree
+from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer, start_node
 from loadtest.harness.loadgen import process_cpu_s
 
@@ -119,13 +119,14 @@ def run(rows: int, console: Console, rounds: int = 6, calls: int = 200) -> dict[
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--rows", type=int, default=200_000)
     ap.add_argument("--rounds", type=int, default=6)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     run(args.rows, Console(), rounds=args.rounds)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

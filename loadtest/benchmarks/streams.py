@@ -9,11 +9,9 @@ Part 10 of ``loadtest.benchmarks.node`` measures it too, on the server and load 
 
 from __future__ import annotations
 
-import argparse
 import queue
 import shutil
 import statistics
-import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -22,9 +20,9 @@ from typing import Any
 
 import grpc
 import numpy as np
-from rich.console import Console
 from rich.table import Table
 
+from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer, start_node
 from loadtest.harness.loadgen import LoadSpec, run_load
 
@@ -107,8 +105,7 @@ def report_row(workers: int, res: dict[str, Any]) -> tuple[str, str, str, float,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.benchmarks.streams", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--quick", action="store_true", help="50k rows, 3 s runs, 2 rounds")
     ap.add_argument("--rows", type=int, help="rows of the table (all of them in L1)")
     ap.add_argument("--workers", default="1,2", help="worker counts to measure (default 1,2)")
@@ -116,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     rows = args.rows or (50_000 if args.quick else 200_000)
     measure_s, rounds = (3.0, 2) if args.quick else (6.0, 3)
-    console = Console(width=max(Console().width, 150))
+    console = cli.console()
     t = Table(title="unary p99 with idle streams open", header_style="bold")
     for col in ("benchmark", "ours", "baseline", "ratio", "target", "met"):
         t.add_column(col, justify="left" if col == "benchmark" else "right")
@@ -145,4 +142,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

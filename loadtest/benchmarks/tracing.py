@@ -15,11 +15,9 @@ each figure is the median over the rounds (a loaded machine makes single rounds 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import subprocess
-import sys
 import tarfile
 import tempfile
 import time
@@ -32,7 +30,7 @@ from rich.table import Table
 
 from hps_service.runtime.processes import process_tree
 from loadtest.benchmarks.node import NodePlan, _load, _point
-from loadtest.harness.cli import REPO, RESULTS, write_json
+from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer, table_stats
 from loadtest.harness.loadgen import run_load
 from tests.fixtures.otlp_collector import OtlpCollector
@@ -56,12 +54,12 @@ def plan(quick: bool) -> TracingPlan:
 
 def base_tree(commit: str) -> Path:
     """The code of ``commit`` under build/ (kept: its compiled kernels are cached beside it for the next run)."""
-    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=REPO, check=True, capture_output=True,
+    sha = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=cli.REPO, check=True, capture_output=True,
                          text=True).stdout.strip()
-    tree = REPO / "build" / f"bench-base-{sha}"
+    tree = cli.REPO / "build" / f"bench-base-{sha}"
     if not (tree / "hps_service").is_dir():
         tree.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=REPO, check=True, capture_output=True)
+        archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=cli.REPO, check=True, capture_output=True)
         with tempfile.TemporaryFile() as f:
             f.write(archive.stdout)
             f.seek(0)
@@ -99,9 +97,9 @@ def run(quick: bool, console: Console, base: str = BASE) -> dict[str, Any]:
             tracing = {"enabled": True, "endpoint": collector.endpoint}
             servers = {
                 "base": _server(workdir, "base", p.rows, base_tree(base), None),
-                "off": _server(workdir, "off", p.rows, REPO, None),
-                "unsampled": _server(workdir, "unsampled", p.rows, REPO, {**tracing, "sample_ratio": 0.0}),
-                "on": _server(workdir, "on", p.rows, REPO, {**tracing, "sample_ratio": 1.0}),
+                "off": _server(workdir, "off", p.rows, cli.REPO, None),
+                "unsampled": _server(workdir, "unsampled", p.rows, cli.REPO, {**tracing, "sample_ratio": 0.0}),
+                "on": _server(workdir, "on", p.rows, cli.REPO, {**tracing, "sample_ratio": 1.0}),
             }
             console.print(f"  hps import of {p.rows:,} x {DIM} rows into each of {', '.join(servers)}; serve; warm L1")
             for server in servers.values():
@@ -153,18 +151,18 @@ def table(res: dict[str, Any]) -> Table:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--base", default=BASE, help="the commit the 'base' server runs (before tracing)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    cli.add_out(ap)
     args = ap.parse_args(argv)
-    console = Console(width=max(Console().width, 150))
+    console = cli.console()
     res = run(args.quick, console, args.base)
-    path = write_json(res, args.out / time.strftime("bench-tracing-%Y%m%d-%H%M%S.json"))
+    path = cli.write_result(res, args.out, "bench-tracing")
     console.print(table(res))
     console.print(f"spans received by the collector: {res['spans_received']:,}; wrote {path}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -10,7 +10,6 @@ Run: ``python -m loadtest.benchmarks.updates --rows 200000 --dim 64``. In one ru
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import threading
 import time
@@ -27,6 +26,7 @@ from hps_service.serve.process import build_engine
 from hps_service.updates import Publisher, UpdateConsumer
 from hps_service.updates.consumer import _CONSUMER_DEFAULTS
 from hps_service.updates.message import decode_update, rows_per_message
+from loadtest.harness import cli
 
 TABLE = "item"
 
@@ -151,8 +151,8 @@ def pct(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) * 1e3 if a.size else float("nan")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(__spec__, __doc__)
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--partitions", type=int, default=4)
@@ -162,7 +162,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=200, help="freshness samples")
     parser.add_argument("--sample-keys", type=int, default=256, help="rows per freshness publish")
     parser.add_argument("--brokers", default=None, help="an existing broker; default: start tansu")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     if args.brokers:
         broker_ctx = nullcontext(args.brokers)
@@ -226,7 +226,8 @@ def main() -> None:
               f" ratio p50 {pct(fresh, 50) / pct(floor, 50):.2f}x, p99 {pct(fresh, 99) / pct(floor, 99):.2f}x")
         print(f"  consumer's own end-to-end lag (producer timestamp -> applied): p50 {lag['p50'] * 1e3:.1f} ms, p99 {lag['p99'] * 1e3:.1f} ms")
         engine.close()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

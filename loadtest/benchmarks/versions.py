@@ -16,7 +16,6 @@ frees when it drops a version, side by side in one run.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import gc
 import shutil
@@ -41,6 +40,7 @@ from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.tiers.hashmap.tier import HashMapTier
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 from hps_service.updates.local_broker import running_tansu
+from loadtest.harness import cli
 
 TOKEN = "bench-versions"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -223,7 +223,7 @@ def run(rows: int, dim: int, switches: int, console: Console) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = cli.parser(__spec__, __doc__)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--switches", type=int, default=10)
@@ -233,4 +233,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(main)
