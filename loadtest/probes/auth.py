@@ -11,7 +11,6 @@ with their ratios to ``none`` (the least is the least disturbed by whatever else
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ import yaml
 
 from hps_client import HPSClient, UnavailableError
 from hps_service.runtime.processes import free_port, stop_process
+from loadtest.harness import cli
 
 ADMIN, TOKEN, DIM, KEYS = "bench-admin-token-0000", "bench-read-token-00000", 64, 1024
 
@@ -115,7 +115,7 @@ def check_cost(n: int = 200_000) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = cli.parser(__spec__, __doc__)
     parser.add_argument("--before", type=Path, help="a checkout of the code to compare with (auth none only)")
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
@@ -146,4 +146,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -6,7 +6,6 @@ Run: ``python -m loadtest.probes.bulk_import --rows 1000000 --dim 64``. Prints t
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import statistics
 import tempfile
@@ -20,6 +19,7 @@ from rocksdict import IngestExternalFileOptions, Options, Rdict, SstFileWriter
 
 from hps_service.admin.importer import import_table, read_model_source, synthesize_model
 from hps_service.tiers.rocksdb.tier import RocksDBTier
+from loadtest.harness import cli
 
 TABLE = "bench.item"
 
@@ -81,13 +81,13 @@ def bench_gets(readers: dict[str, Reader], keys: np.ndarray, batches: int) -> di
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(__spec__, __doc__)
     parser.add_argument("--rows", type=int, default=1_000_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temp dir)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="hps-bench-", dir=args.dir))
     try:
         keys, vectors = synthesize_model(args.rows, args.dim, seed=0)
@@ -139,7 +139,8 @@ def main() -> None:
         raw_db.close()
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

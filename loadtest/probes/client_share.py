@@ -8,7 +8,6 @@ call (this process: Python and gRPC's own threads) and its wall time.
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import tempfile
@@ -27,6 +26,7 @@ from hps_client.channel import channel_options
 from hps_client.stub import LOOKUP
 from hps_client.wire import build_request
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from loadtest.harness import cli
 from loadtest.harness.floor_server import FloorServer
 
 MODEL, TABLE = "demo", "item"
@@ -95,7 +95,7 @@ def report(results: dict[str, dict[str, float]], batch: int, console: Console) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = cli.parser(__spec__, __doc__)
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--dim", type=int, default=64)
     p.add_argument("--rounds", type=int, default=15)
@@ -108,4 +108,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(main)

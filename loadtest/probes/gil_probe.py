@@ -11,7 +11,6 @@ the other thread can run at all during the call.
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import tempfile
 import threading
@@ -26,6 +25,7 @@ from rocksdict import WriteBatch, WriteOptions
 
 from hps_service.tiers.codec import encode_keys, encode_rows
 from hps_service.tiers.rocksdb.tier import RocksDBTier
+from loadtest.harness import cli
 
 TABLE = "m.t"
 
@@ -55,12 +55,12 @@ def probe(prepare: Callable[[], object], call: Callable[[object], object], n: in
     return ran, float(np.median(durations)) * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--rows", type=int, default=200_000, help="rows in the store")
     ap.add_argument("--batch", type=int, default=1000, help="rows per write batch or multi-get")
     ap.add_argument("--calls", type=int, default=30)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="hps-gil-probe-"))
     tier = RocksDBTier(tmp, block_cache_mb=64, sync_writes=False)
     try:
@@ -95,7 +95,8 @@ def main() -> None:
     finally:
         tier.close()
         shutil.rmtree(tmp, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -19,7 +19,6 @@ reason). Per lookup the cache does 1 host-to-device copy, 1 kernel launch, 2 dev
 
 from __future__ import annotations
 
-import argparse
 import sys
 import threading
 import time
@@ -27,6 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from loadtest.harness import cli
 
 EDGES = np.array([-(2**63), 2**63 - 1, -1, 0, -(2**63) + 1, 2**63 - 2], dtype=np.int64)
 
@@ -201,13 +202,13 @@ def measure_speed(rows: int, dim: int, batches: list[int], seconds: float) -> li
     return results
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(__spec__, __doc__)
     parser.add_argument("--ops", type=int, default=1_000_000, help="key operations of the correctness check")
     parser.add_argument("--rows", type=int, default=1 << 21, help="rows cached for the speed check")
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=1.0, help="timing per contender and configuration")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from hps_service.cache.backend import device_status
 
     usable, why = device_status()
@@ -225,4 +226,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

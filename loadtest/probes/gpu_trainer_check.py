@@ -9,7 +9,6 @@ weights. Exit status 0 when they do, 1 when one does not, 2 when there is no usa
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from hps_service.config import ModelConfig, TableConfig
 from hps_service.trainer.factory import RunSpec, build_run
 from hps_service.trainer.train import TrainConfig, Trainer
+from loadtest.harness import cli
 
 
 def _run(device: str, precision: str, steps: int, batch: int) -> dict:
@@ -29,11 +29,11 @@ def _run(device: str, precision: str, steps: int, batch: int) -> dict:
     return metrics
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(__spec__, __doc__)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch-size", type=int, default=4096)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA device visible to torch", file=sys.stderr)
         return 2
@@ -54,4 +54,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

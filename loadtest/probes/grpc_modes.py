@@ -38,6 +38,7 @@ from hps_service.config import HPSConfig, load_config
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.tiers.rocksdb.tier import RocksDBTier
+from loadtest.harness import cli
 
 MODES = ("sync", "aio", "aio-inline")
 BATCH, DIM = 1024, 64
@@ -135,8 +136,8 @@ def _wait_ready(proc: subprocess.Popen) -> None:
         raise RuntimeError(f"server did not start: {line} {proc.stderr.read() if proc.stderr else ''}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--serve", choices=MODES, help=argparse.SUPPRESS)
     ap.add_argument("--config", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--rows", type=int, default=100_000)
@@ -145,10 +146,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.serve:
         serve(args.serve, args.config)
-        return
+        return 0
 
     from tests.helpers import free_port
 
@@ -210,7 +211,8 @@ def main() -> None:
         ratio = f"{r['keys_per_s'] / base['keys_per_s']:.2f}x" if base else "-"
         print(f"{mode:<12}{c:>10}{r['keys_per_s']:>14,.0f}{r['p50_ms']:>10.2f}{r['p99_ms']:>10.2f}{ratio:>10}")
     print(json.dumps({f"{m}/{c}": r for (m, c), r in results.items()}))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

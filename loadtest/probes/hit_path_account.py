@@ -9,7 +9,6 @@ rows. Issue 29's account of the difference to the bare gRPC floor starts here (t
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.serve.process import HPSServer
 from hps_service.server.grpc_service import EmbeddingServicer
 from hps_service.server.wire import ResponseBuffer
+from loadtest.harness import cli
 from tests.helpers import free_port
 
 MODEL, TABLE = "demo", "item"
@@ -106,7 +106,7 @@ def measure(batch: int, dim: int, rows: int, calls: int) -> list[tuple[str, floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--rows", type=int, default=100_000)
@@ -124,4 +124,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    cli.run(main)

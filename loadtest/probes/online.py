@@ -7,7 +7,6 @@ without the online options (admission, expiry, publishing in the background), al
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
@@ -17,6 +16,7 @@ from hps_service.config import ModelConfig, TableConfig
 from hps_service.trainer.factory import RunSpec, build_run
 from hps_service.trainer.rowstore import LatestRowStore
 from hps_service.trainer.train import TrainConfig, Trainer
+from loadtest.harness import cli
 
 
 def _run(steps: int, online: bool, holdout: int) -> dict:
@@ -31,12 +31,12 @@ def _run(steps: int, online: bool, holdout: int) -> dict:
     return Trainer(dlrm, data, cfg, publisher=store, model_name="demo").run()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(__spec__, __doc__)
     parser.add_argument("--steps", type=int, default=DemoSettings().steps)
     parser.add_argument("--holdout", type=int, default=10_000)
     parser.add_argument("--throughput-only", action="store_true", help="skip the run without the options")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     out = {}
     for online in ((True,) if args.throughput_only else (False, True)):
@@ -49,7 +49,8 @@ def main() -> None:
         print(json.dumps(out["online" if online else "plain"], indent=1), flush=True)
     if "plain" in out:
         print(f"samples/s with the options / without: {out['online']['samples_per_s'] / out['plain']['samples_per_s']:.2f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

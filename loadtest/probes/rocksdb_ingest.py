@@ -17,8 +17,6 @@ thread pool).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
@@ -31,6 +29,7 @@ import numpy as np
 from rocksdict import BlockBasedOptions, DataBlockIndexType, DBCompressionType, Options
 
 from hps_service.tiers.rocksdb.tier import RocksDBTier
+from loadtest.harness import cli
 
 TABLE = "m.t"
 
@@ -182,8 +181,8 @@ def run_interleaved(chosen: dict[str, list[tuple[str, tuple]]], workdir: Path, r
              "get_us_per_key": statistics.median(gets[n]) / 1024 * 1e6} for n in names]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--dim", type=int, default=64)
     ap.add_argument("--updates", type=int, default=2_000_000, help="rows updated per setting")
@@ -193,8 +192,8 @@ def main() -> None:
     ap.add_argument("--only", default=None, help="comma-separated setting names (substrings) to run")
     ap.add_argument("--interleave", action="store_true", help="all settings at once, batch by batch (caller's "
                     "cost only)")
-    ap.add_argument("--json", type=Path, default=None)
-    args = ap.parse_args()
+    cli.add_json(ap)
+    args = ap.parse_args(argv)
     chosen = {k: v for k, v in SETTINGS.items()
               if args.only is None or any(s.strip() in k for s in args.only.split(","))}
     results = []
@@ -215,8 +214,9 @@ def main() -> None:
                   f"L0 files {r['num-files-at-level0']}, get {r['get_us_per_key']:.2f} us/key; {r['stall']}",
                   flush=True)
     if args.json:
-        args.json.write_text(json.dumps(results, indent=1))
+        cli.write_json(results, args.json)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

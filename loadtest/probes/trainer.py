@@ -11,7 +11,6 @@ ratios, and the CPU seconds each run used (what the wall-clock ratio means only 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -22,11 +21,11 @@ from pathlib import Path
 
 import yaml
 
-from loadtest.harness.cli import REPO
+from loadtest.harness import cli
 
 
 def _write_data(path: Path, rows: int) -> None:
-    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(cli.REPO))
     from tests.trainer.criteo_data import make_rows, write_tsv
 
     write_tsv(path, make_rows(rows, seed=1))
@@ -34,7 +33,7 @@ def _write_data(path: Path, rows: int) -> None:
 
 def _run(nproc: int, args: list[str], out: Path) -> tuple[dict, float]:
     """The run's metrics and the CPU seconds its processes used (user + sys, launcher included)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(cli.REPO)}
     if nproc > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "hps_service.trainer"]
@@ -42,7 +41,7 @@ def _run(nproc: int, args: list[str], out: Path) -> tuple[dict, float]:
         cmd = [sys.executable, "-m", "hps_service.trainer"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run([*cmd, *args, "--metrics-out", str(out)], capture_output=True, text=True, env=env,
-                            cwd=REPO)
+                            cwd=cli.REPO)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         raise SystemExit(f"{nproc}-process run failed:\n{result.stderr[-3000:]}")
@@ -50,14 +49,14 @@ def _run(nproc: int, args: list[str], out: Path) -> tuple[dict, float]:
     return json.loads(out.read_text()), cpu
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(__spec__, __doc__)
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--batch-size", type=int, default=4096)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--experts", type=int, default=4)
     parser.add_argument("--dim", type=int, default=16)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hps-bench-trainer-") as tmp:
         work = Path(tmp)
         data = work / "day_0"
@@ -84,7 +83,8 @@ def main() -> None:
           f"{one['samples_per_cpu_s']:,.0f}, {args.nproc} processes {many['samples_per_cpu_s']:,.0f} ({eff:.2f}x): "
           f"on {args.nproc} idle cores {args.nproc} processes would train {args.nproc * eff:.2f}x as fast. "
           f"Load average now: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)
