@@ -12,7 +12,6 @@ it as a subprocess for the benchmarks.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import signal
@@ -29,7 +28,7 @@ import numpy as np
 
 from hps_service.engine import Source
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
-from loadtest.harness.cli import REPO
+from loadtest.harness import cli
 from loadtest.harness.drivers import LOOKUP_METHOD
 
 _OPTIONS = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1), ("grpc.so_reuseport", 0)]
@@ -104,7 +103,7 @@ class FloorServer:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "loadtest.harness.floor_server", "--port", str(self.port), "--mode", mode,
                  "--batch", str(batch), "--dim", str(dim), "--table", table, "--model", model, *extra],
-                stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                stdout=log, stderr=subprocess.STDOUT, cwd=cli.REPO,
             )
 
     @property
@@ -130,7 +129,7 @@ class FloorServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__spec__, __doc__)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model", default="demo")
     p.add_argument("--table", dest="tables", action="append")
@@ -173,4 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

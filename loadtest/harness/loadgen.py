@@ -16,17 +16,14 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from hps_service.errors import HPSError, InvalidArgumentError, UnavailableError
-from loadtest.harness.cli import RESULTS, write_json
+from loadtest.harness import cli
 from loadtest.harness.report import (
     merge,
     plot_hit_rate,
@@ -185,7 +182,7 @@ def run_sweep(spec: LoadSpec, steps: list[float]) -> list[dict[str, Any]]:
 def save(report: dict[str, Any], sweep: list[dict[str, Any]], out_dir: Path, name: str,
          plots: bool = True) -> list[Path]:
     """Write ``<name>.json`` (the run and the sweep) and its PNG plots into ``out_dir``."""
-    written = [write_json({"run": report, "sweep": sweep}, out_dir / f"{name}.json")]
+    written = [cli.write_json({"run": report, "sweep": sweep}, out_dir / f"{name}.json")]
     if plots:
         written.append(plot_hit_rate(report, out_dir / f"{name}-hit-rate.png"))
         if sweep:
@@ -194,8 +191,7 @@ def save(report: dict[str, Any], sweep: list[dict[str, Any]], out_dir: Path, nam
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m loadtest.harness.loadgen", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = cli.parser(__spec__, __doc__)
     where = p.add_argument_group("server")
     where.add_argument("--target", help="gRPC host:port")
     where.add_argument("--http", dest="http_target", help="REST host:port, for the hit rates of /v1/stats")
@@ -222,7 +218,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     load.add_argument("--timeout", dest="timeout_s", type=float, default=10.0, help="per-call deadline (s)")
     load.add_argument("--seed", type=int, default=1)
     out = p.add_argument_group("output")
-    out.add_argument("--out", type=Path, default=RESULTS, help="directory for JSON and PNG results")
+    out.add_argument("--out", type=Path, default=cli.RESULTS, help="directory for JSON and PNG results")
     out.add_argument("--name", default=None, help="file name stem (default: loadgen-<timestamp>)")
     out.add_argument("--no-plots", action="store_true")
     return p.parse_args(argv)
@@ -230,7 +226,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    console = Console(width=max(Console().width, 150))
+    console = cli.console()
     tables = tuple(args.tables or ["item"])
     steps = [float(s) for s in args.sweep.split(",") if s.strip()]
     name = args.name or time.strftime("loadgen-%Y%m%d-%H%M%S")
@@ -276,4 +272,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from pathlib import Path
 
+from loadtest.harness import cli
 from loadtest.real_data import ml100k
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=ml100k.__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(__spec__, ml100k.__doc__)
     parser.add_argument("--ml100k", type=Path, required=True, help="the directory holding ml-100k.inter/.user/.item")
     parser.add_argument("--test-fraction", type=float, default=0.2)
     parser.add_argument("--validation", action="store_true",
@@ -20,7 +20,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("train_args", nargs="*", help="more hps train options (after --)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     cols = ml100k.load_ml100k(args.ml100k)
     split = int(len(cols["label"]) * (1 - args.test_fraction))
     if args.validation:
@@ -43,7 +43,8 @@ def main() -> None:
         table["ours"] = ml100k.ours(train, tests, work, args)
     print(json.dumps(table, indent=2))
     print(ml100k.markdown(table))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

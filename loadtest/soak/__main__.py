@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
 
-from loadtest.harness.cli import RESULTS
+from loadtest.harness import cli
 from loadtest.soak import run as soak
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=soak.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    parser = cli.parser(__spec__, soak.__doc__)
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of load")
     parser.add_argument("--interval", type=float, default=None, help="seconds per sample (default duration/60, "
                         "between 2 and 30)")
-    parser.add_argument("--out", type=Path, default=RESULTS / "soak")
+    parser.add_argument("--out", type=Path, default=cli.RESULTS / "soak")
     parser.add_argument("--brokers", default=None, help="an existing broker; default: start a local tansu")
     parser.add_argument("--broker-pid", type=int, default=None, help="its pid, to plot its CPU and RSS")
     parser.add_argument("--keys", type=int, default=20_000)
@@ -33,7 +31,7 @@ def main() -> None:
     parser.add_argument("--max-p99-ratio", type=float, default=1.5, help="p99, late / early")
     parser.add_argument("--max-mem-growth", type=float, default=0.05,
                         help="fitted growth of PSS net of memtables and block cache over the last half")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     interval = args.interval or min(30.0, max(2.0, args.duration / 60))
     limits = soak.Limits(max_no_apply_s=args.max_no_apply, min_lookup_ratio=args.min_lookup_ratio,
                     max_p99_ratio=args.max_p99_ratio, max_mem_growth=args.max_mem_growth)
@@ -52,8 +50,8 @@ def main() -> None:
         print(f"  {'ok  ' if check.passed else 'FAIL'} {check.name}: {check.detail}")
     print(f"plot: {result.plot}")
     print("PASS" if result.passed else "FAIL")
-    sys.exit(0 if result.passed else 1)
+    return 0 if result.passed else 1
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)
