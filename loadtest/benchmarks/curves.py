@@ -6,18 +6,14 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from rich.console import Console
 
 from loadtest.harness.embedded import EmbeddedServer
 from loadtest.harness.loadgen import LoadSpec, run_load
-
-if TYPE_CHECKING:
-    from loadtest.bench import Plan
-
-MODEL, TABLE, DIM = "demo", "item", 64
+from loadtest.harness.plan import DIM, MODEL, TABLE, Plan
 
 
 def curve_point(server: EmbeddedServer, p: Plan, batch: int = 1024) -> dict[str, Any]:
