@@ -39,7 +39,6 @@ import argparse
 import os
 import re
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,14 +50,11 @@ from typing import Any
 import numpy as np
 from rich.console import Console
 
-from hps_service.config import load_config
-from hps_service.serve.process import build_engine
-from hps_service.tiers.base import table_id
-from loadtest.benchmarks import served
+from loadtest.benchmarks import l3, served
 from loadtest.benchmarks.curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
 from loadtest.harness.cli import REPO, RESULTS, write_json
 from loadtest.harness.embedded import EmbeddedServer
-from loadtest.harness.plan import DIM, MODEL, TABLE, Plan, plan
+from loadtest.harness.plan import DIM, Plan, plan
 from loadtest.harness.report import machine
 from loadtest.harness.summary import curves_table, ratio_table
 from loadtest.harness.workload import load_keys
@@ -75,41 +71,6 @@ def bench_l1(p: Plan, console: Console) -> dict[str, Any]:
              "lookup_us": r["TableCache.lookup"] * 1e6, "ratio_query": r["gather"] / r["query"],
              "ratio_lookup": r["gather"] / r["TableCache.lookup"]} for r in results]
     return {"per_batch": rows, "ratio_min_lookup": min(r["ratio_lookup"] for r in rows), "target": 0.5}
-
-
-# ---------------------------------------------------------------------------------------------- 3. L3
-def bench_l3(p: Plan, db_path: Path, keys: np.ndarray) -> dict[str, Any]:
-    """engine.lookup with no L1 and no volatile tier vs rocksdict multi-get on the very column family it reads,
-    batches of 1024 distinct present keys, interleaved and alternated, after warming both."""
-    config = load_config(None, cache={"enabled": False}, volatile={"type": "disabled"},
-                         persistent={"type": "rocksdb", "path": str(db_path)},
-                         models=[{"name": MODEL, "tables": [{"name": TABLE, "dim": DIM}]}])
-    engine = build_engine(config)
-    try:
-        cf = engine.persistent._cfs[table_id(MODEL, TABLE)]  # the same store and options: isolates our overhead
-        rng = np.random.default_rng(5)
-        batches = [keys[rng.choice(keys.shape[0], 1024, replace=False)] for _ in range(p.l3_batches)]
-        encoded = [b.astype(">i8").view("V8").tolist() for b in batches]
-        for b, e in zip(batches, encoded):
-            engine.lookup(MODEL, TABLE, b)
-            cf.get(e)
-        t_ours, t_raw = [], []
-        for i, (b, e) in enumerate(zip(batches, encoded)):
-            for ours_turn in (True, False) if i % 2 == 0 else (False, True):  # alternate who goes first
-                t = time.perf_counter()
-                if ours_turn:
-                    engine.lookup(MODEL, TABLE, b)
-                    t_ours.append(time.perf_counter() - t)
-                else:
-                    cf.get(e)
-                    t_raw.append(time.perf_counter() - t)
-        sources = engine.lookup(MODEL, TABLE, batches[0]).sources
-        del cf
-    finally:
-        engine.close()
-    ours, raw = statistics.median(t_ours), statistics.median(t_raw)
-    return {"ours_ms": ours * 1e3, "raw_ms": raw * 1e3, "ratio": raw / ours, "target": 0.67,
-            "all_from_persistent": bool((sources == 3).all()), "batches": p.l3_batches}
 
 
 # ---------------------------------------------------------------------------------------------- 4. memory
@@ -248,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                 base.stop()
         if "l3" not in skip:
             console.rule("3. L3 miss path vs raw rocksdict multi-get")
-            res["l3"] = bench_l3(p, base.workdir / "rocksdb", load_keys(base.keys_file))
+            res["l3"] = l3.part(p, base.workdir / "rocksdb", load_keys(base.keys_file))
         if "memory" not in skip:
             console.rule("4. memory per row")
             res["memory"] = bench_memory(p)
