@@ -36,9 +36,7 @@
 from __future__ import annotations
 
 import argparse
-import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,80 +48,12 @@ from rich.console import Console
 
 from loadtest.benchmarks import l3, memory, served
 from loadtest.benchmarks.curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
-from loadtest.harness.cli import REPO, RESULTS, write_json
+from loadtest.harness.cli import RESULTS, write_json
 from loadtest.harness.embedded import EmbeddedServer
-from loadtest.harness.plan import DIM, Plan, plan
+from loadtest.harness.plan import DIM, plan
 from loadtest.harness.report import machine
 from loadtest.harness.summary import curves_table, ratio_table
 from loadtest.harness.workload import load_keys
-
-
-# ---------------------------------------------------------------------------------------------- 1. L1
-def bench_l1(p: Plan, console: Console) -> dict[str, Any]:
-    """loadtest.benchmarks.cache's interleaved medians; ratio = gather time / our time (speed relative to the gather)."""
-    from loadtest.benchmarks import cache
-
-    results = cache.run(rows=1 << 17, dim=DIM, ways=32, batches=list(p.batches), repeats=p.l1_repeats,
-                              budget_s=p.l1_budget_s)
-    rows = [{"batch": r["batch"], "gather_us": r["gather"] * 1e6, "query_us": r["query"] * 1e6,
-             "lookup_us": r["TableCache.lookup"] * 1e6, "ratio_query": r["gather"] / r["query"],
-             "ratio_lookup": r["gather"] / r["TableCache.lookup"]} for r in results]
-    return {"per_batch": rows, "ratio_min_lookup": min(r["ratio_lookup"] for r in rows), "target": 0.5}
-
-
-# ---------------------------------------------------------------------------------------------- 6. freshness
-def bench_freshness(p: Plan, console: Console) -> dict[str, Any]:
-    """loadtest.benchmarks.updates (owned by the updates work) as a subprocess; its printed freshness lines parsed."""
-    cmd = [sys.executable, "-m", "loadtest.benchmarks.updates", "--rows", "50000", "--samples", str(p.freshness_samples)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                              cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"run": False, "reason": "loadtest.benchmarks.updates did not finish within 300 s"}
-    if proc.returncode != 0:
-        return {"run": False, "reason": f"loadtest.benchmarks.updates exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
-    text = proc.stdout
-    match = re.search(r"served by engine\.lookup p50 ([\d.]+) ms, p99 ([\d.]+) ms", text)
-    lookups = re.search(r"lookups ([\d,]+) keys/s meanwhile", text)
-    return {"run": True, "p50_ms": float(match.group(1)) if match else None,
-            "p99_ms": float(match.group(2)) if match else None,
-            "lookup_keys_per_s_meanwhile": float(lookups.group(1).replace(",", "")) if lookups else None,
-            "target_p99_ms": 1000.0, "output": text.strip().splitlines()}
-
-
-# ---------------------------------------------------------------------------------------------- 7. ingest
-def bench_ingest(p: Plan, workdir: Path, console: Console, profile: bool) -> dict[str, Any]:
-    """loadtest.benchmarks.ingest on a table of the plan's rows: lookups with and without 10k rows/s of updates."""
-    from loadtest.benchmarks import ingest
-
-    result = ingest.run(rows=p.rows, rate=10_000, rounds=p.rounds + 1, measure_s=p.measure_s, workers=p.workers,
-                        concurrency=p.concurrency, profile=profile, persistent={}, workdir=workdir / "ingest",
-                        quiet=False)
-    console.print(f"  lookups with 10,000 rows/s of ingest: {result['ratio']:.2f}x of those without")
-    return result
-
-
-# ---------------------------------------------------------------------------------------------- 9. replicas
-def bench_replicas(quick: bool) -> dict[str, Any]:
-    """loadtest.benchmarks.bootstrap as a subprocess (its own S3 server and broker); its printed lines parsed."""
-    rows, catch_up = (200_000, 50_000) if quick else (1_000_000, 200_000)
-    cmd = [sys.executable, "-m", "loadtest.benchmarks.bootstrap", "--rows", str(rows), "--catch-up-rows", str(catch_up)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
-                              cwd=REPO)
-    except subprocess.TimeoutExpired:
-        return {"run": False, "reason": "loadtest.benchmarks.bootstrap did not finish within 900 s"}
-    if proc.returncode != 0:
-        return {"run": False, "reason": f"loadtest.benchmarks.bootstrap exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
-    text = proc.stdout
-    boot = re.search(r"snapshot \(([\d.]+) MiB .*?: ([\d.]+) s; hps import of the same rows: ([\d.]+) s", text)
-    up = re.search(r"rows on the topic: ([\d.]+) s \(([\d,]+) rows/s\)", text)
-    return {"run": True, "rows": rows, "catch_up_rows": catch_up,
-            "bootstrap_s": float(boot.group(2)) if boot else None, "import_s": float(boot.group(3)) if boot else None,
-            "snapshot_mib": float(boot.group(1)) if boot else None,
-            "catch_up_s": float(up.group(1)) if up else None,
-            "catch_up_rows_per_s": float(up.group(2).replace(",", "")) if up else None,
-            "output": text.strip().splitlines()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,8 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="hps-bench-"))
     try:
         if "l1" not in skip:
+            from loadtest.benchmarks import cache
+
             console.rule("1. L1 hit path vs raw NumPy gather (loadtest.benchmarks.cache)")
-            res["l1"] = bench_l1(p, console)
+            res["l1"] = cache.part(p)
         base = EmbeddedServer(workdir / "base", rows=p.rows, table_dim=DIM,
                               overrides={"cache": {"capacity": args.cache_fraction}})
         if {"grpc", "curves", "l3"} - skip:
@@ -182,18 +114,24 @@ def main(argv: list[str] | None = None) -> int:
             curves["table_sizes"] = curve_table_sizes(p, workdir, at_1024 or {}, console) if at_1024 else []
             res["curves_png"] = str(plot_curves(curves, args.out / "bench-cost-curves.png"))
         if "freshness" not in skip:
+            from loadtest.benchmarks import updates
+
             console.rule("6. freshness under load (loadtest.benchmarks.updates)")
-            res["freshness"] = bench_freshness(p, console)
+            res["freshness"] = updates.part(p)
         if "ingest" not in skip:
+            from loadtest.benchmarks import ingest
+
             console.rule("7. lookups under sustained ingest (loadtest.benchmarks.ingest)")
-            res["ingest"] = bench_ingest(p, workdir, console, args.profile)
+            res["ingest"] = ingest.part(p, workdir, console, args.profile)
         if "shards" not in skip:
             from loadtest.benchmarks import shards
 
             res["shards"] = shards.run(args.quick, console)
         if "replicas" not in skip:
+            from loadtest.benchmarks import bootstrap
+
             console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up (loadtest.benchmarks.bootstrap)")
-            res["replicas"] = bench_replicas(args.quick)
+            res["replicas"] = bootstrap.part(args.quick)
         if "node" not in skip:
             from loadtest.benchmarks import node
 

@@ -13,11 +13,15 @@ Run: ``python -m loadtest.benchmarks.bootstrap [--rows 1000000] [--dim 64] [--ca
 from __future__ import annotations
 
 import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -91,6 +95,28 @@ def bench_catch_up(rows: int, dim: int, work: Path) -> dict[str, float]:
         engine.close()
     assert caught_up and held == rows, (caught_up, held)
     return {"rows": rows, "dim": dim, "catch_up_s": catch_up_s, "rows_per_s": rows / catch_up_s}
+
+
+def part(quick: bool) -> dict[str, Any]:
+    """Part 9 of ``make bench``: this module as a subprocess (its own S3 server and broker); its printed lines
+    parsed."""
+    rows, catch_up = (200_000, 50_000) if quick else (1_000_000, 200_000)
+    cmd = [sys.executable, "-m", __spec__.name, "--rows", str(rows), "--catch-up-rows", str(catch_up)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, cwd=cli.REPO)
+    except subprocess.TimeoutExpired:
+        return {"run": False, "reason": f"{__spec__.name} did not finish within 900 s"}
+    if proc.returncode != 0:
+        return {"run": False, "reason": f"{__spec__.name} exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+    text = proc.stdout
+    boot = re.search(r"snapshot \(([\d.]+) MiB .*?: ([\d.]+) s; hps import of the same rows: ([\d.]+) s", text)
+    up = re.search(r"rows on the topic: ([\d.]+) s \(([\d,]+) rows/s\)", text)
+    return {"run": True, "rows": rows, "catch_up_rows": catch_up,
+            "bootstrap_s": float(boot.group(2)) if boot else None, "import_s": float(boot.group(3)) if boot else None,
+            "snapshot_mib": float(boot.group(1)) if boot else None,
+            "catch_up_s": float(up.group(1)) if up else None,
+            "catch_up_rows_per_s": float(up.group(2).replace(",", "")) if up else None,
+            "output": text.strip().splitlines()}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,12 +31,14 @@ from typing import Any
 
 import httpx
 import numpy as np
+from rich.console import Console
 
 from hps_service.runtime.processes import process_tree
 from hps_service.updates import Publisher
 from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer
 from loadtest.harness.loadgen import LoadSpec, process_cpu_s, run_load
+from loadtest.harness.plan import Plan
 from loadtest.harness.workload import load_keys
 
 MODEL, TABLE, DIM = "demo", "item", 64
@@ -310,6 +312,15 @@ def _profile(spec: LoadSpec, ingest: Ingest, pid: int, workdir: Path, say) -> di
     say(f"  GIL held {result['gil_busy']:.0%} of the time during lookups + ingest (py-spy --gil); by thread: "
         + ", ".join(f"{k} {v:.0%}" for k, v in result["threads"].items() if v >= 0.01))
     say("  update consumer's GIL time: " + ", ".join(f"{k} {v:.0%}" for k, v in result["consumer_steps"].items()))
+    return result
+
+
+def part(p: Plan, workdir: Path, console: Console, profile: bool) -> dict[str, Any]:
+    """Part 7 of ``make bench``: :func:`run` on a table of the plan's rows, lookups with and without 10k rows/s of
+    updates."""
+    result = run(rows=p.rows, rate=10_000, rounds=p.rounds + 1, measure_s=p.measure_s, workers=p.workers,
+                 concurrency=p.concurrency, profile=profile, persistent={}, workdir=workdir / "ingest", quiet=False)
+    console.print(f"  lookups with 10,000 rows/s of ingest: {result['ratio']:.2f}x of those without")
     return result
 
 

@@ -10,12 +10,16 @@ Run: ``python -m loadtest.benchmarks.updates --rows 200000 --dim 64``. In one ru
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from typing import Any
 
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
@@ -27,6 +31,7 @@ from hps_service.updates import Publisher, UpdateConsumer
 from hps_service.updates.consumer import _CONSUMER_DEFAULTS
 from hps_service.updates.message import decode_update, rows_per_message
 from loadtest.harness import cli
+from loadtest.harness.plan import Plan
 
 TABLE = "item"
 
@@ -149,6 +154,25 @@ def freshness(pub: Publisher, engine: LookupEngine, model: str, key_space: int, 
 
 def pct(a: np.ndarray, q: float) -> float:
     return float(np.percentile(a, q)) * 1e3 if a.size else float("nan")
+
+
+def part(p: Plan) -> dict[str, Any]:
+    """Part 6 of ``make bench``: this module as a subprocess (reported as not run if it fails); its printed freshness
+    lines parsed."""
+    cmd = [sys.executable, "-m", __spec__.name, "--rows", "50000", "--samples", str(p.freshness_samples)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False, cwd=cli.REPO)
+    except subprocess.TimeoutExpired:
+        return {"run": False, "reason": f"{__spec__.name} did not finish within 300 s"}
+    if proc.returncode != 0:
+        return {"run": False, "reason": f"{__spec__.name} exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
+    text = proc.stdout
+    match = re.search(r"served by engine\.lookup p50 ([\d.]+) ms, p99 ([\d.]+) ms", text)
+    lookups = re.search(r"lookups ([\d,]+) keys/s meanwhile", text)
+    return {"run": True, "p50_ms": float(match.group(1)) if match else None,
+            "p99_ms": float(match.group(2)) if match else None,
+            "lookup_keys_per_s_meanwhile": float(lookups.group(1).replace(",", "")) if lookups else None,
+            "target_p99_ms": 1000.0, "output": text.strip().splitlines()}
 
 
 def main(argv: list[str] | None = None) -> int:
