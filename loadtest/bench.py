@@ -1,25 +1,30 @@
 """The benchmark suite (``make bench``): every ratio measured side by side in one run on this machine.
 
 1. L1 hit lookup in process vs a raw NumPy gather (loadtest.benchmarks.cache), batch 256..16384; target >= 0.5.
-2. Served over gRPC from other processes (batch 1024, dim 64, zipf(1.05), hot set cached after a warm-up):
-   vs the transport floor (loadtest.harness.floor_server, same proto and payload, same calls in flight), targets (issue 29)
-   >= 0.7x keys/s and <= 2x server CPU per call; vs a plain Redis Cluster client (hash-tagged MGET per master, all
-   sent before reading), target >= 1.2x keys/s (issue 29; issue 2's 0.8x and 3.5x before).
-3. L3 miss path (no L1, no volatile tier) vs raw rocksdict multi-get of the same keys on the same store; >= 0.67x.
-4. Bytes per row held by the in-process tiers (hash map, L1 arrays) over the raw row bytes; target <= 1.3x.
-5. Cost curves over gRPC: keys/s and p99 vs batch size, table size and cache fraction (PNG).
-6. Freshness under load: loadtest.benchmarks.updates run beside the lookup numbers (reported as not run if it fails).
+2. Served over gRPC from other processes (loadtest.benchmarks.served; batch 1024, dim 64, zipf(1.05), hot set
+   cached after a warm-up): vs the transport floor (loadtest.harness.floor_server, same proto and payload, same calls
+   in flight), targets (issue 29) >= 0.7x keys/s and <= 2x server CPU per call; vs a plain Redis Cluster client
+   (hash-tagged MGET per master, all sent before reading), target >= 1.2x keys/s (issue 29; issue 2's 0.8x and 3.5x
+   before).
+3. L3 miss path (loadtest.benchmarks.l3; no L1, no volatile tier) vs raw rocksdict multi-get of the same keys on
+   the same store; >= 0.67x.
+4. Bytes per row held by the in-process tiers (loadtest.benchmarks.memory: hash map, L1 arrays) over the raw row
+   bytes; target <= 1.3x.
+5. Cost curves over gRPC (loadtest.benchmarks.curves): keys/s and p99 vs batch size, table size and cache fraction
+   (PNG).
+6. Freshness under load: loadtest.benchmarks.updates run beside the lookup numbers (reported as not run if it
+   fails).
 7. Lookups under sustained ingest (loadtest.benchmarks.ingest): gRPC keys/s with vs without 10,000 rows/s of Kafka
    updates applied meanwhile, interleaved rounds; target >= 0.8x. With --profile also who holds the GIL meanwhile.
-8. Sharding (loadtest.benchmarks.shards): fan-out keys/s and p99 through the client against 1, 2 and 4 shards beside an
-   unsharded server (batch 1024 and 4096), and the import of a 1M-row table into 2 shards vs 1.
+8. Sharding (loadtest.benchmarks.shards): fan-out keys/s and p99 through the client against 1, 2 and 4 shards
+   beside an unsharded server (batch 1024 and 4096), and the import of a 1M-row table into 2 shards vs 1.
 9. Replicas: bootstrap of a table from a snapshot in S3 vs ``hps import`` of the same rows (target <= 1.5x), and the
    catch-up of a replica behind rows on the topic (loadtest.benchmarks.bootstrap).
 10-11. A node (loadtest.benchmarks.node): server CPU per all-hit call and keys/s vs the floor with as many processes
    (<= 1.25x, >= 0.85x), workers 1 vs the CPUs and vs a Redis Cluster of as many masters (>= 1.2x), PSS per worker
    count; colocated reads: LocalClient vs gRPC (>= 10x) vs the raw gather (>= 0.3x).
-12. Tracing (loadtest.benchmarks.tracing): server CPU per all-hit call with server.tracing off vs the base commit's code
-   (no cost when off), and on (unsampled, every call sampled) vs off.
+12. Tracing (loadtest.benchmarks.tracing): server CPU per all-hit call with server.tracing off vs the base
+   commit's code (no cost when off), and on (unsampled, every call sampled) vs off.
 13. Quantised rows (loadtest.benchmarks.storage, storage_grpc, storage_cliff): memory and disk per row of
    fp16 / bf16 / int8 vs fp32 (<= 0.55x / 0.35x), gRPC keys/s and server CPU (>= 0.95x), wire bytes with
    precision=stored, and the table-size cliff of one hash-map budget (int8 >= 2.9x fp32's); 13d: a served table
@@ -35,20 +40,16 @@
 
 from __future__ import annotations
 
-import argparse
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-
 from loadtest.benchmarks import l3, memory, served
 from loadtest.benchmarks.curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
-from loadtest.harness.cli import RESULTS, write_json
+from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer
 from loadtest.harness.plan import DIM, plan
 from loadtest.harness.report import machine
@@ -57,8 +58,7 @@ from loadtest.harness.workload import load_keys
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--quick", action="store_true", help="smaller tables and shorter runs (~2-3 min)")
     ap.add_argument("--table-sizes", default=None, help="rows of the table-size curve, e.g. 1000000,5000000,20000000")
     ap.add_argument("--profile", action="store_true", help="py-spy the server under the gRPC load")
@@ -67,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
                          "node,tracing,storage")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    cli.add_out(ap)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     p = plan(args.quick, args.table_sizes)
-    console = Console(width=max(Console().width, 150))
+    console = cli.console()
     started = time.perf_counter()
     res: dict[str, Any] = {"machine": machine(), "plan": asdict(p), "quick": args.quick}
     workdir = Path(tempfile.mkdtemp(prefix="hps-bench-"))
@@ -92,18 +92,19 @@ def main(argv: list[str] | None = None) -> int:
             base.start()
             try:
                 if "grpc" not in skip:
-                    console.rule("2. served over gRPC vs the transport floor and Redis Cluster")
+                    console.rule("2. served over gRPC vs the transport floor and Redis Cluster "
+                                 "(loadtest.benchmarks.served)")
                     res["grpc"] = served.part(p, base, workdir, console, args.profile, args.cache_fraction)
                 if "curves" not in skip:
-                    console.rule("5. cost curves: batch size")
+                    console.rule("5. cost curves: batch size (loadtest.benchmarks.curves)")
                     res.setdefault("curves", {})["batches"] = curve_batches(base, p)
             finally:
                 base.stop()
         if "l3" not in skip:
-            console.rule("3. L3 miss path vs raw rocksdict multi-get")
+            console.rule("3. L3 miss path vs raw rocksdict multi-get (loadtest.benchmarks.l3)")
             res["l3"] = l3.part(p, base.workdir / "rocksdb", load_keys(base.keys_file))
         if "memory" not in skip:
-            console.rule("4. memory per row")
+            console.rule("4. memory per row (loadtest.benchmarks.memory)")
             res["memory"] = memory.part(p)
         if "curves" not in skip:
             curves = res.setdefault("curves", {})
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         if "replicas" not in skip:
             from loadtest.benchmarks import bootstrap
 
-            console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up (loadtest.benchmarks.bootstrap)")
+            console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up "
+                         "(loadtest.benchmarks.bootstrap)")
             res["replicas"] = bootstrap.part(args.quick)
         if "node" not in skip:
             from loadtest.benchmarks import node
@@ -148,25 +150,28 @@ def main(argv: list[str] | None = None) -> int:
 
             console.rule("13. quantised rows: memory, disk and lookup speed per format (loadtest.benchmarks.storage)")
             res["storage"] = storage.run(200_000 if args.quick else 1_000_000, 64, console)
-            console.rule("13b. quantised rows over gRPC: keys/s, server CPU and wire bytes (loadtest.benchmarks.storage_grpc)")
+            console.rule("13b. quantised rows over gRPC: keys/s, server CPU and wire bytes "
+                         "(loadtest.benchmarks.storage_grpc)")
             res["storage_grpc"] = storage_grpc.run(100_000 if args.quick else 1_000_000, console)
-            console.rule("13c. quantised rows: the table-size cliff of one hash-map budget (loadtest.benchmarks.storage_cliff)")
+            console.rule("13c. quantised rows: the table-size cliff of one hash-map budget "
+                         "(loadtest.benchmarks.storage_cliff)")
             res["storage_cliff"] = {dim: storage_cliff.run(8 if args.quick else 64, dim, console)
                                     for dim in (64, 128)}
             from loadtest.benchmarks import convert
 
-            console.rule("13d. a served table converted to int8: copy rate, lookups meanwhile (loadtest.benchmarks.convert)")
+            console.rule("13d. a served table converted to int8: copy rate, lookups meanwhile "
+                         "(loadtest.benchmarks.convert)")
             res["storage_convert"] = convert.run(200_000 if args.quick else 1_000_000, 64, console)
             from loadtest.benchmarks import versions
 
             console.rule("13e. model versions: a label switch across 3 replicas, memory a dropped version frees "
                          "(loadtest.benchmarks.versions)")
             res["versions"] = versions.run(200_000 if args.quick else 1_000_000, 64, 4 if args.quick else 10,
-                                                 console)
+                                           console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
-        path = write_json(res, args.out / time.strftime("bench-%Y%m%d-%H%M%S.json"))
+        path = cli.write_result(res, args.out, "bench")
         shutil.copyfile(path, args.out / "bench-latest.json")
     console.print(ratio_table(res))
     if res.get("curves"):
@@ -194,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)
