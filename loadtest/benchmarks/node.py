@@ -36,7 +36,6 @@ from typing import Any
 
 import numpy as np
 from rich.console import Console
-from rich.table import Table
 
 from hps_service.runtime.cpus import usable_cpus
 from hps_service.runtime.processes import process_tree, pss_bytes
@@ -225,30 +224,23 @@ def bench_nodes(p: NodePlan, workdir: Path, console: Console) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- report
-def table(res: dict[str, Any]) -> Table:
-    t = Table(title="10-11. a node's worker processes and colocated reads (ratios measured side by side)",
-              header_style="bold")
-    for col in ("benchmark", "ours", "baseline", "ratio", "target", "met"):
-        t.add_column(col, justify="left" if col == "benchmark" else "right")
-
-    def row(name: str, ours: str, base: str, ratio: float | None, target: str, ok: bool | None) -> None:
-        t.add_row(name, ours, base, "-" if ratio is None else f"{ratio:.2f}x", target,
-                  "-" if ok is None else ("[green]yes[/]" if ok else "[red]no[/]"))
-
+def table(res: dict[str, Any]) -> cli.RatioTable:
+    t = cli.RatioTable("10-11. a node's worker processes and colocated reads (ratios measured side by side)")
+    row = t.row
     for w, e in res.get("by_workers", {}).items():
         o, f = e["ours"], e["floor_sync"]
         row(f"10a. server CPU per all-hit call, workers {w} vs floor ({w} proc.)", f"{o['server_cpu_ms_per_call']:.2f} ms",
-            f"{f['server_cpu_ms_per_call']:.2f} ms", e["cpu_vs_floor"], "<= 1.25", e["cpu_vs_floor"] <= 1.25)
+            f"{f['server_cpu_ms_per_call']:.2f} ms", e["cpu_vs_floor"], cli.at_most(1.25))
         hit = f", L1 hits {o['l1_hit_rate']:.4f}" if o.get("l1_hit_rate") is not None else ""
         row(f"10a. keys/s b1024 all-hit, workers {w} vs thread-pool floor", f"{o['keys_per_s'] / 1e6:.2f} M p99 "
-            f"{o['p99_ms']:.1f} ms{hit}", f"{f['keys_per_s'] / 1e6:.2f} M", e["keys_vs_floor"], ">= 0.85",
-            e["keys_vs_floor"] >= 0.85)
-        row("    vs aio floor", "", f"{e['floor_aio']['keys_per_s'] / 1e6:.2f} M", e["keys_vs_floor_aio"], "-", None)
+            f"{o['p99_ms']:.1f} ms{hit}", f"{f['keys_per_s'] / 1e6:.2f} M", e["keys_vs_floor"],
+            cli.at_least(0.85))
+        row("    vs aio floor", "", f"{e['floor_aio']['keys_per_s'] / 1e6:.2f} M", e["keys_vs_floor_aio"])
         if e.get("redis"):
             row(f"10b. keys/s workers {w} vs Redis Cluster, {w} masters", "", f"{e['redis']['keys_per_s'] / 1e6:.2f} M "
-                f"p99 {e['redis']['p99_ms']:.1f} ms", e["keys_vs_redis"], ">= 1.2", e["keys_vs_redis"] >= 1.2)
+                f"p99 {e['redis']['p99_ms']:.1f} ms", e["keys_vs_redis"], cli.at_least(1.2))
         row(f"10b. keys/s workers {w} vs workers {next(iter(res['by_workers']))}", f"{o['keys_per_s'] / 1e6:.2f} M", "",
-            e["keys_vs_first"], "grows", None)
+            e["keys_vs_first"], "grows")
         row(f"10c. server PSS, workers {w} ({e['processes']} processes)", f"{e['pss_bytes'] / 2**20:.0f} MiB", "",
             e["pss_vs_first"], "<= 1.15 (2 vs 1)", None if w == 1 else e["pss_vs_first"] <= 1.15)
         if e.get("idle_streams"):
@@ -258,19 +250,18 @@ def table(res: dict[str, Any]) -> Table:
         r, us = loc["keys_per_s"], loc["us_per_call"]
         row("11. LocalClient vs HPSClient over gRPC, 1024 L1 hits", f"{r['local'] / 1e6:.2f} M keys/s "
             f"({us['local']:.0f} us)", f"{r['grpc'] / 1e6:.2f} M ({us['grpc']:.0f} us)", loc["local_vs_grpc"],
-            ">= 10", loc["local_vs_grpc"] >= 10)
+            cli.at_least(10))
         row("11. LocalClient vs raw NumPy gather", "", f"{r['gather'] / 1e6:.2f} M ({us['gather']:.0f} us)",
-            loc["local_vs_gather"], ">= 0.3", loc["local_vs_gather"] >= 0.3)
+            loc["local_vs_gather"], cli.at_least(0.3))
         if loc.get("local_vs_redis"):
             row("11. LocalClient vs Redis Cluster client", "", f"{r['redis'] / 1e6:.2f} M ({us['redis']:.0f} us)",
-                loc["local_vs_redis"], "-", None)
+                loc["local_vs_redis"])
     for size in res.get("local_sizes") or []:
-        met = size["local_vs_gather"] >= size["target"]
         row(f"11e. LocalClient(out=) vs raw gather, batch {size['batch']} ({size['all_hit_batches']:.0%} of the "
             f"batches all L1 hits)", f"{size['us']['local']:.1f} us",
-            f"{size['us']['gather']:.1f} us", size["local_vs_gather"], f">= {size['target']}", met)
+            f"{size['us']['gather']:.1f} us", size["local_vs_gather"], cli.at_least(size["target"]))
         row("     its bare L1 query vs the gather (the client's limit)", f"{size['us']['query']:.1f} us", "",
-            size["query_vs_gather"], "-", None)
+            size["query_vs_gather"])
     return t
 
 

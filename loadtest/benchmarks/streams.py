@@ -20,7 +20,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from rich.table import Table
 
 from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer, start_node
@@ -96,12 +95,13 @@ def _p99(report: dict[str, Any]) -> float:
     return float("inf") if p99 is None else p99
 
 
-def report_row(workers: int, res: dict[str, Any]) -> tuple[str, str, str, float, str, bool]:
+def report_row(workers: int, res: dict[str, Any]) -> tuple[str, str, str, float, cli.Target, bool]:
     """The benchmark row (name, ours, baseline, ratio, target, met) of :func:`measure`'s result."""
     errors = res["errors_with_streams"]
     return (f"10d. unary p99, workers {workers}, {res['streams']} idle streams open vs none",
             f"{res['p99_ms_with']:.1f} ms" + (f", {errors} errors" if errors else ""),
-            f"{res['p99_ms_without']:.1f} ms", res["ratio"], f"<= {TARGET}", res["ratio"] <= TARGET and not errors)
+            f"{res['p99_ms_without']:.1f} ms", res["ratio"], cli.at_most(TARGET),
+            res["ratio"] <= TARGET and not errors)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = args.rows or (50_000 if args.quick else 200_000)
     measure_s, rounds = (3.0, 2) if args.quick else (6.0, 3)
     console = cli.console()
-    t = Table(title="unary p99 with idle streams open", header_style="bold")
-    for col in ("benchmark", "ours", "baseline", "ratio", "target", "met"):
-        t.add_column(col, justify="left" if col == "benchmark" else "right")
+    t = cli.RatioTable("unary p99 with idle streams open")
     workdir = Path(tempfile.mkdtemp(prefix="hps-bench-streams-"))
     try:
         server = EmbeddedServer(workdir / "node", rows=rows, table_dim=64, overrides={
@@ -133,8 +131,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = measure(spec, 2 * w, rounds)
             finally:
                 server.stop()
-            name, ours, base, ratio, target, ok = report_row(w, res)
-            t.add_row(name, ours, base, f"{ratio:.2f}x", target, "[green]yes[/]" if ok else "[red]no[/]")
+            t.row(*report_row(w, res))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     console.print(t)
