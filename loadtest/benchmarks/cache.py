@@ -32,6 +32,8 @@ from hps_service.jit.prefetch import prefetch
 from loadtest.harness import cli
 from loadtest.harness.plan import DIM, Plan
 
+#: The speed of TableCache.lookup relative to the raw gather (gather time / its time).
+TARGET = cli.at_least(0.5)
 #: Different batches each contender cycles through (the same ones for every contender).
 DISTINCT_BATCHES = 64
 
@@ -165,8 +167,7 @@ def report(results: list[dict]) -> None:
     at_1024 = next((r for r in results if r["batch"] == 1024 and r["distinct"] > 1), None)
     if at_1024 is not None:
         ratio = at_1024["gather"] / at_1024["TableCache.lookup"]
-        verdict = "meets" if ratio >= 0.5 else "misses"
-        print(f"batch 1024: TableCache.lookup speed = {ratio:.2f}x the raw gather ({verdict} the >= 0.5 target); "
+        print(f"batch 1024: TableCache.lookup speed vs the raw gather {cli.judged(ratio, TARGET)}; "
               f"the bare compiled query {at_1024['gather'] / at_1024['query']:.2f}x")
 
 
@@ -178,7 +179,7 @@ def part(p: Plan) -> dict[str, Any]:
     rows = [{"batch": r["batch"], "gather_us": r["gather"] * 1e6, "query_us": r["query"] * 1e6,
              "lookup_us": r["TableCache.lookup"] * 1e6, "ratio_query": r["gather"] / r["query"],
              "ratio_lookup": r["gather"] / r["TableCache.lookup"]} for r in results]
-    return {"per_batch": rows, "ratio_min_lookup": min(r["ratio_lookup"] for r in rows), "target": 0.5}
+    return {"per_batch": rows, "ratio_min_lookup": min(r["ratio_lookup"] for r in rows), "target": TARGET.bound}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
                   json.loads(args.persistent), Path(tmp), publish_every_s=args.publish_every)
     print(f"lookups with {args.rate:,} rows/s of ingest ({res['applied_rows_per_s']:,.0f} applied/s): "
           f"{res['keys_per_s_ingest'] / 1e6:.3f} M keys/s vs {res['keys_per_s_idle'] / 1e6:.3f} M keys/s without: "
-          f"ratio {res['ratio']:.2f}x (target >= {res['target']})")
+          f"ratio {cli.judged(res['ratio'], cli.at_least(res['target']))}")
     if args.json:
         cli.write_json(res, args.json)
     return 0

@@ -87,9 +87,8 @@ def run(rows: int, dim: int, console: Console, rounds: int = 30) -> dict[str, An
             speed_x = base["lookup_us"] / f["lookup_us"]
             f.update(memory_x=mem_x, disk_x=disk_x, speed_x=speed_x)
             target = TARGETS.get(storage)
-            verdict = "" if target is None else (f"  target memory <= {target}x: "
-                                                  f"{'met' if mem_x <= target else 'MISSED'}; "
-                                                  f"disk: {'met' if disk_x <= target else 'MISSED'}")
+            verdict = "" if target is None else (f"  memory {cli.judged(mem_x, cli.at_most(target))}, "
+                                                  f"disk {cli.judged(disk_x, cli.at_most(target))}")
             console.print(f"  {storage}: {f['memory_per_row']:.0f} B ({mem_x:.2f}x), disk {f['disk_per_row']:.0f} B "
                           f"({disk_x:.2f}x), lookup {f['lookup_us']:.0f} us ({speed_x:.2f}x fp32's speed; L1 held "
                           f"{f['l1_rows']:,}){verdict}")

@@ -81,11 +81,10 @@ def run(budget_mb: int, dim: int, console: Console) -> dict[str, Any]:
         cells = [f"{s} {out['curve'][s][n]['volatile_share']:6.1%} from the hash map, "
                  f"{out['curve'][s][n]['keys_per_s'] / 1e6:5.2f} M keys/s" for s in FORMATS]
         console.print(f"  {n:>9,} rows: " + " | ".join(cells))
-    met = out["cliff_x"] >= TARGET
     console.print(f"  largest table served whole from the hash map (of those measured): fp32 {whole['fp32']:,}, int8 "
-                  f"{whole['int8']:,}; the cliff moves out {out['cliff_x']:.2f}x (target >= {TARGET}x: "
-                  f"{'met' if met else 'MISSED'}; at dim {dim} each row also takes 24 B of key, version and "
-                  f"stamps and ~6-11 B of index whatever its format)")
+                  f"{whole['int8']:,}; the cliff moves out {cli.judged(out['cliff_x'], cli.at_least(TARGET))}; "
+                  f"at dim {dim} each row also takes 24 B of key, version and stamps and ~6-11 B of index whatever "
+                  "its format")
     return out
 
 

@@ -107,8 +107,8 @@ def run(rows: int, console: Console, rounds: int = 6, calls: int = 200) -> dict[
                 m["wire_x"] = m["wire_bytes"] / base["wire_bytes"]
                 verdict = ""
                 if name == "fp32" and s in ("fp16", "int8"):
-                    met = m["keys_x"] >= TARGET and m["cpu_x"] <= 1 / TARGET
-                    verdict = f"  target >= {TARGET}x keys/s, <= {1 / TARGET:.2f}x CPU: {'met' if met else 'MISSED'}"
+                    verdict = (f"  keys/s {cli.judged(m['keys_x'], cli.at_least(TARGET))}, "
+                               f"CPU {cli.judged(m['cpu_x'], cli.at_most(1 / TARGET))}")
                 console.print(f"  {s} as {name}: {m['keys_per_s'] / 1e6:.2f} M keys/s ({m['keys_x']:.2f}x), server "
                               f"{m['server_cpu_ms_per_call']:.3f} ms CPU/call ({m['cpu_x']:.2f}x), "
                               f"{m['wire_bytes']:,} B on the wire ({m['wire_x']:.2f}x){verdict}")
