@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import loadtest.soak
 from loadtest.harness import cli
-from loadtest.soak import run as soak
+from loadtest.soak.result import Limits
+from loadtest.soak.run import plan_publishing, run_soak
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = cli.parser(__spec__, soak.__doc__)
+    parser = cli.parser(__spec__, loadtest.soak.__doc__)
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of load")
     parser.add_argument("--interval", type=float, default=None, help="seconds per sample (default duration/60, "
                         "between 2 and 30)")
@@ -33,14 +35,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="fitted growth of PSS net of memtables and block cache over the last half")
     args = parser.parse_args(argv)
     interval = args.interval or min(30.0, max(2.0, args.duration / 60))
-    limits = soak.Limits(max_no_apply_s=args.max_no_apply, min_lookup_ratio=args.min_lookup_ratio,
+    limits = Limits(max_no_apply_s=args.max_no_apply, min_lookup_ratio=args.min_lookup_ratio,
                     max_p99_ratio=args.max_p99_ratio, max_mem_growth=args.max_mem_growth)
-    every, rows, batches = soak.plan_publishing(args.duration, args.rows_per_s, args.publish_every, args.partitions,
+    every, rows, batches = plan_publishing(args.duration, args.rows_per_s, args.publish_every, args.partitions,
                                            args.max_record_batches, args.keys)
     print(f"soak {args.duration:.0f} s: {rows} rows every {every:.2f} s ({rows / every:,.0f} rows/s) on "
           f"{args.partitions} partitions, {args.compression}; the broker's log ends at {batches} record batches "
           f"(bound {args.max_record_batches}); sampling every {interval:.0f} s", flush=True)
-    result = soak.run_soak(args.duration, interval, args.out, brokers=args.brokers, broker_pid=args.broker_pid,
+    result = run_soak(args.duration, interval, args.out, brokers=args.brokers, broker_pid=args.broker_pid,
                       keys=args.keys, dim=args.dim, lookup_workers=args.lookup_workers, rows_per_s=args.rows_per_s,
                       publish_every_s=args.publish_every, partitions=args.partitions, compression=args.compression,
                       max_record_batches=args.max_record_batches, limits=limits)
