@@ -1,6 +1,6 @@
 """Every module under loadtest/, its subpackages included, imports: ``make bench`` runs its parts one after another,
 so a name one of them imports from another that has moved stops the whole suite at that part (part 12 did, after
-``_stats`` moved to ``loadtest.embedded.table_stats``)."""
+``_stats`` moved to the embedded server's ``table_stats``)."""
 
 from __future__ import annotations
 
