@@ -154,7 +154,7 @@ bench: install-dev
 
 # A short closed-loop run and an open-loop sweep against the embedded default, started on free ports.
 loadtest: install-dev
-	$(PY) -m loadtest.loadgen --embedded --duration 5 --sweep 50,100,200,300 $(LOADTEST_ARGS)
+	$(PY) -m loadtest.harness.loadgen --embedded --duration 5 --sweep 50,100,200,300 $(LOADTEST_ARGS)
 
 # Soak: lookups + 10k rows/s of Kafka updates against hps serve and a local broker, judged on what its plot
 # shows (loadtest/results/soak); an hour with SOAK_ARGS="--duration 3600".

@@ -1,30 +1,35 @@
 """The benchmark suite (``make bench``): every ratio measured side by side in one run on this machine.
 
-1. L1 hit lookup in process vs a raw NumPy gather (loadtest.bench_cache), batch 256..16384; target >= 0.5.
-2. Served over gRPC from other processes (batch 1024, dim 64, zipf(1.05), hot set cached after a warm-up):
-   vs the transport floor (loadtest.floor_server, same proto and payload, same calls in flight), targets (issue 29)
-   >= 0.7x keys/s and <= 2x server CPU per call; vs a plain Redis Cluster client (hash-tagged MGET per master, all
-   sent before reading), target >= 1.2x keys/s (issue 29; issue 2's 0.8x and 3.5x before).
-3. L3 miss path (no L1, no volatile tier) vs raw rocksdict multi-get of the same keys on the same store; >= 0.67x.
-4. Bytes per row held by the in-process tiers (hash map, L1 arrays) over the raw row bytes; target <= 1.3x.
-5. Cost curves over gRPC: keys/s and p99 vs batch size, table size and cache fraction (PNG).
-6. Freshness under load: loadtest.bench_updates run beside the lookup numbers (reported as not run if it fails).
-7. Lookups under sustained ingest (loadtest.bench_ingest): gRPC keys/s with vs without 10,000 rows/s of Kafka
+1. L1 hit lookup in process vs a raw NumPy gather (loadtest.benchmarks.cache), batch 256..16384; target >= 0.5.
+2. Served over gRPC from other processes (loadtest.benchmarks.served; batch 1024, dim 64, zipf(1.05), hot set
+   cached after a warm-up): vs the transport floor (loadtest.harness.floor_server, same proto and payload, same calls
+   in flight), targets (issue 29) >= 0.7x keys/s and <= 2x server CPU per call; vs a plain Redis Cluster client
+   (hash-tagged MGET per master, all sent before reading), target >= 1.2x keys/s (issue 29; issue 2's 0.8x and 3.5x
+   before).
+3. L3 miss path (loadtest.benchmarks.l3; no L1, no volatile tier) vs raw rocksdict multi-get of the same keys on
+   the same store; >= 0.67x.
+4. Bytes per row held by the in-process tiers (loadtest.benchmarks.memory: hash map, L1 arrays) over the raw row
+   bytes; target <= 1.3x.
+5. Cost curves over gRPC (loadtest.benchmarks.curves): keys/s and p99 vs batch size, table size and cache fraction
+   (PNG).
+6. Freshness under load: loadtest.benchmarks.updates run beside the lookup numbers (reported as not run if it
+   fails).
+7. Lookups under sustained ingest (loadtest.benchmarks.ingest): gRPC keys/s with vs without 10,000 rows/s of Kafka
    updates applied meanwhile, interleaved rounds; target >= 0.8x. With --profile also who holds the GIL meanwhile.
-8. Sharding (loadtest.bench_shards): fan-out keys/s and p99 through the client against 1, 2 and 4 shards beside an
-   unsharded server (batch 1024 and 4096), and the import of a 1M-row table into 2 shards vs 1.
+8. Sharding (loadtest.benchmarks.shards): fan-out keys/s and p99 through the client against 1, 2 and 4 shards
+   beside an unsharded server (batch 1024 and 4096), and the import of a 1M-row table into 2 shards vs 1.
 9. Replicas: bootstrap of a table from a snapshot in S3 vs ``hps import`` of the same rows (target <= 1.5x), and the
-   catch-up of a replica behind rows on the topic (loadtest.bench_bootstrap).
-10-11. A node (loadtest.bench_node): server CPU per all-hit call and keys/s vs the floor with as many processes
+   catch-up of a replica behind rows on the topic (loadtest.benchmarks.bootstrap).
+10-11. A node (loadtest.benchmarks.node): server CPU per all-hit call and keys/s vs the floor with as many processes
    (<= 1.25x, >= 0.85x), workers 1 vs the CPUs and vs a Redis Cluster of as many masters (>= 1.2x), PSS per worker
    count; colocated reads: LocalClient vs gRPC (>= 10x) vs the raw gather (>= 0.3x).
-12. Tracing (loadtest.bench_tracing): server CPU per all-hit call with server.tracing off vs the base commit's code
-   (no cost when off), and on (unsampled, every call sampled) vs off.
-13. Quantised rows (loadtest.bench_storage, bench_storage_grpc, bench_storage_cliff): memory and disk per row of
+12. Tracing (loadtest.benchmarks.tracing): server CPU per all-hit call with server.tracing off vs the base
+   commit's code (no cost when off), and on (unsampled, every call sampled) vs off.
+13. Quantised rows (loadtest.benchmarks.storage, storage_grpc, storage_cliff): memory and disk per row of
    fp16 / bf16 / int8 vs fp32 (<= 0.55x / 0.35x), gRPC keys/s and server CPU (>= 0.95x), wire bytes with
    precision=stored, and the table-size cliff of one hash-map budget (int8 >= 2.9x fp32's); 13d: a served table
-   converted to int8 (loadtest.bench_convert): copy rate, and lookups before, during and after; 13e: model
-   versions (loadtest.bench_versions): a label switch across 3 replicas, and the memory a dropped version frees.
+   converted to int8 (loadtest.benchmarks.convert): copy rate, and lookups before, during and after; 13e: model
+   versions (loadtest.benchmarks.versions): a label switch across 3 replicas, and the memory a dropped version frees.
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -35,318 +40,25 @@
 
 from __future__ import annotations
 
-import argparse
-import os
-import re
 import shutil
-import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from rich.console import Console
-
-from hps_service.config import load_config
-from hps_service.runtime.cpus import usable_cpus
-from hps_service.runtime.processes import process_tree
-from hps_service.serve.process import build_engine
-from hps_service.tiers.base import table_id
-from loadtest.bench_curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
-from loadtest.bench_report import curves_table, ratio_table
-from loadtest.embedded import EmbeddedServer
-from loadtest.floor_server import FloorServer
-from loadtest.loadgen import RESULTS, LoadSpec, run_load
-from loadtest.redis_baseline import loaded_cluster
-from loadtest.report import machine, write_json
-from loadtest.workload import KeySampler, load_keys
-
-MODEL, TABLE, DIM = "demo", "item", 64
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Sizes and durations of one suite run."""
-
-    rows: int
-    table_sizes: tuple[int, ...]
-    batches: tuple[int, ...]
-    cache_fractions: tuple[float, ...]
-    measure_s: float
-    warmup_s: float
-    rounds: int
-    curve_s: float
-    l1_repeats: int
-    l1_budget_s: float
-    l3_batches: int
-    workers: int
-    concurrency: int
-    freshness_samples: int
-
-
-def plan(quick: bool, table_sizes: str | None) -> Plan:
-    if quick:
-        p = Plan(rows=200_000, table_sizes=(200_000, 500_000), batches=(256, 1024, 4096, 16384),
-                 cache_fractions=(0.01, 1.0), measure_s=3.0, warmup_s=3.0, rounds=1, curve_s=2.0,
-                 l1_repeats=3, l1_budget_s=0.5, l3_batches=100, workers=2, concurrency=8, freshness_samples=30)
-    else:
-        p = Plan(rows=1_000_000, table_sizes=(1_000_000, 5_000_000), batches=(256, 1024, 4096, 16384),
-                 cache_fractions=(0.01, 0.1, 0.5, 1.0), measure_s=6.0, warmup_s=5.0, rounds=2, curve_s=4.0,
-                 l1_repeats=5, l1_budget_s=1.0, l3_batches=300, workers=2, concurrency=8, freshness_samples=100)
-    if table_sizes:
-        p = replace(p, table_sizes=tuple(int(s) for s in table_sizes.split(",") if s.strip()))
-    return p
-
-
-# ---------------------------------------------------------------------------------------------- 1. L1
-def bench_l1(p: Plan, console: Console) -> dict[str, Any]:
-    """bench_cache's interleaved medians; ratio = gather time / our time (speed relative to the gather)."""
-    from loadtest import bench_cache
-
-    results = bench_cache.run(rows=1 << 17, dim=DIM, ways=32, batches=list(p.batches), repeats=p.l1_repeats,
-                              budget_s=p.l1_budget_s)
-    rows = [{"batch": r["batch"], "gather_us": r["gather"] * 1e6, "query_us": r["query"] * 1e6,
-             "lookup_us": r["TableCache.lookup"] * 1e6, "ratio_query": r["gather"] / r["query"],
-             "ratio_lookup": r["gather"] / r["TableCache.lookup"]} for r in results]
-    return {"per_batch": rows, "ratio_min_lookup": min(r["ratio_lookup"] for r in rows), "target": 0.5}
-
-
-# ---------------------------------------------------------------------------------------------- 2. gRPC
-def _summary(report: dict[str, Any]) -> dict[str, Any]:
-    return {k: report[k] for k in ("qps", "keys_per_s", "latency_ms", "requests", "responses", "errors", "dropped",
-                                   "client_cache_hit_rate", "server_hit_rate", "server_cpu_ms_per_call",
-                                   "client_cpu_ms_per_call")}
-
-
-def _mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.mean(present) if present else None
-
-
-def _combine(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Rounds of one contender: mean keys/s and QPS, median p50/p99, every round kept."""
-    return {
-        "keys_per_s": statistics.mean(r["keys_per_s"] for r in runs),
-        "qps": statistics.mean(r["qps"] for r in runs),
-        "p50_ms": statistics.median(r["latency_ms"]["p50"] or float("nan") for r in runs),
-        "p99_ms": statistics.median(r["latency_ms"]["p99"] or float("nan") for r in runs),
-        "errors": sum(sum(r["errors"].values()) for r in runs),
-        "server_cpu_ms_per_call": _mean([r["server_cpu_ms_per_call"] for r in runs]),
-        "client_cpu_ms_per_call": _mean([r["client_cpu_ms_per_call"] for r in runs]),
-        "rounds": [_summary(r) for r in runs],
-    }
-
-
-def bench_grpc(p: Plan, server: EmbeddedServer, workdir: Path, console: Console, profile: bool,
-               cache_fraction: float) -> dict[str, Any]:
-    """Ours vs the floors (aio and thread-pool) vs Redis Cluster, interleaved round by round."""
-    base = LoadSpec(target=server.target, model=MODEL, tables=(TABLE,), batch=1024, workers=p.workers,
-                    concurrency=p.concurrency, duration_s=p.measure_s, warmup_s=1.0, keys_file=str(server.keys_file),
-                    http_target=server.http_target, dim=DIM, channels=4)
-    assert server.proc is not None
-    processes = usable_cpus()  # the server's worker processes (its default), and the floors' processes
-    ours_pid = process_tree(server.proc.pid)
-    console.print(f"  warming the L1 with {p.warmup_s:.0f} s of zipf(1.05) load")
-    run_load(replace(base, duration_s=p.warmup_s, warmup_s=0.0))
-    sampler = KeySampler(load_keys(server.keys_file), "zipf", 1.05)
-    out: dict[str, Any] = {"expected_hit_rate_perfect_cache": sampler.hot_fraction(cache_fraction),
-                           "cache_fraction": cache_fraction, "rows": p.rows, "in_flight": p.concurrency,
-                           "client_processes": p.workers}
-    runs: dict[str, list[dict[str, Any]]] = {"ours": [], "floor_aio": [], "floor_sync": [], "redis": []}
-    redis_ctx = loaded_cluster(server.keys_file, workdir, console)
-    try:
-        redis_seed = redis_ctx.__enter__()
-        redis_pids = redis_ctx.pids() if redis_seed is not None else []
-        for r in range(p.rounds):
-            console.print(f"  round {r + 1}/{p.rounds}: ours, floor (aio), floor (thread pool), redis")
-            runs["ours"].append(run_load(base, ours_pid))
-            for mode in ("aio", "sync"):
-                with FloorServer(mode, 1024, workdir, processes=processes,
-                                 threads=2 if mode == "sync" else None) as floor:
-                    runs[f"floor_{mode}"].append(
-                        run_load(replace(base, target=floor.target, http_target=None), process_tree(floor.proc.pid)))
-            if redis_seed is not None:
-                runs["redis"].append(run_load(replace(base, backend="redis", target=redis_seed, http_target=None,
-                                                      channels=1), redis_pids))
-        if profile:
-            out["profile"] = _profile_server(server, base, workdir, console)
-    finally:
-        redis_ctx.__exit__(None, None, None)
-    for name, rs in runs.items():
-        out[name] = _combine(rs) if rs else None
-    floors = [out[k]["keys_per_s"] for k in ("floor_aio", "floor_sync") if out[k]]
-    out["floor_best_keys_per_s"] = max(floors)
-    out["ratio_vs_floor"] = out["ours"]["keys_per_s"] / out["floor_best_keys_per_s"]
-    out["ratio_vs_floor_same_kind"] = (out["ours"]["keys_per_s"] / out["floor_sync"]["keys_per_s"]
-                                       if out["floor_sync"] else None)
-    out["ratio_vs_redis"] = out["ours"]["keys_per_s"] / out["redis"]["keys_per_s"] if out["redis"] else None
-    return out
-
-
-def _profile_server(server: EmbeddedServer, base: LoadSpec, workdir: Path, console: Console) -> dict[str, Any]:
-    """py-spy samples of the server while the load generator runs; on-CPU share per category."""
-    import threading
-
-    from loadtest import profiling
-
-    assert server.proc is not None
-    seconds = max(3.0, base.duration_s)
-    out_file = workdir / "server-profile.txt"
-    result: dict[str, Any] = {}
-
-    def sample() -> None:
-        time.sleep(1.0)
-        result["file"] = profiling.record(server.proc.pid, seconds, out_file)
-
-    thread = threading.Thread(target=sample)
-    thread.start()
-    run_load(replace(base, duration_s=seconds + 2.0))
-    thread.join()
-    if result.get("file") is None:
-        console.print("  [yellow]py-spy could not sample the server (missing or ptrace not allowed)[/]")
-        return {"error": "py-spy could not sample the server"}
-    kept = RESULTS / "bench-server-profile.txt"
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(out_file, kept)
-    return {"gil_busy": profiling.gil_busy(out_file, seconds), "by_category": profiling.breakdown(out_file),
-            "top_frames": profiling.top_frames(out_file), "collapsed_stacks": str(kept)}
-
-
-# ---------------------------------------------------------------------------------------------- 3. L3
-def bench_l3(p: Plan, db_path: Path, keys: np.ndarray) -> dict[str, Any]:
-    """engine.lookup with no L1 and no volatile tier vs rocksdict multi-get on the very column family it reads,
-    batches of 1024 distinct present keys, interleaved and alternated, after warming both."""
-    config = load_config(None, cache={"enabled": False}, volatile={"type": "disabled"},
-                         persistent={"type": "rocksdb", "path": str(db_path)},
-                         models=[{"name": MODEL, "tables": [{"name": TABLE, "dim": DIM}]}])
-    engine = build_engine(config)
-    try:
-        cf = engine.persistent._cfs[table_id(MODEL, TABLE)]  # the same store and options: isolates our overhead
-        rng = np.random.default_rng(5)
-        batches = [keys[rng.choice(keys.shape[0], 1024, replace=False)] for _ in range(p.l3_batches)]
-        encoded = [b.astype(">i8").view("V8").tolist() for b in batches]
-        for b, e in zip(batches, encoded):
-            engine.lookup(MODEL, TABLE, b)
-            cf.get(e)
-        t_ours, t_raw = [], []
-        for i, (b, e) in enumerate(zip(batches, encoded)):
-            for ours_turn in (True, False) if i % 2 == 0 else (False, True):  # alternate who goes first
-                t = time.perf_counter()
-                if ours_turn:
-                    engine.lookup(MODEL, TABLE, b)
-                    t_ours.append(time.perf_counter() - t)
-                else:
-                    cf.get(e)
-                    t_raw.append(time.perf_counter() - t)
-        sources = engine.lookup(MODEL, TABLE, batches[0]).sources
-        del cf
-    finally:
-        engine.close()
-    ours, raw = statistics.median(t_ours), statistics.median(t_raw)
-    return {"ours_ms": ours * 1e3, "raw_ms": raw * 1e3, "ratio": raw / ours, "target": 0.67,
-            "all_from_persistent": bool((sources == 3).all()), "batches": p.l3_batches}
-
-
-# ---------------------------------------------------------------------------------------------- 4. memory
-def _resident_bytes() -> int:
-    """This process's resident set size (Linux)."""
-    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def bench_memory(p: Plan) -> dict[str, Any]:
-    """Bytes held per stored row by the hash-map tier and by the L1 cache arrays, over dim * 4."""
-    from hps_service.cache import SetAssociativeCache
-    from hps_service.tiers.hashmap.tier import HashMapTier
-
-    rows = p.rows
-    raw_row = DIM * 4
-    rng = np.random.default_rng(0)
-    keys = rng.permutation(np.arange(rows, dtype=np.int64) * 7 + 1)
-    vectors = rng.standard_normal((rows, DIM), dtype=np.float32)
-    warm = HashMapTier(capacity_rows=16)  # loads the compiled kernels, so their code is not counted as rows
-    warm.create_table("m.t", DIM)
-    warm.put("m.t", keys[:1], vectors[:1], np.ones(1, np.int64))
-    warm.close()
-    resident_before = _resident_bytes()
-    tier = HashMapTier(capacity_rows=rows)
-    tier.create_table("m.t", DIM)
-    for lo in range(0, rows, 65536):
-        tier.put("m.t", keys[lo:lo + 65536], vectors[lo:lo + 65536], np.ones(min(65536, rows - lo), np.int64))
-    held = tier.count("m.t")
-    hashmap_bytes = tier.table_bytes("m.t")
-    resident_growth = _resident_bytes() - resident_before  # cross-checks table_bytes against the OS
-    tier.close()
-    capacity = -(-rows // 32) * 32
-    cache = SetAssociativeCache(capacity, DIM, ways=32)
-    cache_bytes = cache.memory_bytes()
-    return {"rows": held, "raw_row_bytes": raw_row, "hashmap_bytes_per_row": hashmap_bytes / held,
-            "hashmap_resident_bytes_per_row": resident_growth / held,
-            "hashmap_ratio": hashmap_bytes / (held * raw_row), "l1_bytes_per_row": cache_bytes / capacity,
-            "l1_ratio": cache_bytes / (capacity * raw_row), "target": 1.3}
-
-
-# ---------------------------------------------------------------------------------------------- 6. freshness
-def bench_freshness(p: Plan, console: Console) -> dict[str, Any]:
-    """loadtest.bench_updates (owned by the updates work) as a subprocess; its printed freshness lines parsed."""
-    cmd = [sys.executable, "-m", "loadtest.bench_updates", "--rows", "50000", "--samples", str(p.freshness_samples)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False,
-                              cwd=Path(__file__).resolve().parents[1])
-    except subprocess.TimeoutExpired:
-        return {"run": False, "reason": "bench_updates did not finish within 300 s"}
-    if proc.returncode != 0:
-        return {"run": False, "reason": f"bench_updates exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
-    text = proc.stdout
-    match = re.search(r"served by engine\.lookup p50 ([\d.]+) ms, p99 ([\d.]+) ms", text)
-    lookups = re.search(r"lookups ([\d,]+) keys/s meanwhile", text)
-    return {"run": True, "p50_ms": float(match.group(1)) if match else None,
-            "p99_ms": float(match.group(2)) if match else None,
-            "lookup_keys_per_s_meanwhile": float(lookups.group(1).replace(",", "")) if lookups else None,
-            "target_p99_ms": 1000.0, "output": text.strip().splitlines()}
-
-
-# ---------------------------------------------------------------------------------------------- 7. ingest
-def bench_ingest(p: Plan, workdir: Path, console: Console, profile: bool) -> dict[str, Any]:
-    """loadtest.bench_ingest on a table of the plan's rows: lookups with and without 10k rows/s of updates."""
-    from loadtest import bench_ingest as ingest
-
-    result = ingest.run(rows=p.rows, rate=10_000, rounds=p.rounds + 1, measure_s=p.measure_s, workers=p.workers,
-                        concurrency=p.concurrency, profile=profile, persistent={}, workdir=workdir / "ingest",
-                        quiet=False)
-    console.print(f"  lookups with 10,000 rows/s of ingest: {result['ratio']:.2f}x of those without")
-    return result
-
-
-# ---------------------------------------------------------------------------------------------- 9. replicas
-def bench_replicas(quick: bool) -> dict[str, Any]:
-    """loadtest.bench_bootstrap as a subprocess (its own S3 server and broker); its printed lines parsed."""
-    rows, catch_up = (200_000, 50_000) if quick else (1_000_000, 200_000)
-    cmd = [sys.executable, "-m", "loadtest.bench_bootstrap", "--rows", str(rows), "--catch-up-rows", str(catch_up)]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False,
-                              cwd=Path(__file__).resolve().parents[1])
-    except subprocess.TimeoutExpired:
-        return {"run": False, "reason": "bench_bootstrap did not finish within 900 s"}
-    if proc.returncode != 0:
-        return {"run": False, "reason": f"bench_bootstrap exited {proc.returncode}: {proc.stderr.strip()[-400:]}"}
-    text = proc.stdout
-    boot = re.search(r"snapshot \(([\d.]+) MiB .*?: ([\d.]+) s; hps import of the same rows: ([\d.]+) s", text)
-    up = re.search(r"rows on the topic: ([\d.]+) s \(([\d,]+) rows/s\)", text)
-    return {"run": True, "rows": rows, "catch_up_rows": catch_up,
-            "bootstrap_s": float(boot.group(2)) if boot else None, "import_s": float(boot.group(3)) if boot else None,
-            "snapshot_mib": float(boot.group(1)) if boot else None,
-            "catch_up_s": float(up.group(1)) if up else None,
-            "catch_up_rows_per_s": float(up.group(2).replace(",", "")) if up else None,
-            "output": text.strip().splitlines()}
+from loadtest.benchmarks import l3, memory, served
+from loadtest.benchmarks.curves import curve_batches, curve_cache_fractions, curve_table_sizes, plot_curves
+from loadtest.harness import cli
+from loadtest.harness.embedded import EmbeddedServer
+from loadtest.harness.plan import DIM, plan
+from loadtest.harness.report import machine
+from loadtest.harness.summary import curves_table, ratio_table
+from loadtest.harness.workload import load_keys
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--quick", action="store_true", help="smaller tables and shorter runs (~2-3 min)")
     ap.add_argument("--table-sizes", default=None, help="rows of the table-size curve, e.g. 1000000,5000000,20000000")
     ap.add_argument("--profile", action="store_true", help="py-spy the server under the gRPC load")
@@ -355,18 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
                          "node,tracing,storage")
-    ap.add_argument("--out", type=Path, default=RESULTS)
+    cli.add_out(ap)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     p = plan(args.quick, args.table_sizes)
-    console = Console(width=max(Console().width, 150))
+    console = cli.console()
     started = time.perf_counter()
     res: dict[str, Any] = {"machine": machine(), "plan": asdict(p), "quick": args.quick}
     workdir = Path(tempfile.mkdtemp(prefix="hps-bench-"))
     try:
         if "l1" not in skip:
-            console.rule("1. L1 hit path vs raw NumPy gather (loadtest.bench_cache)")
-            res["l1"] = bench_l1(p, console)
+            from loadtest.benchmarks import cache
+
+            console.rule("1. L1 hit path vs raw NumPy gather (loadtest.benchmarks.cache)")
+            res["l1"] = cache.part(p)
         base = EmbeddedServer(workdir / "base", rows=p.rows, table_dim=DIM,
                               overrides={"cache": {"capacity": args.cache_fraction}})
         if {"grpc", "curves", "l3"} - skip:
@@ -378,19 +92,20 @@ def main(argv: list[str] | None = None) -> int:
             base.start()
             try:
                 if "grpc" not in skip:
-                    console.rule("2. served over gRPC vs the transport floor and Redis Cluster")
-                    res["grpc"] = bench_grpc(p, base, workdir, console, args.profile, args.cache_fraction)
+                    console.rule("2. served over gRPC vs the transport floor and Redis Cluster "
+                                 "(loadtest.benchmarks.served)")
+                    res["grpc"] = served.part(p, base, workdir, console, args.profile, args.cache_fraction)
                 if "curves" not in skip:
-                    console.rule("5. cost curves: batch size")
+                    console.rule("5. cost curves: batch size (loadtest.benchmarks.curves)")
                     res.setdefault("curves", {})["batches"] = curve_batches(base, p)
             finally:
                 base.stop()
         if "l3" not in skip:
-            console.rule("3. L3 miss path vs raw rocksdict multi-get")
-            res["l3"] = bench_l3(p, base.workdir / "rocksdb", load_keys(base.keys_file))
+            console.rule("3. L3 miss path vs raw rocksdict multi-get (loadtest.benchmarks.l3)")
+            res["l3"] = l3.part(p, base.workdir / "rocksdb", load_keys(base.keys_file))
         if "memory" not in skip:
-            console.rule("4. memory per row")
-            res["memory"] = bench_memory(p)
+            console.rule("4. memory per row (loadtest.benchmarks.memory)")
+            res["memory"] = memory.part(p)
         if "curves" not in skip:
             curves = res.setdefault("curves", {})
             console.rule("5. cost curves: cache fraction")
@@ -400,69 +115,79 @@ def main(argv: list[str] | None = None) -> int:
             curves["table_sizes"] = curve_table_sizes(p, workdir, at_1024 or {}, console) if at_1024 else []
             res["curves_png"] = str(plot_curves(curves, args.out / "bench-cost-curves.png"))
         if "freshness" not in skip:
-            console.rule("6. freshness under load (loadtest.bench_updates)")
-            res["freshness"] = bench_freshness(p, console)
+            from loadtest.benchmarks import updates
+
+            console.rule("6. freshness under load (loadtest.benchmarks.updates)")
+            res["freshness"] = updates.part(p)
         if "ingest" not in skip:
-            console.rule("7. lookups under sustained ingest (loadtest.bench_ingest)")
-            res["ingest"] = bench_ingest(p, workdir, console, args.profile)
+            from loadtest.benchmarks import ingest
+
+            console.rule("7. lookups under sustained ingest (loadtest.benchmarks.ingest)")
+            res["ingest"] = ingest.part(p, workdir, console, args.profile)
         if "shards" not in skip:
-            from loadtest import bench_shards
+            from loadtest.benchmarks import shards
 
-            res["shards"] = bench_shards.run(args.quick, console)
+            res["shards"] = shards.run(args.quick, console)
         if "replicas" not in skip:
-            console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up (loadtest.bench_bootstrap)")
-            res["replicas"] = bench_replicas(args.quick)
+            from loadtest.benchmarks import bootstrap
+
+            console.rule("9. replicas: bootstrap from a snapshot vs hps import, catch-up "
+                         "(loadtest.benchmarks.bootstrap)")
+            res["replicas"] = bootstrap.part(args.quick)
         if "node" not in skip:
-            from loadtest import bench_node
+            from loadtest.benchmarks import node
 
-            console.rule("10-11. a node's worker processes, colocated reads (loadtest.bench_node)")
-            node_plan = bench_node.plan(args.quick, None, None, None)
-            res["node"] = {"plan": asdict(node_plan), **bench_node.bench_nodes(node_plan, workdir, console)}
+            console.rule("10-11. a node's worker processes, colocated reads (loadtest.benchmarks.node)")
+            node_plan = node.plan(args.quick, None, None, None)
+            res["node"] = {"plan": asdict(node_plan), **node.bench_nodes(node_plan, workdir, console)}
         if "tracing" not in skip:
-            from loadtest import bench_tracing
+            from loadtest.benchmarks import tracing
 
-            console.rule("12. tracing off vs the base commit, and on (loadtest.bench_tracing)")
-            res["tracing"] = bench_tracing.run(args.quick, console)
+            console.rule("12. tracing off vs the base commit, and on (loadtest.benchmarks.tracing)")
+            res["tracing"] = tracing.run(args.quick, console)
         if "storage" not in skip:
-            from loadtest import bench_storage, bench_storage_cliff, bench_storage_grpc
+            from loadtest.benchmarks import storage, storage_cliff, storage_grpc
 
-            console.rule("13. quantised rows: memory, disk and lookup speed per format (loadtest.bench_storage)")
-            res["storage"] = bench_storage.run(200_000 if args.quick else 1_000_000, 64, console)
-            console.rule("13b. quantised rows over gRPC: keys/s, server CPU and wire bytes (loadtest.bench_storage_grpc)")
-            res["storage_grpc"] = bench_storage_grpc.run(100_000 if args.quick else 1_000_000, console)
-            console.rule("13c. quantised rows: the table-size cliff of one hash-map budget (loadtest.bench_storage_cliff)")
-            res["storage_cliff"] = {dim: bench_storage_cliff.run(8 if args.quick else 64, dim, console)
+            console.rule("13. quantised rows: memory, disk and lookup speed per format (loadtest.benchmarks.storage)")
+            res["storage"] = storage.run(200_000 if args.quick else 1_000_000, 64, console)
+            console.rule("13b. quantised rows over gRPC: keys/s, server CPU and wire bytes "
+                         "(loadtest.benchmarks.storage_grpc)")
+            res["storage_grpc"] = storage_grpc.run(100_000 if args.quick else 1_000_000, console)
+            console.rule("13c. quantised rows: the table-size cliff of one hash-map budget "
+                         "(loadtest.benchmarks.storage_cliff)")
+            res["storage_cliff"] = {dim: storage_cliff.run(8 if args.quick else 64, dim, console)
                                     for dim in (64, 128)}
-            from loadtest import bench_convert
+            from loadtest.benchmarks import convert
 
-            console.rule("13d. a served table converted to int8: copy rate, lookups meanwhile (loadtest.bench_convert)")
-            res["storage_convert"] = bench_convert.run(200_000 if args.quick else 1_000_000, 64, console)
-            from loadtest import bench_versions
+            console.rule("13d. a served table converted to int8: copy rate, lookups meanwhile "
+                         "(loadtest.benchmarks.convert)")
+            res["storage_convert"] = convert.run(200_000 if args.quick else 1_000_000, 64, console)
+            from loadtest.benchmarks import versions
 
             console.rule("13e. model versions: a label switch across 3 replicas, memory a dropped version frees "
-                         "(loadtest.bench_versions)")
-            res["versions"] = bench_versions.run(200_000 if args.quick else 1_000_000, 64, 4 if args.quick else 10,
-                                                 console)
+                         "(loadtest.benchmarks.versions)")
+            res["versions"] = versions.run(200_000 if args.quick else 1_000_000, 64, 4 if args.quick else 10,
+                                           console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
-        path = write_json(res, args.out / time.strftime("bench-%Y%m%d-%H%M%S.json"))
+        path = cli.write_result(res, args.out, "bench")
         shutil.copyfile(path, args.out / "bench-latest.json")
     console.print(ratio_table(res))
     if res.get("curves"):
         console.print(curves_table(res["curves"]))
     if res.get("shards"):
-        from loadtest import bench_shards
+        from loadtest.benchmarks import shards
 
-        console.print(bench_shards.table(res["shards"]))
+        console.print(shards.table(res["shards"]))
     if res.get("node"):
-        from loadtest import bench_node
+        from loadtest.benchmarks import node
 
-        console.print(bench_node.table(res["node"]))
+        console.print(node.table(res["node"]))
     if res.get("tracing"):
-        from loadtest import bench_tracing
+        from loadtest.benchmarks import tracing
 
-        console.print(bench_tracing.table(res["tracing"]))
+        console.print(tracing.table(res["tracing"]))
     prof = (res.get("grpc") or {}).get("profile")
     if prof and "by_category" in prof:
         console.print(f"server under gRPC load (py-spy --gil): GIL held {prof['gil_busy']:.0%} of the time; by part: " + ", ".join(
@@ -474,4 +199,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

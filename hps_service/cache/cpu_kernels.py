@@ -52,7 +52,7 @@ _I64_MIN = np.iinfo(np.int64).min
 _I64_MAX = np.iinfo(np.int64).max
 
 #: How many keys apart the stages of the query pipeline run (tag rows prefetched, then key slot and value
-#: row prefetched, then key compared and row copied); measured best of 8/16 (loadtest/bench_cache.py).
+#: row prefetched, then key compared and row copied); measured best of 8/16 (loadtest/benchmarks/cache.py).
 PREFETCH_AHEAD = 16
 
 

@@ -1,5 +1,5 @@
 """A row copy for numba kernels as one ``memcpy``: a compiled loop over a row's elements inside a pipelined probe
-loop runs several times slower than the C library's copy (measured with loadtest/bench_cache.py's arrays)."""
+loop runs several times slower than the C library's copy (measured with loadtest/benchmarks/cache.py's arrays)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``loadtest.bench_convert`` (make bench part 13d) runs end to end on a small table and reports each phase, and the
+"""``loadtest.benchmarks.convert`` (make bench part 13d) runs end to end on a small table and reports each phase, and the
 ratio table shows its row."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ import pytest
 from rich.console import Console
 
 from hps_service.engine import convert as convert_module
-from loadtest import bench_convert
-from loadtest.bench_report import ratio_table
+from loadtest.benchmarks import convert as convert_bench
+from loadtest.harness.summary import ratio_table
 
 
 def test_the_conversion_bench_reports_every_phase(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench_convert, "WINDOW_S", 0.3)
+    monkeypatch.setattr(convert_bench, "WINDOW_S", 0.3)
     monkeypatch.setattr(convert_module, "DROP_GRACE_S", 0.2)
-    out = bench_convert.run(20_000, 16, Console(file=open("/dev/null", "w")))  # noqa: SIM115
+    out = convert_bench.run(20_000, 16, Console(file=open("/dev/null", "w")))  # noqa: SIM115
     assert out["entries_per_s"] > 0 and out["copy_s"] > 0
     assert set(out["lookups"]) == {"before", "copy", "switch", "after"}
     assert out["lookups"]["before"]["n"] > 0 and out["lookups"]["after"]["n"] > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadtest.client_share import BASELINE, measure
+from loadtest.probes.client_share import BASELINE, measure
 
 
 def test_every_contender_is_measured_against_the_floor(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loadtest.hit_path_account import measure
+from loadtest.probes.hit_path_account import measure
 
 
 def test_every_layer_is_measured_on_an_all_hit_request() -> None:

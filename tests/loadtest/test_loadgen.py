@@ -14,8 +14,8 @@ import pytest
 
 from hps_service.config import load_config
 from hps_service.serve.process import HPSServer
-from loadtest.loadgen import LoadSpec, run_load, save
-from loadtest.workload import KeySampler
+from loadtest.harness.loadgen import LoadSpec, run_load, save
+from loadtest.harness.workload import KeySampler
 from tests.helpers import free_port
 
 DIM, ROWS = 8, 5000

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from loadtest.past_features import first_time, past_sums, previous_time
-from loadtest.real_data import dense_features
+from loadtest.real_data.ml100k import dense_features
+from loadtest.real_data.past_features import first_time, past_sums, previous_time
 
 
 def _log(n: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

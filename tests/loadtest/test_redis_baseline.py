@@ -6,8 +6,8 @@ import asyncio
 
 import numpy as np
 
-from loadtest.drivers import BAD_RESPONSE
-from loadtest.redis_baseline import RedisMgetDriver, cluster_layout, load_rows
+from loadtest.harness.drivers import BAD_RESPONSE
+from loadtest.harness.redis_baseline import RedisMgetDriver, cluster_layout, load_rows
 from tests.fixtures.redis_cluster import RedisClusterProcess
 
 DIM = 16

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadtest.soak import run_soak
+from loadtest.soak.run import run_soak
 
 
 def test_short_soak(kafka_broker, tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ def tuned_options(block_cache: Cache | None, row_cache: Cache | None, write_buff
     opts.set_max_total_wal_size(NEVER_BYTES)
     # A bloom filter over the memtable's keys (2% of ``write_buffer_mb``; RocksDB sizes it on its own limit,
     # twice that): the update path reads the stored version of every key it writes, and most are not in the
-    # memtable, so they skip its skiplist search (measured with loadtest.bench_rocksdb_ingest: multi-get 22% and
+    # memtable, so they skip its skiplist search (measured with loadtest.probes.rocksdb_ingest: multi-get 22% and
     # the versioned put 12% less CPU at 1M rows). The pin is never read.
     opts.set_memtable_whole_key_filtering(not pin)
     opts.set_memtable_prefix_bloom_ratio(0.0 if pin else 0.01)

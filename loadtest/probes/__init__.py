@@ -1,0 +1,1 @@
+"""One-off measurement tools outside ``make bench``: where the time goes, what a setting or a mode costs, device checks."""
