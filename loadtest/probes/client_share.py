@@ -57,7 +57,7 @@ def measure(batch: int, dim: int, rounds: int, calls: int, workdir: Path) -> dic
             "HPSClient.lookup": lambda j: client.lookup(MODEL, TABLE, keys[j]),
             "HPSClient.lookup(out=)": lambda j: client.lookup(MODEL, TABLE, keys[j], out=out),
             BASELINE: lambda j: np.frombuffer(generated.Lookup(requests[j], timeout=5).tables[0].vectors, "<f4"),
-            "HPSClient's stub, request built": lambda j: client._stub.Lookup(requests[j], timeout=5),
+            "HPSClient's stub, request built": lambda j: client.transport._stub.Lookup(requests[j], timeout=5),
             "raw bytes both ways": lambda j: raw(raw_requests[j], timeout=5),
             "raw bytes, HPSClient's channel options": lambda j: raw_tuned(raw_requests[j], timeout=5),
         }
