@@ -94,6 +94,23 @@ def _section_model(annotation: Any) -> tuple[type[BaseModel], str] | None:
     return None
 
 
+def _unwrapped(annotation: Any) -> Any:
+    """``annotation`` without ``Annotated[...]`` layers (tags, discriminators)."""
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
+def _alternatives(annotation: Any) -> list[type[BaseModel]]:
+    """The models of a section that is one of several (``volatile``: one backend's settings, by ``type``)."""
+    annotation = _unwrapped(annotation)
+    if not _is_union(annotation):
+        return []
+    models = [_unwrapped(a) for a in typing.get_args(annotation)]
+    ok = len(models) > 1 and all(inspect.isclass(m) and issubclass(m, BaseModel) for m in models)
+    return models if ok else []
+
+
 def _is_union(annotation: Any) -> bool:
     return typing.get_origin(annotation) in (typing.Union, types.UnionType)
 
@@ -146,6 +163,11 @@ def sections(model: type[BaseModel] = HPSConfig, path: str = "", doc: str = "") 
     keys, nested = [], []
     for name, field in model.model_fields.items():
         key_path = f"{path}.{name}" if path else name
+        for alternative in _alternatives(field.annotation):  # one table per model, each saying which type it is
+            kind = type_name(alternative.model_fields["type"].annotation)
+            nested.append((alternative, key_path, f"With `type: {kind.strip(chr(34))}`: {inspect.getdoc(alternative)}"))
+        if _alternatives(field.annotation):
+            continue
         sub = _section_model(field.annotation)
         if sub is not None:
             nested.append((sub[0], key_path + sub[1], field.description or ""))
@@ -158,7 +180,8 @@ def sections(model: type[BaseModel] = HPSConfig, path: str = "", doc: str = "") 
         yield Section(path, doc or inspect.getdoc(model) or "", keys)
     for sub_model, sub_path, sub_doc in nested:
         optional = " Optional: unset, the whole section is off." if _is_optional(model, sub_path) else ""
-        yield from sections(sub_model, sub_path, (inspect.getdoc(sub_model) or sub_doc) + optional)
+        doc = sub_doc if sub_doc.startswith("With `type") else (inspect.getdoc(sub_model) or sub_doc)
+        yield from sections(sub_model, sub_path, doc + optional)
 
 
 def _is_optional(parent: type[BaseModel], sub_path: str) -> bool:
@@ -176,7 +199,8 @@ def render() -> str:
     parts = [INTRO]
     for section in sections():
         level = "##" if "." not in section.path.replace("[]", "") else "###"
-        parts.append(f"\n{level} `{section.path}`\n\n{_cell(section.doc)}\n\n"
+        which = f" (`{section.doc[6:section.doc.index('`', 6)]}`)" if section.doc.startswith("With `type") else ""
+        parts.append(f"\n{level} `{section.path}`{which}\n\n{_cell(section.doc)}\n\n"
                      "| Key | Type | Default | Description |\n| --- | --- | --- | --- |\n")
         parts += [f"| `{k.path}` | {_cell(k.type)} | {_cell(k.default)} | {_cell(k.description)} |\n"
                   for k in section.keys]

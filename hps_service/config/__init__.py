@@ -25,7 +25,12 @@ from hps_service.config.base import NAME_PATTERN, NAME_RE, Storage, served_name
 from hps_service.config.base import Section as _Section
 from hps_service.config.secrets import load_secret_files
 from hps_service.config.security import AuthMode, InternalListener, ReaderConfig, check_auth
-from hps_service.config.tiers import PersistentConfig, VolatileConfig
+from hps_service.config.tiers import VOLATILE_TYPES
+from hps_service.config.tiers import HashMapVolatile as HashMapVolatile
+from hps_service.config.tiers import NoVolatile as NoVolatile
+from hps_service.config.tiers import PersistentConfig as PersistentConfig
+from hps_service.config.tiers import RedisClusterVolatile as RedisClusterVolatile
+from hps_service.config.tiers import VolatileConfig as VolatileConfig
 from hps_service.runtime.cpus import usable_cpus
 
 
@@ -371,7 +376,7 @@ class HPSConfig(BaseSettings):
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
-    volatile: VolatileConfig = Field(default_factory=VolatileConfig)
+    volatile: VolatileConfig = Field(default_factory=HashMapVolatile)
     persistent: PersistentConfig = Field(default_factory=PersistentConfig)
     updates: UpdatesConfig = Field(default_factory=UpdatesConfig)
     models: list[ModelConfig] = Field(default_factory=list)
@@ -419,7 +424,8 @@ class ConfigError(Exception):
 def _format_validation_error(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(root)"
+        # a section that is one of several models (volatile) names the model as a step of its path: not a key
+        key = ".".join(str(p) for p in e["loc"] if p not in VOLATILE_TYPES) or "(root)"
         msg = e["msg"].removeprefix("Value error, ")
         lines.append(f"config key '{key}': {msg}")
     return f"invalid configuration ({source}): " + "; ".join(lines)

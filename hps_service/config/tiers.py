@@ -1,50 +1,77 @@
-"""The storage tiers' config sections: ``volatile`` (L2: hash map or Redis Cluster) and ``persistent`` (L3:
-RocksDB and its snapshots)."""
+"""The storage tiers' config sections: ``volatile`` (L2: hash map or Redis Cluster, each backend's settings a model of
+its own, told apart by ``type``) and ``persistent`` (L3: RocksDB and its snapshots)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Discriminator, Field, SecretStr, Tag, field_validator, model_validator
 
 from hps_service.config.base import Section as _Section
 from hps_service.config.secrets import load_secret_files
 
 
-class VolatileConfig(_Section):
-    """L2: an in-process bounded hash map, a Redis Cluster shared by all pods, or nothing."""
+class HashMapVolatile(_Section):
+    """L2 in this node's memory: a bounded hash map per table (the node's workers read the owner's)."""
 
-    type: Literal["hashmap", "redis_cluster", "disabled"] = Field("hashmap", description="which L2, if any")
-    capacity_rows: int = Field(10_000_000, ge=1, description="hashmap: rows per table (address space reserved, "
-                               "memory used as rows arrive; a table that fits is filled from RocksDB at load)")
-    capacity_mb: int | None = Field(None, ge=1, description="hashmap: a memory budget per table (its rows, keys, "
-                                    "versions, stamps and index); the table holds the fewer of capacity_rows and the "
-                                    "rows that fit, so fp16 / int8 tables hold 2-3x more rows")
-    overflow_policy: Literal["lru", "lfu"] = Field("lru", description="hashmap: which rows a full table evicts")
-    overflow_evict_fraction: float = Field(0.1, gt=0.0, le=0.5, description="hashmap: share evicted at once")
-    nodes: list[str] = Field(default_factory=list, description="redis_cluster: host:port seeds")
-    partitions: int = Field(64, ge=1, le=16384, description="redis_cluster: hashes per table")
-    password: SecretStr | None = Field(None, description="redis_cluster: AUTH password (prefer password_file)")
-    password_file: Path | None = Field(None, description="redis_cluster: a file holding the password")
-    username: str | None = Field(None, description="redis_cluster: ACL user (Redis 6+) for AUTH with password")
-    tls: bool = Field(False, description="redis_cluster: connect with TLS")
-    ca_file: Path | None = Field(None, description="redis_cluster: PEM CA bundle that verifies the nodes (TLS)")
-    socket_timeout_s: float = Field(0.5, gt=0, description="redis_cluster: per-command socket timeout")
-    node_retry_after_s: float = Field(1.0, ge=0, description="redis_cluster: skip a failed node this long")
+    type: Literal["hashmap"] = Field("hashmap", description="an in-process hash map per table")
+    capacity_rows: int = Field(10_000_000, ge=1, description="rows per table (address space reserved, memory used as "
+                               "rows arrive; a table that fits is filled from RocksDB at load)")
+    capacity_mb: int | None = Field(None, ge=1, description="a memory budget per table (its rows, keys, versions, "
+                                    "stamps and index); the table holds the fewer of capacity_rows and the rows "
+                                    "that fit, so fp16 / int8 tables hold 2-3x more rows")
+    overflow_policy: Literal["lru", "lfu"] = Field("lru", description="which rows a full table evicts")
+    overflow_evict_fraction: float = Field(0.1, gt=0.0, le=0.5, description="share evicted at once")
+
+
+class RedisClusterVolatile(_Section):
+    """L2 in a Redis Cluster shared by every pod."""
+
+    type: Literal["redis_cluster"] = Field(description="a Redis Cluster")
+    nodes: list[str] = Field(min_length=1, description="host:port seeds")
+    partitions: int = Field(64, ge=1, le=16384, description="hashes per table")
+    password: SecretStr | None = Field(None, description="AUTH password (prefer password_file)")
+    password_file: Path | None = Field(None, description="a file holding the password")
+    username: str | None = Field(None, description="ACL user (Redis 6+) for AUTH with password")
+    tls: bool = Field(False, description="connect with TLS")
+    ca_file: Path | None = Field(None, description="PEM CA bundle that verifies the nodes (TLS)")
+    socket_timeout_s: float = Field(0.5, gt=0, description="per-command socket timeout")
+    node_retry_after_s: float = Field(1.0, ge=0, description="skip a failed node this long")
 
     @model_validator(mode="after")
-    def _nodes_for_redis(self) -> VolatileConfig:
+    def _nodes(self) -> RedisClusterVolatile:
         load_secret_files(self, "volatile", "password")
-        if self.type == "redis_cluster":
-            if not self.nodes:
-                raise ValueError("volatile.type redis_cluster needs at least one entry in volatile.nodes")
-            for node in self.nodes:
-                host, _, port = node.rpartition(":")
-                if not host or not port.isdigit():
-                    raise ValueError(f"volatile.nodes entry {node!r} is not host:port")
+        for node in self.nodes:
+            host, _, port = node.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"volatile.nodes entry {node!r} is not host:port")
         return self
+
+
+class NoVolatile(_Section):
+    """No L2: lookups L1 misses go to the persistent tier."""
+
+    type: Literal["disabled"] = Field(description="no volatile tier")
+
+
+#: The backends' config models by ``type`` (their tiers: :mod:`hps_service.tiers.registry`).
+VOLATILE_TYPES = ("hashmap", "redis_cluster", "disabled")
+
+
+def _volatile_type(value: Any) -> str:
+    """The ``type`` of a volatile section (a dict before validation, a model after): ``hashmap`` when unnamed."""
+    return str(value.get("type", "hashmap") if isinstance(value, dict) else getattr(value, "type", "hashmap"))
+
+
+#: ``volatile``: one backend's settings, told apart by ``type`` (none: hashmap); a key of another backend is refused.
+VolatileConfig = Annotated[
+    Annotated[HashMapVolatile, Tag("hashmap")] | Annotated[RedisClusterVolatile, Tag("redis_cluster")]
+    | Annotated[NoVolatile, Tag("disabled")],
+    Discriminator(_volatile_type, custom_error_type="volatile_type",
+                  custom_error_message=f"volatile.type must be one of {', '.join(VOLATILE_TYPES)}"),
+]
 
 
 class PersistentConfig(_Section):

@@ -21,6 +21,7 @@ from hps_service.engine.expiry_sweep import ExpirySweeper
 from hps_service.engine.ingest_admission import keep_counts
 from hps_service.engine.levels import DEFAULT, LookupResult
 from hps_service.engine.preload import Preloader
+from hps_service.engine.promote import promoter
 from hps_service.engine.read import Reader
 from hps_service.engine.registry import (
     ModelRegistry,
@@ -62,7 +63,8 @@ class LookupEngine(Engine):
         #: The tier id of each table, never reused (see :mod:`hps_service.engine.stored_tables`).
         self.names = TableNames(persistent)
         self.labels = Labels(load_labels(persistent))
-        self.reader = Reader(volatile, persistent, max_batch_keys)
+        self.reader = Reader(volatile, persistent, max_batch_keys,
+                             promoter(volatile) if volatile is not None else None)
         self.writer = Writer(volatile, persistent)
         self.preloader = Preloader(volatile, persistent, self.registry.is_served)
         self._closed = False

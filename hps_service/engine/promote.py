@@ -17,8 +17,9 @@ from hps_service.tiers.base import Tier
 
 log = logging.getLogger(__name__)
 
-#: ``promote(volatile, table, keys, vectors, versions, read_at)``: how a reader writes L3 hits into L2.
-Promote = Callable[[Tier, ServedTable, np.ndarray, np.ndarray, np.ndarray, int], None]
+#: ``promote(table, keys, vectors, versions, read_at)``: how a reader has L3 hits written into L2 (the owner writes
+#: its tier, see :func:`promoter`; a node's worker hands them to the owner).
+Promote = Callable[[ServedTable, np.ndarray, np.ndarray, np.ndarray, int], None]
 
 
 def put_read_rows(
@@ -46,6 +47,16 @@ def promote(
         put_read_rows(volatile, t, keys, vectors, versions, read_at)
     except Exception:
         log.warning("promotion of %d rows of %s into the volatile tier failed", keys.shape[0], t.id, exc_info=True)
+
+
+def promoter(volatile: Tier) -> Promote:
+    """The :data:`Promote` of the process that writes ``volatile``: :func:`promote` into it."""
+
+    def into_volatile(t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
+                      read_at: int) -> None:
+        promote(volatile, t, keys, vectors, versions, read_at)
+
+    return into_volatile
 
 
 def copy_stored_rows(volatile: Tier, persistent: Tier, t: ServedTable, keys: np.ndarray) -> np.ndarray:

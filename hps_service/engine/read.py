@@ -19,19 +19,18 @@ from hps_service.engine.levels import (
     Fetched,
     LookupResult,
 )
-from hps_service.engine.promote import Promote, promote
+from hps_service.engine.promote import Promote
 from hps_service.engine.table import ServedTable
 from hps_service.keys import as_keys, first_occurrences, unique_with_inverse
-from hps_service.tiers.base import Tier
+from hps_service.tiers.base import ReadTier
 
 
 class Reader:
     """Answers lookups of served tables through L1, the volatile tier, the persistent tier and the default."""
 
-    def __init__(
-        self, volatile: Tier | None, persistent: Tier | None, max_batch_keys: int, promote: Promote = promote
-    ) -> None:
-        """``promote`` writes rows found in L3 into L2 (a node's worker processes hand them to the owner instead)."""
+    def __init__(self, volatile: ReadTier | None, persistent: ReadTier | None, max_batch_keys: int,
+                 promote: Promote | None = None) -> None:
+        """``promote`` has rows found in L3 written into L2 (None: none are: a reader that cannot write its tier)."""
         self.volatile = volatile
         self.persistent = persistent
         self.max_batch_keys = max_batch_keys
@@ -201,9 +200,8 @@ class Reader:
                 rows[hit_idx] = got.vectors[got.found]
                 versions[hit_idx] = got.versions[got.found]
                 src[hit_idx] = code
-            if code == PERSISTENT and self.volatile is not None:
-                self.promote(self.volatile, t, asked[got.found], got.vectors[got.found], got.versions[got.found],
-                             read_at)
+            if code == PERSISTENT and self.volatile is not None and self.promote is not None:
+                self.promote(t, asked[got.found], got.vectors[got.found], got.versions[got.found], read_at)
             pending = np.flatnonzero(~got.found) if pending is None else pending[~got.found]
             if pending.shape[0] == 0:
                 break

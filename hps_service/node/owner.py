@@ -47,7 +47,7 @@ from hps_service.shm.permissions import local_access
 from hps_service.shm.queue import Record
 from hps_service.shm.region import array_spec
 from hps_service.shm.usage import resident_bytes
-from hps_service.tiers.factory import open_tiers
+from hps_service.tiers.registry import open_tiers
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,8 @@ class OwnerEngine(LookupEngine):
         self._slots: dict[int, TableSlot] = {}  # id(ServedTable) -> its slot
         self._served: dict[int, ServedTable] = {}  # serial -> table
         self._slot_lock = threading.Lock()
-        placement = store.volatile_allocator(config.volatile.overflow_policy == "lfu")
-        volatile, persistent = open_tiers(config.volatile, config.persistent, placement, on_write=self._l3_written,
+        volatile, persistent = open_tiers(config.volatile, config.persistent, store.volatile_placement(),
+                                          on_write=self._l3_written,
                                           file_events=L3Announcer(store.header))
         super().__init__(volatile, persistent, cache_factory=self._cache_factory if config.cache.enabled else None,
                          max_batch_keys=config.server.max_batch_keys)

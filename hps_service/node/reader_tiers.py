@@ -1,6 +1,7 @@
-"""The tiers as a process that is not the owner reads them: the shared hash map (lock-free, never written here)
-and RocksDB through a secondary instance that catches up when the owner's change rings say it must, and trusts a
-catch-up only when the owner announced no file change during it (:mod:`hps_service.node.store.l3_events`)."""
+"""The tiers as a process that is not the owner reads them, as read-only tiers (:class:`~hps_service.tiers.base.
+ReadTier`: nothing to write with): the shared hash map (lock-free) and RocksDB through a secondary instance that
+catches up when the owner's change rings say it must, and trusts a catch-up only when the owner announced no file
+change during it (:mod:`hps_service.node.store.l3_events`)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hps_service.errors import UnavailableError
 from hps_service.keys import as_keys
 from hps_service.node.store.view import StoreView
 from hps_service.shm.changes import ChangeRing
-from hps_service.tiers.base import Rows, Tier, TierCapability, TierStats
+from hps_service.tiers.base import ReadTier, Rows, TierCapability, TierStats
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 log = logging.getLogger(__name__)
@@ -43,11 +44,7 @@ ANNOUNCED_WAIT_S, _ANNOUNCED_POLL_S = 30.0, 0.001
 Epochs = Callable[[], tuple[int, int]]
 
 
-def _read_only(what: str) -> UnavailableError:
-    return UnavailableError(f"{what}: only the node's owner process writes the tiers")
-
-
-class SharedVolatile(Tier):
+class SharedVolatile(ReadTier):
     """The owner's hash-map tier, read lock-free from the shared store."""
 
     kind = "volatile"
@@ -56,9 +53,6 @@ class SharedVolatile(Tier):
 
     def __init__(self, view: Callable[[], StoreView]) -> None:
         self._view = view
-
-    def create_table(self, table: str, dim: int) -> None:
-        return None
 
     def get(self, table: str, keys: np.ndarray) -> Rows:
         keys = as_keys(keys)
@@ -76,23 +70,11 @@ class SharedVolatile(Tier):
             return 0
         return reader.fill(keys, positions, out, versions, found)
 
-    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
-        raise _read_only(f"put into {table}")
-
-    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
-        raise _read_only(f"delete from {table}")
-
-    def count(self, table: str) -> int:
-        raise _read_only("count")
-
-    def stats(self, table: str) -> TierStats:
-        raise _read_only("stats")
-
     def close(self) -> None:
         return None
 
 
-class CaughtUpSecondary(Tier):
+class CaughtUpSecondary(ReadTier):
     """RocksDB read through a secondary instance of the owner's primary. Before a read, the keys the owner wrote
     since this instance's last catch-up (its change ring) are checked against the keys asked: if any is among them
     the instance catches up first, so a read never misses a write acknowledged before it began. While this process
@@ -222,9 +204,6 @@ class CaughtUpSecondary(Tier):
             except Exception:  # the read path catches up itself when it must
                 log.debug("background catch-up failed", exc_info=True)
 
-    def create_table(self, table: str, dim: int) -> None:
-        return None
-
     def get(self, table: str, keys: np.ndarray) -> Rows:
         keys = as_keys(keys)
         self._read_at = time.monotonic()
@@ -245,12 +224,6 @@ class CaughtUpSecondary(Tier):
                 else:
                     del self._reading[id(db)]
                     self._readers.notify_all()
-
-    def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
-        raise _read_only(f"put into {table}")
-
-    def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
-        raise _read_only(f"delete from {table}")
 
     def count(self, table: str) -> int:
         return self._db.count(table)

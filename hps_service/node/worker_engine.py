@@ -33,8 +33,8 @@ from hps_service.node.store.view import StoreView, TableView
 from hps_service.shm.changes import ChangeRing
 from hps_service.shm.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES, ThreadRows
 from hps_service.shm.queue import record_bytes
-from hps_service.tiers.base import Tier, TierCapability, tier_can, tier_health, tier_memory
-from hps_service.tiers.factory import build_volatile
+from hps_service.tiers.base import ReadTier, TierCapability, tier_can, tier_health, tier_memory
+from hps_service.tiers.registry import volatile_backend
 
 log = logging.getLogger(__name__)
 
@@ -103,11 +103,10 @@ class WorkerEngine(ReadEngine):
         self._ring_by_table: dict[str, ChangeRing] = {}
         self._status = view.workers()[worker] if view.writable else None  # this worker's status row
         self._loaded = -1  # the manifest generation self._tables were built from
-        self.volatile: Tier | None = None
-        if config.volatile.type == "hashmap":
-            self.volatile = SharedVolatile(lambda: self.view)
-        elif config.volatile.type == "redis_cluster":
-            self.volatile = build_volatile(config.volatile)
+        backend = volatile_backend(config.volatile)
+        # the owner's rows in this node's memory are read where they are; a remote store through a client of our own
+        self.volatile: ReadTier | None = (None if backend is None else SharedVolatile(lambda: self.view)
+                                          if backend.shared else backend.open(config.volatile, None))
         self.persistent: CaughtUpSecondary | None = None
         if config.persistent.type == "rocksdb":
             share = max(8, config.persistent.block_cache_mb // max(1, config.server.worker_processes()))
@@ -235,7 +234,7 @@ class WorkerEngine(ReadEngine):
                 if was_empty and self._wake is not None:
                     self._wake.release()  # the owner drains the first records while the next are written
 
-    def _promote(self, volatile: Tier, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
+    def _promote(self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
                  read_at: int) -> None:
         """Rows this worker found in L3 go to the owner, which writes them into L2 as the engine does."""
         assert isinstance(t, WorkerTable)

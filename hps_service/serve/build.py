@@ -9,7 +9,7 @@ from hps_service.config import HPSConfig
 from hps_service.engine import LookupEngine
 from hps_service.engine.l1_sizing import l1_cache_factory
 from hps_service.fleet.registrations import serve_registered
-from hps_service.tiers.factory import open_tiers
+from hps_service.tiers.registry import open_tiers
 
 log = logging.getLogger(__name__)
 

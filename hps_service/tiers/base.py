@@ -59,7 +59,7 @@ def check_positions(keys: np.ndarray, positions: np.ndarray, out: np.ndarray, wo
                                    f"{out.dtype} {out.shape}")
 
 
-def tier_can(tier: Tier | None, needs: TierCapability) -> TypeGuard[Tier]:
+def tier_can(tier: ReadTier | None, needs: TierCapability) -> TypeGuard[Tier]:
     """Whether ``tier`` has every capability in ``needs``; a disabled tier (None) has none."""
     return tier is not None and needs in tier.capabilities
 
@@ -191,8 +191,9 @@ class MissedWrites:
         return np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
 
 
-class Tier(ABC):
-    """A batch key-value store of versioned embedding rows."""
+class ReadTier(ABC):
+    """Reads of a batch key-value store of versioned embedding rows: what a process that does not own the store
+    (a node's worker) has of it."""
 
     #: Short name used in stats and logs: "volatile" or "persistent".
     kind: str = "tier"
@@ -200,10 +201,6 @@ class Tier(ABC):
     in_process: bool = False
     #: What the tier can do beyond reads: every tier class declares its own (see :class:`TierCapability`).
     capabilities: TierCapability
-
-    @abstractmethod
-    def create_table(self, table: str, dim: int) -> None:
-        """Make ``table`` ready to hold rows of width ``dim`` (idempotent; dim must match if it exists)."""
 
     @abstractmethod
     def get(self, table: str, keys: np.ndarray) -> Rows:
@@ -223,6 +220,27 @@ class Tier(ABC):
         hit = np.flatnonzero(found)
         out[positions[hit]] = got.vectors[inverse[hit]]
         return int(hit.shape[0])
+
+    def healthy(self) -> bool:
+        """Whether the tier can currently serve (used by readiness)."""
+        return True
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Memory the store holds in this process beside its rows' own accounting: its write buffers (memtables)
+        and its block cache, in bytes; zeros for a store with neither."""
+        return {"memtables": 0, "block_cache": 0}
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release connections, files and memory."""
+
+
+class Tier(ReadTier):
+    """A batch key-value store of versioned embedding rows, written by the process that owns it."""
+
+    @abstractmethod
+    def create_table(self, table: str, dim: int) -> None:
+        """Make ``table`` ready to hold rows of width ``dim`` (idempotent; dim must match if it exists)."""
 
     @abstractmethod
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
@@ -315,21 +333,8 @@ class Tier(ABC):
         """Forget every row of ``table``."""
         raise NotImplementedError(f"{type(self).__name__} cannot drop tables")
 
-    def healthy(self) -> bool:
-        """Whether the tier can currently serve (used by readiness)."""
-        return True
 
-    def memory_bytes(self) -> dict[str, int]:
-        """Memory the store holds in this process beside its rows' own accounting: its write buffers (memtables)
-        and its block cache, in bytes; zeros for a store with neither."""
-        return {"memtables": 0, "block_cache": 0}
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release connections, files and memory."""
-
-
-def tier_health(volatile: Tier | None, persistent: Tier | None) -> dict[str, bool]:
+def tier_health(volatile: ReadTier | None, persistent: ReadTier | None) -> dict[str, bool]:
     """Reachability of each enabled tier, by kind (what /v1/health and gRPC health report)."""
     out = {}
     if volatile is not None:
@@ -339,6 +344,6 @@ def tier_health(volatile: Tier | None, persistent: Tier | None) -> dict[str, boo
     return out
 
 
-def tier_memory(tier: Tier | None) -> dict[str, int]:
+def tier_memory(tier: ReadTier | None) -> dict[str, int]:
     """A tier's memtables and block cache in bytes (:meth:`Tier.memory_bytes`; zeros without a tier)."""
     return tier.memory_bytes() if tier is not None else {"memtables": 0, "block_cache": 0}

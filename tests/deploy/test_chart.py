@@ -161,7 +161,7 @@ def test_sidecars_run_as_another_user_by_default() -> None:
 
 @pytest.mark.parametrize("config,where", [
     ({"server": {"admin_token": "x"}}, "adminToken.existingSecret"),
-    ({"volatile": {"password": "x"}}, "redisCluster.existingSecret"),
+    ({"volatile": {"type": "redis_cluster", "nodes": ["redis:6379"], "password": "x"}}, "redisCluster.existingSecret"),
     ({"updates": {"sasl_password": "x"}}, "kafka.sasl.existingSecret"),
     ({"updates": {"kafka_config": {"sasl.password": "x"}}}, "kafka.sasl.existingSecret"),
 ])
@@ -358,6 +358,14 @@ def _mutated(r: object, mutate) -> object:
     return clone
 
 
+def _config_set(r: object, section: str, **keys: object) -> None:
+    """Change keys of one section of the rendered server config, the rest as rendered."""
+    data = r.one("ConfigMap")["data"]  # type: ignore[attr-defined]
+    cfg = yaml.safe_load(data["config.yaml"])
+    cfg.setdefault(section, {}).update(keys)
+    data["config.yaml"] = yaml.safe_dump(cfg)
+
+
 def _container(r: object) -> dict:
     return r.one("StatefulSet")["spec"]["template"]["spec"]["containers"][0]
 
@@ -371,10 +379,9 @@ def _container(r: object) -> dict:
     (lambda r: [e.update(value="fixed-group") for e in _container(r)["env"] if e["name"] == "HPS_UPDATES__GROUP"],
      "consumer group"),
     (lambda r: _container(r)["volumeMounts"].pop(1), "persistent.path"),
-    (lambda r: r.one("ConfigMap")["data"].update(
-        {"config.yaml": "server: {host: 0.0.0.0}\npersistent: {path: /opt/rocksdb}\n"}), "persistent.path"),
-    (lambda r: r.one("ConfigMap")["data"].update({"config.yaml": "server: {host: 127.0.0.1}\n"}), "server.host"),
-    (lambda r: r.one("ConfigMap")["data"].update({"config.yaml": "cache: {ways: 0}\n"}), "cache.ways"),
+    (lambda r: _config_set(r, "persistent", path="/opt/rocksdb"), "persistent.path"),
+    (lambda r: _config_set(r, "server", host="127.0.0.1"), "server.host"),
+    (lambda r: _config_set(r, "cache", ways=0), "cache.ways"),
 ])
 def test_consistency_check_catches_mistakes(rendered: dict, mutation, complaint: str) -> None:
     broken = _mutated(rendered[GPU_EXAMPLE.name], mutation)

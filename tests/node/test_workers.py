@@ -111,8 +111,8 @@ def start_node(tmp_path: Path, workers: int = 2, rows: int = ROWS, dim: int = DI
         "persistent": {"type": "rocksdb", "path": str(db), "block_cache_mb": 8},
         "models": [{"name": "m", "tables": [{"name": "item", "dim": dim}]}],
     }
-    for section, values in sections.items():
-        config[section] = {**config.get(section, {}), **values}
+    for section, values in sections.items():  # a section naming its type is another backend's: replaced whole
+        config[section] = dict(values) if "type" in values else {**config.get(section, {}), **values}
     srv = ServerProcess(write_config(tmp_path / "node.yaml", config), grpc_port).start(timeout=120)
     return Node(srv, http_port), keys, vectors
 

@@ -22,7 +22,8 @@ VALUE = "a-secret-value-that-must-not-leak"
 def test_every_secret_can_come_from_a_file(tmp_path: Path, section: str, key: str) -> None:
     secret = tmp_path / key
     secret.write_text(VALUE + "\n")  # as an editor or `echo` leaves it
-    extra = {"s3_access_key_id": {"s3_secret_access_key": "x"}, "s3_secret_access_key": {"s3_access_key_id": "x"}}
+    extra = {"s3_access_key_id": {"s3_secret_access_key": "x"}, "s3_secret_access_key": {"s3_access_key_id": "x"},
+             "password": {"type": "redis_cluster", "nodes": ["redis:6379"]}}
     cfg = load_config(None, **{section: {f"{key}_file": str(secret), **extra.get(key, {})}})
     assert getattr(getattr(cfg, section), key).get_secret_value() == VALUE
     if key == "sasl_password":

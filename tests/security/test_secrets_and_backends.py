@@ -17,11 +17,11 @@ import pytest
 import redis
 
 from hps_service.client import HPSClient
-from hps_service.config import UpdatesConfig, VolatileConfig, load_config
+from hps_service.config import RedisClusterVolatile, UpdatesConfig, load_config
 from hps_service.serve.process import HPSServer
 from hps_service.tiers.deferred import DeferredTier
-from hps_service.tiers.factory import build_volatile
 from hps_service.tiers.redis import RedisClusterTier
+from hps_service.tiers.registry import build_volatile
 from hps_service.updates import Publisher
 from tests.faults.support import readyz, wait_for
 from tests.helpers import HPS, REPO, free_port, wait_serving, write_config
@@ -154,7 +154,7 @@ def _ping(node: redis.Redis) -> bool:
 def test_redis_auth_user_and_tls_from_config(secure_redis: int, pki: PKI) -> None:
     base = {"type": "redis_cluster", "nodes": [f"127.0.0.1:{secure_redis}"], "partitions": 4,
             "socket_timeout_s": 0.5, "node_retry_after_s": 0.5}
-    tier = build_volatile(VolatileConfig(**base, username="hps", password="hps-secret", tls=True, ca_file=pki.ca))
+    tier = build_volatile(RedisClusterVolatile(**base, username="hps", password="hps-secret", tls=True, ca_file=pki.ca))
     try:
         assert isinstance(tier, RedisClusterTier) and tier.healthy()
         tier.create_table("m.t", 3)
@@ -166,7 +166,7 @@ def test_redis_auth_user_and_tls_from_config(secure_redis: int, pki: PKI) -> Non
         tier.close()
     for wrong in ({"username": "hps", "password": "nope", "tls": True, "ca_file": pki.ca},
                   {"username": "hps", "password": "hps-secret", "tls": False}):
-        degraded = build_volatile(VolatileConfig(**base, **wrong))
+        degraded = build_volatile(RedisClusterVolatile(**base, **wrong))
         try:
             assert isinstance(degraded, DeferredTier) and not degraded.healthy()
         finally:

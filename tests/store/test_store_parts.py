@@ -255,8 +255,8 @@ def test_a_reader_that_mapped_a_dropped_table_maps_the_one_created_again_under_i
     from hps_service.tiers.hashmap.tier import HashMapTier
 
     store = NodeStore(tmp_path / "hps", private=False, processes=2, workers=1)
-    alloc, release = store.volatile_allocator(lfu=False)
-    tier = HashMapTier(1000, allocator=alloc, release=release)
+    placement = store.volatile_placement()
+    tier = HashMapTier(1000, allocator=placement.alloc, release=placement.release)
     keys = np.arange(1, 9, dtype=np.int64)
     tier.create_table("m.t", 4)
     tier.put("m.t", keys, np.ones((8, 4), np.float32), np.ones(8, np.int64))

@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from hps_service.config import HPSConfig, ModelConfig, TableConfig
 from hps_service.errors import InvalidArgumentError
 from hps_service.rows.formats import row_format
-from hps_service.tiers.factory import build_volatile
 from hps_service.tiers.hashmap.tier import HashMapTier, rows_within
+from hps_service.tiers.registry import build_volatile
 
 BUDGET = 4 << 20
 

@@ -30,7 +30,8 @@ from hps_service.shm.counters import REQ_FIELDS, TABLE_FIELDS, THREAD_ROWS
 from hps_service.shm.permissions import PRIVATE, StoreAccess
 from hps_service.shm.queue import CTRL_LEN as QUEUE_CTRL_LEN
 from hps_service.shm.queue import Ring
-from hps_service.shm.region import NamedAllocator, Region, array_spec
+from hps_service.shm.region import Region, array_spec
+from hps_service.tiers.placement import Placement
 
 #: Indices into a table's control array (int64, one per cache line): the L1's change generation and the table's
 #: write generation (``engine.write_guard``) as last published, and the position of its RocksDB change ring (its
@@ -114,17 +115,15 @@ class NodeStore:
         self._volatile: dict[str, dict[str, Any]] = {}
         self._volatile_prefix: dict[str, str] = {}  # hash-map table -> where its arrays are
         self._volatile_placed = 0
-        self._volatile_lfu = False
+        self._placement: Placement | None = None
         self.extra: dict[str, Any] = {}
         self._closed = False
 
     # ---- placement ----------------------------------------------------------------------------
-    def volatile_allocator(self, lfu: bool) -> tuple[NamedAllocator, Any]:
-        """(alloc, release) for the hash-map tier: each table's arrays become files under ``volatile/<n>.<table>/``,
-        ``n`` counting the tables placed, so a table created again under a dropped one's id never takes its files
-        and a reader that mapped the dropped one sees, by the prefix in the manifest, that it is another table."""
-        self._volatile_lfu = lfu
-
+    def volatile_placement(self) -> Placement:
+        """Where the hash-map tier's tables go: files under ``volatile/<n>.<table>/``, ``n`` counting the tables
+        placed, so a table created again under a dropped one's id never takes its files and a reader that mapped the
+        dropped one sees, by the prefix in the manifest, that it is another table."""
         def alloc(name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
             table, _, part = name.rpartition("/")
             with self._lock:
@@ -148,7 +147,8 @@ class NodeStore:
             if prefix is not None:
                 self.region.remove(f"{prefix}/{part}")
 
-        return alloc, release
+        self._placement = Placement(alloc, release)
+        return self._placement
 
     def new_table(self, model: str, table: str, dim: int, default: Any, storage: str = "fp32",
                   stored_as: str = "") -> TableSlot:
@@ -188,7 +188,8 @@ class NodeStore:
                 "layout": layout.LAYOUT_VERSION, "generation": self.generation, "owner_pid": os.getpid(),
                 "models": models, "served": served, "labels": labels or {},
                 "tables": {str(s): slot.entry for s, slot in self._tables.items()},
-                "volatile": {"lfu": self._volatile_lfu, "tables": dict(self._volatile)},
+                "volatile": {"lfu": self._placement is not None and self._placement.lfu,
+                             "tables": dict(self._volatile)},
                 "requests": array_spec("counters/requests", self.requests), "queues": self._queue_specs,
                 "workers": array_spec("counters/workers", self.workers),
                 "processes": self.processes, **self.extra,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
 
@@ -40,9 +40,7 @@ from hps_service.tiers.hashmap import seqlock
 from hps_service.tiers.hashmap import stamps as stamps_ops
 from hps_service.tiers.hashmap.reader import TableArrays
 from hps_service.tiers.hashmap.stamps import stamp_halves
-
-#: ``release(name)``: give back an array the allocator made (unlinks a shared file; nothing for private memory).
-Release = Callable[[str], None]
+from hps_service.tiers.placement import Release
 
 
 def _no_release(_name: str) -> None:

@@ -143,7 +143,9 @@ The consumer group and the secrets come from the environment (see the StatefulSe
 {{- include "hps.checkNoSecretsInConfig" . }}
 {{- $cfg := deepCopy .Values.config }}
 {{- if .Values.redisCluster.enabled }}
-{{- $volatile := mergeOverwrite (deepCopy ($cfg.volatile | default dict)) (dict "type" "redis_cluster" "nodes" .Values.redisCluster.nodes) }}
+{{- /* volatile is one backend's settings: the hash map's own keys do not go with redis_cluster */}}
+{{- $volatile := omit (deepCopy ($cfg.volatile | default dict)) "capacity_rows" "capacity_mb" "overflow_policy" "overflow_evict_fraction" }}
+{{- $volatile = mergeOverwrite $volatile (dict "type" "redis_cluster" "nodes" .Values.redisCluster.nodes) }}
 {{- $_ := set $cfg "volatile" $volatile }}
 {{- end }}
 {{- $serverCfg := deepCopy $cfg.server }}
