@@ -78,6 +78,7 @@ class HPSServer:
         self._http: HttpListener | None = None
         self._served_models: set[str] = set()
         self._health_lock = threading.Lock()
+        self._health_shown: dict[str, int] = {}  # what the health service says now, set again only on a change
         self._stopped = threading.Event()
         self.consumer: UpdateConsumer | None = None
         self._consumer_lock = threading.Lock()
@@ -291,13 +292,16 @@ class HPSServer:
     def update_health(self) -> None:
         """gRPC health: service "" and EmbeddingService SERVING only when the server is ready, each loaded model when
         it is (its updates caught up), NOT_SERVING for a model unloaded since; ``ACCEPTING_SERVICE`` SERVING while
-        it takes calls (what clients balance on)."""
+        it takes calls (what clients balance on). A status is set when it changes: each set is an answer to every
+        health Watch of the service."""
         if self.engine is None:
             return
         with self._health_lock:
             statuses, self._served_models = readiness.health_statuses(self, self._served_models)
             for name, status in statuses.items():
-                self.health.set(name, status)
+                if self._health_shown.get(name) != status:
+                    self.health.set(name, status)
+                    self._health_shown[name] = status
             if self.node is not None:  # the workers answer gRPC health as this process would
                 self.node.publish_health(statuses)
 
