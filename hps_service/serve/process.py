@@ -34,6 +34,7 @@ from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.runtime.heap import HeapTrimmer
 from hps_service.serve import readiness
 from hps_service.serve.build import build_engine, snapshots_root
+from hps_service.serve.unix_socket import bind_unix_socket
 from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
     ServingGrpc,
@@ -181,12 +182,9 @@ class HPSServer:
             if port == 0:
                 raise UnavailableError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
         uds = cfg.local_socket()
-        if uds is not None:
-            self._bind_uds(server, uds)
-        server.start()
         if uds is not None:  # the colocated readers' group may connect, as it may map the store
-            access = local_access(cfg.local)
-            access.apply(uds, access.socket_mode)
+            bind_unix_socket(server, uds, local_access(cfg.local))
+        server.start()
         self._grpc = serving
         self.grpc_port = port
 
@@ -215,15 +213,6 @@ class HPSServer:
             node.close()
             self.node = self.engine = None  # cleaned up: start()'s handler must not close them again
             raise
-
-    @staticmethod
-    def _bind_uds(server: grpc.Server, path: Path) -> None:
-        """Serve gRPC on a Unix domain socket too (colocated clients' misses), readable by the server's group."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_socket():
-            path.unlink()
-        if server.add_insecure_port(f"unix:{path}") == 0:
-            raise UnavailableError(f"cannot bind gRPC to the Unix domain socket {path}")
 
     def _bootstrap(self) -> None:
         """An empty RocksDB with a snapshot store configured restores each model's newest complete snapshot."""
