@@ -55,6 +55,7 @@ from hps_service.server.rest_bodies import (
 )
 from hps_service.server.rest_versions import add_version_routes
 from hps_service.server.status import http_status_for, status_for
+from hps_service.server.unread_bodies import CloseUnread
 
 __all__ = ["PROBLEM_JSON", "AdminContext", "ReadinessCheck", "SwitchableApp", "create_app", "create_starting_app"]
 
@@ -142,6 +143,7 @@ def create_starting_app(readiness: Readiness) -> FastAPI:
     """What the REST port answers while the server starts (a bootstrap may take minutes): liveness, and readiness
     with its progress; every other path 503."""
     app = FastAPI(title="hps-service admin API (starting)", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(CloseUnread)
     add_probe_routes(app, readiness, list)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
@@ -184,6 +186,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     app.add_middleware(Gatekeeper, router=app.router, auth=auth, audit=AuditLog(cfg.audit_log),
                        limits=BodyLimits(cfg.max_batch_keys, cfg.max_body_bytes, dim_of),
                        internal_on=cfg.expose_internal_on)
+    app.add_middleware(CloseUnread)  # outermost: a request answered before its body was read closes its connection
     bodies = rows_bodies(cfg.max_batch_keys)
 
     def require_admin(credentials: AdminCredentials) -> None:
