@@ -19,7 +19,8 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.server.call_tracing import grpc_tracing
 from hps_service.server.grpc_service import EmbeddingServicer, add_embedding_service
-from hps_service.server.stream_lane import REFUSAL_THREADS, LanedServer, LanePool, StreamLane
+from hps_service.server.registration import Registrar
+from hps_service.server.stream_lane import REFUSAL_THREADS, LanePool, StreamLane
 
 _MiB = 1 << 20
 #: How long a draining server waits after its last call answered before it stops (see :meth:`HandlerPool.wait_idle`).
@@ -172,7 +173,7 @@ def build_grpc_server(
             *grpc_connection_options(cfg),
         ],
     )
-    laned = LanedServer(server, StreamLane(cfg, streams, servicer.auth, servicer.stream_refused))
+    laned = Registrar(server, StreamLane(cfg, streams, servicer.auth, servicer.stream_refused))
     add_embedding_service(servicer, laned)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, laned)
     reflection.enable_server_reflection(

@@ -9,7 +9,6 @@ from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError, Message
 
 from hps_client.rows import STORAGE_CODES
 from hps_service.config import ServerConfig
@@ -22,8 +21,9 @@ from hps_service.runtime.gate import ServingGate
 from hps_service.server.auth import Authenticator, Principal
 from hps_service.server.grpc_auth import grpc_principal
 from hps_service.server.metrics import ServerMetrics
+from hps_service.server.registration import Registrar
+from hps_service.server.request_parsing import MalformedRequest, tolerant_parser
 from hps_service.server.status import NO_RETRY, status_for
-from hps_service.server.stream_lane import LanedServer
 from hps_service.server.wire import ResponseBuffer, encode_lookup_response
 
 log = logging.getLogger(__name__)
@@ -36,38 +36,13 @@ def check_deadline(context: grpc.ServicerContext) -> None:
         raise DeadlineExceededError(f"the deadline passed {-remaining * 1000:.1f} ms before the lookup began")
 
 
-
 #: The full name of the streaming lookup method.
 STREAM_LOOKUP = "/hps.v1.EmbeddingService/StreamLookup"
 
 
-class MalformedRequest:
-    """Stands for request bytes that are not the expected protobuf message (refused as INVALID_ARGUMENT)."""
-
-    def __init__(self, message_type: str, reason: str) -> None:
-        self.message_type = message_type
-        self.reason = reason
-
-    def error(self) -> InvalidArgumentError:
-        return InvalidArgumentError(f"the request is not a valid {self.message_type}: {self.reason}")
-
-
-def tolerant_parser(message_cls: type[Message]) -> Callable[[bytes], object]:
-    """A request deserializer that returns a MalformedRequest instead of raising (gRPC would answer INTERNAL)."""
-    name = message_cls.DESCRIPTOR.full_name
-
-    def parse(data: bytes) -> object:
-        try:
-            return message_cls.FromString(data)
-        except DecodeError as exc:
-            return MalformedRequest(name, str(exc) or "undecodable bytes")
-
-    return parse
-
-
-def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server | LanedServer) -> None:
+def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server | Registrar) -> None:
     """Register ``servicer`` as hps.v1.EmbeddingService, with request parsing that refuses bad bytes cleanly (on a
-    :class:`~hps_service.server.stream_lane.LanedServer`, StreamLookup runs on the stream lane)."""
+    :class:`~hps_service.server.registration.Registrar`, StreamLookup runs on the stream lane)."""
     handlers = {
         # lookups answer with LookupResponse bytes already encoded by server.wire (no serializer)
         "Lookup": grpc.unary_unary_rpc_method_handler(

@@ -10,12 +10,12 @@ never closed for idling: an ended Watch puts the client's connection in TRANSIEN
 (gRFC A17), and a Watch is idle by design (it answers changes). It ends with its connection
 (``server.max_connection_age_s``).
 
-Services are registered through :class:`LanedServer`, which puts each streaming method on the lane as it is added
-(unary methods stay as they are: nothing of this runs on a unary call)."""
+Services are registered through :class:`~hps_service.server.registration.Registrar`, which puts each streaming
+method on the lane as it is added (unary methods stay as they are: nothing of this runs on a unary call)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -51,7 +51,8 @@ def on_pool(behavior: Callable[..., Any], pool: futures.ThreadPoolExecutor | Non
     return behavior if pool is None else _OnPool(behavior, pool)
 
 
-def _streams(handler: grpc.RpcMethodHandler) -> bool:
+def streams(handler: grpc.RpcMethodHandler) -> bool:
+    """Whether a method streams either way."""
     return bool(handler.request_streaming or handler.response_streaming)
 
 
@@ -87,7 +88,7 @@ class StreamLane:
 
     def handler(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         """``handler`` of ``method`` on the lane when it streams either way; a unary one as it is."""
-        if not _streams(handler):
+        if not streams(handler):
             return handler
         return _rebuilt(handler, lambda behavior: on_pool(self._laned(method, handler, behavior), self.pool))
 
@@ -152,42 +153,6 @@ class StreamLane:
         return streaming
 
 
-class _LanedGeneric(grpc.GenericRpcHandler):
-    """A generic handler whose streaming methods are on the lane."""
-
-    def __init__(self, inner: grpc.GenericRpcHandler, lane: StreamLane) -> None:
-        self._inner = inner
-        self._lane = lane
-        self._made: dict[str, grpc.RpcMethodHandler] = {}
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-        handler = self._inner.service(handler_call_details)
-        if handler is None or not _streams(handler):
-            return handler
-        method = handler_call_details.method
-        made = self._made.get(method)
-        if made is None:  # once per method a service has (an unknown method has no handler: never kept)
-            made = self._made[method] = self._lane.handler(method, handler)
-        return made
-
-
-class LanedServer:
-    """What a service's ``add_*_to_server`` registers with, passed on to ``server`` with every streaming method on
-    ``lane``."""
-
-    def __init__(self, server: grpc.Server, lane: StreamLane) -> None:
-        self._server = server
-        self._lane = lane
-
-    def add_generic_rpc_handlers(self, generic_rpc_handlers: Sequence[grpc.GenericRpcHandler]) -> None:
-        self._server.add_generic_rpc_handlers(tuple(_LanedGeneric(h, self._lane) for h in generic_rpc_handlers))
-
-    def add_registered_method_handlers(self, service_name: str,
-                                       method_handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
-        self._server.add_registered_method_handlers(service_name, {
-            name: self._lane.handler(f"/{service_name}/{name}", h) for name, h in method_handlers.items()})
-
-
 class LanePool(grpc.ServerInterceptor):
     """The outermost interceptor when a server has others (tracing): they wrap each call's behavior in a function
     of their own, which loses the pool the lane gave a streaming method's; this gives it back."""
@@ -197,6 +162,6 @@ class LanePool(grpc.ServerInterceptor):
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
-        if handler is None or not _streams(handler):
+        if handler is None or not streams(handler):
             return handler
         return _rebuilt(handler, lambda behavior: on_pool(behavior, self._pool))
