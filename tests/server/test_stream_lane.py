@@ -156,7 +156,7 @@ def test_one_caller_cannot_hold_every_stream_slot(capped: HPSServer) -> None:
 
 def test_a_stream_idle_past_its_timeout_is_closed_and_its_slot_given_back(tmp_path: Path) -> None:
     cfg = server_config(tmp_path, workers=0, grpc_workers=1, max_streams=3, max_streams_per_caller=3,
-                        stream_idle_timeout_s=1.0)
+                        stream_idle_timeout_s=2.0)
     request = build_request("demo", {"item": [1]})
     with running(cfg) as srv, ExitStack() as stack:
         lookups = Fed(pb_grpc.EmbeddingServiceStub(_channel(stack, target(srv))).StreamLookup)
@@ -167,7 +167,7 @@ def test_a_stream_idle_past_its_timeout_is_closed_and_its_slot_given_back(tmp_pa
         reflection = _reflection(stack, target(srv))
         watch = _watch(stack, target(srv))
         started = time.monotonic()
-        while time.monotonic() - started < 2.5:  # a stream that keeps asking is never idle
+        while time.monotonic() - started < 4.5:  # a stream that keeps asking is never idle
             assert busy.ask(request).tables[0].count == 1
             time.sleep(0.2)
         for stream in (lookups, reflection):
