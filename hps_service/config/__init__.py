@@ -104,10 +104,22 @@ class ServerConfig(_Section):
     grace_period_s: float = Field(30.0, ge=0, description="SIGTERM waits this long for calls in flight")
     max_concurrent_requests: int = Field(256, ge=1, description="gRPC calls in flight; more get RESOURCE_EXHAUSTED")
     max_streams: int = Field(
-        16, ge=1, description="StreamLookup calls open at once per serving process (the owner, or each worker); "
-        "more get RESOURCE_EXHAUSTED. Each open stream has a thread of its own beside the grpc_workers handler "
-        "threads (and is not counted in max_concurrent_requests), so idle streams never delay a unary call; a "
-        "stream waiting for its next request costs a blocked thread and no CPU")
+        16, ge=1, description="StreamLookup and reflection streams open at once per serving process (the owner, or "
+        "each worker); more get RESOURCE_EXHAUSTED. Each runs on a thread of its own beside the grpc_workers handler "
+        "threads (and is not counted in max_concurrent_requests), so open streams never delay a unary call")
+    max_streams_per_caller: int | None = Field(
+        None, ge=1, description="streams one caller (its reader name with server.auth on, else its address) may "
+        "hold open per serving process; more get RESOURCE_EXHAUSTED; default: a quarter of max_streams, at least 1")
+    stream_idle_timeout_s: float = Field(
+        60.0, gt=0, description="a StreamLookup or reflection stream with no message either way for this long is "
+        "closed with DEADLINE_EXCEEDED naming this key")
+    max_watches: int = Field(
+        1024, ge=1, description="health Watch streams open at once per serving process (hps-client keeps one per "
+        "connection; a Watch holds no thread); more get RESOURCE_EXHAUSTED, and one caller may hold a quarter")
+    max_calls_per_connection: int = Field(
+        16, ge=1, le=10000, description="gRPC calls in flight on one connection (HTTP/2 max concurrent streams): a "
+        "client's further calls wait for one to end, and a peer that stops reading holds at most this many answers "
+        "of the server")
     max_connection_age_s: float = Field(
         300.0, ge=0, description="gRPC connections are closed (GOAWAY, with gRPC's 10% jitter) after this long, so "
         "clients reconnect and reach new replicas; 0: never")
@@ -170,6 +182,10 @@ class ServerConfig(_Section):
         if self.worker_processes() > 0:
             return 2
         return max(2, usable_cpus())
+
+    def streams_per_caller(self) -> int:
+        """Streams one caller may hold open: ``max_streams_per_caller``, else a quarter of ``max_streams``."""
+        return self.max_streams_per_caller or max(1, self.max_streams // 4)
 
     def local_socket(self) -> Path | None:
         """The Unix domain socket the owner serves gRPC on: ``uds_path``, else ``<local.path>/grpc.sock`` when

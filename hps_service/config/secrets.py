@@ -8,12 +8,15 @@ not part of it. No function here logs or returns a secret in an error message.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from pathlib import Path
 
 from pydantic import BaseModel, SecretStr
+
+log = logging.getLogger(__name__)
 
 #: Largest secret file read (a token, a password, a key: a few hundred bytes; a PEM bundle a few KiB).
 MAX_SECRET_BYTES = 64 << 10
@@ -63,24 +66,46 @@ def file_signature(path: Path) -> tuple[int, int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+_reported_lock = threading.Lock()
+#: Per secret file, the state last logged in this process (several watchers of one file log a change once).
+_reported: dict[Path, str | None] = {}
+
+
+def _report(path: Path, what: str, error: str | None) -> None:
+    """Log a watched file's change of state once per process: unusable (``error``, which names the key and the path,
+    never the value), or usable again."""
+    with _reported_lock:
+        before = _reported.get(path)
+        if before == error:
+            return
+        _reported[path] = error
+    if error is not None:
+        log.warning("%s: no secret until the file holds one again (whatever it held before is refused)", error)
+    else:
+        log.info("%s %s holds a secret again", what, path)
+
+
 class WatchedSecret:
     """A secret that follows its file: :meth:`get` re-reads it when the file changed, looking at most every
-    ``check_every_s`` (one ``stat``), so a rotated Secret takes effect without a restart. A file that cannot be read
-    now keeps the last good value (a rotation caught half-way), and the failure is kept in ``error``."""
+    ``check_every_s`` (one ``stat``), so a rotated Secret takes effect without a restart. It fails closed: a file
+    that is gone, empty or unreadable now means no secret (None) until it holds one again, so deleting or emptying a
+    token's file revokes the token. A Kubernetes Secret is swapped whole (a symlink swap), never seen half-written.
+    Each change of state is logged once, naming the key and the path, never the value; ``error`` keeps why."""
 
     def __init__(self, path: Path, what: str, check_every_s: float = 1.0) -> None:
         self.path = Path(path)
         self.what = what
         self.check_every_s = check_every_s
         self._signature = file_signature(self.path)
-        self._value = read_secret(self.path, what)
+        self._value: str | None = read_secret(self.path, what)
         self._checked = time.monotonic()
         self._lock = threading.Lock()
         self.error: str | None = None
         #: Bumped on every change of value, so holders of derived state (digests) know to rebuild it.
         self.generation = 0
 
-    def get(self) -> str:
+    def get(self) -> str | None:
+        """The secret the file holds now, or None when it holds none (gone, empty, unreadable)."""
         now = time.monotonic()
         if now - self._checked >= self.check_every_s:
             with self._lock:
@@ -91,14 +116,16 @@ class WatchedSecret:
 
     def _reload(self) -> None:
         signature = file_signature(self.path)
-        if signature is None or signature == self._signature:
+        if signature == self._signature:
             return
+        self._signature = signature
         try:
-            value = read_secret(self.path, self.what)
+            value: str | None = read_secret(self.path, self.what)
+            error = None
         except SecretFileError as exc:
-            self.error = str(exc)
-            return
-        self._signature, self.error = signature, None
+            value, error = None, str(exc)
+        self.error = error
+        _report(self.path, self.what, error)
         if value != self._value:
             self._value = value
             self.generation += 1

@@ -34,6 +34,7 @@ from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.runtime.heap import HeapTrimmer
 from hps_service.serve import readiness
 from hps_service.serve.build import build_engine, snapshots_root
+from hps_service.serve.unix_socket import bind_unix_socket
 from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
     ServingGrpc,
@@ -78,6 +79,7 @@ class HPSServer:
         self._http: HttpListener | None = None
         self._served_models: set[str] = set()
         self._health_lock = threading.Lock()
+        self._health_shown: dict[str, int] = {}  # what the health service says now, set again only on a change
         self._stopped = threading.Event()
         self.consumer: UpdateConsumer | None = None
         self._consumer_lock = threading.Lock()
@@ -180,12 +182,9 @@ class HPSServer:
             if port == 0:
                 raise UnavailableError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
         uds = cfg.local_socket()
-        if uds is not None:
-            self._bind_uds(server, uds)
-        server.start()
         if uds is not None:  # the colocated readers' group may connect, as it may map the store
-            access = local_access(cfg.local)
-            access.apply(uds, access.socket_mode)
+            bind_unix_socket(server, uds, local_access(cfg.local))
+        server.start()
         self._grpc = serving
         self.grpc_port = port
 
@@ -215,15 +214,6 @@ class HPSServer:
             node.close()
             self.node = self.engine = None  # cleaned up: start()'s handler must not close them again
             raise
-
-    @staticmethod
-    def _bind_uds(server: grpc.Server, path: Path) -> None:
-        """Serve gRPC on a Unix domain socket too (colocated clients' misses), readable by the server's group."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        if path.is_socket():
-            path.unlink()
-        if server.add_insecure_port(f"unix:{path}") == 0:
-            raise UnavailableError(f"cannot bind gRPC to the Unix domain socket {path}")
 
     def _bootstrap(self) -> None:
         """An empty RocksDB with a snapshot store configured restores each model's newest complete snapshot."""
@@ -292,13 +282,16 @@ class HPSServer:
     def update_health(self) -> None:
         """gRPC health: service "" and EmbeddingService SERVING only when the server is ready, each loaded model when
         it is (its updates caught up), NOT_SERVING for a model unloaded since; ``ACCEPTING_SERVICE`` SERVING while
-        it takes calls (what clients balance on)."""
+        it takes calls (what clients balance on). A status is set when it changes: each set is an answer to every
+        health Watch of the service."""
         if self.engine is None:
             return
         with self._health_lock:
             statuses, self._served_models = readiness.health_statuses(self, self._served_models)
             for name, status in statuses.items():
-                self.health.set(name, status)
+                if self._health_shown.get(name) != status:
+                    self.health.set(name, status)
+                    self._health_shown[name] = status
             if self.node is not None:  # the workers answer gRPC health as this process would
                 self.node.publish_health(statuses)
 

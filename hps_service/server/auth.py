@@ -4,7 +4,7 @@ Protocol-free: the gRPC servicer and the REST gatekeeper hand over what the call
 identities of a verified certificate) and get a :class:`Principal`, or an UnauthenticatedError /
 PermissionDeniedError whose message names the reader or the model, never a token. Tokens are compared as SHA-256
 digests (the time a lookup takes says nothing about the token), and tokens from files follow their file, so a rotated
-Secret takes effect without a restart.
+Secret takes effect without a restart, and a file deleted or emptied revokes its token (fail closed).
 """
 
 from __future__ import annotations
@@ -59,7 +59,12 @@ class _Secret:
         self._value = value
 
     def get(self) -> str | None:
+        """The token; None when there is none (its file gone, empty or unreadable: fail closed)."""
         return self._watched.get() if self._watched is not None else self._value
+
+    @property
+    def from_file(self) -> bool:
+        return self._watched is not None
 
 
 def _digest(token: str) -> bytes:
@@ -101,6 +106,9 @@ class Authenticator:
         (another token, or the admin API disabled)."""
         expected = self._admin.get()
         if expected is None:
+            if self._admin.from_file:  # its file is gone or empty: revoked, not a fallback to anything else
+                raise PermissionDeniedError("the admin API is disabled: server.admin_token_file holds no token now "
+                                            "(see the server log)")
             raise PermissionDeniedError("the admin API is disabled: set server.admin_token or HPS_ADMIN_TOKEN")
         if token is None:
             raise UnauthenticatedError("missing 'Authorization: Bearer <admin token>'")

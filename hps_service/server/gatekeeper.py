@@ -141,7 +141,7 @@ class Gatekeeper:
             return None
         identities = scope.get("state", {}).get(PEER_IDENTITIES, ())
         principal = self.auth.reader(token, identities)
-        if policy.access == "read" and "model" in params:
+        if "model" in params:  # a read, or an internal route of one model (/v1/cache/{model}/{table})
             principal.check_model(params["model"])
         return principal
 

@@ -19,7 +19,8 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.server.call_tracing import grpc_tracing
 from hps_service.server.grpc_service import EmbeddingServicer, add_embedding_service
-from hps_service.server.stream_lane import REFUSAL_THREADS, StreamLane
+from hps_service.server.registration import Registrar
+from hps_service.server.stream_lane import REFUSAL_THREADS, LanePool, StreamLane
 
 _MiB = 1 << 20
 #: How long a draining server waits after its last call answered before it stops (see :meth:`HandlerPool.wait_idle`).
@@ -103,6 +104,9 @@ def grpc_connection_options(cfg: ServerConfig) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", int(cfg.min_client_ping_interval_s * 1000)),
         ("grpc.http2.max_ping_strikes", 2),
+        # what a connection's peer can make the server hold: its calls in flight, each answer at most
+        # grpc.max_send_message_length; a further call waits in the client until one ends
+        ("grpc.max_concurrent_streams", cfg.max_calls_per_connection),
     ]
     if cfg.max_connection_age_s > 0:
         options += [
@@ -141,12 +145,13 @@ def build_grpc_server(
     role: str = "owner",
 ) -> ServingGrpc:
     """A thread-pool gRPC server with the EmbeddingService, health and reflection (no port bound yet): unary calls
-    on ``grpc_threads()`` handler threads, StreamLookup calls on threads of their own (``max_streams`` of them, and
+    on ``grpc_threads()`` handler threads, streaming calls on threads of their own (``max_streams`` of them, and
     :data:`~hps_service.server.stream_lane.REFUSAL_THREADS` for the streams past it, refused at once). gRPC's
     sync server holds a thread for a stream's whole life (its handler blocks for each next request), so a stream on
     the handler pool would take a thread from the unary calls; and a shared pool of both sizes would let unary
-    calls spread over more threads than ``grpc_threads()``, which only contend for the GIL. gRPC's limit of calls
-    in flight counts streams too: it is ``max_concurrent_requests`` plus ``max_streams``.
+    calls spread over more threads than ``grpc_threads()``, which only contend for the GIL. Every streaming method
+    (StreamLookup, reflection, health Watch) is on that lane (:mod:`~hps_service.server.stream_lane`). gRPC's limit
+    of calls in flight counts streams too: it is ``max_concurrent_requests`` plus ``max_streams``.
 
     ``reuseport``: let the node's worker processes bind one port together (SO_REUSEPORT; the kernel spreads the
     connections over them). ``role``: the process (``owner``, ``worker-N``) its spans name, with tracing on; then the
@@ -159,7 +164,7 @@ def build_grpc_server(
     interceptors = grpc_tracing(servicer, role)
     server = grpc.server(
         pool,
-        interceptors=[StreamLane(streams), *interceptors] if interceptors else [],
+        interceptors=[LanePool(streams), *interceptors] if interceptors else [],
         maximum_concurrent_rpcs=cfg.max_concurrent_requests + cfg.max_streams,
         options=[
             ("grpc.max_receive_message_length", receive),
@@ -168,11 +173,12 @@ def build_grpc_server(
             *grpc_connection_options(cfg),
         ],
     )
-    add_embedding_service(servicer, server, streams)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    laned = Registrar(server, StreamLane(cfg, streams, servicer.auth, servicer.stream_refused))
+    add_embedding_service(servicer, laned)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, laned)
     reflection.enable_server_reflection(
         (pb.DESCRIPTOR.services_by_name["EmbeddingService"].full_name, health.SERVICE_NAME, reflection.SERVICE_NAME),
-        server,
+        laned,
     )
     return ServingGrpc(server, pool, streams)
 

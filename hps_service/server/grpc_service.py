@@ -5,14 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from concurrent import futures
 from typing import Any
 
 import grpc
 import numpy as np
-from google.protobuf.message import DecodeError, Message
 
-from hps_client.attempts import PUSHBACK
 from hps_client.rows import STORAGE_CODES
 from hps_service.config import ServerConfig
 from hps_service.engine.api import ReadEngine
@@ -24,8 +21,9 @@ from hps_service.runtime.gate import ServingGate
 from hps_service.server.auth import Authenticator, Principal
 from hps_service.server.grpc_auth import grpc_principal
 from hps_service.server.metrics import ServerMetrics
-from hps_service.server.status import status_for
-from hps_service.server.stream_lane import StreamSlots, on_pool
+from hps_service.server.registration import Registrar
+from hps_service.server.request_parsing import MalformedRequest, tolerant_parser
+from hps_service.server.status import NO_RETRY, status_for
 from hps_service.server.wire import ResponseBuffer, encode_lookup_response
 
 log = logging.getLogger(__name__)
@@ -38,44 +36,19 @@ def check_deadline(context: grpc.ServicerContext) -> None:
         raise DeadlineExceededError(f"the deadline passed {-remaining * 1000:.1f} ms before the lookup began")
 
 
-#: gRPC's server pushback (gRFC A6) telling a client's retry policy not to retry: sent with the RESOURCE_EXHAUSTED
-#: of a request over a limit, so that only an overloaded server's (gRPC's own, at max_concurrent_requests) is retried.
-NO_RETRY = ((PUSHBACK, "-1"),)
-
-class MalformedRequest:
-    """Stands for request bytes that are not the expected protobuf message (refused as INVALID_ARGUMENT)."""
-
-    def __init__(self, message_type: str, reason: str) -> None:
-        self.message_type = message_type
-        self.reason = reason
-
-    def error(self) -> InvalidArgumentError:
-        return InvalidArgumentError(f"the request is not a valid {self.message_type}: {self.reason}")
+#: The full name of the streaming lookup method.
+STREAM_LOOKUP = "/hps.v1.EmbeddingService/StreamLookup"
 
 
-def tolerant_parser(message_cls: type[Message]) -> Callable[[bytes], object]:
-    """A request deserializer that returns a MalformedRequest instead of raising (gRPC would answer INTERNAL)."""
-    name = message_cls.DESCRIPTOR.full_name
-
-    def parse(data: bytes) -> object:
-        try:
-            return message_cls.FromString(data)
-        except DecodeError as exc:
-            return MalformedRequest(name, str(exc) or "undecodable bytes")
-
-    return parse
-
-
-def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server,
-                          stream_pool: futures.ThreadPoolExecutor | None = None) -> None:
-    """Register ``servicer`` as hps.v1.EmbeddingService, with request parsing that refuses bad bytes cleanly;
-    StreamLookup calls run on ``stream_pool`` (else on the server's pool)."""
+def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server | Registrar) -> None:
+    """Register ``servicer`` as hps.v1.EmbeddingService, with request parsing that refuses bad bytes cleanly (on a
+    :class:`~hps_service.server.registration.Registrar`, StreamLookup runs on the stream lane)."""
     handlers = {
         # lookups answer with LookupResponse bytes already encoded by server.wire (no serializer)
         "Lookup": grpc.unary_unary_rpc_method_handler(
             servicer.Lookup, request_deserializer=tolerant_parser(pb.LookupRequest), response_serializer=None),
         "StreamLookup": grpc.stream_stream_rpc_method_handler(
-            on_pool(servicer.StreamLookup, stream_pool), request_deserializer=tolerant_parser(pb.LookupRequest),
+            servicer.StreamLookup, request_deserializer=tolerant_parser(pb.LookupRequest),
             response_serializer=None),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels, request_deserializer=tolerant_parser(pb.ListModelsRequest),
@@ -120,7 +93,6 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         #: None with server.auth none: the hot path then pays one attribute test for it.
         self.auth = Authenticator(limits) if limits.auth != "none" else None
         self._local = threading.local()
-        self.streams = StreamSlots(limits.max_streams)
 
     def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> bytes:
         """Answer one LookupRequest as serialized LookupResponse bytes (raises domain errors); with ``context``,
@@ -226,21 +198,21 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
     def StreamLookup(
         self, request_iterator: Iterator[pb.LookupRequest], context: grpc.ServicerContext
     ) -> Iterator[bytes]:
-        if not self.streams.take():  # counted as one refused StreamLookup request
+        principal = None
+        if self.auth is not None:  # the stream's metadata and certificate are its own: resolved once
+            try:
+                principal = grpc_principal(self.auth, context)
+            except HPSError as err:
+                self._abort(context, err)
+        for request in request_iterator:
+            yield self._serve_one("StreamLookup", request, context, principal)
+
+    def stream_refused(self, method: str) -> None:
+        """Count a StreamLookup the stream lane refused (at server.max_streams or max_streams_per_caller) as one
+        RESOURCE_EXHAUSTED request; the other streaming methods are not lookups."""
+        if method == STREAM_LOOKUP:
             with self.metrics.observe("StreamLookup") as status:
                 status[0] = grpc.StatusCode.RESOURCE_EXHAUSTED.name
-            self._abort(context, ResourceExhaustedError(self.streams.refusal()))
-        try:
-            principal = None
-            if self.auth is not None:  # the stream's metadata and certificate are its own: resolved once
-                try:
-                    principal = grpc_principal(self.auth, context)
-                except HPSError as err:
-                    self._abort(context, err)
-            for request in request_iterator:
-                yield self._serve_one("StreamLookup", request, context, principal)
-        finally:
-            self.streams.give_back()
 
     def _allowed(self, request: object, context: grpc.ServicerContext, principal: Principal | None) -> Principal:
         """The caller, if ``server.auth`` admits it and it may read the request's model (when it names one)."""

@@ -24,6 +24,14 @@ class HealthServicer(health.HealthServicer):
         self._send_lock = threading.RLock()
         self._gracefully_shutting_down: bool = False  # the base class's flag, typed
 
+    def Check(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext) -> Any:  # noqa: N802
+        """The service's status; NOT_FOUND naming it when it has none (the stock servicer sends no message)."""
+        with self._lock:
+            status = self._server_status.get(request.service)
+        if status is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no health status for service {request.service!r}")
+        return health_pb2.HealthCheckResponse(status=status)
+
     def Watch(self, request: health_pb2.HealthCheckRequest, context: grpc.ServicerContext,  # noqa: N802
               send_response_callback: SendResponse | None = None) -> Any:
         """Send the service's status now and on every change until the call ends."""

@@ -54,7 +54,9 @@ from hps_service.server.rest_bodies import (
     rows_bodies,
 )
 from hps_service.server.rest_versions import add_version_routes
+from hps_service.server.rest_visibility import check_metrics, visible_job, visible_jobs, visible_models, visible_stats
 from hps_service.server.status import http_status_for, status_for
+from hps_service.server.unread_bodies import CloseUnread
 
 __all__ = ["PROBLEM_JSON", "AdminContext", "ReadinessCheck", "SwitchableApp", "create_app", "create_starting_app"]
 
@@ -142,6 +144,7 @@ def create_starting_app(readiness: Readiness) -> FastAPI:
     """What the REST port answers while the server starts (a bootstrap may take minutes): liveness, and readiness
     with its progress; every other path 503."""
     app = FastAPI(title="hps-service admin API (starting)", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(CloseUnread)
     add_probe_routes(app, readiness, list)
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "PUT", "DELETE"])
@@ -184,6 +187,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
     app.add_middleware(Gatekeeper, router=app.router, auth=auth, audit=AuditLog(cfg.audit_log),
                        limits=BodyLimits(cfg.max_batch_keys, cfg.max_body_bytes, dim_of),
                        internal_on=cfg.expose_internal_on)
+    app.add_middleware(CloseUnread)  # outermost: a request answered before its body was read closes its connection
     bodies = rows_bodies(cfg.max_batch_keys)
 
     def require_admin(credentials: AdminCredentials) -> None:
@@ -227,7 +231,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
                 "not_ready": not_ready}
 
     @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)
-    def metrics() -> Response:
+    def metrics(request: Request) -> Response:
+        check_metrics(caller_of(request.state))
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # ---- models -----------------------------------------------------------------------------------
@@ -375,12 +380,12 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return job.view()
 
     @app.get("/v1/jobs", tags=["jobs"], summary="Known jobs, oldest first")
-    def list_jobs() -> dict[str, Any]:
-        return {"jobs": [j.view() for j in ctx.jobs.list()]}
+    def list_jobs(request: Request) -> dict[str, Any]:
+        return {"jobs": visible_jobs([j.view() for j in ctx.jobs.list()], caller_of(request.state))}
 
     @app.get("/v1/jobs/{job_id}", tags=["jobs"], summary="State and progress of a job")
-    def get_job(job_id: str) -> dict[str, Any]:
-        return ctx.jobs.get(job_id).view()
+    def get_job(job_id: str, request: Request) -> dict[str, Any]:
+        return visible_job(ctx.jobs.get(job_id).view(), caller_of(request.state))
 
     # ---- snapshots --------------------------------------------------------------------------------
     @app.post("/v1/models/{model}/snapshots", tags=["snapshots"], status_code=201, dependencies=admin,
@@ -413,17 +418,18 @@ def create_app(ctx: AdminContext) -> FastAPI:
 
     # ---- stats and cache --------------------------------------------------------------------------
     @app.get("/v1/stats", tags=["stats"], summary="Per model, table and tier: hits, misses, rows, evictions")
-    def stats() -> dict[str, Any]:
+    def stats(request: Request) -> dict[str, Any]:
         out = engine.stats()
         out["updates"] = {"enabled": False}
         for name, section in ctx.stats_sections.items():
             out[name] = section()
-        return out
+        return visible_stats(out, caller_of(request.state))
 
-    @app.get("/v1/cache", tags=["cache"], summary="L1 cache stats of every table")
-    def cache_stats() -> dict[str, Any]:
-        return {"models": {m.name: {"tables": {t.name: engine.table_stats(m.name, t.name)["cache"] for t in m.tables}}
-                           for m in engine.models()}}
+    @app.get("/v1/cache", tags=["cache"], summary="L1 cache stats of every table (the caller may read)")
+    def cache_stats(request: Request) -> dict[str, Any]:
+        models = {m.name: {"tables": {t.name: engine.table_stats(m.name, t.name)["cache"] for t in m.tables}}
+                  for m in engine.models()}
+        return {"models": visible_models(models, caller_of(request.state))}
 
     @app.get("/v1/cache/{model}/{table}", tags=["cache"], summary="L1 cache stats of one table")
     def table_cache_stats(model: str, table: str) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from hps_client.attempts import PUSHBACK
 from hps_service.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -20,7 +21,11 @@ from hps_service.errors import (
 )
 from hps_service.fleet.sharding import WrongShardError
 
-__all__ = ["ERROR_STATUS", "OTHER_ERROR", "ErrorStatus", "http_status_for", "status_for", "status_of"]
+__all__ = ["ERROR_STATUS", "NO_RETRY", "OTHER_ERROR", "ErrorStatus", "http_status_for", "status_for", "status_of"]
+
+#: gRPC's server pushback (gRFC A6) telling a client's retry policy not to retry: sent with the RESOURCE_EXHAUSTED
+#: of a request over a limit, so that only an overloaded server's (gRPC's own, at max_concurrent_requests) is retried.
+NO_RETRY = ((PUSHBACK, "-1"),)
 
 
 @dataclass(frozen=True)

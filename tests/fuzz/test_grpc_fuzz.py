@@ -51,7 +51,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     tmp: Path = tmp_path_factory.mktemp("fuzz")
     grpc_port = free_port()
     cfg = write_config(tmp / "c.yaml", {
-        "server": {"grpc_port": grpc_port, "http_port": free_port(), "max_batch_keys": MAX_KEYS,
+        "server": {"grpc_port": grpc_port, "http_port": free_port(), "workers": 2, "max_batch_keys": MAX_KEYS,
                    "max_tables_per_request": MAX_TABLES, "max_message_bytes": MAX_MESSAGE},
         "cache": {"backend": "numpy", "capacity": 2048},
         "volatile": {"type": "hashmap", "capacity_rows": 100_000},

@@ -30,8 +30,8 @@ def rest(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[httpx.Clien
     tmp: Path = tmp_path_factory.mktemp("restfuzz")
     grpc_port, http_port = free_port(), free_port()
     cfg = write_config(tmp / "c.yaml", {
-        "server": {"grpc_port": grpc_port, "http_port": http_port, "admin_token": TOKEN, "max_body_bytes": MAX_BODY,
-                   "max_batch_keys": 1024},
+        "server": {"grpc_port": grpc_port, "http_port": http_port, "workers": 2, "admin_token": TOKEN,
+                   "max_body_bytes": MAX_BODY, "max_batch_keys": 1024},
         "cache": {"backend": "numpy", "capacity": 1024},
         "volatile": {"type": "hashmap", "capacity_rows": 100_000},
         "persistent": {"type": "rocksdb", "path": str(tmp / "db"), "block_cache_mb": 8},

@@ -140,7 +140,8 @@ def test_token_reads_over_rest(token_server) -> None:
         assert [m["name"] for m in http.get("/v1/models", headers=ranker).json()["models"]] == ["demo"]
         assert http.get("/v1/models/secret", headers=ranker).status_code == 403
         assert http.get("/metrics").status_code == 401  # internal routes on the REST port need a reader
-        assert "hps_lookup" in http.get("/metrics", headers=ranker).text
+        assert http.get("/metrics", headers=ranker).status_code == 403  # it spans every model: not the ranker's
+        assert "hps_lookup" in http.get("/metrics", headers={"Authorization": f"Bearer {ALL}"}).text
         assert http.get("/healthz").status_code == 200 and http.get("/readyz").status_code == 200
         # a read token is no admin token
         assert http.put(rows.format(model="demo"), json={"keys": [1], "vectors": [[1] * DIM]},

@@ -71,6 +71,11 @@ def test_a_watched_secret_follows_its_file(tmp_path: Path) -> None:
     (tmp_path / "new").write_text("second-token-value-02\n")
     os.replace(tmp_path / "new", path)
     assert watched.get() == "second-token-value-02" and watched.generation == 1
-    path.write_text("")  # half-written: the last good value stays, and why is kept
+    path.write_text("")  # emptied: no secret (fail closed), and why is kept
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
-    assert watched.get() == "second-token-value-02" and "is empty" in (watched.error or "")
+    assert watched.get() is None and "is empty" in (watched.error or "") and watched.generation == 2
+    path.unlink()  # gone: no secret either
+    assert watched.get() is None and "cannot be read" in (watched.error or "")
+    (tmp_path / "new").write_text("third-token-value-0003")
+    os.replace(tmp_path / "new", path)
+    assert watched.get() == "third-token-value-0003" and watched.error is None and watched.generation == 3

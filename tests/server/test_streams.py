@@ -20,7 +20,8 @@ from hps_client.attempts import PUSHBACK
 from hps_service.client import build_request
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.serve.process import HPSServer
-from hps_service.server.stream_lane import STREAM_METHOD, StreamLane, on_pool
+from hps_service.server.grpc_service import STREAM_LOOKUP
+from hps_service.server.stream_lane import LanePool, on_pool
 from tests.helpers import free_port
 from tests.server.conftest import OpenStream, running, server_config, target
 
@@ -58,7 +59,8 @@ def _unary_latencies(srv: HPSServer, calls: int, timeout: float = 3.0) -> list[f
 @pytest.fixture(scope="module")
 def single(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HPSServer]:
     """gRPC served by the owner itself, on one handler thread, at most 3 streams."""
-    with running(server_config(tmp_path_factory.mktemp("single"), workers=0, grpc_workers=1, max_streams=3)) as srv:
+    with running(server_config(tmp_path_factory.mktemp("single"), workers=0, grpc_workers=1, max_streams=3,
+                                max_streams_per_caller=3)) as srv:
         yield srv
 
 
@@ -72,7 +74,8 @@ def test_idle_streams_leave_the_handler_threads_to_unary_calls(single: HPSServer
 def test_idle_streams_on_a_node_leave_its_workers_to_unary_calls(tmp_path: Path) -> None:
     """Two workers with 2 handler threads each: 2x``workers`` idle streams used to take every thread (the issue's
     DEADLINE_EXCEEDED after 3 s)."""
-    with running(server_config(tmp_path, workers=2, grpc_workers=2, max_streams=4)) as srv, ExitStack() as stack:
+    with running(server_config(tmp_path, workers=2, grpc_workers=2, max_streams=4,
+                                 max_streams_per_caller=4)) as srv, ExitStack() as stack:
         _open_streams(stack, srv, 4)
         seconds = _unary_latencies(srv, 50)
     assert max(seconds) < 1.0, f"slowest unary call with 4 idle streams open: {max(seconds):.3f} s"
@@ -126,7 +129,7 @@ class _Wrapping(grpc.ServerInterceptor):
 
 def test_streams_stay_on_their_lane_under_interceptors() -> None:
     """gRPC runs a behavior with ``experimental_thread_pool`` on that pool; an interceptor's wrapper loses it,
-    and StreamLane, outermost, gives it back."""
+    and LanePool, outermost, gives it back."""
     unary = futures.ThreadPoolExecutor(1, thread_name_prefix="unary")
     lane = futures.ThreadPoolExecutor(2, thread_name_prefix="lane")
     ran_on: list[str] = []
@@ -135,15 +138,15 @@ def test_streams_stay_on_their_lane_under_interceptors() -> None:
         ran_on.append(threading.current_thread().name)
         yield from requests
 
-    service, method = STREAM_METHOD.rsplit("/", 1)
+    service, method = STREAM_LOOKUP.rsplit("/", 1)
     handler = grpc.method_handlers_generic_handler(
         service[1:], {method: grpc.stream_stream_rpc_method_handler(on_pool(echo, lane))})
-    for interceptors in ([], [_Wrapping()], [StreamLane(lane), _Wrapping()]):
+    for interceptors in ([], [_Wrapping()], [LanePool(lane), _Wrapping()]):
         server = grpc.server(unary, interceptors=interceptors)
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
         server.start()
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            assert list(channel.stream_stream(STREAM_METHOD)(iter([b"a", b"b"]), timeout=10)) == [b"a", b"b"]
+            assert list(channel.stream_stream(STREAM_LOOKUP)(iter([b"a", b"b"]), timeout=10)) == [b"a", b"b"]
         server.stop(0).wait()
     assert [name.split("_")[0] for name in ran_on] == ["lane", "unary", "lane"]
