@@ -40,6 +40,7 @@ from hps_service.jit.hashing import mix64
 from hps_service.jit.prefetch import prefetch
 from hps_service.jit.rowcopy import copy_row
 from hps_service.jit.ticks import age
+from hps_service.jit.views import read_only_view
 
 _S32 = np.uint64(32)
 _TAG_BIT = np.uint64(TAG_BIT)
@@ -359,8 +360,10 @@ def insert(arrays: CacheArrays, keys: np.ndarray, vectors: np.ndarray, versions:
 def update(arrays: CacheArrays, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> int:
     """Overwrite rows of cached keys not newer than the update, in batch order; returns distinct keys written."""
     a = arrays
-    written: int = _update(a.tags, a.keys.view(np.uint64), a.versions, a.values, _u64(keys), np.ascontiguousarray(vectors),
-                   np.ascontiguousarray(versions), a.sets)
+    # the rows written arrive writable (REST) or read-only (the update log's bytes): one specialisation of each
+    written: int = _update(a.tags, a.keys.view(np.uint64), a.versions, a.values, read_only_view(_u64(keys)),
+                           read_only_view(np.ascontiguousarray(vectors)),
+                           read_only_view(np.ascontiguousarray(versions)), a.sets)
     return written
 
 
@@ -369,6 +372,6 @@ def invalidate(arrays: CacheArrays, keys: np.ndarray, versions: np.ndarray | Non
     a = arrays
     versioned = versions is not None
     vs = np.ascontiguousarray(versions) if versioned else np.zeros(keys.shape[0], np.int64)
-    freed: int = _invalidate(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.meta, _u64(keys), vs, versioned,
-                             a.sets)
+    freed: int = _invalidate(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.meta, read_only_view(_u64(keys)),
+                             read_only_view(vs), versioned, a.sets)
     return freed
