@@ -33,9 +33,8 @@ $(VENV)/bin/python:
 # loads them instead of compiling at its first start (python -m hps_service.jit.warmup says how long it takes).
 CLIENT := ./clients/python
 $(VENV)/.installed: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
-	@echo "installing hps-client and hps-service (editable, with their dependencies) into $(VENV)"
 	$(PIP) install -q -e $(CLIENT)
-	$(PIP) install -q -e .
+	$(PIP) install --progress-bar off -e .  # not -q: a line per package, no silent minute
 	$(PY) -m hps_service.jit.warmup
 	@touch $@
 
@@ -154,7 +153,7 @@ history: install-dev test-deps
 # The user documentation: MkDocs (Material), offline, into build/site; make test builds it too
 # (tests/docs/test_docs_build.py).
 docs: $(VENV)/.installed-docs
-	$(PY) -m mkdocs build --strict
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # ruff, then mypy ([tool.mypy] in pyproject.toml: strict on the storage packages), then no `type: ignore` without
 # its reason on the line (node/ and local.py wait for their rework).
