@@ -12,7 +12,6 @@ from typing import NoReturn
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hps_service import __version__
 from hps_service.cli.versions import label_command, models_command
@@ -126,67 +125,15 @@ def import_model(
     if_empty: bool = typer.Option(False, "--if-empty", help="Do nothing when the table already holds rows."),
 ) -> None:
     """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
-    from hps_service.admin.importer import import_table, read_model_source
-    from hps_service.config.base import served_name
-    from hps_service.engine import version_drop
-    from hps_service.engine.stored_tables import stored_table
-    from hps_service.engine.ttl import now_s
-    from hps_service.fleet.sharding import ShardMap
-    from hps_service.rows import row_format
-    from hps_service.tiers.rocksdb.tier import RocksDBTier
+    from hps_service.cli.importing import ImportRefused, import_source
 
     cfg = _config(config)
-    mc = cfg.model(model)
-    if mc is None:
-        _fail(f"model '{model}' is not in the config {config}")
-    tc = mc.table(table)
-    if tc is None:
-        _fail(f"model '{model}' has no table '{table}' in the config {config}")
-    if cfg.persistent.type != "rocksdb":
-        _fail("import writes to the persistent tier, but persistent.type is disabled")
-    if cfg.persistent.read_only:
-        _fail("import needs a writable persistent tier, but persistent.read_only is true")
     try:
-        keys, vectors = read_model_source(path)
-        keys, vectors, skipped = ShardMap.from_config(cfg.cluster).keep_owned(keys, vectors)
-        tier = RocksDBTier(cfg.persistent.path, block_cache_mb=cfg.persistent.block_cache_mb)
-    except HPSError as exc:
+        done = import_source(cfg, path, model, table, version=version, model_version=model_version,
+                             if_empty=if_empty, console=err_console, source=f"the config {config}")
+    except ImportRefused as exc:
         _fail(str(exc))
-    except Exception as exc:
-        _fail(f"cannot open {cfg.persistent.path}: {exc}")
-    # a converted table is imported where and as it is stored now; a version's under its own tier id
-    stored = stored_table(tier, served_name(model, model_version), table)
-    tid, storage = stored.id, stored.serving_storage(tc.storage)
-    try:
-        written_s = now_s() if tc.ttl_s is not None else None  # a TTL table's rows carry their write time
-        version_drop.clear(tier, served_name(model, model_version))  # rows imported are wanted: no drop to finish
-        tier.create_table(tid, row_format(storage, tc.dim, stamped=written_s is not None).words)
-        if if_empty and tier.count(tid) > 0:
-            out_console.print(f"{tid} already holds rows; skipping import (--if-empty)", highlight=False)
-            return
-        with Progress(
-            TextColumn(f"importing {tid}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            console=err_console,
-            transient=True,
-        ) as progress:
-            task = progress.add_task("import", total=int(keys.shape[0]))
-            n = import_table(
-                tier, tid, tc.dim, keys, vectors, version=version, storage=storage, written_s=written_s,
-                progress=lambda done: progress.update(task, completed=done),
-            )
-    except HPSError as exc:
-        _fail(str(exc))
-    finally:
-        tier.close()
-    shard = ""
-    if cfg.cluster.shards > 1:
-        shard = (f"; skipped {skipped} rows of other shards (this is shard {cfg.cluster.shard} of "
-                 f"{cfg.cluster.shards})")
-    out_console.print(f"imported {n} rows (dim {tc.dim}) into {tid} at {cfg.persistent.path}{shard}", highlight=False,
-                      soft_wrap=True)
+    out_console.print(done, highlight=False, soft_wrap=True)
 
 
 @app.command()
