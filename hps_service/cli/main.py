@@ -1,4 +1,4 @@
-"""The ``hps`` command: serve, import, lookup, models, label, stats, synth, train, predict, demo."""
+"""The ``hps`` command: serve, import, lookup, models, label, stats, synth, config, train, predict, demo."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from hps_service import __version__
+from hps_service.cli.hugectr import config_app
 from hps_service.cli.versions import label_command, models_command
 from hps_service.config import ConfigError, HPSConfig, load_config
 from hps_service.errors import HPSError
@@ -267,6 +268,7 @@ def synth(
     out_console.print(f"wrote {rows} x {dim} rows to {out}", highlight=False)
 
 
+app.add_typer(config_app, name="config")
 app.command("train")(train_command)
 app.command("predict")(predict_command)
 app.command("models")(models_command)
