@@ -133,7 +133,28 @@ def test_serve_stops_cleanly_on_sigterm(model_files: dict, tmp_path: Path) -> No
         "models": [{"name": "m", "tables": [{"name": "t", "dim": 4}]}],
     })
     srv = ServerProcess(cfg, port).start()
+    assert srv.proc is not None
+    private = list(Path("/dev/shm").glob(f"hps-node-{srv.proc.pid}-*"))
+    assert private, "the node's private store lives on /dev/shm while it serves"
     assert srv.stop() == 0
+    assert not any(p.exists() for p in private), "a clean stop leaves nothing of its store in /dev/shm"
+
+
+def test_a_clean_stop_leaves_no_colocated_store_behind(tmp_path: Path) -> None:
+    """With server.local (colocated readers), the store's root, its generation, its current link and its socket
+    are all gone after SIGTERM (before: a dangling current link stayed)."""
+    port = free_port()
+    root = Path("/dev/shm") / f"hps-test-local-{port}"
+    cfg = write_config(tmp_path / "c.yaml", {
+        "server": {"grpc_port": port, "http_port": free_port(), "workers": 1,
+                   "local": {"enabled": True, "path": str(root)}},
+        "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
+        "models": [{"name": "m", "tables": [{"name": "t", "dim": 4}]}],
+    })
+    srv = ServerProcess(cfg, port).start()
+    assert (root / "current").is_symlink() and (root / "grpc.sock").is_socket()
+    assert srv.stop() == 0
+    assert not root.exists(), sorted(p.name for p in root.iterdir())
 
 
 def test_invalid_config_exits_2_with_one_line(tmp_path: Path) -> None:
