@@ -469,15 +469,15 @@ class SetAssociativeCache:
         hits, misses = self.counts.totals()
         total = hits + misses
         return {
-            "hits": float(hits),
-            "misses": float(misses),
+            "hits": int(hits),
+            "misses": int(misses),
             "hit_rate": hits / total if total else 0.0,
-            "rows": float(rows),
+            "rows": int(rows),
             "occupancy": rows / self.capacity,
-            "capacity": float(self.capacity),
-            "evictions": float(self.evictions),
+            "capacity": int(self.capacity),
+            "evictions": int(self.evictions),
             "backend": self.backend,
-            "memory_bytes": float(self.memory_bytes()),
+            "memory_bytes": int(self.memory_bytes()),
         }
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from hps_service.client import HPSClient
 from hps_service.engine.defaults import hashed_random_rows
@@ -123,6 +125,36 @@ def test_hps_lookup_cli(server: ServerProcess, model_files: dict) -> None:
     assert lines[1].startswith("-1 [default]")
     r = run_hps("lookup", "--target", server.target, "--model", "demo", "--table", "zzz", "1")
     assert r.returncode == 1 and "no table 'zzz'" in r.stderr
+
+
+#: Figures of /v1/stats that are rates, ratios or durations: the JSON may hold them as floats, 0.0 and 1.0 included.
+FRACTIONAL = {"hit_rate", "occupancy", "memory_ratio", "bytes_per_row", "rows_per_s", "seconds"}
+
+
+def test_hps_stats_json_prints_counts_as_integers(server: ServerProcess, model_files: dict) -> None:
+    """Rows, hits, capacities, bytes and every other count are JSON integers (before: 18603.0)."""
+    with HPSClient(server.target) as client:
+        client.lookup("demo", "item", model_files["keys"][:100])
+    http_port = yaml.safe_load(model_files["config"].read_text())["server"]["http_port"]
+    r = run_hps("stats", "--url", f"http://127.0.0.1:{http_port}", "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    floats: list[str] = []
+
+    def walk(value: object, path: str, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}", str(k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]", key)
+        elif isinstance(value, float) and key not in FRACTIONAL and not key.endswith("_s"):
+            floats.append(f"{path} = {value}")
+
+    walk(stats, "", "")
+    assert not floats, floats
+    item = stats["models"]["demo"]["tables"]["item"]
+    assert isinstance(item["cache"]["rows"], int) and item["persistent"]["rows"] == ROWS
 
 
 def test_serve_stops_cleanly_on_sigterm(model_files: dict, tmp_path: Path) -> None:

@@ -397,11 +397,8 @@ class HashMapTier(Tier):
         with t.lock:
             held, tombstones, memory, evictions = t.n_rows, t.n_tombstones, t.memory_bytes(), t.evictions
         raw_row_bytes = t.dim * 4
-        extra = {
-            "memory_bytes": float(memory),
-            "raw_row_bytes": float(raw_row_bytes),
-            "tombstones": float(tombstones),
-        }
+        extra: dict[str, float] = {"memory_bytes": int(memory), "raw_row_bytes": raw_row_bytes,
+                                   "tombstones": int(tombstones)}
         if held:
             extra["bytes_per_row"] = memory / held
             extra["memory_ratio"] = memory / (held * raw_row_bytes)
