@@ -5,6 +5,8 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -97,7 +99,7 @@ def serve(
 
 
 def _example_lookup(server: object, cfg: HPSConfig, target: str) -> str | None:
-    """A copy-paste ``hps lookup`` line with keys that exist in the first table, if any are stored."""
+    """A ``hps lookup`` line to paste into a shell like the server's, with keys that exist in the first table."""
     engine = getattr(server, "engine", None)
     if engine is None or not cfg.models:
         return None
@@ -110,7 +112,20 @@ def _example_lookup(server: object, cfg: HPSConfig, target: str) -> str | None:
         except Exception:
             keys = []
     keys = keys or [1, 2, 3]
-    return f"hps lookup --target {target} --model {model.name} --table {table.name} " + " ".join(map(str, keys))
+    return (f"{_hps_command()} lookup --target {target} --model {model.name} --table {table.name} "
+            + " ".join(map(str, keys)))
+
+
+def _hps_command() -> str:
+    """This hps as its user runs it from the shell it was started in: ``hps`` when that is the one on PATH, else
+    the path it was started by (``.venv/bin/hps`` from ``make run``), or the interpreter and module."""
+    script = Path(sys.argv[0])
+    if script.name != "hps":  # python -m hps_service.cli.main
+        return f"{shlex.quote(sys.executable)} -m hps_service.cli.main"
+    on_path = shutil.which("hps")
+    if on_path is not None and Path(on_path).resolve() == script.resolve():
+        return "hps"
+    return shlex.quote(str(script))
 
 
 @app.command("import")

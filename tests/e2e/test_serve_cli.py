@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +19,7 @@ from hps_service.engine.defaults import hashed_random_rows
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from tests.helpers import ServerProcess, free_port, run_hps, write_config
+from tests.helpers import REPO, ServerProcess, free_port, run_hps, stop_process, write_config
 
 ROWS, DIM = 100_000, 32
 
@@ -155,6 +160,38 @@ def test_hps_stats_json_prints_counts_as_integers(server: ServerProcess, model_f
     assert not floats, floats
     item = stats["models"]["demo"]["tables"]["item"]
     assert isinstance(item["cache"]["rows"], int) and item["persistent"]["rows"] == ROWS
+
+
+def test_the_try_line_runs_as_printed(model_files: dict, tmp_path: Path) -> None:
+    """hps serve started as make run starts it (``.venv/bin/hps`` from the repository, no venv on PATH) prints a
+    ``try:`` line that a shell in the same directory runs as it is, and it answers the imported rows."""
+    cfg = write_config(tmp_path / "c.yaml", {
+        "server": {"grpc_port": free_port(), "http_port": free_port(), "workers": 1},
+        "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
+        "models": [{"name": "demo", "tables": [{"name": "user", "dim": 8}]}],
+    })
+    imported = run_hps("import", "--config", str(cfg), "--model", "demo", "--table", "user", str(model_files["hugectr"]))
+    assert imported.returncode == 0, imported.stderr
+    script = Path(sys.executable).parent / "hps"
+    started_as = str(script.relative_to(REPO)) if script.is_relative_to(REPO) else str(script)
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    out = tmp_path / "serve.out"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen([started_as, "serve", "--config", str(cfg)], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "try:" not in out.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
+            time.sleep(0.1)
+        (line,) = [ln for ln in out.read_text().splitlines() if ln.startswith("try:")]
+        command = line.removeprefix("try:").strip()
+        assert command.startswith(f"{shlex.quote(started_as)} lookup "), command
+        done = subprocess.run(command, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert len(done.stdout.splitlines()) == 3 and "[default]" not in done.stdout, done.stdout  # rows it holds
+    finally:
+        assert stop_process(proc, 30) == 0
 
 
 def test_serve_stops_cleanly_on_sigterm(model_files: dict, tmp_path: Path) -> None:
