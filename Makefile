@@ -30,11 +30,12 @@ $(VENV)/bin/python:
 
 # The client-only distribution (clients/python, import hps_client) first: hps-service depends on it. Then the
 # serving kernels are compiled into numba's cache (hps_service/**/__pycache__), once per install, so that `hps serve`
-# loads them instead of compiling at its first start (python -m hps_service.jit.warmup says how long it takes).
+# loads them instead of compiling at its first start (python -m hps_service.jit.warmup says how long it takes). The
+# server's install is not -q: pip prints a line per package instead of a silent minute.
 CLIENT := ./clients/python
 $(VENV)/.installed: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q -e $(CLIENT)
-	$(PIP) install --progress-bar off -e .  # not -q: a line per package, no silent minute
+	$(PIP) install --progress-bar off -e .
 	$(PY) -m hps_service.jit.warmup
 	@touch $@
 

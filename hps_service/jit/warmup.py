@@ -93,8 +93,8 @@ class _Progress:
         while not self.compiles.first.wait(0.05):
             if self._done.is_set():
                 return
-        log.info("compiling serving kernels, %s, about %d s (numba caches them: later starts load them in about "
-                 "1 s)", self.when, COLD_COMPILE_S)
+        log.info("compiling serving kernels, %s, about %d s on an idle 2-core machine (numba caches them: later "
+                 "starts load them in about 1 s)", self.when, COLD_COMPILE_S)
         while not self._done.wait(PROGRESS_EVERY_S):
             log.info("compiling serving kernels: %s, %.0f s so far", self.current, time.perf_counter() - self.started)
 
