@@ -84,7 +84,7 @@ test-deps:
 	@command -v promtool >/dev/null || { echo "promtool (Debian package prometheus) is required for the tests"; exit 1; }
 
 # The serving kernels compile into numba's on-disk cache on the second core while lint runs on the first, so that a
-# fresh clone does not pay that compile (about 30 s) inside the first tests that look rows up. The tests then run
+# fresh clone does not pay that compile (about 15 s of CPU) inside the first tests that look rows up. The tests then run
 # a file at a time on TEST_WORKERS processes (pytest-xdist): most of a test's time is spent waiting on the servers
 # it started, so two processes on two cores take about half the time one does (TEST_WORKERS=0: one process).
 TEST_WORKERS ?= 2
