@@ -122,6 +122,7 @@ class HPSServer:
             # the fork server of the workers then load the kernels instead of compiling them again.
             self.gate.close("compiling the lookup and update kernels")
             warm_all()
+            self.gate.close("the server is starting")  # readiness says why until the gate opens, truthfully
             if self.engine is None:
                 self._bootstrap()
                 if cfg.worker_processes() > 0:
