@@ -60,18 +60,22 @@ class Conversion:
     actions: list[str] = field(default_factory=list)
 
     def mapped(self, section: str, key: str, value: Any, ours: str, why: str = "") -> None:
+        """Note that HPS's ``key`` (set to ``value``) became ``ours``, and why where it is not plain."""
         self.notes[section].append(f"{key}: {_show(value)} -> {ours}" + (f" ({why})" if why else ""))
 
     def not_applicable(self, section: str, key: str, value: Any, why: str) -> None:
+        """Note that HPS's ``key`` has no counterpart here, and why."""
         self.notes[section].append(f"{key}: {_show(value)} -> not applicable: {why}")
 
 
 def _show(value: Any) -> str:
+    """A value as a note shows it: strings as they are, the rest as flow-style YAML."""
     return value if isinstance(value, str) else yaml.safe_dump(value, default_flow_style=True).strip().removesuffix(
         "\n...").strip()
 
 
 def _bool(value: Any, key: str) -> bool:
+    """A boolean as HPS reads one: true/false, also as strings or 0/1."""
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.lower() in ("true", "false"):
@@ -82,6 +86,7 @@ def _bool(value: Any, key: str) -> bool:
 
 
 def _number(value: Any, key: str, kind: type[int] | type[float]) -> Any:
+    """An int or a float as HPS reads one, also from a string ("64", "0.5")."""
     try:
         number = float(value) if not isinstance(value, bool) else None
     except (TypeError, ValueError):
@@ -92,6 +97,7 @@ def _number(value: Any, key: str, kind: type[int] | type[float]) -> Any:
 
 
 def _list(value: Any, key: str) -> list[Any]:
+    """A JSON list, or HugeCTRConfigError naming ``key``."""
     if not isinstance(value, list):
         raise HugeCTRConfigError(f"{key}: expected a list, got {value!r}")
     return value
