@@ -26,16 +26,17 @@ help:
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	@./scripts/progress.sh "upgrading pip in $(VENV)" $(PIP) install -q --upgrade pip
 
 # The client-only distribution (clients/python, import hps_client) first: hps-service depends on it. Then the
 # serving kernels are compiled into numba's cache (hps_service/**/__pycache__), once per install, so that `hps serve`
 # loads them instead of compiling at its first start (python -m hps_service.jit.warmup says how long it takes). The
-# server's install is not -q: pip prints a line per package instead of a silent minute.
+# server's install is not -q (a line per package), and scripts/progress.sh prints a line every 5 s while pip unpacks
+# its wheels, which it does without a word.
 CLIENT := ./clients/python
 $(VENV)/.installed: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q -e $(CLIENT)
-	$(PIP) install --progress-bar off -e .
+	@./scripts/progress.sh "installing hps-client" $(PIP) install -q -e $(CLIENT)
+	@./scripts/progress.sh "installing hps-service and its dependencies" $(PIP) install --progress-bar off -e .
 	$(PY) -m hps_service.jit.warmup
 	@touch $@
 
