@@ -28,22 +28,48 @@ help:
 
 $(VENV)/bin/python:
 	python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
+	@./scripts/progress.sh "upgrading pip in $(VENV)" $(PIP) install -q --upgrade pip
 
-# The client-only distribution (clients/python, import hps_client) first: hps-service depends on it.
+# The client-only distribution (clients/python, import hps_client) first: hps-service depends on it. Then the
+# serving kernels are compiled into numba's cache (hps_service/**/__pycache__), once per install, so that `hps serve`
+# loads them instead of compiling at its first start (python -m hps_service.jit.warmup says how long it takes). The
+# server's install is not -q (a line per package), and scripts/progress.sh prints a line every 5 s while pip unpacks
+# its wheels, which it does without a word.
 CLIENT := ./clients/python
 $(VENV)/.installed: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q -e $(CLIENT)
-	$(PIP) install -q -e .
+	@./scripts/progress.sh "installing hps-client" $(PIP) install -q -e $(CLIENT)
+	@./scripts/progress.sh "installing hps-service and its dependencies" $(PIP) install --progress-bar off -e .
+	$(PY) -m hps_service.jit.warmup
 	@touch $@
 
-# The trainer's tests need PyTorch: the CPU build is pinned so pip does not pick a multi-GB CUDA build.
+# PyTorch for the trainer, without a GPU: its CPU build from PyTorch's CPU index (about 200 MB; PyPI's Linux wheel of
+# the same version bundles CUDA, several GB). That index serves Linux, macOS and Windows, and its `+cpu` version sorts
+# above PyPI's, so pip takes it wherever the index answers; where it does not (an offline machine with the wheel in a
+# local find-links), pip warns once per package and takes what its configured indexes hold. `TORCH_INDEX=` (empty):
+# PyPI's build, with CUDA on Linux.
 TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH_INSTALL = $(PIP) install -q --retries 1 $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) 'torch==$(TORCH_VERSION)'
+
+# `hps train` and `hps demo`: the server, PyTorch and the local broker (the trainer and demo extras).
+$(VENV)/.installed-trainer: pyproject.toml | $(VENV)/.installed
+	$(TORCH_INSTALL)
+	$(PIP) install -q -e '.[trainer,demo]'
+	@touch $@
+
+# Everything the tests, lint and the benchmarks use (the dev extra and every other one but the GPU's).
 $(VENV)/.installed-dev: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
-	$(PIP) install -q 'torch==$(TORCH_VERSION)'
+	$(TORCH_INSTALL)
 	$(PIP) install -q -e $(CLIENT)
 	$(PIP) install -q -e '.[dev,trainer,demo,otel]'
-	@touch $@ $(VENV)/.installed
+	@touch $@ $(VENV)/.installed $(VENV)/.installed-trainer
+
+# The documentation needs MkDocs and its theme only: the docs extra's requirements, read from pyproject.toml and
+# installed without hps-service or its dependencies.
+$(VENV)/.installed-docs: pyproject.toml | $(VENV)/bin/python
+	$(PY) -c 'import tomllib; print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["optional-dependencies"]["docs"]))' > $(VENV)/docs-requirements.txt
+	$(PIP) install -q -r $(VENV)/docs-requirements.txt
+	@touch $@
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
@@ -64,7 +90,7 @@ test-deps:
 	@command -v promtool >/dev/null || { echo "promtool (Debian package prometheus) is required for the tests"; exit 1; }
 
 # The serving kernels compile into numba's on-disk cache on the second core while lint runs on the first, so that a
-# fresh clone does not pay that compile (about 30 s) inside the first tests that look rows up. The tests then run
+# fresh clone does not pay that compile (about 15 s of CPU) inside the first tests that look rows up. The tests then run
 # a file at a time on TEST_WORKERS processes (pytest-xdist): most of a test's time is spent waiting on the servers
 # it started, so two processes on two cores take about half the time one does (TEST_WORKERS=0: one process).
 TEST_WORKERS ?= 2
@@ -145,7 +171,7 @@ run: install var/demo/demo.npz
 	$(HPS) serve --config $(RUN_CONFIG)
 
 # The online loop on one machine: local broker + hps serve + trainer + an inference loop.
-demo: install-dev
+demo: $(VENV)/.installed-trainer
 	$(HPS) demo
 
 bench: install-dev
@@ -167,9 +193,10 @@ soak: install-dev
 history: install-dev test-deps
 	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/history -m long $(PYTEST_ARGS)
 
-# The user documentation: MkDocs (Material), offline; make test builds it too (tests/docs/test_docs_build.py).
-docs: install-dev
-	$(PY) -m mkdocs build --strict
+# The user documentation: MkDocs (Material), offline, into build/site; make test builds it too
+# (tests/docs/test_docs_build.py).
+docs: $(VENV)/.installed-docs
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
 # buf lint and breaking (proto-lint), ruff, then mypy ([tool.mypy] in pyproject.toml: strict on the storage
 # packages), then no `type: ignore` without its reason on the line (node/ and local.py wait for their rework).

@@ -8,6 +8,7 @@ import numba
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError, ResourceExhaustedError
+from hps_service.jit.views import read_only_view
 
 
 def as_keys(keys: np.ndarray | Iterable[int], max_keys: int | None = None) -> np.ndarray:
@@ -47,7 +48,7 @@ def unique_with_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
     One compiled pass after a sort; NumPy's version costs about 30 us of overhead on a batch's few hundred misses.
     """
-    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    keys = read_only_view(np.ascontiguousarray(keys, dtype=np.int64))  # one specialisation (jit/views.py)
     uniq = np.empty(keys.shape[0], dtype=np.int64)
     inverse = np.empty(keys.shape[0], dtype=np.int64)
     m = _unique_inverse(keys, uniq, inverse)
@@ -87,16 +88,11 @@ def first_occurrences(keys: np.ndarray, positions: np.ndarray, found: np.ndarray
     """The ``j`` (in order) at which each distinct key among ``keys[positions[j]]`` with ``found[j]`` first
     appears: a batch's rows offered once per key, with no sort."""
     out = np.empty(positions.shape[0], dtype=np.int64)
-    return out[:_first_occurrences(keys, positions, found, out)]
+    return out[:_first_occurrences(read_only_view(keys), positions, found, out)]
 
 
 def warm_up_kernels() -> None:
-    """Compile (or load) the dedup kernel for the key arrays lookups pass: writable and read-only (see warmup)."""
-    from hps_service.jit.warmup import read_only
-
+    """Compile (or load) the dedup kernels (their wrappers pass every key array read-only: one specialisation)."""
     keys = np.array([3, 1, 3], dtype=np.int64)
     unique_with_inverse(keys)
-    unique_with_inverse(read_only(keys))
-    positions, found = np.arange(3), np.ones(3, dtype=np.bool_)
-    first_occurrences(keys, positions, found)
-    first_occurrences(read_only(keys), positions, found)
+    first_occurrences(keys, np.arange(3), np.ones(3, dtype=np.bool_))

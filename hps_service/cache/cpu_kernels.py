@@ -40,6 +40,7 @@ from hps_service.jit.hashing import mix64
 from hps_service.jit.prefetch import prefetch
 from hps_service.jit.rowcopy import copy_row
 from hps_service.jit.ticks import age
+from hps_service.jit.views import read_only_view
 
 _S32 = np.uint64(32)
 _TAG_BIT = np.uint64(TAG_BIT)
@@ -296,7 +297,7 @@ def _update(tags, table, vers, values, keys, vectors, versions, sets):
         vers[s, w] = versions[i]
         written[i] = True
     # Distinct keys overwritten: a duplicate of a key counts once.
-    return np.unique(keys[written]).shape[0]
+    return _distinct(keys, written)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -316,25 +317,74 @@ def _invalidate(tags, table, vers, clock, meta, keys, versions, versioned, sets)
     return removed
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _slots_for(n: int) -> int:
+    """A power of two at least twice ``n``: the size of an open-addressing set of ``n`` keys."""
+    size = 2
+    while size < 2 * n:
+        size *= 2
+    return size
+
+
 @numba.njit(cache=True, nogil=True)
 def _latest_per_key(keys, versions, keep):
-    # Fills keep and returns a count (returning an array would box it through numba's unpickling per call).
+    # Fills keep and returns a count (returning an array would box it through numba's unpickling per call). One
+    # pass over an open-addressing set (slot -> the entry kept so far for its key), O(n) and no sort to compile:
+    # the highest version wins, the last in batch order among equals.
     n = keys.shape[0]
-    order = np.argsort(keys, kind="mergesort")  # stable: equal keys stay in batch order
+    size = _slots_for(n)
+    mask = np.uint64(size - 1)
+    slots = np.full(size, -1, np.int64)
+    chosen = np.zeros(n, np.bool_)
+    for i in range(n):
+        k = keys[i]
+        s = mix64(np.uint64(k)) & mask
+        while True:
+            held = slots[s]
+            if held < 0:
+                slots[s] = i
+                chosen[i] = True
+                break
+            if keys[held] == k:
+                if versions[i] >= versions[held]:
+                    chosen[held] = False
+                    chosen[i] = True
+                    slots[s] = i
+                break
+            s = (s + np.uint64(1)) & mask
     m = 0
-    j = 0
-    while j < n:
-        best = order[j]
-        e = j + 1
-        while e < n and keys[order[e]] == keys[order[j]]:
-            if versions[order[e]] >= versions[best]:
-                best = order[e]
-            e += 1
-        keep[m] = best
-        m += 1
-        j = e
-    keep[:m].sort()
+    for i in range(n):
+        if chosen[i]:
+            keep[m] = i
+            m += 1
     return m
+
+
+@numba.njit(cache=True, nogil=True)
+def _distinct(keys, mask_in):
+    # How many distinct keys[i] have mask_in[i]: an open-addressing set, as _latest_per_key (no sort to compile).
+    n = 0
+    for i in range(keys.shape[0]):
+        n += mask_in[i]
+    size = _slots_for(n)
+    mask = np.uint64(size - 1)
+    slots = np.full(size, -1, np.int64)
+    count = 0
+    for i in range(keys.shape[0]):
+        if not mask_in[i]:
+            continue
+        k = keys[i]
+        s = mix64(np.uint64(k)) & mask
+        while True:
+            held = slots[s]
+            if held < 0:
+                slots[s] = i
+                count += 1
+                break
+            if keys[held] == k:
+                break
+            s = (s + np.uint64(1)) & mask
+    return count
 
 
 def latest_per_key(keys: np.ndarray, versions: np.ndarray) -> np.ndarray:
@@ -359,8 +409,10 @@ def insert(arrays: CacheArrays, keys: np.ndarray, vectors: np.ndarray, versions:
 def update(arrays: CacheArrays, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> int:
     """Overwrite rows of cached keys not newer than the update, in batch order; returns distinct keys written."""
     a = arrays
-    written: int = _update(a.tags, a.keys.view(np.uint64), a.versions, a.values, _u64(keys), np.ascontiguousarray(vectors),
-                   np.ascontiguousarray(versions), a.sets)
+    # the rows written arrive writable (REST) or read-only (the update log's bytes): one specialisation of each
+    written: int = _update(a.tags, a.keys.view(np.uint64), a.versions, a.values, read_only_view(_u64(keys)),
+                           read_only_view(np.ascontiguousarray(vectors)),
+                           read_only_view(np.ascontiguousarray(versions)), a.sets)
     return written
 
 
@@ -369,6 +421,6 @@ def invalidate(arrays: CacheArrays, keys: np.ndarray, versions: np.ndarray | Non
     a = arrays
     versioned = versions is not None
     vs = np.ascontiguousarray(versions) if versioned else np.zeros(keys.shape[0], np.int64)
-    freed: int = _invalidate(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.meta, _u64(keys), vs, versioned,
-                             a.sets)
+    freed: int = _invalidate(a.tags, a.keys.view(np.uint64), a.versions, a.clock, a.meta, read_only_view(_u64(keys)),
+                             read_only_view(vs), versioned, a.sets)
     return freed

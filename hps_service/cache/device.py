@@ -389,9 +389,9 @@ class DeviceCache:
         hits, misses = self.counts.totals()
         total = hits + misses
         return {
-            "hits": float(hits), "misses": float(misses), "hit_rate": hits / total if total else 0.0,
-            "rows": float(self._rows), "occupancy": self._rows / self.capacity, "capacity": float(self.capacity),
-            "evictions": float(self._evictions), "backend": self.backend, "memory_bytes": float(self.memory_bytes()),
+            "hits": int(hits), "misses": int(misses), "hit_rate": hits / total if total else 0.0,
+            "rows": int(self._rows), "occupancy": self._rows / self.capacity, "capacity": int(self.capacity),
+            "evictions": int(self._evictions), "backend": self.backend, "memory_bytes": int(self.memory_bytes()),
         }
 
     def warm_up(self) -> None:

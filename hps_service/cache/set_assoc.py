@@ -54,6 +54,7 @@ from hps_service.cache.layout import (
 from hps_service.errors import InvalidArgumentError
 from hps_service.jit.bound import bind_kernel
 from hps_service.jit.hashing import mix64_array
+from hps_service.jit.views import read_only_view
 from hps_service.shm.counters import HitCounts
 
 _INT64 = np.dtype(np.int64)
@@ -279,7 +280,10 @@ class SetAssociativeCache:
         and no type dispatch: for a caller whose arguments are checked as :meth:`query_once` asks."""
         query = self._bound_query.get(touch)
         if query is None:
-            fixed = (self.tags, self._keys_u64, self.clock, self.values, self.meta, self.sets, self._lfu, touch)
+            # what the query only reads as read-only views: the owner's writable arrays and a worker's read-only
+            # mapping of them then share one compiled specialisation (see jit/views.py)
+            fixed = (read_only_view(self.tags), read_only_view(self._keys_u64), self.clock, read_only_view(self.values),
+                     self.meta, self.sets, self._lfu, touch)
             sample = (np.empty(0, np.int64), np.empty((0, self.dim), np.float32), np.empty(0, np.bool_))
             query = self._bound_query[touch] = bind_kernel(cpu_kernels.query_kernel, fixed, sample)
         return query
@@ -465,15 +469,15 @@ class SetAssociativeCache:
         hits, misses = self.counts.totals()
         total = hits + misses
         return {
-            "hits": float(hits),
-            "misses": float(misses),
+            "hits": int(hits),
+            "misses": int(misses),
             "hit_rate": hits / total if total else 0.0,
-            "rows": float(rows),
+            "rows": int(rows),
             "occupancy": rows / self.capacity,
-            "capacity": float(self.capacity),
-            "evictions": float(self.evictions),
+            "capacity": int(self.capacity),
+            "evictions": int(self.evictions),
             "backend": self.backend,
-            "memory_bytes": float(self.memory_bytes()),
+            "memory_bytes": int(self.memory_bytes()),
         }
 
 

@@ -261,8 +261,8 @@ class SetAssocTableCache:
             queued = self._queued_rows
         with self._group_lock:
             queued += self._group_rows
-        base.update({k: float(v) for k, v in counts.items()})
-        base["queued_rows"] = float(queued)
+        base.update({k: int(v) for k, v in counts.items()})
+        base["queued_rows"] = int(queued)
         return base
 
     def close(self) -> None:

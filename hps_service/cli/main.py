@@ -1,10 +1,12 @@
-"""The ``hps`` command: serve, import, lookup, models, label, stats, synth, train, predict, demo."""
+"""The ``hps`` command: serve, import, lookup, models, label, stats, synth, config, train, predict, demo."""
 
 from __future__ import annotations
 
 import faulthandler
 import json
 import logging
+import shlex
+import shutil
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -12,9 +14,9 @@ from typing import NoReturn
 import numpy as np
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hps_service import __version__
+from hps_service.cli.hugectr import config_app
 from hps_service.cli.versions import label_command, models_command
 from hps_service.config import ConfigError, HPSConfig, load_config
 from hps_service.errors import HPSError
@@ -97,7 +99,7 @@ def serve(
 
 
 def _example_lookup(server: object, cfg: HPSConfig, target: str) -> str | None:
-    """A copy-paste ``hps lookup`` line with keys that exist in the first table, if any are stored."""
+    """A ``hps lookup`` line to paste into a shell like the server's, with keys that exist in the first table."""
     engine = getattr(server, "engine", None)
     if engine is None or not cfg.models:
         return None
@@ -110,7 +112,20 @@ def _example_lookup(server: object, cfg: HPSConfig, target: str) -> str | None:
         except Exception:
             keys = []
     keys = keys or [1, 2, 3]
-    return f"hps lookup --target {target} --model {model.name} --table {table.name} " + " ".join(map(str, keys))
+    return (f"{_hps_command()} lookup --target {target} --model {model.name} --table {table.name} "
+            + " ".join(map(str, keys)))
+
+
+def _hps_command() -> str:
+    """This hps as its user runs it from the shell it was started in: ``hps`` when that is the one on PATH, else
+    the path it was started by (``.venv/bin/hps`` from ``make run``), or the interpreter and module."""
+    script = Path(sys.argv[0])
+    if script.name != "hps":  # python -m hps_service.cli.main
+        return f"{shlex.quote(sys.executable)} -m hps_service.cli.main"
+    on_path = shutil.which("hps")
+    if on_path is not None and Path(on_path).resolve() == script.resolve():
+        return "hps"
+    return shlex.quote(str(script))
 
 
 @app.command("import")
@@ -126,68 +141,15 @@ def import_model(
     if_empty: bool = typer.Option(False, "--if-empty", help="Do nothing when the table already holds rows."),
 ) -> None:
     """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
-    from hps_service.admin.importer import import_table, read_model_source
-    from hps_service.config.base import served_name
-    from hps_service.engine import version_drop
-    from hps_service.engine.stored_tables import TableNames
-    from hps_service.engine.ttl import now_s
-    from hps_service.fleet.sharding import ShardMap
-    from hps_service.rows import row_format
-    from hps_service.tiers.rocksdb.tier import RocksDBTier
+    from hps_service.cli.importing import ImportRefused, import_source
 
     cfg = _config(config)
-    mc = cfg.model(model)
-    if mc is None:
-        _fail(f"model '{model}' is not in the config {config}")
-    tc = mc.table(table)
-    if tc is None:
-        _fail(f"model '{model}' has no table '{table}' in the config {config}")
-    if cfg.persistent.type != "rocksdb":
-        _fail("import writes to the persistent tier, but persistent.type is disabled")
-    if cfg.persistent.read_only:
-        _fail("import needs a writable persistent tier, but persistent.read_only is true")
     try:
-        keys, vectors = read_model_source(path)
-        keys, vectors, skipped = ShardMap.from_config(cfg.cluster).keep_owned(keys, vectors)
-        tier = RocksDBTier(cfg.persistent.path, block_cache_mb=cfg.persistent.block_cache_mb)
-    except HPSError as exc:
+        done = import_source(cfg, path, model, table, version=version, model_version=model_version,
+                             if_empty=if_empty, console=err_console, source=f"the config {config}")
+    except ImportRefused as exc:
         _fail(str(exc))
-    except Exception as exc:
-        _fail(f"cannot open {cfg.persistent.path}: {exc}")
-    # a converted table is imported where and as it is stored now; a version's under its own tier id (a fresh one
-    # when an earlier table of that name was dropped, recorded for the server to serve)
-    stored = TableNames(tier).claim(served_name(model, model_version), table)
-    tid, storage = stored.id, stored.serving_storage(tc.storage)
-    try:
-        written_s = now_s() if tc.ttl_s is not None else None  # a TTL table's rows carry their write time
-        version_drop.clear(tier, served_name(model, model_version))  # rows imported are wanted: no drop to finish
-        tier.create_table(tid, row_format(storage, tc.dim, stamped=written_s is not None).words)
-        if if_empty and tier.count(tid) > 0:
-            out_console.print(f"{tid} already holds rows; skipping import (--if-empty)", highlight=False)
-            return
-        with Progress(
-            TextColumn(f"importing {tid}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-            console=err_console,
-            transient=True,
-        ) as progress:
-            task = progress.add_task("import", total=int(keys.shape[0]))
-            n = import_table(
-                tier, tid, tc.dim, keys, vectors, version=version, storage=storage, written_s=written_s,
-                progress=lambda done: progress.update(task, completed=done),
-            )
-    except HPSError as exc:
-        _fail(str(exc))
-    finally:
-        tier.close()
-    shard = ""
-    if cfg.cluster.shards > 1:
-        shard = (f"; skipped {skipped} rows of other shards (this is shard {cfg.cluster.shard} of "
-                 f"{cfg.cluster.shards})")
-    out_console.print(f"imported {n} rows (dim {tc.dim}) into {tid} at {cfg.persistent.path}{shard}", highlight=False,
-                      soft_wrap=True)
+    out_console.print(done, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -321,6 +283,7 @@ def synth(
     out_console.print(f"wrote {rows} x {dim} rows to {out}", highlight=False)
 
 
+app.add_typer(config_app, name="config")
 app.command("train")(train_command)
 app.command("predict")(predict_command)
 app.command("models")(models_command)

@@ -79,6 +79,9 @@ def label_command(
     url: str = URL_OPTION,
     token_file: Path | None = typer.Option(None, "--token-file", envvar="HPS_ADMIN_TOKEN_FILE",
                                            help="A file holding server.admin_token."),
+    token: str | None = typer.Option(None, "--token", envvar="HPS_ADMIN_TOKEN",
+                                     help="server.admin_token itself, as hps serve reads it (--token-file wins; in "
+                                          "the environment rather than on a command line other users can see)."),
     timeout: float = typer.Option(60.0, help="Seconds (a switch waits for every worker to serve it)."),
     tls_ca: Path | None = TLS_CA_OPTION,
 ) -> None:
@@ -89,7 +92,7 @@ def label_command(
     if (version is None) != remove:
         _fail("give a version, or --remove")
     try:
-        token = read_secret(token_file, "--token-file") if token_file is not None else None
+        token = read_secret(token_file, "--token-file") if token_file is not None else token
     except SecretFileError as exc:
         _fail(str(exc))
     path = f"{url.rstrip('/')}/v1/models/{model}/labels/{label}"

@@ -32,6 +32,7 @@ import numba
 import numpy as np
 
 from hps_service.jit.hashing import mix64
+from hps_service.jit.views import read_only_view
 from hps_service.keys import unique_with_inverse
 from hps_service.tiers.base import Tier
 
@@ -89,14 +90,14 @@ class WriteSketch:
 
     def add(self, keys: np.ndarray) -> np.ndarray:
         """Count one write per entry of ``keys`` (in order); returns each entry's count after its write (uint16)."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        keys = read_only_view(np.ascontiguousarray(keys, dtype=np.int64))  # one specialisation (jit/views.py)
         out = np.empty(keys.shape[0], dtype=np.uint16)
         _count_writes(self.counters, _SEEDS, self._mask, keys, out)
         return out
 
     def estimate(self, keys: np.ndarray) -> np.ndarray:
         """The counts of ``keys`` (never below their true write counts; saturated at :data:`MAX_COUNT`)."""
-        keys = np.ascontiguousarray(keys, dtype=np.int64)
+        keys = read_only_view(np.ascontiguousarray(keys, dtype=np.int64))
         out = np.empty(keys.shape[0], dtype=np.uint16)
         _estimate(self.counters, _SEEDS, self._mask, keys, out)
         return out
@@ -150,11 +151,8 @@ def keep_counts(old: Mapping[str, Filtered], new: Mapping[str, Filtered]) -> Non
 
 
 def warm_up_kernels() -> None:
-    """Compile (or load) the sketch's kernels for the key arrays writes pass: writable and read-only."""
-    from hps_service.jit.warmup import read_only
-
+    """Compile (or load) the sketch's kernels (their wrappers pass every key array read-only: one specialisation)."""
     sketch = WriteSketch(width_bits=4)
     keys = np.array([3, 1, 3], dtype=np.int64)
-    for k in (keys, read_only(keys)):
-        sketch.add(k)
-        sketch.estimate(k)
+    sketch.add(keys)
+    sketch.estimate(keys)

@@ -1,12 +1,14 @@
 """Compile (or load from numba's on-disk cache) every kernel of the lookup and update paths before serving.
 
 numba compiles a function on its first call, once per argument types (a read-only array, as ``np.frombuffer``
-gives for a gRPC request or a Kafka message, is a different type from a writable one). Without a warm-up the first
-lookups after a start paid seconds of compilation. Every module that owns compiled kernels exposes one function that
-runs each of them on tiny inputs of every type the serving paths pass, and lists it in :data:`WARM_UPS`;
-:func:`warm_all` runs them all. ``hps serve`` runs it before gRPC health and ``/readyz`` say SERVING, and the Docker
-images run ``python -m hps_service.jit.warmup`` at build time into the ``NUMBA_CACHE_DIR`` they serve with, so a pod
-loads machine code instead of compiling it.
+gives for a gRPC request or a Kafka message, is a different type from a writable one: the wrappers pass read-only
+views, see :mod:`hps_service.jit.views`). Without a warm-up the first lookups after a start paid seconds of
+compilation. Every module that owns compiled kernels exposes one function that runs each of them on tiny inputs of
+every type the serving paths pass, and lists it in :data:`WARM_UPS`; :func:`warm_all` runs them all, saying what it
+does: on a cold cache a line when compiling begins, one every few seconds while it lasts, and the true total.
+``make install`` (and so ``make run``) and the Docker images run ``python -m hps_service.jit.warmup`` when they
+install, so ``hps serve`` loads machine code instead of compiling it; ``hps serve`` runs it before anything else
+reads the kernels (the fork server of its workers included), before gRPC health and ``/readyz`` say SERVING.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+from numba.core import event
 
 log = logging.getLogger(__name__)
 
@@ -49,14 +53,74 @@ def _resolve(target: str) -> Callable[[], object]:
     return warm_up
 
 
-def warm_all() -> dict[str, float]:
-    """Run every warm-up of :data:`WARM_UPS`; returns the seconds each took (compiling, or loading from cache)."""
+#: The cold compile of every warm-up, in seconds, on an idle 2-core x86-64 machine (the reference of the
+#: benchmarks): what the first line of a cold warm-up announces.
+COLD_COMPILE_S = 15
+#: While compiling, a progress line this often (no silent gap in a first start's log).
+PROGRESS_EVERY_S = 5.0
+
+
+class _Compiles(event.Listener):
+    """Counts numba's compiles (its ``numba:compile`` event fires only on a cache miss) and notes when the first
+    began."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first = threading.Event()
+
+    def on_start(self, ev: event.Event) -> None:
+        self.count += 1
+        self.first.set()
+
+    def on_end(self, ev: event.Event) -> None:
+        pass
+
+
+class _Progress:
+    """The lines a warm-up logs while it compiles: one when the first compile begins, then one every
+    :data:`PROGRESS_EVERY_S` naming the warm-up under way."""
+
+    def __init__(self, compiles: _Compiles, when: str) -> None:
+        self.compiles = compiles
+        self.when = when
+        self.current = ""
+        self.started = time.perf_counter()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hps-kernel-progress", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self.compiles.first.wait(0.05):
+            if self._done.is_set():
+                return
+        log.info("compiling serving kernels, %s, about %d s on an idle 2-core machine (numba caches them: later "
+                 "starts load them in about 1 s)", self.when, COLD_COMPILE_S)
+        while not self._done.wait(PROGRESS_EVERY_S):
+            log.info("compiling serving kernels: %s, %.0f s so far", self.current, time.perf_counter() - self.started)
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+
+def warm_all(when: str = "first start only") -> dict[str, float]:
+    """Run every warm-up of :data:`WARM_UPS`; returns the seconds each took (compiling, or loading from cache).
+    ``when`` says in the first progress line when such a compile happens (a start, an install)."""
     took: dict[str, float] = {}
-    for name, target in WARM_UPS.items():
-        started = time.perf_counter()
-        _resolve(target)()
-        took[name] = time.perf_counter() - started
-    log.info("compiled kernels ready in %.1f s (%s)", sum(took.values()),
+    compiles = _Compiles()
+    event.register("numba:compile", compiles)
+    progress = _Progress(compiles, when)
+    try:
+        for i, (name, target) in enumerate(WARM_UPS.items(), 1):
+            progress.current = f"{name} ({i} of {len(WARM_UPS)})"
+            started = time.perf_counter()
+            _resolve(target)()
+            took[name] = time.perf_counter() - started
+    finally:
+        progress.stop()
+        event.unregister("numba:compile", compiles)
+    how = f"compiled ({compiles.count} compiles) and cached" if compiles.count else "loaded from numba's cache"
+    log.info("serving kernels %s in %.1f s (%s)", how, time.perf_counter() - progress.started,
              ", ".join(f"{name} {s:.1f} s" for name, s in took.items()))
     return took
 
@@ -78,9 +142,10 @@ def seed_kernel_cache() -> int:
 
 
 def main() -> int:
-    """``python -m hps_service.jit.warmup``: warm every kernel (the Docker build fills NUMBA_CACHE_DIR this way)."""
+    """``python -m hps_service.jit.warmup``: warm every kernel into numba's cache (``make install`` and the Docker
+    build do, so that ``hps serve`` loads them)."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    warm_all()
+    warm_all(when="first install only")
     return 0
 
 

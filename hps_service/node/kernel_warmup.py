@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from hps_service.cache.layout import CacheArrays
+from hps_service.jit.views import read_only_view
 from hps_service.keys import unique_with_inverse
 from hps_service.node.shared_l1 import WORKER_WRITABLE, SharedL1Reader, cache_entry
 from hps_service.node.store.l3_events import L3Announcer, l3_events
@@ -32,10 +33,10 @@ def warm_up_kernels() -> None:
     versions = np.empty(3, np.int64)
     found = np.empty(3, bool)
     row_ids = np.empty(3, np.int64)
-    for meta in (writable_meta, _read_only(writable_meta.copy())):
-        for query in (keys, _read_only(keys.copy())):
-            hk.read_rows_at(ctrl, index, np.int64(0), meta[:, 0], rows, meta[:, 1], stamp_halves(meta)[0], query,
-                            np.flatnonzero(found | True), out, versions, found, row_ids)
+    # as TableReader.fill calls it: the columns it reads and the request's keys as read-only views (jit/views.py)
+    hk.read_rows_at(ctrl, index, np.int64(0), read_only_view(writable_meta[:, 0]), rows,
+                    read_only_view(writable_meta[:, 1]), read_only_view(stamp_halves(writable_meta)[0]),
+                    read_only_view(keys), np.flatnonzero(found | True), out, versions, found, row_ids)
     hk.stamp_reads(stamp_halves(writable_meta)[1], row_ids, hk.tick(ctrl), False)
     req = counters.RequestCounters(counters.new_counters(1, counters.REQ_FIELDS), 0)
     req.finish(req.begin(), 0, 0, 0.001)
@@ -45,7 +46,6 @@ def warm_up_kernels() -> None:
     ring.pop_all()
     changes.ChangeRing(np.zeros(16, np.int64), np.zeros(4, np.int64), 0).append(keys)
     unique_with_inverse(keys)
-    unique_with_inverse(_read_only(keys.copy()))  # request keys are read-only views of the request's bytes
     arrays = CacheArrays.allocate(1, 32, 2)
     shared = CacheArrays(**{f: getattr(arrays, f) if f in WORKER_WRITABLE else _read_only(getattr(arrays, f).copy())
                             for f in ("tags", "keys", "versions", "clock", "values", "meta")})

@@ -34,6 +34,8 @@ from hps_service.node.store import node_store as ns
 from hps_service.runtime.sockets import bound_socket
 
 log = logging.getLogger(__name__)
+#: While workers start, a line this often saying how many are ready.
+WAIT_PROGRESS_S = 5.0
 
 #: A worker that exits within ``QUICK_EXIT_S`` of its start is restarted only after a back-off, ``RESTART_BACKOFF_S``
 #: doubled for each such exit in a row, and not at all after ``CRASH_LOOP_EXITS`` of them (so a worker that cannot
@@ -117,11 +119,16 @@ class WorkerSupervisor:
 
     def wait_ready(self, timeout: float) -> None:
         """Block until every worker has bound the port (UnavailableError naming the first that failed)."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline, say_at = started + timeout, started + WAIT_PROGRESS_S
         while True:
             states = self.store.workers[: self.count, ns.W_STATE]
             if (states == ns.W_READY).all():
                 return
+            if time.monotonic() > say_at:  # a fork server that compiles (an unwritable numba cache) is not silent
+                say_at += WAIT_PROGRESS_S
+                log.info("waiting for the gRPC worker processes: %d of %d ready, %.0f s so far",
+                         int((states == ns.W_READY).sum()), self.count, time.monotonic() - started)
             for i in range(self.count):
                 proc = self._procs[i]
                 if states[i] == ns.W_FAILED or not proc.is_alive():

@@ -119,6 +119,12 @@ class HPSServer:
         try:
             if cfg.probe_port is not None:
                 self._probes = ProbeServer(cfg.host, cfg.probe_port, self._app)
+            # Ready means warm: nothing compiles on a request once health says SERVING (see hps_service.jit.warmup).
+            # First, so that on a cold numba cache this process compiles once, saying so, and the tiers it opens and
+            # the fork server of the workers then load the kernels instead of compiling them again.
+            self.gate.close("compiling the lookup and update kernels")
+            warm_all()
+            self.gate.close("the server is starting")  # readiness says why until the gate opens, truthfully
             if self.engine is None:
                 self._bootstrap()
                 if cfg.worker_processes() > 0:
@@ -146,9 +152,6 @@ class HPSServer:
                     self.engine.close()
                 self.node.close()
             raise
-        # Ready means warm: nothing compiles on a request once health says SERVING (see hps_service.jit.warmup).
-        self.gate.close("compiling the lookup and update kernels")
-        warm_all()
         self.gate.open()
         self.update_health()
         self._health_thread = threading.Thread(target=self._health_loop, name="hps-health", daemon=True)

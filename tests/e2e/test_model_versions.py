@@ -160,7 +160,10 @@ def test_versions_are_served_side_by_side_and_labels_switch_under_load(tmp_path:
         # the CLI: a rollback to version 2 by hand, and the models with their labels
         token = tmp_path / "token"
         token.write_text(TOKEN)
-        done = run_hps("label", "m", "production", "2", "--url", http, "--token-file", str(token))
+        anonymous = run_hps("label", "m", "production", "2", "--url", http)
+        assert anonymous.returncode == 1 and "answered 401" in anonymous.stderr, anonymous.stderr
+        # the admin token from HPS_ADMIN_TOKEN, the variable hps serve reads it from, or from a file
+        done = run_hps("label", "m", "production", "2", "--url", http, env={"HPS_ADMIN_TOKEN": TOKEN})
         assert done.returncode == 0 and "m production -> version 2 (was 1)" in done.stdout, done.stderr
         refused = run_hps("label", "m", "production", "7", "--url", http, "--token-file", str(token))
         assert refused.returncode == 1 and "no version 7" in refused.stderr

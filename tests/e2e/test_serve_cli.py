@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from hps_service.client import HPSClient
 from hps_service.engine.defaults import hashed_random_rows
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
-from tests.helpers import ServerProcess, free_port, run_hps, write_config
+from tests.helpers import REPO, ServerProcess, free_port, run_hps, stop_process, write_config
 
 ROWS, DIM = 100_000, 32
 
@@ -125,6 +132,68 @@ def test_hps_lookup_cli(server: ServerProcess, model_files: dict) -> None:
     assert r.returncode == 1 and "no table 'zzz'" in r.stderr
 
 
+#: Figures of /v1/stats that are rates, ratios or durations: the JSON may hold them as floats, 0.0 and 1.0 included.
+FRACTIONAL = {"hit_rate", "occupancy", "memory_ratio", "bytes_per_row", "rows_per_s", "seconds"}
+
+
+def test_hps_stats_json_prints_counts_as_integers(server: ServerProcess, model_files: dict) -> None:
+    """Rows, hits, capacities, bytes and every other count are JSON integers (before: 18603.0)."""
+    with HPSClient(server.target) as client:
+        client.lookup("demo", "item", model_files["keys"][:100])
+    http_port = yaml.safe_load(model_files["config"].read_text())["server"]["http_port"]
+    r = run_hps("stats", "--url", f"http://127.0.0.1:{http_port}", "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    floats: list[str] = []
+
+    def walk(value: object, path: str, key: str) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{path}.{k}", str(k))
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{path}[{i}]", key)
+        elif isinstance(value, float) and key not in FRACTIONAL and not key.endswith("_s"):
+            floats.append(f"{path} = {value}")
+
+    walk(stats, "", "")
+    assert not floats, floats
+    item = stats["models"]["demo"]["tables"]["item"]
+    assert isinstance(item["cache"]["rows"], int) and item["persistent"]["rows"] == ROWS
+
+
+def test_the_try_line_runs_as_printed(model_files: dict, tmp_path: Path) -> None:
+    """hps serve started as make run starts it (``.venv/bin/hps`` from the repository, no venv on PATH) prints a
+    ``try:`` line that a shell in the same directory runs as it is, and it answers the imported rows."""
+    cfg = write_config(tmp_path / "c.yaml", {
+        "server": {"grpc_port": free_port(), "http_port": free_port(), "workers": 1},
+        "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
+        "models": [{"name": "demo", "tables": [{"name": "user", "dim": 8}]}],
+    })
+    imported = run_hps("import", "--config", str(cfg), "--model", "demo", "--table", "user", str(model_files["hugectr"]))
+    assert imported.returncode == 0, imported.stderr
+    script = Path(sys.executable).parent / "hps"
+    started_as = str(script.relative_to(REPO)) if script.is_relative_to(REPO) else str(script)
+    env = {**os.environ, "PATH": "/usr/bin:/bin"}
+    out = tmp_path / "serve.out"
+    with open(out, "wb") as log:
+        proc = subprocess.Popen([started_as, "serve", "--config", str(cfg)], cwd=REPO, env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "try:" not in out.read_text(errors="replace"):
+            assert proc.poll() is None and time.monotonic() < deadline, out.read_text(errors="replace")[-3000:]
+            time.sleep(0.1)
+        (line,) = [ln for ln in out.read_text().splitlines() if ln.startswith("try:")]
+        command = line.removeprefix("try:").strip()
+        assert command.startswith(f"{shlex.quote(started_as)} lookup "), command
+        done = subprocess.run(command, shell=True, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert len(done.stdout.splitlines()) == 3 and "[default]" not in done.stdout, done.stdout  # rows it holds
+    finally:
+        assert stop_process(proc, 30) == 0
+
+
 def test_serve_stops_cleanly_on_sigterm(model_files: dict, tmp_path: Path) -> None:
     port = free_port()
     cfg = write_config(tmp_path / "c.yaml", {
@@ -133,7 +202,28 @@ def test_serve_stops_cleanly_on_sigterm(model_files: dict, tmp_path: Path) -> No
         "models": [{"name": "m", "tables": [{"name": "t", "dim": 4}]}],
     })
     srv = ServerProcess(cfg, port).start()
+    assert srv.proc is not None
+    private = list(Path("/dev/shm").glob(f"hps-node-{srv.proc.pid}-*"))
+    assert private, "the node's private store lives on /dev/shm while it serves"
     assert srv.stop() == 0
+    assert not any(p.exists() for p in private), "a clean stop leaves nothing of its store in /dev/shm"
+
+
+def test_a_clean_stop_leaves_no_colocated_store_behind(tmp_path: Path) -> None:
+    """With server.local (colocated readers), the store's root, its generation, its current link and its socket
+    are all gone after SIGTERM (before: a dangling current link stayed)."""
+    port = free_port()
+    root = Path("/dev/shm") / f"hps-test-local-{port}"
+    cfg = write_config(tmp_path / "c.yaml", {
+        "server": {"grpc_port": port, "http_port": free_port(), "workers": 1,
+                   "local": {"enabled": True, "path": str(root)}},
+        "persistent": {"type": "rocksdb", "path": str(tmp_path / "db")},
+        "models": [{"name": "m", "tables": [{"name": "t", "dim": 4}]}],
+    })
+    srv = ServerProcess(cfg, port).start()
+    assert (root / "current").is_symlink() and (root / "grpc.sock").is_socket()
+    assert srv.stop() == 0
+    assert not root.exists(), sorted(p.name for p in root.iterdir())
 
 
 def test_invalid_config_exits_2_with_one_line(tmp_path: Path) -> None:

@@ -64,6 +64,10 @@ def test_first_lookup_after_serving_with_a_cold_numba_cache_is_fast(tmp_path: Pa
     finally:
         srv.stop()
     assert got.shape == (1024, 16)
+    # it said so while it compiled, once (the owner, before its workers' fork server loads what it cached)
+    log = srv.log()
+    assert log.count("compiling serving kernels, first start only") == 1, log[-4000:]
+    assert "serving kernels compiled (" in log, log[-4000:]
     indexes = {p.relative_to(cold): p.read_bytes() for p in cold.rglob("*.nbi")}
     assert indexes, "the kernels were compiled into NUMBA_CACHE_DIR"
     # As in the images: those kernels seed an empty NUMBA_CACHE_DIR, and the next server compiles nothing (numba

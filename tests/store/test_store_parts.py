@@ -273,3 +273,21 @@ def test_a_reader_that_mapped_a_dropped_table_maps_the_one_created_again_under_i
     assert again is not None and again is not first
     assert (again.get(keys).vectors == 2).all()
     store.close()
+
+
+def test_unpoint_current_removes_its_own_link_and_keeps_a_newer_owners(tmp_path: Path) -> None:
+    """A clean stop removes ``current`` when it names the stopping generation; when a newer owner already points
+    it at its own generation (two owners overlapping on one root), that link stays."""
+    from hps_service.node.store import layout
+
+    old, new = tmp_path / "gen-1", tmp_path / "gen-2"
+    old.mkdir()
+    new.mkdir()
+    layout.point_current(tmp_path, old)
+    assert layout.unpoint_current(tmp_path, old)
+    assert not (tmp_path / "current").is_symlink()
+    assert not layout.unpoint_current(tmp_path, old)  # nothing left to remove
+    layout.point_current(tmp_path, new)
+    assert not layout.unpoint_current(tmp_path, old)
+    assert layout.current_generation(tmp_path) == new
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["current", "gen-1", "gen-2"]  # nothing set aside is left

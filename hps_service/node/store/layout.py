@@ -1,7 +1,7 @@
 """Where a store lives and how a reader knows it is the live one.
 
 A store root holds one directory per *generation* (one start of the owner) and a ``current`` symlink to the
-live one, replaced atomically when a new owner starts. Each generation has a ``header`` (int64 fields below), a
+live one, replaced atomically when a new owner starts and removed when its owner stops cleanly. Each generation has a ``header`` (int64 fields below), a
 ``lock`` file the owner holds an exclusive ``flock`` on for as long as it lives (the kernel drops it when the owner
 dies, however it dies, so a reader that can take a shared lock knows the owner is gone) and a ``manifest.json``
 (written by :mod:`hps_service.node.store.node_store`, read by :mod:`hps_service.node.store.view`).
@@ -100,6 +100,28 @@ def point_current(root: Path, gen_dir: Path) -> None:
         pass
     os.symlink(gen_dir.name, tmp)
     os.replace(tmp, root / CURRENT)
+
+
+def unpoint_current(root: Path, gen_dir: Path) -> bool:
+    """Remove ``current`` if it names ``gen_dir`` (a clean stop leaves no link to a removed generation); a newer
+    owner's link stays. The link is first renamed aside, so that it is judged and removed in one step; a link that
+    turns out to be another owner's is linked back unless a still newer one took its place. Returns whether it
+    was removed."""
+    aside = root / f".{CURRENT}.{os.getpid()}.stopping"
+    try:
+        os.rename(root / CURRENT, aside)
+    except FileNotFoundError:
+        return False
+    try:
+        ours = os.readlink(aside) == gen_dir.name
+        if not ours:
+            try:
+                os.link(aside, root / CURRENT, follow_symlinks=False)
+            except FileExistsError:
+                pass  # a newer owner pointed it meanwhile: its link stands
+        return ours
+    finally:
+        aside.unlink()
 
 
 def remove_dead_generations(root: Path, keep: Path | None = None) -> None:

@@ -230,7 +230,8 @@ class NodeStore:
 
     def close(self) -> None:
         """Mark the generation closed (readers fall back or wait for the next), release the owner lock and remove
-        it (a private store entirely; a colocated one keeps ``current`` until the next owner replaces it)."""
+        it: a private store entirely; a colocated one's generation, its ``current`` link unless a newer owner's
+        replaced it, and the root when nothing else is left in it (a mounted volume's stays)."""
         if self._closed:
             return
         self._closed = True
@@ -238,5 +239,10 @@ class NodeStore:
         os.close(self._lock_fd)
         if self.private:
             shutil.rmtree(self.root, ignore_errors=True)
-        else:
-            shutil.rmtree(self.path, ignore_errors=True)
+            return
+        shutil.rmtree(self.path, ignore_errors=True)
+        layout.unpoint_current(self.root, self.path)
+        try:
+            self.root.rmdir()
+        except OSError:
+            pass  # another generation, a reader's socket, or a mount point: not ours to remove

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hps_service.jit.views import read_only_view
 from hps_service.tiers.base import Rows, check_positions
 from hps_service.tiers.hashmap import seqlock
 from hps_service.tiers.hashmap.stamps import stamp_halves
@@ -43,9 +44,11 @@ class TableReader:
         self.dim = arrays.rows.shape[1]
         self._open_index = open_index
         self._lfu = lfu
-        self._keys = arrays.meta[:, 0]
-        self._versions = arrays.meta[:, 1]
-        self._stamps = stamp_halves(arrays.meta)[0]
+        # read-only views whether this process maps the table writable (a worker) or not (a LocalClient), as the
+        # request's keys are in fill: the read kernel has one specialisation to compile (see jit/views.py)
+        self._keys = read_only_view(arrays.meta[:, 0])
+        self._versions = read_only_view(arrays.meta[:, 1])
+        self._stamps = read_only_view(stamp_halves(arrays.meta)[0])
         self.retries = 0
 
     def get(self, keys: np.ndarray) -> Rows:
@@ -68,7 +71,7 @@ class TableReader:
         while True:
             index = a.index
             got = seqlock.read_rows_at(a.ctrl, index, np.int64(a.index_gen), self._keys, a.rows, self._versions,
-                                       self._stamps, keys, positions, out, versions, found, row_ids)
+                                       self._stamps, read_only_view(keys), positions, out, versions, found, row_ids)
             if got >= 0:
                 break
             if got == seqlock.READ_REMAP:

@@ -55,7 +55,7 @@ def _drop_row(
         pos, _ = probe(index, keys, keys[last], mask)
         index[pos] = np.int32(row)
         keys[row] = keys[last]
-        rows[row, :] = rows[last, :]
+        copy_row(rows, row, rows, last)
         versions[row] = versions[last]
         stamps[row] = stamps[last]
         reader_stamps[row] = reader_stamps[last]
@@ -289,7 +289,7 @@ def evict_rows(
             last = n - 1
             if r != last:
                 keys[r] = keys[last]
-                rows[r, :] = rows[last, :]
+                copy_row(rows, r, rows, last)
                 versions[r] = versions[last]
                 stamps[r] = stamps[last]
                 reader_stamps[r] = reader_stamps[last]

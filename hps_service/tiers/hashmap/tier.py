@@ -23,6 +23,7 @@ from typing import Literal
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from hps_service.jit.views import read_only_view
 from hps_service.keys import as_keys
 from hps_service.shm.region import NamedAllocator, anonymous
 from hps_service.tiers.base import (
@@ -272,7 +273,7 @@ class HashMapTier(Tier):
     def get(self, table: str, keys: np.ndarray) -> Rows:
         """Look up ``keys``; hits get their access stamp refreshed (LRU clock or LFU count)."""
         t = self._table(table)
-        query = as_keys(keys)
+        query = read_only_view(as_keys(keys))  # the kernels get every key array read-only: one specialisation
         out = Rows(
             vectors=np.empty((query.size, t.dim), dtype=np.float32),
             versions=np.empty(query.size, dtype=np.int64),
@@ -292,8 +293,8 @@ class HashMapTier(Tier):
         t = self._table(table)
         check_positions(keys, positions, out, t.dim)
         with t.lock:
-            return int(row_ops.get_rows_at(t.index, t.keys, t.rows, t.versions, t.stamps, keys, positions, out,
-                                           versions, found, t.tick(), self._lfu))
+            return int(row_ops.get_rows_at(t.index, t.keys, t.rows, t.versions, t.stamps, read_only_view(keys),
+                                           positions, out, versions, found, t.tick(), self._lfu))
 
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
         """Upsert rows unless the stored version is newer; evicts by policy when the table is full.
@@ -301,9 +302,9 @@ class HashMapTier(Tier):
         Returns the mask of rows written. With duplicate keys in a batch, they apply in batch order.
         """
         t = self._table(table)
-        query = as_keys(keys)
-        vecs = self._vectors(vectors, query.size, t.dim)
-        vers = self._versions(versions, query.size)
+        query = read_only_view(as_keys(keys))
+        vecs = read_only_view(self._vectors(vectors, query.size, t.dim))
+        vers = read_only_view(self._versions(versions, query.size))
         written = np.zeros(query.size, dtype=bool)
         with t.lock:
             self._make_room(t, query)
@@ -321,7 +322,7 @@ class HashMapTier(Tier):
     def _make_room(self, t: _Table, query: np.ndarray) -> None:
         """Evict and grow storage so that the keys of ``query`` not yet held fit (up to the capacity)."""
         present_rows = np.empty(query.size, dtype=np.int64)
-        missing = int(index_ops.locate_rows(t.index, t.keys, query, present_rows))
+        missing = int(index_ops.locate_rows(t.index, t.keys, read_only_view(query), present_rows))
         if t.n_rows + missing > t.capacity:
             self._evict(t, present_rows, t.n_rows + missing - t.capacity)
         t.reserve(min(t.capacity, t.n_rows + missing))
@@ -350,7 +351,7 @@ class HashMapTier(Tier):
     def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
         """Remove ``keys`` (with ``versions``: rows not newer, leaving tombstones); returns live rows removed."""
         t = self._table(table)
-        query = as_keys(keys)
+        query = read_only_view(as_keys(keys))
         tomb_versions = delete_versions(versions, query.size)
         with t.lock:
             if tomb_versions is None:
@@ -394,11 +395,8 @@ class HashMapTier(Tier):
         with t.lock:
             held, tombstones, memory, evictions = t.n_rows, t.n_tombstones, t.memory_bytes(), t.evictions
         raw_row_bytes = t.dim * 4
-        extra = {
-            "memory_bytes": float(memory),
-            "raw_row_bytes": float(raw_row_bytes),
-            "tombstones": float(tombstones),
-        }
+        extra: dict[str, float] = {"memory_bytes": int(memory), "raw_row_bytes": raw_row_bytes,
+                                   "tombstones": int(tombstones)}
         if held:
             extra["bytes_per_row"] = memory / held
             extra["memory_ratio"] = memory / (held * raw_row_bytes)
@@ -442,7 +440,7 @@ class HashMapTier(Tier):
 def warm_up_kernels() -> None:
     """Compile (or load) every kernel of the tier with the argument types the engine passes: a table that grows
     its index and evicts, gets, puts (new, replacing, refused), versioned and unversioned deletes, each with writable
-    and read-only inputs (see hps_service.jit.warmup)."""
+    and read-only inputs (the tier passes both to its kernels read-only: see hps_service.jit.views)."""
     from hps_service.jit.warmup import read_only
 
     tier = HashMapTier(capacity_rows=_INITIAL_ROWS * 2)

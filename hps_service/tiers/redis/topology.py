@@ -104,11 +104,11 @@ class ClusterNodes:
         with self._lock:
             c = self._counters.setdefault(table, Counters())
             errors = c.node_failures + c.node_skips
-            extra = {
-                "node_failures": float(c.node_failures),
-                "node_skips": float(c.node_skips),
-                "failed_keys": float(c.failed_keys),
-                "nodes_down": float(len(self._down_until)),
+            extra: dict[str, float] = {
+                "node_failures": int(c.node_failures),
+                "node_skips": int(c.node_skips),
+                "failed_keys": int(c.failed_keys),
+                "nodes_down": len(self._down_until),
             }
         return errors, extra
 

@@ -406,16 +406,16 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
     def stats(self, table: str) -> TierStats:
         """Rows plus RocksDB's own size figures for the table."""
         cf, _ = self._table(table)
-        extra = {
-            "estimate_num_keys": float(cf.property_int_value("rocksdb.estimate-num-keys") or 0),
-            "sst_bytes": float(cf.property_int_value("rocksdb.total-sst-files-size") or 0),
-            "memtable_bytes": float(cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0),
-            "tombstones": float(self.tombstones(table)),
+        extra: dict[str, float] = {
+            "estimate_num_keys": int(cf.property_int_value("rocksdb.estimate-num-keys") or 0),
+            "sst_bytes": int(cf.property_int_value("rocksdb.total-sst-files-size") or 0),
+            "memtable_bytes": int(cf.property_int_value("rocksdb.cur-size-all-mem-tables") or 0),
+            "tombstones": int(self.tombstones(table)),
         }
         if self._block_cache is not None:
-            extra["block_cache_bytes"] = float(self._block_cache.get_usage())
+            extra["block_cache_bytes"] = int(self._block_cache.get_usage())
         if self._row_cache is not None:
-            extra["row_cache_bytes"] = float(self._row_cache.get_usage())
+            extra["row_cache_bytes"] = int(self._row_cache.get_usage())
         return TierStats(rows=self.count(table), capacity=None, extra=extra)
 
     @gated
