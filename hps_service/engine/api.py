@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from hps_service.config import ModelConfig
+from hps_service.engine.bags import Bags
 from hps_service.engine.levels import LookupResult
 from hps_service.engine.stats import TableStats
 from hps_service.engine.table import ServedTable
@@ -45,6 +46,12 @@ class ReadEngine(Protocol):
                sources: np.ndarray | None = None, stored: bool = False) -> LookupResult:
         """Rows of ``keys`` in request order and the level that answered each (``stored``: as the table stores
         them, ``(n, words)``, instead of float32 ``(n, dim)``)."""
+        ...
+
+    def lookup_bags(self, model: str, table: str, keys: np.ndarray, bags: Bags, out: np.ndarray | None = None,
+                    sources: np.ndarray | None = None) -> LookupResult:
+        """One row per bag of ``keys`` (:mod:`hps_service.engine.bags`): float32 ``(bags, dim)`` and the deepest
+        level that answered each bag, into ``out`` and ``sources`` when given."""
         ...
 
     def model(self, name: str) -> ModelConfig:

@@ -16,6 +16,7 @@ from hps_service.config import ModelConfig
 from hps_service.config.base import served_name
 from hps_service.engine import version_drop
 from hps_service.engine.api import Engine
+from hps_service.engine.bags import BagReader, Bags
 from hps_service.engine.convert import ConvertProgress, check_conversion, convert_table
 from hps_service.engine.expiry_sweep import ExpirySweeper
 from hps_service.engine.ingest_admission import keep_counts
@@ -66,6 +67,7 @@ class LookupEngine(Engine):
         self.reader = Reader(volatile, persistent, max_batch_keys,
                              promoter(volatile) if volatile is not None else None)
         self.writer = Writer(volatile, persistent)
+        self._bags = BagReader()
         self.preloader = Preloader(volatile, persistent, self.registry.is_served)
         self._closed = False
         self.repairer: VolatileRepair | None = None
@@ -249,6 +251,12 @@ class LookupEngine(Engine):
             if self.registry.is_served(t):
                 raise
             return self.reader.lookup(self.table(model, table), keys, out, sources, stored)
+
+    def lookup_bags(self, model: str, table: str, keys: np.ndarray, bags: Bags, out: np.ndarray | None = None,
+                    sources: np.ndarray | None = None) -> LookupResult:
+        """One row per bag of ``keys``: their unique keys looked up as :meth:`lookup` does, then pooled (see
+        :mod:`hps_service.engine.bags`)."""
+        return self._bags.pool_table(self, model, table, keys, bags, out, sources)
 
     def apply_updates(
         self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int,

@@ -37,6 +37,7 @@ WARM_UPS: dict[str, str] = {
     "node store and its readers": "hps_service.node.kernel_warmup:warm_up_kernels",
     "row formats (decoders)": "hps_service.rows.formats:warm_up_kernels",
     "ingest admission sketch": "hps_service.engine.ingest_admission:warm_up_kernels",
+    "pooled lookups (bags)": "hps_service.engine.bags:warm_up_kernels",
 }
 
 

@@ -29,6 +29,7 @@ from typing import Any, TypeVar, cast
 import grpc
 import numpy as np
 
+from hps_client.bags import Pooling
 from hps_client.buffers import check_out
 from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows
 from hps_client.channel import channel_options
@@ -37,6 +38,8 @@ from hps_client.routing import CLUSTER_INFO, remaining
 from hps_client.rows import StoredAnswer, StoredRows
 from hps_client.stub import EmbeddingStub
 from hps_client.wire import TableAnswer, as_error, build_request, decode_answer, decode_stored
+from hps_service.engine.bags import BagReader, check_bags
+from hps_service.engine.levels import LookupResult
 from hps_service.engine.read import Reader
 from hps_service.engine.table import ServedTable
 from hps_service.engine.ttl import manifest_ttl
@@ -59,6 +62,8 @@ ATTACH_PERIOD_S = 0.05
 SCRATCH_SIZES = 8
 #: The socket a server with ``server.local`` enabled listens on, inside the store's directory.
 SOCKET_NAME = "grpc.sock"
+#: Bags one pooled call may ask of the store (the server's own bound, server.max_batch_keys, applies to its part).
+_MAX_BAGS = 1 << 24
 
 
 class _Table:
@@ -81,6 +86,13 @@ class _Table:
         self.l1_fp32 = l1 if self.served.ttl_s is None and self.served.format.identity else None
 
 
+def _one(call: Lookup, table: str) -> pb.LookupRequest:
+    """The request of one table of ``call`` (with its bags when pooled)."""
+    pooling = call.pooling or {}
+    return Lookup(call.deadline, call.metadata, call.model, {table: call.tables[table]}, call.version, call.label,
+                  pooling={table: pooling[table]} if table in pooling else None).request()
+
+
 class ColocatedTransport:
     """Calls answered from the server's shared store where it can, over its socket otherwise (see the module
     docstring)."""
@@ -98,6 +110,7 @@ class ColocatedTransport:
         self._channel, self._stub = self._open(self.socket_path)
         self._lock = threading.Lock()
         self._scratch = threading.local()
+        self._bags = BagReader()
         self._view: StoreView | None = None
         self._tables: dict[tuple[str, str, int | None, str], _Table] = {}
         self._checked_at = 0.0
@@ -303,8 +316,16 @@ class ColocatedTransport:
         positions: dict[str, tuple[np.ndarray, np.ndarray] | None] = {}
         versions = set()
         out = call.out if len(call.tables) == 1 else None
+        pooling = call.pooling or {}
         for name, keys in call.tables.items():
             t = self._table(view, call.model, name, call.version, call.label) if view is not None else None
+            if name in pooling:
+                if t is None:  # the server pools it (or says why it cannot)
+                    answers[name] = self._server("Lookup", _one(call, name), call, decode_answer)[name]
+                else:
+                    answers[name] = self._pool(t, call, name, keys, pooling[name], out)
+                    versions.add(t.version)
+                continue
             if t is None or keys.shape[0] == 0:
                 missing[name], positions[name] = keys, None
                 continue
@@ -327,6 +348,26 @@ class ColocatedTransport:
                     answers[name].vectors[miss] = got.vectors[inverse]
                     answers[name].sources[miss] = got.sources[inverse]
         return {name: answers[name] for name in call.tables}
+
+    def _pool(self, t: _Table, call: Lookup, table: str, keys: np.ndarray, pooling: Pooling,
+              out: np.ndarray | None) -> TableAnswer:
+        """A pooled table: its unique keys read here (misses from the server, from the version the hits came from),
+        pooled by the engine's kernel, as the server pools them."""
+        bags = check_bags(keys.shape[0], pooling.offsets, int(pooling.combiner), pooling.weights, _MAX_BAGS,
+                          f"table '{table}'")
+
+        def rows(unique: np.ndarray, into: np.ndarray, answered: np.ndarray) -> LookupResult:
+            miss = t.reader.lookup_held(t.served, unique, into, answered)
+            if miss.shape[0]:
+                got = self._server("Lookup", build_request(call.model, {table: unique[miss]}, version=t.version), call,
+                                   decode_answer)[table]
+                into[miss] = got.vectors
+                answered[miss] = got.sources
+            return LookupResult(into, answered)
+
+        rows_out = None if out is None else check_out(out, bags.count, t.served.dim)
+        result = self._bags.pool(rows, keys, t.served.dim, bags, rows_out)
+        return TableAnswer(result.vectors, result.sources)
 
     def _stored(self, call: Lookup) -> dict[str, StoredAnswer]:
         """Rows as the table stores them (``precision = stored``): L1 and hash-map hits copied as they are, with no

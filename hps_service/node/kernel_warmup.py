@@ -41,6 +41,7 @@ def warm_up_kernels() -> None:
     req = counters.RequestCounters(counters.new_counters(1, counters.REQ_FIELDS), 0)
     req.finish(req.begin(), 0, 0, 0.001)
     req.observe_keys(3)
+    req.observe_bags(2)
     ring = queue.Ring(np.zeros(queue.CTRL_LEN, np.int64), np.zeros(4096, np.uint8))
     ring.push(1, 1, 0, 0.5, keys, versions, out)
     ring.pop_all()

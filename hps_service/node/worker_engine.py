@@ -18,6 +18,7 @@ import numpy as np
 
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine.api import ReadEngine
+from hps_service.engine.bags import BagReader, Bags
 from hps_service.engine.levels import LEVELS, LookupResult
 from hps_service.engine.read import Reader
 from hps_service.engine.registry import find_table, not_loaded
@@ -112,6 +113,7 @@ class WorkerEngine(ReadEngine):
             share = max(8, config.persistent.block_cache_mb // max(1, config.server.worker_processes()))
             self.persistent = CaughtUpSecondary(config.persistent, self._rings, share,
                                                 epochs=lambda: l3_events(self.view.header))
+        self._bags = BagReader()
         self.reader = Reader(self.volatile, self.persistent, self.max_batch_keys, promote=self._promote)
         self._models: dict[str, ModelConfig] = {}
         self._tables: dict[str, dict[str, WorkerTable]] = {}
@@ -192,6 +194,12 @@ class WorkerEngine(ReadEngine):
             if current is t:
                 raise
             return self.reader.lookup(current, keys, out, sources, stored)
+
+    def lookup_bags(self, model: str, table: str, keys: np.ndarray, bags: Bags, out: np.ndarray | None = None,
+                    sources: np.ndarray | None = None) -> LookupResult:
+        """One row per bag of ``keys``: their unique keys looked up as :meth:`lookup` does, then pooled (see
+        :mod:`hps_service.engine.bags`)."""
+        return self._bags.pool_table(self, model, table, keys, bags, out, sources)
 
     def resolve(self, model: str, version: int | None = None, label: str = "") -> tuple[str, int]:
         """The served name and version a lookup reads, by the labels of the owner's manifest now."""

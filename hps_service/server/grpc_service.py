@@ -13,12 +13,14 @@ import numpy as np
 from hps_client.rows import STORAGE_CODES
 from hps_service.config import ServerConfig
 from hps_service.engine.api import ReadEngine
+from hps_service.engine.bags import Bags
 from hps_service.errors import DeadlineExceededError, HPSError, InvalidArgumentError, ResourceExhaustedError
 from hps_service.fleet.sharding import ShardMap
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
 from hps_service.runtime.gate import ServingGate
 from hps_service.server.auth import Authenticator, Principal
+from hps_service.server.bag_requests import request_bags
 from hps_service.server.grpc_auth import grpc_principal
 from hps_service.server.metrics import ServerMetrics
 from hps_service.server.registration import Registrar
@@ -94,9 +96,10 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         self.auth = Authenticator(limits) if limits.auth != "none" else None
         self._local = threading.local()
 
-    def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None) -> bytes:
+    def lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext | None = None,
+               status: list[Any] | None = None) -> bytes:
         """Answer one LookupRequest as serialized LookupResponse bytes (raises domain errors); with ``context``,
-        the deadline is checked per table."""
+        the deadline is checked per table; a pooled request marks ``status`` (its timer's) so."""
         self.gate.check()
         if isinstance(request, MalformedRequest):
             raise request.error()
@@ -122,6 +125,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             raise ResourceExhaustedError(
                 f"{total} keys in one request exceeds server.max_batch_keys={self.limits.max_batch_keys}"
             )
+        bags = request_bags(tables, keys, self.limits.max_batch_keys)
         if self.shard_map.sharded:  # every table before any lookup: a misrouted request does no work
             for tk, raw in zip(tables, keys):
                 self.shard_map.check(np.frombuffer(raw, dtype="<i8"), f"keys of table '{tk.table}'")
@@ -130,30 +134,38 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             raise InvalidArgumentError(f"precision {request.precision} is neither PRECISION_FP32 (0) nor "
                                        f"PRECISION_STORED (1)")
         self.metrics.observe_keys(total)
+        if bags is not None:
+            self.metrics.observe_bags(sum(b.count for b in bags if b is not None))
+            if status is not None:
+                status[1] = True
         # one version answers every table of the request, resolved once (a label switch lands before or after it)
         served, version = self.engine.resolve(request.model, request.version if request.HasField("version") else None,
                                               request.label)
-        if len(keys) == 1 and total:
-            return self._lookup_one(request, tables[0].table, keys[0], served, version, context, stored)
+        if len(keys) == 1 and (total if bags is None else bags[0] is not None and bags[0].count):
+            return self._lookup_one(request, tables[0].table, keys[0], served, version, context, stored,
+                                    None if bags is None else bags[0])
         answers = []
         shapes = []
-        for tk, raw in zip(tables, keys):
+        for i, (tk, raw) in enumerate(zip(tables, keys)):
             if context is not None:
                 check_deadline(context)
-            res = self.engine.lookup(served, tk.table, np.frombuffer(raw, dtype="<i8"), stored=stored)
+            table_bags = None if bags is None else bags[i]
+            asked = np.frombuffer(raw, dtype="<i8")
+            res = (self.engine.lookup(served, tk.table, asked, stored=stored) if table_bags is None
+                   else self.engine.lookup_bags(served, tk.table, asked, table_bags))
             answers.append((tk.table, res.vectors, res.sources))
             if stored:
                 t = self.engine.table(served, tk.table)
-                shapes.append((t.dim, STORAGE_CODES[t.storage]))
+                shapes.append((t.dim, STORAGE_CODES[t.storage] if table_bags is None else 0))
         return encode_lookup_response(request.model, request.request_id, answers, shapes if stored else None,
-                                      version)
+                                      version, None if bags is None else [b is not None for b in bags])
 
     def _lookup_one(self, request: pb.LookupRequest, table: str, keys: bytes, served: str, version: int,
-                    context: grpc.ServicerContext | None, stored: bool = False) -> bytes:
+                    context: grpc.ServicerContext | None, stored: bool = False, bags: Bags | None = None) -> bytes:
         """One table (the usual request) of ``served`` (the model or one of its versions), its ``keys`` the packed
         int64 bytes: the lookup writes its rows and sources straight into this thread's reused response buffer, so
         an all-hit batch goes from the request's key bytes to the response's row bytes in one compiled pass and one
-        copy out."""
+        copy out; a pooled one pools straight into it."""
         if context is not None:
             check_deadline(context)
         t = self.engine.table(served, table)
@@ -162,6 +174,11 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         except AttributeError:
             buf = self._local.buffer = ResponseBuffer()
         n = len(keys) // 8
+        if bags is not None:
+            rows, sources = buf.layout(request.model, table, bags.count, t.dim, request.request_id, version=version,
+                                       pooled=True)
+            self.engine.lookup_bags(served, table, np.frombuffer(keys, dtype="<i8"), bags, rows, sources)
+            return buf.finish()
         if stored:
             rows, sources = buf.layout(request.model, table, n, t.dim, request.request_id, t.format.words,
                                        STORAGE_CODES[t.storage], version)
@@ -186,7 +203,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             try:
                 if self.auth is not None:
                     self._allowed(request, context, principal)
-                return self.lookup(request, context)
+                return self.lookup(request, context, status)
             except Exception as err:  # translated to a status code, never a stack trace to the caller
                 status[0] = status_for(err).name if isinstance(err, HPSError) else grpc.StatusCode.INTERNAL.name
                 self._abort(context, err)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge, generate_latest
@@ -36,9 +37,15 @@ log = logging.getLogger(__name__)
 _UNKNOWN = STATUS_INDEX["UNKNOWN"]
 
 
+#: The method a pooled request of a method is counted under.
+_POOLED = {METHOD_INDEX[plain]: METHOD_INDEX[pooled] for plain, pooled in (
+    ("Lookup", "LookupBags"), ("StreamLookup", "StreamLookupBags"), ("RestLookupEmbeddings", "RestLookupBags"))}
+
+
 class RequestTimer:
     """Counts and times one request in its thread's counter row, as a context manager whose value is the request's
-    status (``[name]``, OK unless the body says otherwise; UNKNOWN when it raises without saying). A class rather
+    status (``[name, pooled]``: OK unless the body says otherwise, UNKNOWN when it raises without saying; a pooled
+    request, marked so by the body, is counted under its method's pooled twin, e.g. LookupBags). A class rather
     than a generator: it is entered on every lookup."""
 
     __slots__ = ("_counters", "_method", "_row", "_start", "status")
@@ -46,9 +53,9 @@ class RequestTimer:
     def __init__(self, counters: RequestCounters, method: int) -> None:
         self._counters = counters
         self._method = method
-        self.status = ["OK"]
+        self.status: list[Any] = ["OK", False]
 
-    def __enter__(self) -> list[str]:
+    def __enter__(self) -> list[Any]:
         self._row = self._counters.begin()
         self._start = time.perf_counter()
         return self.status
@@ -56,7 +63,8 @@ class RequestTimer:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
         if exc_type is not None and self.status[0] == "OK":
             self.status[0] = grpc.StatusCode.UNKNOWN.name
-        self._counters.finish(self._row, self._method, STATUS_INDEX.get(self.status[0], _UNKNOWN),
+        method = _POOLED[self._method] if self.status[1] else self._method
+        self._counters.finish(self._row, method, STATUS_INDEX.get(self.status[0], _UNKNOWN),
                               time.perf_counter() - self._start)
 
 
@@ -140,7 +148,7 @@ class EngineCollector(Collector):
 
 
 class RequestCollector(Collector):
-    """``hps_lookup_requests_total``, ``hps_lookup_latency_seconds``, ``hps_lookup_keys`` and
+    """``hps_lookup_requests_total``, ``hps_lookup_latency_seconds``, ``hps_lookup_keys``, ``hps_lookup_bags`` and
     ``hps_lookup_in_flight``, summed at scrape time over every process and thread that counted (see
     :mod:`hps_service.shm.counters`)."""
 
@@ -171,7 +179,11 @@ class RequestCollector(Collector):
         queue = HistogramMetricFamily("hps_grpc_queue_wait_seconds",
                                       "Time a gRPC call waited for a handler thread after it arrived")
         queue.add_metric([], list(zip(bounds, (float(c) for c in queue_cumulative))), queue_sum)
-        yield from (requests, latency, keys, in_flight, queue)
+        bags_cumulative, bags_sum = data["bags"]
+        bags = HistogramMetricFamily("hps_lookup_bags", "Bags per pooled lookup request (all tables)")
+        bags.add_metric([], list(zip([*(str(b) for b in KEYS_BUCKETS), "+Inf"], (float(c) for c in bags_cumulative))),
+                        bags_sum)
+        yield from (requests, latency, keys, in_flight, queue, bags)
 
 
 class ServerMetrics:
@@ -201,6 +213,10 @@ class ServerMetrics:
     def observe_keys(self, n: int) -> None:
         """Count the keys of one request."""
         self.counters.observe_keys(n)
+
+    def observe_bags(self, n: int) -> None:
+        """Count the bags of one pooled request."""
+        self.counters.observe_bags(n)
 
     def requests_served(self, method: str, status: str = "OK") -> float:
         """Requests of ``method`` that ended with ``status`` so far, summed over every process."""

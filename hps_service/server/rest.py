@@ -31,6 +31,7 @@ from hps_service.admin.snapshots import Snapshots
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, as_rows
 from hps_service.engine.api import Engine
+from hps_service.engine.bags import Bags
 from hps_service.errors import HPSError, InvalidArgumentError, ResourceExhaustedError
 from hps_service.fleet.registry_log import ModelRegistrations
 from hps_service.fleet.sharding import ShardMap
@@ -44,6 +45,7 @@ from hps_service.server.probes import Readiness, ReadinessCheck, add_probe_route
 from hps_service.server.problems import PROBLEM_JSON
 from hps_service.server.problems import problem as _error
 from hps_service.server.rest_access import BodyLimits
+from hps_service.server.rest_bags import body_bags, pooled_answer
 from hps_service.server.rest_bodies import (
     ConvertRequest,
     ImportRequest,
@@ -265,9 +267,10 @@ def create_app(ctx: AdminContext) -> FastAPI:
     rows_path = "/v1/models/{model}/tables/{table}/embeddings"
 
     def rows_of(method: str, model: str, table: str, keys: Callable[[], np.ndarray], version: int,
-                label: str) -> Response:
+                label: str, bags: Callable[[int], Bags | None] = lambda n: None) -> Response:
         """Look ``keys()`` up in the version ``version`` or ``label`` names, timed and counted as ``method``; the
-        rows as JSON (encoded once, not walked by FastAPI's encoder: a 65,536 x 64 answer is 4M floats)."""
+        rows as JSON (encoded once, not walked by FastAPI's encoder: a 65,536 x 64 answer is 4M floats). With
+        ``bags(n)`` naming bags of the n keys, a pooled lookup: one row per bag."""
         with ctx.metrics.observe(method) as outcome:
             try:
                 served, version = engine.resolve(model, version or None, label)
@@ -275,19 +278,27 @@ def create_app(ctx: AdminContext) -> FastAPI:
                 if arr.shape[0] > ctx.config.server.max_batch_keys:
                     raise ResourceExhaustedError(f"{arr.shape[0]} keys in one request exceeds "
                                                  f"server.max_batch_keys={ctx.config.server.max_batch_keys}")
+                pooled = bags(arr.shape[0])
                 ctx.shard_map.check(arr)
-                result = engine.lookup(served, table, arr)
+                if pooled is not None:
+                    outcome[1] = True
+                    ctx.metrics.observe_bags(pooled.count)
+                    body = pooled_answer(engine, served, model, version, table, arr, pooled, _SOURCE_NAMES)
+                else:
+                    result = engine.lookup(served, table, arr)
             except HPSError as err:
                 outcome[0] = status_for(err).name
                 raise
             ctx.metrics.observe_keys(arr.shape[0])
-        body = {"model": model, "version": version, "table": table, "dim": int(result.vectors.shape[1]),
-                "keys": arr.tolist(),
-                "vectors": result.vectors.tolist(), "sources": _SOURCE_NAMES[result.sources].tolist()}
+        if pooled is None:
+            body = {"model": model, "version": version, "table": table, "dim": int(result.vectors.shape[1]),
+                    "keys": arr.tolist(),
+                    "vectors": result.vectors.tolist(), "sources": _SOURCE_NAMES[result.sources].tolist()}
         return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
 
     lookup_responses: dict[int | str, dict[str, Any]] = {
-        200: {"description": "rows in the order asked: `{model, table, dim, keys, vectors, sources}`"}}
+        200: {"description": "rows in the order asked: `{model, table, dim, keys, vectors, sources}`; a pooled "
+                             "lookup's, one per bag: `{model, table, dim, bags, vectors, sources}`"}}
 
     @app.get(rows_path, tags=["rows"], summary="Rows of keys, and which level answered each",
              response_class=Response, responses=lookup_responses)
@@ -299,12 +310,13 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return rows_of("RestGetEmbeddings", model, table, lambda: parse_keys(keys), model_version, label)
 
     @app.post(rows_path + ":lookup", tags=["rows"], response_class=Response, responses=lookup_responses,
-              summary="Rows of many keys (JSON body, up to server.max_batch_keys), and which level answered each",
+              summary="Rows of many keys (JSON body, up to server.max_batch_keys), and which level answered each; "
+                      "with offsets and a combiner, one row per bag",
               openapi_extra=body_schema(bodies.lookup))
     def lookup_rows(model: str, table: str, body: Any = json_body(bodies.lookup, cfg.max_batch_keys),
                     model_version: ModelVersion = 0, label: str = "") -> Response:
         return rows_of("RestLookupEmbeddings", model, table, lambda: np.array(body.keys, dtype=np.int64),
-                       model_version, label)
+                       model_version, label, lambda n: body_bags(body, n, cfg.max_batch_keys))
 
     @app.put(rows_path, tags=["rows"], dependencies=admin, summary="Upsert rows (dim checked, NaN/inf rejected)",
              openapi_extra=body_schema(bodies.put))

@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from hps_service.server.rest_bodies import keys_body_bytes, rows_body_bytes
+from hps_service.server.rest_bodies import bags_body_bytes, keys_body_bytes, rows_body_bytes
 
 Access = Literal["public", "read", "admin", "internal"]
 #: What a route's body holds: nothing (a small allowance for clients that send ``{}``), a small JSON object, a model
-#: config, keys (a lookup, a delete), or rows (a put; bounded by the table's dim).
-BodyKind = Literal["none", "small", "model", "keys", "rows"]
+#: config, keys (a delete), keys in bags (a lookup, plain or pooled), or rows (a put; bounded by the table's dim).
+BodyKind = Literal["none", "small", "model", "keys", "bags", "rows"]
 NO_BODY_BYTES, SMALL_BODY_BYTES, MODEL_BODY_BYTES = 4 << 10, 64 << 10, 1 << 20
 
 ROUTES: dict[str, tuple[Access, BodyKind]] = {
@@ -39,7 +39,7 @@ ROUTES: dict[str, tuple[Access, BodyKind]] = {
     "list_models": ("read", "none"),
     "get_model": ("read", "none"),
     "get_rows": ("read", "none"),
-    "lookup_rows": ("read", "keys"),
+    "lookup_rows": ("read", "bags"),
     "list_snapshots": ("read", "none"),
     "get_snapshot": ("read", "none"),
     "register_model": ("admin", "model"),
@@ -90,6 +90,8 @@ class BodyLimits:
     def bound(self, kind: BodyKind, params: dict[str, str]) -> int:
         if kind == "keys":
             limit = keys_body_bytes(self.max_batch_keys)
+        elif kind == "bags":
+            limit = bags_body_bytes(self.max_batch_keys)
         elif kind == "rows":
             dim = self.dim_of(params.get("model", ""), params.get("table", "")) or 1
             limit = rows_body_bytes(self.max_batch_keys, dim)

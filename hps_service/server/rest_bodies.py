@@ -35,6 +35,11 @@ def keys_body_bytes(max_keys: int) -> int:
     return max_keys * KEY_JSON_BYTES + BODY_SLACK_BYTES
 
 
+def bags_body_bytes(max_keys: int) -> int:
+    """The largest lookup body of ``max_keys`` keys in as many bags, each key weighted (a pooled lookup)."""
+    return max_keys * (2 * KEY_JSON_BYTES + FLOAT_JSON_BYTES) + BODY_SLACK_BYTES
+
+
 def rows_body_bytes(max_keys: int, dim: int) -> int:
     """The largest body of ``max_keys`` rows of ``dim`` floats (a put)."""
     return max_keys * (KEY_JSON_BYTES + ROW_JSON_BYTES + dim * FLOAT_JSON_BYTES) + BODY_SLACK_BYTES
@@ -54,9 +59,17 @@ def rows_bodies(max_batch_keys: int) -> RowsBodies:
     keys_list = Annotated[list[Int64], Field(max_length=max_batch_keys)]
 
     class LookupBody(BaseModel):
-        """Keys to look up, in the order the rows are wanted (duplicates allowed), up to server.max_batch_keys."""
+        """Keys to look up, in the order the rows are wanted (duplicates allowed), up to server.max_batch_keys; with
+        ``combiner``, in bags: one row answered per bag (a pooled lookup)."""
 
         keys: keys_list = Field(description="int64 keys", examples=[[1, 2, 3]])
+        offsets: keys_list | None = Field(
+            None, description="pooled lookups: each bag's start in keys (the first 0, none decreasing, none past the "
+            "keys; as torch's embedding_bag with include_last_offset false); an empty bag answers a zero row")
+        combiner: Literal["sum", "mean"] | None = Field(None, description="pooled lookups: how each bag's rows "
+                                                        "combine into its row")
+        weights: Annotated[list[float], Field(max_length=max_batch_keys)] | None = Field(
+            None, description="pooled lookups with combiner sum: one weight per key (default 1)")
 
     class RowsPut(BaseModel):
         """Rows to upsert: ``vectors[i]`` is the row of ``keys[i]``; a stored row with a newer version is kept."""

@@ -23,6 +23,7 @@ _TABLE_COUNT = b"\x18"
 _TABLE_VECTORS = b"\x22"
 _TABLE_SOURCES = b"\x2a"
 _TABLE_STORAGE = b"\x30"
+_TABLE_POOLED = b"\x38\x01"  # pooled = true (field 7, varint 1)
 
 
 def varint(value: int) -> bytes:
@@ -40,9 +41,10 @@ def _len_field(tag: bytes, payload_len: int) -> bytes:
 
 
 def encode_table(name: str, vectors: np.ndarray, sources: np.ndarray, dim: int | None = None,
-                 storage: int = 0) -> list[bytes | memoryview]:
+                 storage: int = 0, pooled: bool = False) -> list[bytes | memoryview]:
     """The parts of one TableVectors submessage (header bytes and zero-copy views of the arrays); ``vectors`` are
-    stored rows of rows of ``dim`` values when ``storage`` (an hps.v1.RowStorage) is not FP32."""
+    stored rows of rows of ``dim`` values when ``storage`` (an hps.v1.RowStorage) is not FP32; ``pooled``: one row
+    per bag."""
     count, width = vectors.shape
     dim = width if dim is None else dim
     name_bytes = name.encode()
@@ -63,23 +65,25 @@ def encode_table(name: str, vectors: np.ndarray, sources: np.ndarray, dim: int |
         parts.append(src.data.cast("B"))
     if storage:
         parts.append(_TABLE_STORAGE + varint(storage))
+    if pooled:
+        parts.append(_TABLE_POOLED)
     return parts
 
 
 def encode_lookup_response(
     model: str, request_id: int, tables: Sequence[tuple[str, np.ndarray, np.ndarray]],
-    stored: Sequence[tuple[int, int]] | None = None, version: int = 0,
+    stored: Sequence[tuple[int, int]] | None = None, version: int = 0, pooled: Sequence[bool] | None = None,
 ) -> bytes:
     """A serialized LookupResponse from ``(table, vectors (n, dim) float32, sources (n,) uint8)`` triples;
     ``stored``: per table, ``(dim, storage)`` of stored rows in ``vectors`` (a precision = stored answer);
-    ``version``: the model version that answered."""
+    ``version``: the model version that answered; ``pooled``: per table, whether its rows are one per bag."""
     parts: list[bytes | memoryview] = []
     model_bytes = model.encode()
     if model_bytes:
         parts.append(_len_field(_RESPONSE_MODEL, len(model_bytes)) + model_bytes)
     for i, (name, vectors, sources) in enumerate(tables):
-        sub = encode_table(name, vectors, sources, *stored[i]) if stored is not None else encode_table(
-            name, vectors, sources)
+        dim, storage = stored[i] if stored is not None else (None, 0)
+        sub = encode_table(name, vectors, sources, dim, storage, pooled is not None and pooled[i])
         parts.append(_len_field(_RESPONSE_TABLES, sum(len(p) for p in sub)))
         parts.extend(sub)
     if request_id:
@@ -101,16 +105,17 @@ class ResponseBuffer:
     def __init__(self) -> None:
         self._buf = bytearray(_ALIGN)
         self._base = np.frombuffer(self._buf, np.uint8).ctypes.data
-        self._headers: dict[tuple[str, str, int, int, int, int], tuple[bytes, bytes, bytes]] = {}
+        self._headers: dict[tuple[str, str, int, int, int, int, bool], tuple[bytes, bytes, bytes]] = {}
         self._start = 0
         self._size = 0
         #: The last layout's fields and views: a call of the same shape finds its field headers still in place
         #: (a lookup writes only the rows and sources), so it takes the views as they are.
-        self._last: tuple[str, str, int, int, int | None, int, int, int] | None = None
+        self._last: tuple[str, str, int, int, int | None, int, int, int, bool] | None = None
         self._views: tuple[np.ndarray, np.ndarray] | None = None
 
-    def _parts(self, model: str, table: str, n: int, dim: int, words: int, storage: int) -> tuple[bytes, bytes, bytes]:
-        key = (model, table, n, dim, words, storage)
+    def _parts(self, model: str, table: str, n: int, dim: int, words: int, storage: int,
+               pooled: bool) -> tuple[bytes, bytes, bytes]:
+        key = (model, table, n, dim, words, storage, pooled)
         parts = self._headers.get(key)
         if parts is None:
             name = table.encode()
@@ -118,7 +123,7 @@ class ResponseBuffer:
             sub = ((_len_field(_TABLE_NAME, len(name)) + name if name else b"") + _TABLE_DIM + varint(dim)
                    + _TABLE_COUNT + varint(n) + _len_field(_TABLE_VECTORS, vec_len))
             tail = _len_field(_TABLE_SOURCES, n)
-            after = _TABLE_STORAGE + varint(storage) if storage else b""
+            after = (_TABLE_STORAGE + varint(storage) if storage else b"") + (_TABLE_POOLED if pooled else b"")
             sub_len = len(sub) + vec_len + len(tail) + n + len(after)
             model_bytes = model.encode()
             head = ((_len_field(_RESPONSE_MODEL, len(model_bytes)) + model_bytes if model_bytes else b"")
@@ -130,15 +135,16 @@ class ResponseBuffer:
         return parts
 
     def layout(self, model: str, table: str, n: int, dim: int, request_id: int, words: int | None = None,
-               storage: int = 0, version: int = 0) -> tuple[np.ndarray, np.ndarray]:
+               storage: int = 0, version: int = 0, pooled: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """Lay out the response of ``n`` rows of ``dim`` (``n`` >= 1) answered by model version ``version``; returns
         writable views of its rows (C-contiguous float32 ``(n, dim)``, or ``(n, words)`` stored rows of RowStorage
-        ``storage``) and sources (uint8 ``(n,)``), to be filled before :meth:`finish`."""
-        last = (model, table, n, dim, words, storage, request_id, version)
+        ``storage``) and sources (uint8 ``(n,)``), to be filled before :meth:`finish`. ``pooled``: the rows are one
+        per bag."""
+        last = (model, table, n, dim, words, storage, request_id, version, pooled)
         if last == self._last and self._views is not None:
             return self._views
         words = dim if words is None else words
-        head, tail, after = self._parts(model, table, n, dim, words, storage)
+        head, tail, after = self._parts(model, table, n, dim, words, storage, pooled)
         trailer = after + (_RESPONSE_REQUEST_ID + varint(request_id) if request_id else b"")
         if version:
             trailer += _RESPONSE_VERSION + varint(version)

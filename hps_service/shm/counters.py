@@ -20,7 +20,8 @@ import numpy as np
 THREAD_ROWS = 64
 
 #: Methods whose requests are counted, and the gRPC status names (REST statuses are mapped onto these).
-METHODS = ("Lookup", "StreamLookup", "RestGetEmbeddings", "RestLookupEmbeddings")
+METHODS = ("Lookup", "StreamLookup", "RestGetEmbeddings", "RestLookupEmbeddings", "LookupBags", "StreamLookupBags",
+           "RestLookupBags")
 STATUSES = tuple(code.name for code in grpc.StatusCode)
 #: Latency buckets (seconds): 100 us to 5 s, dense around the sub-millisecond to tens-of-milliseconds range.
 LATENCY_BUCKETS = (
@@ -40,7 +41,9 @@ REQ_KEYS_SUM = REQ_KEYS + _NK
 REQ_IN_FLIGHT = REQ_KEYS_SUM + 1
 REQ_QUEUE = REQ_IN_FLIGHT + 1  # [bucket] non-cumulative: how long calls waited for a handler thread
 REQ_QUEUE_SUM = REQ_QUEUE + _NL
-REQ_FIELDS = -(-(REQ_QUEUE_SUM + 1) // 8) * 8
+REQ_BAGS = REQ_QUEUE_SUM + 1  # [bucket] non-cumulative: bags per pooled request
+REQ_BAGS_SUM = REQ_BAGS + _NK
+REQ_FIELDS = -(-(REQ_BAGS_SUM + 1) // 8) * 8
 
 #: Offsets into a table-counter row: hits and misses of cache, volatile, persistent, then defaults.
 TABLE_HITS, TABLE_MISSES, TABLE_DEFAULTS = 0, 3, 6
@@ -75,6 +78,12 @@ def _finish(row: np.ndarray, method: int, status: int, seconds: float, bounds: n
 def _keys(row: np.ndarray, n: float, bounds: np.ndarray) -> None:
     row[REQ_KEYS + _bucket(bounds, n)] += 1.0
     row[REQ_KEYS_SUM] += n
+
+
+@numba.njit(cache=True)
+def _bags(row: np.ndarray, n: float, bounds: np.ndarray) -> None:
+    row[REQ_BAGS + _bucket(bounds, n)] += 1.0
+    row[REQ_BAGS_SUM] += n
 
 
 @numba.njit(cache=True)
@@ -164,6 +173,9 @@ class RequestCounters(ThreadRows):
     def observe_keys(self, n: int) -> None:
         _keys(self.row(), float(n), _KEYS)
 
+    def observe_bags(self, n: int) -> None:
+        _bags(self.row(), float(n), _KEYS)
+
     def observe_queue_wait(self, seconds: float) -> None:
         _queued(self.row(), seconds, _LATENCY)
 
@@ -180,6 +192,7 @@ def request_totals(totals: np.ndarray) -> dict[str, Any]:
         "keys": (np.cumsum(totals[REQ_KEYS:REQ_KEYS_SUM]), float(totals[REQ_KEYS_SUM])),
         "in_flight": float(totals[REQ_IN_FLIGHT]),
         "queue_wait": (np.cumsum(totals[REQ_QUEUE:REQ_QUEUE_SUM]), float(totals[REQ_QUEUE_SUM])),
+        "bags": (np.cumsum(totals[REQ_BAGS:REQ_BAGS_SUM]), float(totals[REQ_BAGS_SUM])),
     }
 
 

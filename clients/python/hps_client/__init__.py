@@ -6,6 +6,7 @@ from typing import Any
 from hps_client import errors as _errors
 from hps_client.aio import AsyncHPSClient
 from hps_client.attempts import HedgingPolicy
+from hps_client.bags import Bags
 from hps_client.channel import ACCEPTING_SERVICE, channel_options, channel_target, service_config
 from hps_client.client import HPSClient
 from hps_client.errors import (
@@ -31,7 +32,7 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 __all__ = [
-    "ACCEPTING_SERVICE", "AsyncHPSClient", "CancelledError", "DeadlineExceededError", "FailedPreconditionError",
+    "ACCEPTING_SERVICE", "AsyncHPSClient", "Bags", "CancelledError", "DeadlineExceededError", "FailedPreconditionError",
     "HPSClient", "HPSError", "HedgingPolicy", "InternalError", "InvalidArgumentError", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "StoredAnswer", "StoredRows", "TableAnswer",
     "AsyncTransport", "Transport", "UnauthenticatedError", "UnavailableError", "build_request", "channel_options", "channel_target", "decode_answer",

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import grpc
 
 from hps_client.attempts import HedgingPolicy, call_hedged_async, retry_elsewhere
+from hps_client.bags import answers_of
 from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows
 from hps_client.channel import Metadata
 from hps_client.errors import FailedPreconditionError, UnavailableError
@@ -32,7 +33,7 @@ from hps_client.routing import (
     whole_target,
 )
 from hps_client.stub import EmbeddingStub
-from hps_client.wire import WireResponse, as_error, decode_answer, decode_stored
+from hps_client.wire import WireResponse, as_error
 
 R = TypeVar("R")
 
@@ -195,7 +196,6 @@ class AsyncGrpcTransport:
 
     async def _lookup(self, call: Lookup) -> dict[str, Any]:
         """The answer of a Lookup: one call over every replica, or the batch split over the shards."""
-        decode = decode_stored if call.stored else decode_answer
         stored, deadline, md = call.stored, call.deadline, call.metadata
         for attempt in range(2):
             try:
@@ -204,9 +204,10 @@ class AsyncGrpcTransport:
                     stub = self._get_stub()
                     assert stub is not None
                     response = await self._lookup_unsharded(stub, call.request(), deadline, md)
-                    return {tv.table: decode(tv) for tv in response.tables}
+                    return answers_of(response.tables, call.stored, call.pooling)
                 split = split_batch(call.model, call.tables, routes.shape, fallback_shard=min(routes.stubs, default=0),
-                                    precision=call.precision, version=call.version, label=call.label)
+                                    precision=call.precision, version=call.version, label=call.label,
+                                    pooling=call.pooling)
                 total = sum(split.sizes)
                 if len(split.parts) == 1:
                     return split.merge([await self._answer(routes, split.parts[0], deadline, total, md)], stored)

@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from hps_client.bags import Bags, pooling_of
 from hps_client.buffers import check_out
 from hps_client.call_auth import read_credentials
 from hps_client.calls import ClusterInfo, ListModels, Lookup, Rows
@@ -49,6 +50,13 @@ class BaseClient:
             raise InvalidArgumentError("the request names no table")
         return Lookup(self._deadline(timeout), merge_metadata(self.metadata, metadata), model,
                       {name: as_keys(keys) for name, keys in tables.items()}, version, label, stored, out)
+
+    def _bags(self, model: str, tables: Mapping[str, Bags], timeout: float | None, metadata: Metadata | None,
+              version: int | None, label: str, out: np.ndarray | None = None) -> Lookup:
+        call = self._lookup(model, {name: bags.keys for name, bags in tables.items()}, timeout, metadata, version, label,
+                            out=out)
+        call.pooling = {name: pooling_of(bags.offsets, bags.combiner, bags.weights) for name, bags in tables.items()}
+        return call
 
     def _list_models(self, timeout: float | None, metadata: Metadata | None) -> ListModels:
         return ListModels(self._deadline(timeout), merge_metadata(self.metadata, metadata))

@@ -9,10 +9,11 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from hps_client.bags import Pooling, table_keys
 from hps_client.channel import Metadata
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.rows import StoredAnswer
-from hps_client.wire import TableAnswer
+from hps_client.wire import TableAnswer, version_field
 
 R = TypeVar("R")
 
@@ -38,6 +39,8 @@ class Lookup(Call[dict[str, Any]]):
     label: str = ""
     stored: bool = False
     out: np.ndarray | None = None
+    #: The pooled tables' bags (their answers are one row per bag).
+    pooling: dict[str, Pooling] | None = None
 
     @property
     def precision(self) -> pb.Precision:
@@ -45,9 +48,10 @@ class Lookup(Call[dict[str, Any]]):
 
     def request(self) -> pb.LookupRequest:
         """The ``hps.v1.LookupRequest`` of this call."""
-        from hps_client.wire import build_request
-
-        return build_request(self.model, self.tables, self.precision, self.version, self.label)
+        pooling = self.pooling or {}
+        return pb.LookupRequest(model=self.model, tables=[table_keys(t, k, pooling.get(t)) for t, k in
+                                                          self.tables.items()],
+                                precision=self.precision, label=self.label, **version_field(self.version))
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 
 from hps_client.attempts import HedgingPolicy
+from hps_client.bags import Bags
 from hps_client.base import BaseClient, Keys, answer_into, cluster_of, models_of, rows_into
 from hps_client.calls import Call, Ready
 from hps_client.channel import Metadata, channel_options
@@ -115,6 +116,28 @@ class HPSClient(BaseClient):
         """Several tables of one model in one request: ``{table: TableAnswer}``; ``metadata`` follows the client's
         on this call."""
         answers: dict[str, TableAnswer] = self._handle(self._lookup(model, tables, timeout, metadata, version, label))
+        return answers
+
+    def lookup_bags(self, model: str, table: str, keys: Keys, offsets: Keys, combiner: str = "sum",
+                    weights: np.ndarray | Sequence[float] | None = None, timeout: float | None = None, *,
+                    metadata: Metadata | None = None, version: int | None = None, label: str = "",
+                    out: np.ndarray | None = None) -> np.ndarray:
+        """One row per bag of ``keys``, float32 ``(bags, dim)``: the ``"sum"`` or ``"mean"`` of each bag's rows,
+        pooled by the server (only the pooled rows travel). ``offsets`` are each bag's start in ``keys``, as torch's
+        ``embedding_bag`` with ``include_last_offset=False`` (the first 0, none decreasing; an empty bag is a zero
+        row); ``weights``, one per key, only with ``"sum"`` (torch's ``per_sample_weights``). A key no tier holds adds
+        its default row. Into ``out`` when given, as :meth:`lookup`."""
+        call = self._bags(model, {table: Bags(keys, offsets, combiner, weights)}, timeout, metadata, version, label,
+                          out)
+        answer: TableAnswer = self._handle(call)[table]
+        return rows_into(out, answer.vectors)
+
+    def lookup_bags_many(self, model: str, tables: Mapping[str, Bags], timeout: float | None = None, *,
+                         metadata: Metadata | None = None, version: int | None = None,
+                         label: str = "") -> dict[str, TableAnswer]:
+        """Pooled lookups of several tables of one model in one request: ``{table: TableAnswer}`` with a row and the
+        deepest level that answered any of its keys per bag (:class:`~hps_client.Bags` says each table's bags)."""
+        answers: dict[str, TableAnswer] = self._handle(self._bags(model, tables, timeout, metadata, version, label))
         return answers
 
     def lookup_stored(self, model: str, table: str, keys: Keys, timeout: float | None = None, *,

@@ -12,13 +12,13 @@ unsharded lookup to another replica (see :mod:`hps_client.attempts`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import grpc
-import numpy as np
 
 from hps_client.attempts import HedgingPolicy, call_hedged, retry_elsewhere
+from hps_client.bags import answers_of
 from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows
 from hps_client.channel import Metadata
 from hps_client.errors import FailedPreconditionError, UnavailableError
@@ -38,7 +38,7 @@ from hps_client.routing import (
     whole_target,
 )
 from hps_client.stub import EmbeddingStub
-from hps_client.wire import WireResponse, as_error, decode_answer, decode_stored
+from hps_client.wire import WireResponse, as_error
 
 R = TypeVar("R")
 
@@ -244,16 +244,14 @@ class GrpcTransport:
 
     def _lookup(self, call: Lookup) -> dict[str, Any]:
         """The answer of a Lookup: one call over every replica, or the batch split over the shards."""
-        decode = decode_stored if call.stored else decode_answer
         for attempt in range(2):
             try:
                 routes = self._learn(call.deadline)
                 if routes is None:
                     assert self._stub is not None
                     response = self._lookup_unsharded(self._stub, call.request(), call.deadline, call.metadata)
-                    return {tv.table: decode(tv) for tv in response.tables}
-                return self._lookup_sharded(routes, call.model, call.tables, call.deadline, call.metadata,
-                                            call.precision, call.version, call.label)
+                    return answers_of(response.tables, call.stored, call.pooling)
+                return self._lookup_sharded(routes, call)
             except FailedPreconditionError:
                 if attempt:
                     raise
@@ -271,11 +269,11 @@ class GrpcTransport:
         except grpc.RpcError as err:
             raise as_error(err) from None
 
-    def _lookup_sharded(self, routes: ShardRoutes, model: str, tables: Mapping[str, np.ndarray | Sequence[int]],
-                        deadline: float | None, metadata: Metadata | None, precision: pb.Precision,
-                        version: int | None = None, label: str = "") -> dict[str, Any]:
-        split = split_batch(model, tables, routes.shape, fallback_shard=min(routes.stubs, default=0),
-                            precision=precision, version=version, label=label)
+    def _lookup_sharded(self, routes: ShardRoutes, call: Lookup) -> dict[str, Any]:
+        """The batch split by shard, the parts asked concurrently, the answers merged in the order asked."""
+        deadline, metadata, precision = call.deadline, call.metadata, call.precision
+        split = split_batch(call.model, call.tables, routes.shape, fallback_shard=min(routes.stubs, default=0),
+                            precision=precision, version=call.version, label=call.label, pooling=call.pooling)
         total = sum(split.sizes)
         calls: list[tuple[ShardPart, list[EmbeddingStub], grpc.Future | None]] = []
         try:

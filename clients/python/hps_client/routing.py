@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from hps_client.bags import Pooling, add_parts, answer_pooled, shard_pooling, table_keys
 from hps_client.channel import channel_target
 from hps_client.errors import HPSError, InternalError, InvalidArgumentError, UnavailableError
 from hps_client.partitioning import shard_ids
@@ -44,6 +45,8 @@ class ShardPart:
     request: pb.LookupRequest
     positions: list[np.ndarray] | None
     keys: int
+    #: Per pooled table, the bags of its share of the keys (summed by the shard).
+    pooling: dict[str, Pooling] | None = None
 
 
 @dataclass(slots=True)
@@ -53,23 +56,34 @@ class SplitBatch:
     tables: list[str]
     sizes: list[int]
     parts: list[ShardPart]
+    #: The pooled tables' bags, as the caller asked them (each part asks its shard for sums of its share).
+    pooling: dict[str, Pooling] = field(default_factory=dict)
 
     def merge(self, responses: Sequence[WireResponse], stored: bool = False) -> dict[str, Any]:
         """``{table: TableAnswer}`` (``stored``: ``{table: StoredAnswer}``) with every key's row and source where it
-        was asked (duplicates included)."""
+        was asked (duplicates included), or for a pooled table every bag's."""
         decode = decode_stored if stored else decode_answer
         if len(self.parts) == 1 and self.parts[0].positions is None:  # one shard: its answer as it is (no copy)
             out = {}
             for i, (table, n) in enumerate(zip(self.tables, self.sizes)):
                 tv = _table_of(responses[0], i, table)
-                if tv.count != n:
+                pooling = self.pooling.get(table)
+                if tv.count != (n if pooling is None or not tv.pooled else pooling.count):
                     raise InternalError(f"shard {self.parts[0].shard} answered {tv.count} rows for table '{table}', "
                                        f"asked {n}")
-                out[table] = decode(tv)
+                out[table] = decode(tv) if pooling is None else answer_pooled(tv, decode_answer(tv), pooling)
             return out
         out = {}
         for i, (table, n) in enumerate(zip(self.tables, self.sizes)):
             answers = [_table_of(r, i, table) for r in responses]
+            pooling = self.pooling.get(table)
+            if pooling is not None:  # each shard summed its share of every bag
+                shares = []
+                for part, tv in zip(self.parts, answers):
+                    assert part.pooling is not None
+                    shares.append(answer_pooled(tv, decode_answer(tv), part.pooling[table]))
+                out[table] = add_parts(shares, pooling, n)
+                continue
             shaped = max(answers, key=lambda tv: tv.count)  # a part with no key of the table may say dim 0
             width = len(shaped.vectors) // shaped.count if shaped.count else 0
             rows = np.empty((n, width), dtype=np.uint8)
@@ -96,11 +110,13 @@ def _table_of(response: WireResponse, i: int, table: str) -> WireTable:
 
 def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], shape: ShardShape,
                 fallback_shard: int = 0, precision: pb.Precision = pb.PRECISION_FP32, version: int | None = None,
-                label: str = "") -> SplitBatch:
+                label: str = "", pooling: Mapping[str, Pooling] | None = None) -> SplitBatch:
     """One request per shard holding keys of the batch; every part names every table (possibly with no keys), so
     each answer carries each table's dim. A batch with no key at all goes to ``fallback_shard``. Each part names
-    the model ``version`` or ``label`` (each shard resolves a label itself)."""
+    the model ``version`` or ``label`` (each shard resolves a label itself). A pooled table (``pooling``) asks each
+    shard for the sums of its share of every bag."""
     names = list(tables)
+    pooling = dict(pooling or {})
     arrays = [as_keys(tables[t]) for t in names]
     sizes = [int(a.shape[0]) for a in arrays]
     ids = [shard_ids(arr, shape.partitions, shape.shards) for arr in arrays]
@@ -109,11 +125,11 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
         counts += np.bincount(shard, minlength=shape.shards)
     used = [int(s) for s in np.flatnonzero(counts)]
     if len(used) <= 1:  # every key on one shard (always so when unsharded): the batch as it is, to that shard
-        request = pb.LookupRequest(model=model, tables=[pb.TableKeys(table=t, keys=a.tobytes())
-                                                        for t, a in zip(names, arrays)], precision=precision,
-                                   label=label, **version_field(version))
+        request = pb.LookupRequest(model=model, tables=[table_keys(t, a, pooling.get(t)) for t, a in zip(names, arrays)],
+                                   precision=precision, label=label, **version_field(version))
         return SplitBatch(tables=names, sizes=sizes, parts=[
-            ShardPart(shard=used[0] if used else fallback_shard, request=request, positions=None, keys=sum(sizes))])
+            ShardPart(shard=used[0] if used else fallback_shard, request=request, positions=None, keys=sum(sizes))],
+            pooling=pooling)
     per_table = []  # (order, starts) per table
     for shard in ids:
         order = np.argsort(shard, kind="stable")  # uint16: a radix sort
@@ -123,12 +139,16 @@ def split_batch(model: str, tables: Mapping[str, np.ndarray | Sequence[int]], sh
     parts = []
     for s in used:
         positions = [order[starts[s] : starts[s + 1]] for order, starts in per_table]
+        shares = {t: shard_pooling(pooling[t], size, shard == s)
+                  for t, size, shard in zip(names, sizes, ids) if t in pooling}
         request = pb.LookupRequest(model=model, tables=[
-            pb.TableKeys(table=t, keys=arr[pos].astype("<i8", copy=False).tobytes())
-            for t, arr, pos in zip(names, arrays, positions)
+            # a pooled table's keys in their order (each bag's share stays together), a plain one's by position
+            table_keys(t, arr[shard == s] if t in shares else arr[pos].astype("<i8", copy=False), shares.get(t))
+            for t, arr, pos, shard in zip(names, arrays, positions, ids)
         ], precision=precision, label=label, **version_field(version))
-        parts.append(ShardPart(shard=s, request=request, positions=positions, keys=int(counts[s])))
-    return SplitBatch(tables=names, sizes=sizes, parts=parts)
+        parts.append(ShardPart(shard=s, request=request, positions=positions, keys=int(counts[s]),
+                               pooling=shares or None))
+    return SplitBatch(tables=names, sizes=sizes, parts=parts, pooling=pooling)
 
 
 def is_endpoint(target: str) -> bool:

@@ -96,6 +96,7 @@ class WireTable:
     vectors: memoryview | bytes = b""
     sources: memoryview | bytes = b""
     storage: int = 0
+    pooled: bool = False
 
 
 @dataclass(slots=True)
@@ -157,8 +158,10 @@ def _table(buf: bytes, view: memoryview, i: int, end: int) -> WireTable:
             tv.count = value & 0xFFFFFFFF
         elif kind == 0 and number == 6:
             tv.storage = value & 0xFFFFFFFF
+        elif kind == 0 and number == 7:
+            tv.pooled = bool(value)
         i = after
-    width = row_words(STORAGE_NAMES.get(tv.storage, "fp32"), tv.dim)
+    width = tv.dim if tv.pooled else row_words(STORAGE_NAMES.get(tv.storage, "fp32"), tv.dim)
     if len(tv.vectors) != 4 * tv.count * width or len(tv.sources) != tv.count:
         raise ValueError(f"table '{tv.table}': {len(tv.vectors)} bytes of vectors and {len(tv.sources)} of sources "
                          f"for {tv.count} rows of dim {tv.dim} ({4 * width} bytes each)")

@@ -18,6 +18,7 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from hps_service.config import ModelConfig
 from hps_service.engine.api import Engine, ReadEngine
+from hps_service.engine.bags import MEAN, Bags
 from hps_service.engine.levels import CACHE, DEFAULT, PERSISTENT, VOLATILE, LookupResult
 from hps_service.engine.stats import TableStats
 from hps_service.engine.table import ServedTable
@@ -52,6 +53,16 @@ class TracedReadEngine(ReadEngine):
             counts = np.bincount(result.sources, minlength=DEFAULT + 1)
             span.set_attributes({name: int(counts[code]) for name, code in HITS})
             return result
+
+    def lookup_bags(self, model: str, table: str, keys: np.ndarray, bags: Bags, out: np.ndarray | None = None,
+                    sources: np.ndarray | None = None) -> LookupResult:
+        """The engine's pooled lookup, in an ``hps.lookup`` span with the bags' count when sampled."""
+        if not trace.get_current_span().is_recording():
+            return self._read.lookup_bags(model, table, keys, bags, out, sources)
+        with self._tracer.start_as_current_span("hps.lookup", kind=trace.SpanKind.INTERNAL) as span:
+            span.set_attributes({"hps.model": model, "hps.table": table, "hps.keys": int(keys.shape[0]),
+                                 "hps.bags": bags.count, "hps.combiner": "mean" if bags.combiner == MEAN else "sum"})
+            return self._read.lookup_bags(model, table, keys, bags, out, sources)
 
     def table(self, model: str, table: str) -> ServedTable:
         return self._read.table(model, table)

@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 from hps_client.proto.hps.v1 import rows_pb2 as hps_dot_v1_dot_rows__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hps/v1/embedding.proto\x12\x06hps.v1\x1a\x11hps/v1/rows.proto\"(\n\tTableKeys\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\"\xac\x01\n\rLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06tables\x18\x02 \x03(\x0b\x32\x11.hps.v1.TableKeys\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12$\n\tprecision\x18\x04 \x01(\x0e\x32\x11.hps.v1.Precision\x12\x14\n\x07version\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05label\x18\x06 \x01(\tB\n\n\x08_version\"\x80\x01\n\x0cTableVectors\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x0f\n\x07vectors\x18\x04 \x01(\x0c\x12\x0f\n\x07sources\x18\x05 \x01(\x0c\x12#\n\x07storage\x18\x06 \x01(\x0e\x32\x12.hps.v1.RowStorage\"j\n\x0eLookupResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x06tables\x18\x02 \x03(\x0b\x32\x14.hps.v1.TableVectors\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x0f\n\x07version\x18\x04 \x01(\r\"\x13\n\x11ListModelsRequest\"&\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\"<\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tables\x18\x02 \x03(\x0b\x32\x11.hps.v1.TableInfo\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.hps.v1.ModelInfo\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x17\n\x15GetClusterInfoRequest\"\x8d\x02\n\x0b\x43lusterInfo\x12\x0e\n\x06shards\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x12\n\npartitions\x18\x03 \x01(\r\x12\x13\n\x0bpartitioner\x18\x04 \x01(\t\x12\x18\n\x10owned_partitions\x18\x05 \x03(\r\x12\x42\n\x10topic_partitions\x18\x06 \x03(\x0b\x32(.hps.v1.ClusterInfo.TopicPartitionsEntry\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x11\n\tnot_ready\x18\x08 \x03(\t\x1a\x36\n\x14TopicPartitionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\x86\x01\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSOURCE_CACHE\x10\x01\x12\x13\n\x0fSOURCE_VOLATILE\x10\x02\x12\x15\n\x11SOURCE_PERSISTENT\x10\x03\x12\x12\n\x0eSOURCE_DEFAULT\x10\x04\x12\x12\n\x0eSOURCE_EXPIRED\x10\x05*5\n\tPrecision\x12\x12\n\x0ePRECISION_FP32\x10\x00\x12\x14\n\x10PRECISION_STORED\x10\x01\x32\xd1\x02\n\x10\x45mbeddingService\x12\x37\n\x06Lookup\x12\x15.hps.v1.LookupRequest\x1a\x16.hps.v1.LookupResponse\x12\x41\n\x0cStreamLookup\x12\x15.hps.v1.LookupRequest\x1a\x16.hps.v1.LookupResponse(\x01\x30\x01\x12\x43\n\nListModels\x12\x19.hps.v1.ListModelsRequest\x1a\x1a.hps.v1.ListModelsResponse\x12\x36\n\x08GetModel\x12\x17.hps.v1.GetModelRequest\x1a\x11.hps.v1.ModelInfo\x12\x44\n\x0eGetClusterInfo\x12\x1d.hps.v1.GetClusterInfoRequest\x1a\x13.hps.v1.ClusterInfoBO\n\ncom.hps.v1P\x01Z6github.com/hps-service/hps-service/gen/go/hps/v1;hpsv1\xaa\x02\x06Hps.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16hps/v1/embedding.proto\x12\x06hps.v1\x1a\x11hps/v1/rows.proto\"n\n\tTableKeys\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x01(\x0c\x12\x0f\n\x07offsets\x18\x03 \x01(\x0c\x12\"\n\x08\x63ombiner\x18\x04 \x01(\x0e\x32\x10.hps.v1.Combiner\x12\x0f\n\x07weights\x18\x05 \x01(\x0c\"\xac\x01\n\rLookupRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12!\n\x06tables\x18\x02 \x03(\x0b\x32\x11.hps.v1.TableKeys\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12$\n\tprecision\x18\x04 \x01(\x0e\x32\x11.hps.v1.Precision\x12\x14\n\x07version\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05label\x18\x06 \x01(\tB\n\n\x08_version\"\x90\x01\n\x0cTableVectors\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\r\n\x05\x63ount\x18\x03 \x01(\r\x12\x0f\n\x07vectors\x18\x04 \x01(\x0c\x12\x0f\n\x07sources\x18\x05 \x01(\x0c\x12#\n\x07storage\x18\x06 \x01(\x0e\x32\x12.hps.v1.RowStorage\x12\x0e\n\x06pooled\x18\x07 \x01(\x08\"j\n\x0eLookupResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12$\n\x06tables\x18\x02 \x03(\x0b\x32\x14.hps.v1.TableVectors\x12\x12\n\nrequest_id\x18\x03 \x01(\x04\x12\x0f\n\x07version\x18\x04 \x01(\r\"\x13\n\x11ListModelsRequest\"&\n\tTableInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\"<\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12!\n\x06tables\x18\x02 \x03(\x0b\x32\x11.hps.v1.TableInfo\"7\n\x12ListModelsResponse\x12!\n\x06models\x18\x01 \x03(\x0b\x32\x11.hps.v1.ModelInfo\" \n\x0fGetModelRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x17\n\x15GetClusterInfoRequest\"\x8d\x02\n\x0b\x43lusterInfo\x12\x0e\n\x06shards\x18\x01 \x01(\r\x12\r\n\x05shard\x18\x02 \x01(\r\x12\x12\n\npartitions\x18\x03 \x01(\r\x12\x13\n\x0bpartitioner\x18\x04 \x01(\t\x12\x18\n\x10owned_partitions\x18\x05 \x03(\r\x12\x42\n\x10topic_partitions\x18\x06 \x03(\x0b\x32(.hps.v1.ClusterInfo.TopicPartitionsEntry\x12\r\n\x05ready\x18\x07 \x01(\x08\x12\x11\n\tnot_ready\x18\x08 \x03(\t\x1a\x36\n\x14TopicPartitionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01*\x86\x01\n\x06Source\x12\x16\n\x12SOURCE_UNSPECIFIED\x10\x00\x12\x10\n\x0cSOURCE_CACHE\x10\x01\x12\x13\n\x0fSOURCE_VOLATILE\x10\x02\x12\x15\n\x11SOURCE_PERSISTENT\x10\x03\x12\x12\n\x0eSOURCE_DEFAULT\x10\x04\x12\x12\n\x0eSOURCE_EXPIRED\x10\x05*5\n\tPrecision\x12\x12\n\x0ePRECISION_FP32\x10\x00\x12\x14\n\x10PRECISION_STORED\x10\x01*I\n\x08\x43ombiner\x12\x18\n\x14\x43OMBINER_UNSPECIFIED\x10\x00\x12\x10\n\x0c\x43OMBINER_SUM\x10\x01\x12\x11\n\rCOMBINER_MEAN\x10\x02\x32\xd1\x02\n\x10\x45mbeddingService\x12\x37\n\x06Lookup\x12\x15.hps.v1.LookupRequest\x1a\x16.hps.v1.LookupResponse\x12\x41\n\x0cStreamLookup\x12\x15.hps.v1.LookupRequest\x1a\x16.hps.v1.LookupResponse(\x01\x30\x01\x12\x43\n\nListModels\x12\x19.hps.v1.ListModelsRequest\x1a\x1a.hps.v1.ListModelsResponse\x12\x36\n\x08GetModel\x12\x17.hps.v1.GetModelRequest\x1a\x11.hps.v1.ModelInfo\x12\x44\n\x0eGetClusterInfo\x12\x1d.hps.v1.GetClusterInfoRequest\x1a\x13.hps.v1.ClusterInfoBO\n\ncom.hps.v1P\x01Z6github.com/hps-service/hps-service/gen/go/hps/v1;hpsv1\xaa\x02\x06Hps.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -25,34 +25,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'\n\ncom.hps.v1P\001Z6github.com/hps-service/hps-service/gen/go/hps/v1;hpsv1\252\002\006Hps.V1'
   _globals['_CLUSTERINFO_TOPICPARTITIONSENTRY']._loaded_options = None
   _globals['_CLUSTERINFO_TOPICPARTITIONSENTRY']._serialized_options = b'8\001'
-  _globals['_SOURCE']._serialized_start=1021
-  _globals['_SOURCE']._serialized_end=1155
-  _globals['_PRECISION']._serialized_start=1157
-  _globals['_PRECISION']._serialized_end=1210
+  _globals['_SOURCE']._serialized_start=1107
+  _globals['_SOURCE']._serialized_end=1241
+  _globals['_PRECISION']._serialized_start=1243
+  _globals['_PRECISION']._serialized_end=1296
+  _globals['_COMBINER']._serialized_start=1298
+  _globals['_COMBINER']._serialized_end=1371
   _globals['_TABLEKEYS']._serialized_start=53
-  _globals['_TABLEKEYS']._serialized_end=93
-  _globals['_LOOKUPREQUEST']._serialized_start=96
-  _globals['_LOOKUPREQUEST']._serialized_end=268
-  _globals['_TABLEVECTORS']._serialized_start=271
-  _globals['_TABLEVECTORS']._serialized_end=399
-  _globals['_LOOKUPRESPONSE']._serialized_start=401
-  _globals['_LOOKUPRESPONSE']._serialized_end=507
-  _globals['_LISTMODELSREQUEST']._serialized_start=509
-  _globals['_LISTMODELSREQUEST']._serialized_end=528
-  _globals['_TABLEINFO']._serialized_start=530
-  _globals['_TABLEINFO']._serialized_end=568
-  _globals['_MODELINFO']._serialized_start=570
-  _globals['_MODELINFO']._serialized_end=630
-  _globals['_LISTMODELSRESPONSE']._serialized_start=632
-  _globals['_LISTMODELSRESPONSE']._serialized_end=687
-  _globals['_GETMODELREQUEST']._serialized_start=689
-  _globals['_GETMODELREQUEST']._serialized_end=721
-  _globals['_GETCLUSTERINFOREQUEST']._serialized_start=723
-  _globals['_GETCLUSTERINFOREQUEST']._serialized_end=746
-  _globals['_CLUSTERINFO']._serialized_start=749
-  _globals['_CLUSTERINFO']._serialized_end=1018
-  _globals['_CLUSTERINFO_TOPICPARTITIONSENTRY']._serialized_start=964
-  _globals['_CLUSTERINFO_TOPICPARTITIONSENTRY']._serialized_end=1018
-  _globals['_EMBEDDINGSERVICE']._serialized_start=1213
-  _globals['_EMBEDDINGSERVICE']._serialized_end=1550
+  _globals['_TABLEKEYS']._serialized_end=163
+  _globals['_LOOKUPREQUEST']._serialized_start=166
+  _globals['_LOOKUPREQUEST']._serialized_end=338
+  _globals['_TABLEVECTORS']._serialized_start=341
+  _globals['_TABLEVECTORS']._serialized_end=485
+  _globals['_LOOKUPRESPONSE']._serialized_start=487
+  _globals['_LOOKUPRESPONSE']._serialized_end=593
+  _globals['_LISTMODELSREQUEST']._serialized_start=595
+  _globals['_LISTMODELSREQUEST']._serialized_end=614
+  _globals['_TABLEINFO']._serialized_start=616
+  _globals['_TABLEINFO']._serialized_end=654
+  _globals['_MODELINFO']._serialized_start=656
+  _globals['_MODELINFO']._serialized_end=716
+  _globals['_LISTMODELSRESPONSE']._serialized_start=718
+  _globals['_LISTMODELSRESPONSE']._serialized_end=773
+  _globals['_GETMODELREQUEST']._serialized_start=775
+  _globals['_GETMODELREQUEST']._serialized_end=807
+  _globals['_GETCLUSTERINFOREQUEST']._serialized_start=809
+  _globals['_GETCLUSTERINFOREQUEST']._serialized_end=832
+  _globals['_CLUSTERINFO']._serialized_start=835
+  _globals['_CLUSTERINFO']._serialized_end=1104
+  _globals['_CLUSTERINFO_TOPICPARTITIONSENTRY']._serialized_start=1050
+  _globals['_CLUSTERINFO_TOPICPARTITIONSENTRY']._serialized_end=1104
+  _globals['_EMBEDDINGSERVICE']._serialized_start=1374
+  _globals['_EMBEDDINGSERVICE']._serialized_end=1711
 # @@protoc_insertion_point(module_scope)

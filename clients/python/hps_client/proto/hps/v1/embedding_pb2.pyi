@@ -20,6 +20,12 @@ class Precision(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PRECISION_FP32: _ClassVar[Precision]
     PRECISION_STORED: _ClassVar[Precision]
+
+class Combiner(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COMBINER_UNSPECIFIED: _ClassVar[Combiner]
+    COMBINER_SUM: _ClassVar[Combiner]
+    COMBINER_MEAN: _ClassVar[Combiner]
 SOURCE_UNSPECIFIED: Source
 SOURCE_CACHE: Source
 SOURCE_VOLATILE: Source
@@ -28,14 +34,23 @@ SOURCE_DEFAULT: Source
 SOURCE_EXPIRED: Source
 PRECISION_FP32: Precision
 PRECISION_STORED: Precision
+COMBINER_UNSPECIFIED: Combiner
+COMBINER_SUM: Combiner
+COMBINER_MEAN: Combiner
 
 class TableKeys(_message.Message):
-    __slots__ = ("table", "keys")
+    __slots__ = ("table", "keys", "offsets", "combiner", "weights")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    COMBINER_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     table: str
     keys: bytes
-    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ...) -> None: ...
+    offsets: bytes
+    combiner: Combiner
+    weights: bytes
+    def __init__(self, table: _Optional[str] = ..., keys: _Optional[bytes] = ..., offsets: _Optional[bytes] = ..., combiner: _Optional[_Union[Combiner, str]] = ..., weights: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
     __slots__ = ("model", "tables", "request_id", "precision", "version", "label")
@@ -54,20 +69,22 @@ class LookupRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableKeys, _Mapping]]] = ..., request_id: _Optional[int] = ..., precision: _Optional[_Union[Precision, str]] = ..., version: _Optional[int] = ..., label: _Optional[str] = ...) -> None: ...
 
 class TableVectors(_message.Message):
-    __slots__ = ("table", "dim", "count", "vectors", "sources", "storage")
+    __slots__ = ("table", "dim", "count", "vectors", "sources", "storage", "pooled")
     TABLE_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     COUNT_FIELD_NUMBER: _ClassVar[int]
     VECTORS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     STORAGE_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     table: str
     dim: int
     count: int
     vectors: bytes
     sources: bytes
     storage: _rows_pb2.RowStorage
-    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., count: _Optional[int] = ..., vectors: _Optional[bytes] = ..., sources: _Optional[bytes] = ..., storage: _Optional[_Union[_rows_pb2.RowStorage, str]] = ...) -> None: ...
+    pooled: bool
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., count: _Optional[int] = ..., vectors: _Optional[bytes] = ..., sources: _Optional[bytes] = ..., storage: _Optional[_Union[_rows_pb2.RowStorage, str]] = ..., pooled: bool = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("model", "tables", "request_id", "version")
