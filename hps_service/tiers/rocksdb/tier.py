@@ -36,6 +36,7 @@ from hps_service.keys import as_keys
 from hps_service.tiers.base import (
     Positions,
     Rows,
+    StoredEntries,
     TableWrite,
     Tier,
     TierCapability,
@@ -62,7 +63,7 @@ from hps_service.tiers.rocksdb.layout import (
 )
 from hps_service.tiers.rocksdb.options import tuned_options
 from hps_service.tiers.rocksdb.recovery import ReadGate, Reopening, WriteFailure, gated
-from hps_service.tiers.rocksdb.scan import EntryScan
+from hps_service.tiers.rocksdb.scan import scan_entries
 from hps_service.tiers.rocksdb.staging import WriteStaging
 
 log = logging.getLogger(__name__)
@@ -76,7 +77,7 @@ _OPEN_TRIES = 5
 
 __all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
-class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
+class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
     """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
 
     kind = "persistent"
@@ -448,6 +449,11 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
             found.append(got)
             need -= got.size
         return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
+    def scan(self, table: str, after: int | None, limit: int) -> StoredEntries:
+        """Up to ``limit`` entries, rows and tombstones, that follow key ``after`` in unsigned key order."""
+        cf, dim = self._table(table)
+        return scan_entries(cf, dim, after, limit)
 
     def drop_table(self, table: str) -> None:
         """Drop the table's column family and its metadata."""
