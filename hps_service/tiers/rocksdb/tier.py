@@ -19,11 +19,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from itertools import islice
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from rocksdict import (
-    AccessType,
     Cache,
     Options,
     Rdict,
@@ -61,6 +59,7 @@ from hps_service.tiers.rocksdb.layout import (
     parse_position_key,
     position_key,
 )
+from hps_service.tiers.rocksdb.opening import open_store
 from hps_service.tiers.rocksdb.options import tuned_options
 from hps_service.tiers.rocksdb.recovery import ReadGate, Reopening, WriteFailure, gated
 from hps_service.tiers.rocksdb.scan import scan_entries
@@ -72,8 +71,6 @@ log = logging.getLogger(__name__)
 WriteHook = Callable[[str, "np.ndarray | None"], None]
 
 _MiB = 1 << 20
-#: Opens of a read-only or secondary instance tried while the primary drops a column family it listed.
-_OPEN_TRIES = 5
 
 __all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
@@ -143,36 +140,9 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
             drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
 
     def _open(self) -> None:
-        """Open the store's every column family and attach its tables (at start, and again after a write error).
-        A read-only or secondary instance lists the primary's column families first; one the primary drops before
-        the open (a version dropped, a conversion's old rows) is listed afresh."""
-        for attempt in range(_OPEN_TRIES):
-            column_families, access = self._families()
-            try:
-                self._db = Rdict(
-                    str(self.path), self._options(pin=True), column_families=column_families, access_type=access
-                )
-                break
-            except Exception as exc:  # rocksdict raises bare Exception for I/O and lock errors
-                if self.read_only and "Column family not found" in str(exc) and attempt + 1 < _OPEN_TRIES:
-                    continue
-                raise UnavailableError(f"cannot open RocksDB at {self.path}: {exc}") from exc
-        self._attach_all(list(column_families))
-
-    def _families(self) -> tuple[dict[str, Options], Any]:
-        """The column families to open, with their options, and the access type."""
-        existing = (
-            set(Rdict.list_cf(str(self.path), self._options())) if (self.path / "CURRENT").exists() else set()
-        )
-        column_families = {name: self._options() for name in existing | {META_CF, POSITIONS_CF}}
-        if self.secondary:
-            column_families = {name: opts for name, opts in column_families.items() if name in existing}
-            Path(self._secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]  # set whenever self.secondary is
-            return column_families, AccessType.secondary(str(self._secondary_path))
-        if self.read_only:
-            return {name: opts for name, opts in column_families.items() if name in existing}, \
-                AccessType.read_only(False)
-        return column_families, AccessType.read_write()
+        """Open the store's every column family and attach its tables (at start, and again after a write error)."""
+        self._db, names = open_store(self.path, self._options, self.read_only, self._secondary_path)
+        self._attach_all(names)
 
     def _attach_all(self, names: list[str]) -> None:
         """Take the column families ``names`` of the open store in use: metadata, positions, tables."""
