@@ -25,6 +25,7 @@ from hps_service.tiers.rocksdb.layout import (
     meta_key,
     parse_position_key,
 )
+from hps_service.tiers.rocksdb.staging import accepts, checked_vectors, stored_states
 
 if TYPE_CHECKING:
     from hps_service.tiers.rocksdb.tier import RocksDBTier
@@ -65,7 +66,7 @@ class FileOperations:
         with self._lock, self._flusher.announced(reopened=True, drops_logs=False):
             self._cfs[table].ingest_external_file(files, ingest)
             self._flusher.mark([table])
-        self._wrote(table, None)
+        self._staging.wrote(table, None)
 
     def export(  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         self: RocksDBTier, dest: Path, tables: Sequence[str], sources: Collection[str], metadata_keys: Collection[str] = ()
@@ -145,9 +146,9 @@ class FileOperations:
                     shutil.rmtree(tmp, ignore_errors=True)
                 with self._lock:
                     batch = WriteBatch(raw_mode=True)
-                    self._stage_counts(batch, {("count", table): other.count(table),
-                                               ("tombstones", table): other.tombstones(table)})
-                    self._commit(batch, {})
+                    self._staging.stage_counts(batch, {("count", table): other.count(table),
+                                                       ("tombstones", table): other.tombstones(table)})
+                    self._staging.commit(batch, {})
             for key, value in other.metadata().items():
                 self.set_metadata(key, value)
             if other.positions():
@@ -176,7 +177,7 @@ class FileOperations:
         self._check_writable(f"import into {table}")
         cf, dim = self._table(table)
         keys = as_keys(keys)
-        vectors = self._vectors(vectors, keys.size, dim, table)
+        vectors = checked_vectors(vectors, keys.size, dim, table)
         if keys.size == 0:
             return 0
         order = np.argsort(keys.view(np.uint64), kind="stable")
@@ -197,8 +198,8 @@ class FileOperations:
                     chunk_vectors = vectors[chunk]  # stored rows, copied bit for bit (the engine checked them)
                     encoded = encode_keys(keys[chunk])
                     if count_before or tombstones_before:
-                        states, stored = self._stored_states(cf, encoded, dim)
-                        keep = self._accepts(states, stored, version)
+                        states, stored = stored_states(cf, encoded, dim)
+                        keep = accepts(states, stored, version)
                         new_rows += int(np.count_nonzero(keep & (states != LIVE)))
                         replaced_tombstones += int(np.count_nonzero(keep & (states == TOMBSTONE)))
                         if not keep.all():
@@ -221,7 +222,7 @@ class FileOperations:
                     self._ingest(table, files)
                 if new_rows or replaced_tombstones:
                     batch = WriteBatch(raw_mode=True)
-                    self._add_counts(batch, table, rows=new_rows, tombstones=-replaced_tombstones)
+                    self._staging.add_counts(batch, table, rows=new_rows, tombstones=-replaced_tombstones)
                     self._write(batch)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from itertools import islice
 from pathlib import Path
@@ -63,18 +63,15 @@ from hps_service.tiers.rocksdb.opening import open_store
 from hps_service.tiers.rocksdb.options import tuned_options
 from hps_service.tiers.rocksdb.recovery import ReadGate, Reopening, WriteFailure, gated
 from hps_service.tiers.rocksdb.scan import scan_entries
-from hps_service.tiers.rocksdb.staging import WriteStaging
+from hps_service.tiers.rocksdb.staging import WriteHook, WriteStaging
 
 log = logging.getLogger(__name__)
-
-#: ``on_write(table, keys)``: keys of a write batch that reached the store (None when too many to list).
-WriteHook = Callable[[str, "np.ndarray | None"], None]
 
 _MiB = 1 << 20
 
 __all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
-class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
+class RocksDBTier(FileOperations, Reopening, Tier):
     """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
 
     kind = "persistent"
@@ -114,10 +111,9 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         self.read_only = read_only
         if read_only:
             self.capabilities = type(self).capabilities & ~TierCapability.WRITES
-        self._on_write = on_write
-        self._staged = []
         self.sync_writes = sync_writes
         self._lock = threading.RLock()  # writes; a reopen after a write error (from a write) takes it too
+        self._staging = WriteStaging(self, self._lock, on_write)
         self._gate = ReadGate()
         self._failure = WriteFailure(self.path)
         self._write_buffer_bytes = int(write_buffer_mb * _MiB)
@@ -216,13 +212,6 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         except KeyError:
             raise NotFoundError(f"table {table} does not exist in the persistent tier") from None
 
-    @staticmethod
-    def _vectors(vectors: np.ndarray, n: int, dim: int, table: str) -> np.ndarray:
-        arr = np.asarray(vectors)
-        if arr.ndim != 2 or arr.shape[0] != n or arr.shape[1] != dim:
-            raise InvalidArgumentError(f"vectors for {table} must have shape ({n}, {dim}), got {arr.shape}")
-        return arr.astype(np.float32, copy=False)
-
     # ---- Tier interface -------------------------------------------------------------------------------
 
     def tables(self) -> dict[str, int]:
@@ -277,8 +266,8 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         self._table(table)
         with self._lock:
             batch, deltas = WriteBatch(raw_mode=True), dict[tuple[str, str], int]()
-            written = self._stage_put(batch, table, keys, vectors, versions, deltas)
-            self._commit(batch, deltas)
+            written = self._staging.stage_put(batch, table, keys, vectors, versions, deltas)
+            self._staging.commit(batch, deltas)
         return written
 
     def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
@@ -291,9 +280,19 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
         self._table(table)
         with self._lock:
             batch, deltas = WriteBatch(raw_mode=True), dict[tuple[str, str], int]()
-            removed = self._stage_delete(batch, table, keys, versions, deltas)
-            self._commit(batch, deltas)
+            removed = self._staging.stage_delete(batch, table, keys, versions, deltas)
+            self._staging.commit(batch, deltas)
         return removed
+
+    def purge_tombstones(self, table: str, below_version: int) -> int:
+        """Remove the tombstones of ``table`` whose version is below ``below_version``; returns how many.
+
+        A tombstone only matters while a put older than it can still arrive (a replay of the update log), so
+        ``below_version`` is the oldest version any producer or log can still deliver. Scans the whole table
+        without blocking writers.
+        """
+        self._check_writable(f"purge tombstones of {table}")
+        return self._staging.purge_tombstones(table, below_version)
 
     # ---- grouped writes with positions, metadata ------------------------------------------------------
 
@@ -309,16 +308,16 @@ class RocksDBTier(FileOperations, WriteStaging, Reopening, Tier):
             batch, deltas = WriteBatch(raw_mode=True), dict[tuple[str, str], int]()
             results = []
             for w in writes:
-                written = (self._stage_put(batch, w.table, w.keys, w.vectors, w.versions, deltas)
+                written = (self._staging.stage_put(batch, w.table, w.keys, w.vectors, w.versions, deltas)
                            if w.keys.shape[0] else np.zeros(0, dtype=bool))
-                removed = (self._stage_delete(batch, w.table, w.delete_keys, w.delete_versions, deltas)
+                removed = (self._staging.stage_delete(batch, w.table, w.delete_keys, w.delete_versions, deltas)
                            if w.delete_keys.shape[0] else 0)
                 results.append(WriteResult(written=written, removed=removed))
             if positions:
                 handle = self._db.get_column_family_handle(POSITIONS_CF)
                 for (source, partition), offset in positions.items():
                     batch.put(position_key(source, partition), int_value(offset), handle)
-            self._commit(batch, deltas)
+            self._staging.commit(batch, deltas)
         return results
 
     @gated
