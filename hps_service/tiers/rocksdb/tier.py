@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rocksdict import (
@@ -71,7 +72,7 @@ _MiB = 1 << 20
 
 __all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
-class RocksDBTier(FileOperations, Reopening, Tier):
+class RocksDBTier(Reopening, Tier):
     """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
 
     kind = "persistent"
@@ -114,6 +115,7 @@ class RocksDBTier(FileOperations, Reopening, Tier):
         self.sync_writes = sync_writes
         self._lock = threading.RLock()  # writes; a reopen after a write error (from a write) takes it too
         self._staging = WriteStaging(self, self._lock, on_write)
+        self._files = FileOperations(self, self._staging)
         self._gate = ReadGate()
         self._failure = WriteFailure(self.path)
         self._write_buffer_bytes = int(write_buffer_mb * _MiB)
@@ -418,6 +420,30 @@ class RocksDBTier(FileOperations, Reopening, Tier):
             found.append(got)
             need -= got.size
         return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+
+    # ---- whole files: checkpoint, export, adopt, bulk import (rocksdb/files.py) -----------------------
+
+    def checkpoint(self, dest: Path) -> None:
+        """A consistent, hard-linked snapshot of the whole store at ``dest`` (which must not exist)."""
+        self._files.checkpoint(dest)
+
+    def export(
+        self, dest: Path, tables: Sequence[str], sources: Collection[str], metadata_keys: Collection[str] = ()
+    ) -> dict[str, Any]:
+        """A checkpoint at ``dest`` that holds only ``tables``, the positions of ``sources`` and the metadata entries
+        ``metadata_keys``: ``{"tables": {table: {"dim", "rows", "tombstones"}}, "positions": {...}}``."""
+        return self._files.export(dest, tables, sources, metadata_keys)
+
+    def adopt(self, src: Path) -> list[str]:
+        """Copy every table, metadata entry and position of the store at ``src`` (none of its tables here yet) into
+        this one, rows as stored; returns the tables."""
+        return self._files.adopt(src)
+
+    def bulk_import(self, table: str, keys: np.ndarray, vectors: np.ndarray, version: int = 0,
+                    progress: Callable[[int], None] | None = None) -> int:
+        """Write rows as sorted SST files ingested at once (all or nothing, never over a newer stored row or a
+        tombstone at or above ``version``); returns rows written. ``progress(rows_done)`` after each file."""
+        return self._files.bulk_import(table, keys, vectors, version, progress)
 
     def scan(self, table: str, after: int | None, limit: int) -> StoredEntries:
         """Up to ``limit`` entries, rows and tombstones, that follow key ``after`` in unsigned key order."""
