@@ -1,5 +1,5 @@
-"""The RocksDB tier's ordered scan of a table's stored entries, rows and tombstones alike: what a format conversion
-copies, a stretch at a time."""
+"""The RocksDB tier's ordered scans of a table: its stored entries, rows and tombstones alike (what a format
+conversion copies, a stretch at a time), and the keys of its first live rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 from rocksdict import Rdict
 
 from hps_service.tiers.base import StoredEntries
-from hps_service.tiers.codec import TOMBSTONE, decode_rows, decode_states, encode_keys
+from hps_service.tiers.codec import TOMBSTONE, TOMBSTONE_BYTES, decode_rows, decode_states, encode_keys
 
 
 def scan_entries(cf: Rdict, dim: int, after: int | None, limit: int) -> StoredEntries:
@@ -28,3 +28,21 @@ def scan_entries(cf: Rdict, dim: int, after: int | None, limit: int) -> StoredEn
     states, versions = decode_states(values, dim)
     rows = decode_rows(values, dim)
     return StoredEntries(keys, states != TOMBSTONE, versions, rows.vectors)
+
+
+def live_keys(cf: Rdict, limit: int, tombstones: bool) -> np.ndarray:
+    """The first ``limit`` keys of live rows of ``cf`` in store order (unsigned key order); ``tombstones``: whether
+    it holds any to skip (else the keys are read without their values)."""
+    if not tombstones:
+        raw = b"".join(islice(cf.keys(), limit))
+        return np.frombuffer(raw, dtype=">i8").astype(np.int64)
+    found: list[np.ndarray] = []
+    need = limit
+    items = cf.items()
+    while need > 0 and (chunk := list(islice(items, max(need, 1024)))):
+        keys, values = zip(*chunk)
+        live = np.fromiter(map(len, values), dtype=np.int64, count=len(values)) != TOMBSTONE_BYTES
+        got = np.frombuffer(b"".join(keys), dtype=">i8")[live][:need].astype(np.int64)
+        found.append(got)
+        need -= got.size
+    return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)

@@ -27,7 +27,7 @@ from hps_service.tiers.codec import (
 )
 from hps_service.tiers.rocksdb.layout import META_CF, POSITIONS_CF, drain, int_value, meta_key
 
-#: Entries read per step by :meth:`WriteStaging.purge_tombstones` (and the tier's ``scan_keys``).
+#: Entries read per step by :meth:`WriteStaging.purge_tombstones`.
 SCAN_CHUNK = 65_536
 
 #: ``on_write(table, keys)``: keys of a write batch that reached the store (None when too many to list).

@@ -17,7 +17,6 @@ import shutil
 import threading
 from collections.abc import Callable, Collection, Sequence
 from functools import partial
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +42,6 @@ from hps_service.tiers.base import (
     WriteResult,
 )
 from hps_service.tiers.codec import (
-    TOMBSTONE_BYTES,
     decode_rows,
     encode_keys,
 )
@@ -63,7 +61,7 @@ from hps_service.tiers.rocksdb.layout import (
 from hps_service.tiers.rocksdb.opening import open_store
 from hps_service.tiers.rocksdb.options import tuned_options
 from hps_service.tiers.rocksdb.recovery import ReadGate, Reopening, WriteFailure, gated
-from hps_service.tiers.rocksdb.scan import scan_entries
+from hps_service.tiers.rocksdb.scan import live_keys, scan_entries
 from hps_service.tiers.rocksdb.staging import WriteHook, WriteStaging
 
 log = logging.getLogger(__name__)
@@ -407,19 +405,7 @@ class RocksDBTier(Reopening, Tier):
         cf, _ = self._table(table)
         if limit <= 0:
             return np.zeros(0, dtype=np.int64)
-        if not self.tombstones(table):
-            raw = b"".join(islice(cf.keys(), limit))
-            return np.frombuffer(raw, dtype=">i8").astype(np.int64)
-        found: list[np.ndarray] = []
-        need = limit
-        items = cf.items()
-        while need > 0 and (chunk := list(islice(items, max(need, 1024)))):
-            keys, values = zip(*chunk)
-            live = np.fromiter(map(len, values), dtype=np.int64, count=len(values)) != TOMBSTONE_BYTES
-            got = np.frombuffer(b"".join(keys), dtype=">i8")[live][:need].astype(np.int64)
-            found.append(got)
-            need -= got.size
-        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        return live_keys(cf, limit, bool(self.tombstones(table)))
 
     # ---- whole files: checkpoint, export, adopt, bulk import (rocksdb/files.py) -----------------------
 
