@@ -12,6 +12,7 @@ per-row calls into rocksdict are driven by ``map`` (C-level iteration), never by
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 import threading
@@ -21,13 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rocksdict import (
-    Cache,
-    Options,
-    Rdict,
-    WriteBatch,
-    WriteOptions,
-)
+from rocksdict import Cache, DbClosedError, Options, Rdict, WriteBatch, WriteOptions
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.keys import as_keys
@@ -41,10 +36,7 @@ from hps_service.tiers.base import (
     TierStats,
     WriteResult,
 )
-from hps_service.tiers.codec import (
-    decode_rows,
-    encode_keys,
-)
+from hps_service.tiers.codec import decode_rows, encode_keys
 from hps_service.tiers.rocksdb.files import IMPORT_CHUNK_ROWS, FileOperations
 from hps_service.tiers.rocksdb.flush import FileEvents, Flusher
 from hps_service.tiers.rocksdb.layout import (
@@ -60,7 +52,7 @@ from hps_service.tiers.rocksdb.layout import (
 )
 from hps_service.tiers.rocksdb.opening import open_store
 from hps_service.tiers.rocksdb.options import tuned_options
-from hps_service.tiers.rocksdb.recovery import ReadGate, Reopening, WriteFailure, gated
+from hps_service.tiers.rocksdb.recovery import Recovery, gated
 from hps_service.tiers.rocksdb.scan import live_keys, scan_entries
 from hps_service.tiers.rocksdb.staging import WriteHook, WriteStaging
 
@@ -70,7 +62,7 @@ _MiB = 1 << 20
 
 __all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
-class RocksDBTier(Reopening, Tier):
+class RocksDBTier(Tier):
     """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
 
     kind = "persistent"
@@ -114,12 +106,11 @@ class RocksDBTier(Reopening, Tier):
         self._lock = threading.RLock()  # writes; a reopen after a write error (from a write) takes it too
         self._staging = WriteStaging(self, self._lock, on_write)
         self._files = FileOperations(self, self._staging)
-        self._gate = ReadGate()
-        self._failure = WriteFailure(self.path)
         self._write_buffer_bytes = int(write_buffer_mb * _MiB)
         self._max_total_wal_bytes = int(max_total_wal_mb * _MiB)
         self._flusher = None if read_only else Flusher(
             self.path, self._write_buffer_bytes, self._max_total_wal_bytes, file_events)
+        self._recovery = Recovery(self, self.path, self._lock, self._flusher)
         self._block_cache = Cache(block_cache_mb * _MiB) if block_cache_mb else None
         self._row_cache = Cache(row_cache_mb * _MiB) if row_cache_mb else None
         # Batches are written unsynced, then the WAL is synced with flush_wal, which rocksdict runs with the GIL
@@ -130,7 +121,6 @@ class RocksDBTier(Reopening, Tier):
             raise UnavailableError(f"no RocksDB store at {self.path} to open read-only")
         self.path.mkdir(parents=True, exist_ok=True)
         self._closed = False
-        self._down = False
         self._open()
         if not read_only:  # SST files of an import that a crash interrupted (never ingested)
             drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
@@ -168,7 +158,7 @@ class RocksDBTier(Reopening, Tier):
     def _write(self, batch: WriteBatch, families: Sequence[str] = (META_CF,)) -> None:
         """Apply ``batch`` (writing to ``families``) atomically; with ``sync_writes`` it is on disk (WAL fsynced) when
         this returns; then the flush policy switches what it filled. Caller holds the lock. A failure leaves the
-        store refusing writes until :meth:`_heal` reopens it."""
+        store refusing writes until :meth:`Recovery.heal` reopens it."""
         assert self._flusher is not None
         self._flusher.pin(batch)
         size = batch.size_in_bytes()
@@ -178,7 +168,7 @@ class RocksDBTier(Reopening, Tier):
                 self._db.flush_wal(True)
             self._flusher.written(size, families)  # a switch and its marker (a write too)
         except Exception as exc:  # rocksdict raises bare Exception for I/O errors (ENOSPC)
-            raise self._failure.failed(exc) from None  # (its message has it; its traceback holds the batch)
+            raise self._recovery.failure.failed(exc) from None  # (its message has it; its traceback holds the batch)
 
     def _meta_int(self, kind: str, table: str) -> int | None:
         if self._meta is None:
@@ -194,15 +184,15 @@ class RocksDBTier(Reopening, Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise UnavailableError(f"RocksDB tier at {self.path} is closed")
-        if self._down:
-            raise UnavailableError(f"RocksDB at {self.path} is closed after its write error ({self._failure.error}) "
-                                   f"until it reopens")
+        if self._recovery.down:
+            raise UnavailableError(f"RocksDB at {self.path} is closed after its write error "
+                                   f"({self._recovery.failure.error}) until it reopens")
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
             raise UnavailableError(f"cannot {what}: RocksDB at {self.path} is opened read-only")
-        if self._failure.error is not None and not self._closed:
-            self._heal()
+        if self._recovery.failure.error is not None and not self._closed:
+            self._recovery.heal()
         self._check_open()
 
     def _table(self, table: str) -> tuple[Rdict, int]:
@@ -457,7 +447,7 @@ class RocksDBTier(Reopening, Tier):
     @gated
     def healthy(self) -> bool:
         """Open, writing (no write error outstanding), and answering a property read."""
-        if self._closed or self._down or self._failure.error is not None:
+        if self._closed or self._recovery.down or self._recovery.failure.error is not None:
             return False
         try:
             return self._db.property_value("rocksdb.num-running-compactions") is not None
@@ -472,5 +462,27 @@ class RocksDBTier(Reopening, Tier):
             self._flusher.close()
         with self._lock:
             self._closed = True
-            if not self._down:
+            if not self._recovery.down:
                 self._close_db()
+
+    def _close_db(self) -> bool:
+        """Release the open store (every column family object first: the DB closes only once none is left);
+        whether it closed: rocksdict keeps it open when the flush its close makes fails, and then it stays in use."""
+        names = [*self._cfs, META_CF, POSITIONS_CF]
+        if self._flusher is not None:
+            self._flusher.detach()
+        self._cfs.clear()
+        self._handles.clear()
+        self._meta = self._positions = None
+        gc.collect()  # a failed write's batch (it holds column family handles) in a traceback's reference cycle
+        try:
+            self._db.close()
+        except Exception as exc:  # noqa: BLE001  (rocksdict raises bare Exception; the write error again)
+            try:
+                self._db.property_value("rocksdb.num-running-compactions")
+            except DbClosedError:
+                return True
+            log.warning("RocksDB at %s could not be closed: %s; it stays open", self.path, str(exc))
+            self._attach_all(names)
+            return False
+        return True
