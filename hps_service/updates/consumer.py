@@ -82,7 +82,7 @@ _CONSUMER_DEFAULTS: dict[str, Any] = {
 }
 
 
-class UpdateConsumer(LogLosses, OffsetCommits):
+class UpdateConsumer(LogLosses):
     """Applies the update topics of ``models`` to ``engine`` in a background thread; see the module docstring.
 
     ``ready`` turns True once every partition is assigned at a known offset, so nothing published afterwards
@@ -127,16 +127,6 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         self.shard = shard
         self._client_config = with_logging(
             {**cfg.kafka_config, "bootstrap.servers": cfg.brokers, "socket.nagle.disable": True})
-        self._consumer_config = {
-            **_CONSUMER_DEFAULTS,
-            **cfg.kafka_config,
-            **(consumer_config or {}),
-            "bootstrap.servers": cfg.brokers,
-            "group.id": group,
-            "on_commit": self._on_commit,
-            "error_cb": self._on_client_error,
-            "logger": KAFKA_LOG,
-        }
         self.metrics = FreshnessStats()
         self.metrics.expect(models)
         self.admin_messages = AdminMessages(cfg.admin_key)
@@ -157,9 +147,18 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         self._recovering: dict[tuple[str, int], int] = {}  # partitions bootstrapped again, to resume there
         self._past_end_seen: dict[tuple[str, int], int] = {}
         self.log_watch = LogWatch(self.logs, self.ledger, self._positions, cfg.log_check_interval_s, group)
-        self._committed: dict[tuple[str, int], int] = {}
-        self._commit_in_flight_since: float | None = None
-        self._last_commit = 0.0
+        #: Commits of the applied offsets to the group (for lag monitoring).
+        self.commits = OffsetCommits(group, self.progress, self.metrics, on_error=self._on_error)
+        self._consumer_config = {
+            **_CONSUMER_DEFAULTS,
+            **cfg.kafka_config,
+            **(consumer_config or {}),
+            "bootstrap.servers": cfg.brokers,
+            "group.id": group,
+            "on_commit": self.commits.on_commit,
+            "error_cb": self._on_client_error,
+            "logger": KAFKA_LOG,
+        }
         self._last_lag_refresh = 0.0
         self.last_error: str | None = None
         #: Unexpected errors the consumer thread survived (each batch then read again from what was applied).
@@ -203,6 +202,11 @@ class UpdateConsumer(LogLosses, OffsetCommits):
     def assigned_partitions(self, topic: str, count: int) -> list[int]:
         """The partitions of ``topic`` (``count`` of them) this consumer reads: its shard's, p % shards == shard."""
         return self.assignment.assigned_partitions(topic, count)
+
+    @property
+    def _committed(self) -> dict[tuple[str, int], int]:
+        """The offsets the group confirmed, per partition (:attr:`OffsetCommits.committed`)."""
+        return self.commits.committed
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -375,8 +379,8 @@ class UpdateConsumer(LogLosses, OffsetCommits):
             self._process(msgs)
         self._dlq.poll()
         now = time.monotonic()
-        if now - self._last_commit >= self.commit_interval_s:
-            self._commit()
+        if now - self.commits.last_commit >= self.commit_interval_s:
+            self.commits.commit(self._consumer, self._dlq)
         if now - self._last_lag_refresh >= 0.5:
             self._refresh_consumer_lag()
             self._last_lag_refresh = now
@@ -446,8 +450,9 @@ class UpdateConsumer(LogLosses, OffsetCommits):
     def _close_clients(self, commit: bool) -> None:
         if self._consumer is not None:
             if commit:
+                assert self._dlq is not None
                 try:
-                    self._final_commit(self.close_timeout_s)
+                    self.commits.final(self._consumer, self._dlq, self.assignment.assigned, self.close_timeout_s)
                 except KafkaException as exc:
                     log.warning("update consumer %s: final commit failed: %s", self.group, exc)
             self._consumer.close()
