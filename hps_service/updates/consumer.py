@@ -146,7 +146,6 @@ class UpdateConsumer(LogLosses):
         self._lost: dict[tuple[str, int], LostLog] = {}
         self._recovering: dict[tuple[str, int], int] = {}  # partitions bootstrapped again, to resume there
         self._past_end_seen: dict[tuple[str, int], int] = {}
-        self.log_watch = LogWatch(self.logs, self.ledger, self._positions, cfg.log_check_interval_s, group)
         #: Commits of the applied offsets to the group (for lag monitoring).
         self.commits = OffsetCommits(group, self.progress, self.metrics, on_error=self._on_error)
         self._consumer_config = {
@@ -174,6 +173,7 @@ class UpdateConsumer(LogLosses):
             engine=engine, logs=self.logs, ledger=self.ledger, progress=self.progress, gaps=self.gaps,
             metrics=self.metrics, lose=self._lose, forget_lost=self._forget_lost, on_error=self._on_error,
         )
+        self.log_watch = LogWatch(self.logs, self.ledger, self.assignment.positions, cfg.log_check_interval_s, group)
         #: Turns polled batches into engine changes and applies them.
         self.applier = BatchApply(engine, self.metrics, self.admin_messages, self.gaps, group, self._stopping,
                                   on_error=self._on_error)
@@ -226,7 +226,7 @@ class UpdateConsumer(LogLosses):
             return "update consumer has no partitions yet"
         if lost := self.lost_reason(model):
             return lost
-        topics = self._topics_of(model)
+        topics = self.assignment.topics_of(model)
         return self.catch_up.reason({p for p in self.catch_up.targets if p[0] in topics}, self.progress.applied)
 
     def caught_up(self, model: str | None = None) -> bool:
@@ -341,7 +341,7 @@ class UpdateConsumer(LogLosses):
                     self._stopping.wait(backoff)
                     backoff = min(backoff * 2, 5.0)
                     try:
-                        self._reassign(self._positions())
+                        self.assignment.reassign(self._consumer, self.assignment.positions())
                     except KafkaException as again:  # the next round's error says more
                         log.warning("update consumer %s: cannot read again yet: %s", self.group, again)
         finally:
@@ -426,7 +426,7 @@ class UpdateConsumer(LogLosses):
     def _refresh_consumer_lag(self) -> None:
         """Messages behind per partition and the age of the oldest unapplied update (:meth:`CatchUp.refresh`), from
         the high watermarks of the fetch responses; a partition whose position is past its log's end is handled."""
-        positions = self._positions()
+        positions = self.assignment.positions()
         highs = {k: self._fetched_high(k) for k in positions}
         highs = {k: h for k, h in highs.items() if h >= 0}
         beyond = self._beyond_end(highs, positions)

@@ -56,17 +56,10 @@ class LogLosses:
 
         def wait_applied(self, positions: dict[Partition, int], timeout: float) -> bool: ...
 
-    def _topics_of(self, model: str | None) -> set[str]:
-        return set(self.topics) if model is None else {t for t, m in self.topics.items() if m == model}
-
-    def _positions(self) -> dict[Partition, int]:
-        """The next offset of each partition read now (applied, or where it was assigned)."""
-        return self.progress.positions(self.assignment.assigned)
-
     # ---- readers ------------------------------------------------------------------------------
     def lost(self, model: str | None = None) -> dict[Partition, LostLog]:
         """The partitions of ``model`` (of every model with None) that lost updates and are stopped."""
-        topics = self._topics_of(model)
+        topics = self.assignment.topics_of(model)
         return {p: x for p, x in dict(self._lost).items() if p[0] in topics}
 
     def lost_reason(self, model: str | None = None) -> str | None:
@@ -104,7 +97,7 @@ class LogLosses:
         """Losses the log watch found: those of partitions still where they were found (the others moved since
         and are checked again)."""
         if found:
-            now = self._positions()
+            now = self.assignment.positions()
             self._lose([x for x in found if now.get(x.part) == x.position])
 
     def _beyond_end(self, highs: dict[Partition, int], positions: dict[Partition, int]) -> set[Partition]:
@@ -149,7 +142,7 @@ class LogLosses:
 
     def _out_of_range(self, part: Partition) -> None:
         """A fetch found the partition's offset out of its log: below its start (lost) or past its end."""
-        position = self._positions().get(part)
+        position = self.assignment.positions().get(part)
         if position is None:
             return
         found = find_losses(self.logs, self.ledger, lambda: {part: position}, {part[0]})
@@ -160,7 +153,7 @@ class LogLosses:
         if 0 <= high < position:
             self._past_end(part, position, high)
         else:  # back in range (or the broker did not answer): read on from there
-            self._reassign({part: position})
+            self.assignment.reassign(self._consumer, {part: position})
 
     def _past_end(self, part: Partition, position: int, high: int) -> None:
         """The partition stands past its log's end: another topic of that name (lost, see watermarks), or the same
@@ -176,15 +169,7 @@ class LogLosses:
             self.progress.applied.pop(part, None)
         self.progress.start_offsets[part] = begin
         self.catch_up.assigned(part, begin, high)
-        self._reassign({part: begin})
-
-    def _reassign(self, offsets: dict[Partition, int]) -> None:
-        """Read ``offsets`` again from there (assigned again: a partition stopped by a fetch error needs it)."""
-        if offsets and self._consumer is not None:
-            self._consumer.incremental_unassign([TopicPartition(t, p) for t, p in offsets])
-            self._consumer.incremental_assign([TopicPartition(t, p, o) for (t, p), o in offsets.items()])
-        for part, offset in offsets.items():
-            self.gaps.expect(part, offset)
+        self.assignment.reassign(self._consumer, {part: begin})
 
     def _recover(self) -> None:
         """Resume lost partitions bootstrapped again (:meth:`recover`) at the positions their rows stand at now."""
