@@ -22,7 +22,7 @@ committed) and resumes there once the model is loaded again.
 
 This module is the loop; its parts: which partitions are read and from where (:mod:`assignment`), the applied
 positions (:mod:`progress`), a batch into durable engine changes (:mod:`apply`), lost updates (:mod:`log_losses`)
-and the offset commits (:mod:`commits`).
+and the offset commits (:mod:`commits`), each an object the consumer builds.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ _CONSUMER_DEFAULTS: dict[str, Any] = {
 }
 
 
-class UpdateConsumer(LogLosses):
+class UpdateConsumer:
     """Applies the update topics of ``models`` to ``engine`` in a background thread; see the module docstring.
 
     ``ready`` turns True once every partition is assigned at a known offset, so nothing published afterwards
@@ -143,9 +143,6 @@ class UpdateConsumer(LogLosses):
         #: Where the logs start and end and which topics they are; partitions that lost updates (stopped, durable).
         self.logs = BrokerLogs(self._client_config)
         self.ledger = LogLedger(engine.persistent)
-        self._lost: dict[tuple[str, int], LostLog] = {}
-        self._recovering: dict[tuple[str, int], int] = {}  # partitions bootstrapped again, to resume there
-        self._past_end_seen: dict[tuple[str, int], int] = {}
         #: Commits of the applied offsets to the group (for lag monitoring).
         self.commits = OffsetCommits(group, self.progress, self.metrics, on_error=self._on_error)
         self._consumer_config = {
@@ -171,8 +168,13 @@ class UpdateConsumer(LogLosses):
             replication={"replication_factor": cfg.replication_factor,
                          "min_insync_replicas": cfg.min_insync_replicas},
             engine=engine, logs=self.logs, ledger=self.ledger, progress=self.progress, gaps=self.gaps,
-            metrics=self.metrics, lose=self._lose, forget_lost=self._forget_lost, on_error=self._on_error,
+            metrics=self.metrics, lose=lambda found: self.losses.lose(found),
+            forget_lost=lambda topics: self.losses.forget(topics), on_error=self._on_error,
         )
+        #: Partitions stopped for lost updates, offsets out of range, positions past a log's end.
+        self.losses = LogLosses(group=group, engine=engine, metrics=self.metrics, logs=self.logs, ledger=self.ledger,
+                                progress=self.progress, gaps=self.gaps, assignment=self.assignment,
+                                kafka=lambda: self._consumer)
         self.log_watch = LogWatch(self.logs, self.ledger, self.assignment.positions, cfg.log_check_interval_s, group)
         #: Turns polled batches into engine changes and applies them.
         self.applier = BatchApply(engine, self.metrics, self.admin_messages, self.gaps, group, self._stopping,
@@ -259,6 +261,33 @@ class UpdateConsumer(LogLosses):
         """Block until every ``(topic, partition) -> offset`` in ``positions`` is applied (the message at that
         offset included), or the timeout; returns whether it was."""
         return self.progress.wait_applied(positions, timeout)
+
+    def wait_applied_to_end(self, model: str, timeout: float) -> bool:
+        """Block until everything on ``model``'s partitions when called is applied, or the timeout; returns whether
+        it was (read-your-writes). The broker's listed end may be short (tansu's is a batch short): once applied up
+        to it, the end the fetch responses showed by then is waited for too (see :mod:`catch_up`)."""
+        if reason := self.lost_reason(model):
+            raise UnavailableError(reason)
+        deadline = time.monotonic() + timeout
+        listed = self.end_offsets(model)
+        for _ in range(2):
+            ends = {k: self.catch_up.end(k, end) for k, end in listed.items()}
+            if not self.wait_applied(
+                    {k: end - 1 for k, end in ends.items() if end > 0}, deadline - time.monotonic()):
+                return False
+        return True
+
+    def lost(self, model: str | None = None) -> dict[tuple[str, int], LostLog]:
+        """The partitions of ``model`` (of every model with None) that lost updates and are stopped."""
+        return self.losses.lost(model)
+
+    def lost_reason(self, model: str | None = None) -> str | None:
+        """Why ``model`` must not be served for lost updates (naming the partitions), or None."""
+        return self.losses.lost_reason(model)
+
+    def recover(self, positions: dict[tuple[str, int], int]) -> None:
+        """Lost partitions bootstrapped again up to ``positions``: the consumer thread resumes them there."""
+        self.losses.recover(positions)
 
     def start(self) -> None:
         """Start the background thread (it connects, assigns, then applies batches until stop())."""
@@ -370,9 +399,8 @@ class UpdateConsumer(LogLosses):
             self.assignment.follow_changes(self._consumer)
         if self.assignment.parked:
             self.assignment.resume_parked(self._consumer)
-        self._take_losses(self.log_watch.take())
-        if self._recovering:
-            self._recover()
+        self.losses.take(self.log_watch.take())
+        self.losses.resume_recovered()
         msgs = self._next_batch()
         if msgs:
             self.stall.received()
@@ -404,7 +432,7 @@ class UpdateConsumer(LogLosses):
 
     def _process(self, msgs: list[Message]) -> None:
         assert self._consumer is not None and self._dlq is not None
-        batch = self.applier.read(msgs, self.assignment, self._dlq, self._out_of_range)
+        batch = self.applier.read(msgs, self.assignment, self._dlq, self.losses.out_of_range)
         if not self.applier.apply(batch, self.topics, self._dlq):
             return  # stopping: the batch is read again
         fetched = {k: self._fetched_high(k) for k in batch.offsets}
@@ -429,7 +457,7 @@ class UpdateConsumer(LogLosses):
         positions = self.assignment.positions()
         highs = {k: self._fetched_high(k) for k in positions}
         highs = {k: h for k, h in highs.items() if h >= 0}
-        beyond = self._beyond_end(highs, positions)
+        beyond = self.losses.beyond_end(highs, positions)
         highs = {k: h for k, h in highs.items() if k not in beyond}
         for (topic, partition), high in highs.items():
             self.metrics.record_consumer_lag(topic, partition, high - positions[(topic, partition)])
