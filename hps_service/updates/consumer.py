@@ -319,7 +319,7 @@ class UpdateConsumer:
         self.metrics.expect(models)
         self.assignment.request({topic_name(m, self.cfg.topic_prefix): m for m in models})
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Freshness and ingest state for /v1/stats."""
         out = self.metrics.snapshot()
         out.update(
