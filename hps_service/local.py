@@ -299,7 +299,8 @@ class LocalClient:
         keys = as_keys(keys)
         if t is None or not model or keys.shape[0] == 0:
             request = build_request(model, {table: keys}, pb.PRECISION_STORED, version, label)
-            return self._call(request, timeout, metadata, decode_stored)[table]
+            answer: StoredAnswer = self._call(request, timeout, metadata, decode_stored)[table]
+            return answer
         fmt = t.served.format
         words = np.empty((keys.shape[0], fmt.words), dtype=np.float32)
         sources = np.empty(keys.shape[0], dtype=np.uint8)

@@ -25,7 +25,8 @@ from hps_service.config.base import NAME_PATTERN, NAME_RE, Storage, served_name
 from hps_service.config.base import Section as _Section
 from hps_service.config.secrets import load_secret_files
 from hps_service.config.security import AuthMode, InternalListener, ReaderConfig, check_auth
-from hps_service.config.tiers import PersistentConfig, VolatileConfig
+from hps_service.config.tiers import PersistentConfig as PersistentConfig  # the tiers' sections, re-exported
+from hps_service.config.tiers import VolatileConfig as VolatileConfig
 from hps_service.runtime.cpus import usable_cpus
 
 
