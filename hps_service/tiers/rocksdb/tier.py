@@ -62,8 +62,11 @@ _MiB = 1 << 20
 
 __all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
+
 class RocksDBTier(Tier):
-    """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
+    """RocksDB-backed tier: durable, versioned, tuned for batched point lookups. It owns the open store and builds
+    its parts over it: the write batches (:class:`WriteStaging`), the whole-file operations (:class:`FileOperations`)
+    and the reopen after a failed write (:class:`Recovery`)."""
 
     kind = "persistent"
     #: A read-only or secondary instance lacks WRITES (see :meth:`__init__`).
