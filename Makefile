@@ -13,7 +13,7 @@ DEMO_DIM ?= 64
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
 	@echo "make test    - install with dev extras, install redis-server if missing, lint, run the test suite"
-	@echo "make lint    - buf lint and breaking, ruff, then mypy (strict on tiers/, cache/, shm/, jit/)"
+	@echo "make lint    - buf lint and breaking, ruff, then mypy (strict on every package but the trainer)"
 	@echo "make test-images - build the CPU image with podman and run it (minutes)"
 	@echo "make proto   - regenerate gRPC stubs from protos/"
 	@echo "make proto-lint - buf lint the protos, and buf breaking against the last release's (protos/released)"
@@ -198,8 +198,8 @@ history: install-dev test-deps
 docs: $(VENV)/.installed-docs
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
 
-# buf lint and breaking (proto-lint), ruff, then mypy ([tool.mypy] in pyproject.toml: strict on the storage
-# packages), then no `type: ignore` without its reason on the line (node/ and local.py wait for their rework).
+# buf lint and breaking (proto-lint), ruff, then mypy ([tool.mypy] in pyproject.toml: strict on every package but
+# the trainer), then no `type: ignore` without its reason on the line.
 lint: install-dev proto-lint
 	$(VENV)/bin/ruff check hps_service clients/python tests loadtest
 	$(PY) -m mypy

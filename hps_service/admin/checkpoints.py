@@ -81,7 +81,7 @@ class DirectoryStore:
         path, meta_path = self._paths(snapshot_id)
         if not meta_path.is_file() or not path.is_dir():
             raise NotFoundError(f"no snapshot '{snapshot_id}'")
-        meta = json.loads(meta_path.read_text())
+        meta: dict[str, Any] = json.loads(meta_path.read_text())
         if meta.get("model") != model:
             raise NotFoundError(f"snapshot '{snapshot_id}' belongs to model '{meta.get('model')}', not '{model}'")
         return meta

@@ -75,7 +75,7 @@ class JobRunner:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hps-job")
         self._jobs: dict[str, Job] = {}
-        self._futures: set[Future] = set()
+        self._futures: set[Future[None]] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -152,7 +152,7 @@ def import_tier(engine: Engine) -> Tier:
     return writable_persistent(engine, "import", TierCapability.BULK_IMPORT)
 
 
-def convert_job(engine: Engine, model: str, table: str, storage: str) -> Callable[[Job], dict]:
+def convert_job(engine: Engine, model: str, table: str, storage: str) -> Callable[[Job], dict[str, Any]]:
     """The work of ``POST .../tables/{table}:convert``: re-encode the table as ``storage`` while it is served, then
     serve it so (see :mod:`hps_service.engine.convert`); ``rows_total`` counts the entries to copy."""
 
@@ -167,7 +167,7 @@ def convert_job(engine: Engine, model: str, table: str, storage: str) -> Callabl
 
 def import_job(
     engine: Engine, model: str, table: str, path: Path, version: int, shard_map: ShardMap | None = None
-) -> Callable[[Job], dict]:
+) -> Callable[[Job], dict[str, Any]]:
     """The work of ``POST .../import``: read the file, keep this shard's rows, then bulk-load L3 and evict the keys
     from L2 and L1 as one write of the table (see :meth:`LookupEngine.import_rows`)."""
     shard_map = shard_map if shard_map is not None else ShardMap()

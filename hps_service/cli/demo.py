@@ -77,7 +77,7 @@ def _server_config(s: DemoSettings, brokers: str, grpc_port: int, http_port: int
     }
 
 
-def _wait_ready(http: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+def _wait_ready(http: str, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -202,7 +202,8 @@ def _infer_once(predictor: Any, holdout: Any, inference: InferenceStats, auc: An
 
 def _stats(http: str) -> dict[str, Any]:
     try:
-        return httpx.get(f"{http}/v1/stats", timeout=5).json()
+        stats: dict[str, Any] = httpx.get(f"{http}/v1/stats", timeout=5).json()
+        return stats
     except (httpx.HTTPError, ValueError):
         return {}
 

@@ -26,7 +26,7 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
-def _call(method: str, url: str, tls_ca: Path | None, timeout: float, body: dict | None = None,
+def _call(method: str, url: str, tls_ca: Path | None, timeout: float, body: dict[str, Any] | None = None,
           token: str | None = None) -> Any:
     """One REST call with the standard library's client (httpx is no dependency of the server's distribution)."""
     headers = {"Content-Type": "application/json"}

@@ -94,8 +94,8 @@ class ServedTable:
     guard: WriteGuard = field(default_factory=WriteGuard)
     #: Guards table metadata (the counters' list of threads); never taken by a lookup once its thread counted.
     lock: threading.Lock = field(default_factory=threading.Lock)
-    #: Where lookups count (None: a :class:`TableCounters` of this process; a node's worker counts in shared memory).
-    counters: LevelCounters = field(default=None)  # type: ignore[assignment]  # None is replaced in __post_init__
+    #: Where lookups count: a :class:`TableCounters` of this process (a node's worker puts shared memory's instead).
+    counters: LevelCounters = field(init=False)
     #: The write generation a reader stamps its reads with (None: the guard's; a node's worker reads the owner's).
     published_generation: Callable[[], int] | None = None
     #: How the tiers and L1 store its rows (they hold ``format.words`` words a row; lookups answer ``dim`` floats).
@@ -111,8 +111,7 @@ class ServedTable:
     ttl_s: int | None = None
 
     def __post_init__(self) -> None:
-        if self.counters is None:
-            self.counters = TableCounters(self.lock)
+        self.counters = TableCounters(self.lock)
 
     def write_generation(self) -> int:
         """The generation of the table's writes now: rows read after this are checked against writes since."""

@@ -117,7 +117,8 @@ def _to_bootstrap(path: Path, models: list[str]) -> list[str] | None:
     return [m for m in models if m in unfinished] or None
 
 
-def bootstrap(path: Path, bucket: SnapshotBucket, models: list[str], progress: BootstrapProgress) -> dict:
+def bootstrap(path: Path, bucket: SnapshotBucket, models: list[str],
+              progress: BootstrapProgress) -> dict[str, str | None]:
     """Restore the newest usable snapshot of each of ``models`` into the empty store at ``path`` (or of the models
     an interrupted bootstrap left unfinished); returns ``{model: snapshot id or None}``. Does nothing (state
     ``not_needed``) when the store holds data. Raises UnavailableError when the snapshot store cannot be listed (an

@@ -149,7 +149,8 @@ class SnapshotBucket:
             raise UnavailableError(f"{what} failed at {self.url}: {exc}") from None
 
     # ---- write ----------------------------------------------------------------------------------
-    def upload(self, model: str, source: Path, description: dict[str, Any], progress: Progress | None = None) -> dict:
+    def upload(self, model: str, source: Path, description: dict[str, Any],
+               progress: Progress | None = None) -> dict[str, Any]:
         """Upload every file under ``source`` with its SHA-256, then the manifest (``description`` plus the file
         list); returns the manifest. Nothing is listed as a snapshot until the manifest is written."""
         snapshot_id = new_snapshot_id()
@@ -230,7 +231,7 @@ class SnapshotBucket:
         if not body or len(body) > MAX_MANIFEST_BYTES:
             raise CorruptSnapshotError(f"manifest of {snapshot_id} is empty or larger than {MAX_MANIFEST_BYTES} bytes")
         try:
-            manifest = json.loads(body)
+            manifest: dict[str, Any] = json.loads(body)
             if manifest["id"] != snapshot_id or manifest["model"] != model or manifest["format"] > FORMAT:
                 raise ValueError("manifest names another snapshot, model or a newer format")
         except (ValueError, KeyError, TypeError) as exc:

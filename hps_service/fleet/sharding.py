@@ -51,7 +51,8 @@ class ShardMap:
         """A boolean mask of the keys this shard serves (all of them when unsharded)."""
         if not self.sharded:
             return np.ones(np.shape(keys)[0], dtype=bool)
-        return self.shard_of(keys) == self.shard
+        served: np.ndarray = self.shard_of(keys) == self.shard
+        return served
 
     def check(self, keys: np.ndarray, what: str = "keys") -> None:
         """Raise WrongShardError naming the owning shards when any of ``keys`` is not served here."""

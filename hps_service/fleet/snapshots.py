@@ -103,7 +103,7 @@ class BucketStore:
 
     def rows_at(self, record: dict[str, Any]) -> Path:
         """The snapshot downloaded (checksums verified) into ``work_dir``, unless an earlier restore left it there."""
-        path = self.work_dir / record["id"]
+        path: Path = self.work_dir / record["id"]
         if not path.is_dir():
             self.work_dir.mkdir(parents=True, exist_ok=True)
             self.bucket.download(record, path)

@@ -32,8 +32,8 @@ WATCH_POLL_S = 1.0
 TRIM_ON_FALL_BYTES = 8 << 20
 
 
-def _malloc_trim() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]  # private in typeshed, public at run time
-    """glibc's ``malloc_trim``, or None where the C library has none."""
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim(pad)``, or None where the C library has none."""
     try:
         trim = ctypes.CDLL(ctypes.util.find_library("c") or None).malloc_trim
     except (OSError, AttributeError):

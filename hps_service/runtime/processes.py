@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 #: Ports handed out lie in ``[PORT_BASE, PORT_BASE + PORT_SPAN)``; a pair's second port, ``PAIR_OFFSET`` higher.
 #: Both ranges sit below Linux's ephemeral range (32768 up), so no outgoing connection takes a port between the
@@ -56,7 +57,7 @@ def free_port(pair: bool = False) -> int:
     raise RuntimeError(f"no free port on 127.0.0.1 in {start}..{start + width - 1} (HPS_PORT_SLICE {key})")
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 30.0, sig: int = signal.SIGTERM) -> int:
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 30.0, sig: int = signal.SIGTERM) -> int:
     """Send ``sig`` (a graceful stop), SIGKILL after ``timeout`` seconds; returns the exit status."""
     if proc.poll() is None:
         proc.send_signal(sig)

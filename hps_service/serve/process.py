@@ -75,7 +75,7 @@ class HPSServer:
         #: Readiness checks added by other parts (the update consumer): each returns None or what is not ready.
         self.readiness: list[ReadinessCheck] = []
         #: Extra /v1/stats sections, e.g. ``{"updates": consumer.stats}``.
-        self.stats_sections: dict[str, Callable[[], dict]] = {}
+        self.stats_sections: dict[str, Callable[[], dict[str, Any]]] = {}
         self._http: HttpListener | None = None
         self._served_models: set[str] = set()
         self._health_lock = threading.Lock()
@@ -273,9 +273,9 @@ class HPSServer:
         """What is down without taking the replica out of the Service (see :func:`readiness.degraded`)."""
         return readiness.degraded(self)
 
-    def readiness_report(self) -> tuple[list[str], dict]:
+    def readiness_report(self) -> tuple[list[str], dict[str, Any]]:
         """What /readyz and the probe port answer: the reasons, what is degraded, and the bootstrap's progress."""
-        details: dict = {}
+        details: dict[str, Any] = {}
         if degraded := self.degraded():
             details["degraded"] = degraded
         if self.bootstrap.state != "idle":

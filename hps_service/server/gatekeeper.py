@@ -9,11 +9,12 @@ entry in the audit log.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from starlette.exceptions import HTTPException
 from starlette.routing import Match, Router
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from hps_service.errors import PermissionDeniedError, UnauthenticatedError
 from hps_service.server.audit import AUDIT_STATE, AuditEntry, AuditLog
@@ -33,18 +34,19 @@ PRINCIPAL = "hps_principal"
 class Listener:
     """The app as served on one extra port (the probe port): its requests are marked with the port's name."""
 
-    def __init__(self, app: Callable, name: str) -> None:
+    def __init__(self, app: ASGIApp, name: str) -> None:
         self.app = app
         self.name = name
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             scope = {**scope, LISTENER: self.name}
         await self.app(scope, receive, send)
 
 
-def _header(scope: dict, name: bytes) -> str | None:
-    for key, value in scope.get("headers") or ():
+def _header(scope: Scope, name: bytes) -> str | None:
+    headers: Iterable[tuple[bytes, bytes]] = scope.get("headers") or ()
+    for key, value in headers:
         if key == name:
             return value.decode("latin-1")
     return None
@@ -53,7 +55,7 @@ def _header(scope: dict, name: bytes) -> str | None:
 class Gatekeeper:
     """Per route (:mod:`hps_service.server.rest_access`): served here? caller allowed? body within bound?"""
 
-    def __init__(self, app: Callable, *, router: Router, auth: Authenticator, limits: BodyLimits, audit: AuditLog,
+    def __init__(self, app: ASGIApp, *, router: Router, auth: Authenticator, limits: BodyLimits, audit: AuditLog,
                  internal_on: Collection[str]) -> None:
         self.app = app
         self.router = router
@@ -62,7 +64,7 @@ class Gatekeeper:
         self.audit = audit
         self.internal_on = frozenset(internal_on)
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -81,7 +83,7 @@ class Gatekeeper:
                  if policy.access == "admin" else None)
         status = [0]
 
-        async def sending(message: dict) -> None:
+        async def sending(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
@@ -93,7 +95,7 @@ class Gatekeeper:
                 entry.status = status[0] or 500
                 self.audit.record(entry)
 
-    async def _serve(self, scope: dict, receive: Callable, send: Callable, policy: RoutePolicy,
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, policy: RoutePolicy,
                      params: dict[str, str], listener: str, entry: AuditEntry | None) -> None:
         token = bearer_token(_header(scope, b"authorization"))
         try:
@@ -119,7 +121,7 @@ class Gatekeeper:
         state[PRINCIPAL], state[AUDIT_STATE] = principal, entry
         seen = 0
 
-        async def bounded() -> dict:
+        async def bounded() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
@@ -130,7 +132,7 @@ class Gatekeeper:
 
         await self.app(scope, bounded, send)
 
-    def _caller(self, policy: RoutePolicy, scope: dict, params: dict[str, str], listener: str,
+    def _caller(self, policy: RoutePolicy, scope: Scope, params: dict[str, str], listener: str,
                 token: str | None) -> Principal | None:
         """The caller the route needs (None where it needs none); the auth errors when it is not admitted."""
         if policy.access == "public":
@@ -152,7 +154,7 @@ class Gatekeeper:
             return listener in self.internal_on
         return listener == "http"
 
-    def _match(self, scope: dict) -> tuple[str, dict[str, str]] | None:
+    def _match(self, scope: Scope) -> tuple[str, dict[str, str]] | None:
         for route in self.router.routes:
             match, child = route.matches(scope)
             if match is Match.FULL:

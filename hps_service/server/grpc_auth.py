@@ -4,8 +4,6 @@ socket comes from a colocated reader, whom the socket's file permissions admit (
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
-
 import grpc
 
 from hps_service.server.auth import COLOCATED, Authenticator, Principal, bearer_token
@@ -24,9 +22,13 @@ def metadata_token(context: grpc.ServicerContext) -> str | None:
 
 def certificate_identities(context: grpc.ServicerContext) -> list[str]:
     """The subject CN and subject alternative names of the client certificate gRPC verified (none without one)."""
-    # grpc gives each property the list of its values (typeshed types one bytes value)
-    auth: Mapping[str, Iterable[bytes]] = context.auth_context()  # type: ignore[assignment]  # as above
-    return [v.decode(errors="replace") for prop in _IDENTITY_PROPERTIES for v in auth.get(prop, ())]
+    auth = context.auth_context()
+    return [v.decode(errors="replace") for prop in _IDENTITY_PROPERTIES for v in _values(auth.get(prop))]
+
+
+def _values(prop: object) -> list[bytes]:
+    """The values of an auth context property: grpc gives a sequence of them (typeshed's stubs type one bytes)."""
+    return [v for v in prop if isinstance(v, bytes)] if isinstance(prop, list | tuple) else []
 
 
 def grpc_principal(auth: Authenticator, context: grpc.ServicerContext) -> Principal:

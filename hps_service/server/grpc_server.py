@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -23,6 +23,8 @@ from hps_service.server.registration import Registrar
 from hps_service.server.stream_lane import REFUSAL_THREADS, LanePool, StreamLane
 
 _MiB = 1 << 20
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 #: How long a draining server waits after its last call answered before it stops (see :meth:`HandlerPool.wait_idle`).
 DRAIN_SETTLE_S = 0.5
 
@@ -39,10 +41,10 @@ class HandlerPool(futures.ThreadPoolExecutor):
         self._unanswered = 0
         self._last_answer = 0.0
 
-    def submit(self, fn: Callable, /, *args: object, **kwargs: object) -> futures.Future:
+    def submit(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> futures.Future[_T]:
         queued = time.perf_counter()
 
-        def timed() -> object:
+        def timed() -> _T:
             try:
                 self._observe(time.perf_counter() - queued)
                 return fn(*args, **kwargs)

@@ -170,7 +170,7 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
             check_deadline(context)
         t = self.engine.table(served, table)
         try:
-            buf = self._local.buffer
+            buf: ResponseBuffer = self._local.buffer
         except AttributeError:
             buf = self._local.buffer = ResponseBuffer()
         n = len(keys) // 8

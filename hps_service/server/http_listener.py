@@ -7,10 +7,10 @@ Under ``server.tls`` it serves HTTPS, gives each request the identities of the c
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from starlette.types import ASGIApp
 
 from hps_service.config import TLSConfig
 from hps_service.errors import UnavailableError
@@ -22,7 +22,7 @@ from hps_service.server.tls_peer import PeerIdentityProtocol
 class HttpListener:
     """uvicorn serving ``app`` on ``host:port`` (bound before this returns; port 0 picks one: see ``port``)."""
 
-    def __init__(self, app: Callable, host: str, port: int, what: str, tls: TLSConfig | None = None) -> None:
+    def __init__(self, app: ASGIApp, host: str, port: int, what: str, tls: TLSConfig | None = None) -> None:
         sock = bound_socket(host, port, f"the {what}")
         self.port: int = sock.getsockname()[1]
         options: dict[str, Any] = {}

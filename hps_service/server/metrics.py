@@ -220,7 +220,8 @@ class ServerMetrics:
 
     def requests_served(self, method: str, status: str = "OK") -> float:
         """Requests of ``method`` that ended with ``status`` so far, summed over every process."""
-        return request_totals(self.counters.totals())["requests"].get((method, status), 0.0)
+        requests: dict[tuple[str, str], float] = request_totals(self.counters.totals())["requests"]
+        return requests.get((method, status), 0.0)
 
     def render(self) -> bytes:
         """The Prometheus text exposition: this server's registry, then the process-wide default registry."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp
 
 from hps_service.server.gatekeeper import Listener
 from hps_service.server.http_listener import HttpListener
@@ -58,7 +59,7 @@ def add_probe_routes(app: FastAPI, readiness: Readiness, models: Callable[[], li
 class ProbeServer:
     """The probe port: ``app`` (the REST app, starting or full) as the ``probe`` listener, plain HTTP."""
 
-    def __init__(self, host: str, port: int, app: Callable) -> None:
+    def __init__(self, host: str, port: int, app: ASGIApp) -> None:
         self._listener = HttpListener(Listener(app, "probe"), host, port, "probe port")
         self.port = self._listener.port
 

@@ -3,11 +3,11 @@ the gatekeeper in front of it (which answers before the API sees the request).""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
 from fastapi.responses import JSONResponse
+from starlette.types import Send
 
 PROBLEM_JSON = "application/problem+json"
 
@@ -25,7 +25,7 @@ def problem(code: int, message: str, headers: dict[str, str] | None = None, **ex
 CLOSE = {"Connection": "close"}
 
 
-async def send_problem(send: Callable, code: int, message: str, headers: dict[str, str] | None = None) -> None:
+async def send_problem(send: Send, code: int, message: str, headers: dict[str, str] | None = None) -> None:
     """Answer an ASGI request with a problem, from a middleware, and close the connection (its body is unread)."""
     response = problem(code, message, {**(headers or {}), **CLOSE})
     await send({"type": "http.response.start", "status": code, "headers": response.raw_headers})

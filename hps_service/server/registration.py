@@ -6,6 +6,7 @@ the stream lane (:mod:`~hps_service.server.stream_lane`). A service's generated 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import grpc
 
@@ -19,9 +20,9 @@ class _Generic(grpc.GenericRpcHandler):
     def __init__(self, inner: grpc.GenericRpcHandler, lane: StreamLane) -> None:
         self._inner = inner
         self._lane = lane
-        self._made: dict[str, grpc.RpcMethodHandler] = {}
+        self._made: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
 
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = self._inner.service(handler_call_details)
         if handler is None:
             return None
@@ -32,7 +33,7 @@ class _Generic(grpc.GenericRpcHandler):
         return made
 
 
-def prepared(method: str, handler: grpc.RpcMethodHandler, lane: StreamLane) -> grpc.RpcMethodHandler:
+def prepared(method: str, handler: grpc.RpcMethodHandler[Any, Any], lane: StreamLane) -> grpc.RpcMethodHandler[Any, Any]:
     """``handler`` of ``method`` parsing its requests tolerantly, on the lane when it streams."""
     return lane.handler(method, tolerant_handler(method, handler))
 
@@ -48,6 +49,6 @@ class Registrar:
         self._server.add_generic_rpc_handlers(tuple(_Generic(h, self._lane) for h in generic_rpc_handlers))
 
     def add_registered_method_handlers(self, service_name: str,
-                                       method_handlers: Mapping[str, grpc.RpcMethodHandler]) -> None:
+                                       method_handlers: Mapping[str, grpc.RpcMethodHandler[Any, Any]]) -> None:
         self._server.add_registered_method_handlers(service_name, {
             name: prepared(f"/{service_name}/{name}", h, self._lane) for name, h in method_handlers.items()})

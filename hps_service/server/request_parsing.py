@@ -61,7 +61,7 @@ def _checked(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator
         yield _refuse(request, context)
 
 
-def tolerant_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def tolerant_handler(method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     """``handler`` with a deserializer that never raises and a behavior that refuses what it could not parse; a
     handler whose deserializer is a :class:`TolerantParser` already (or that has none) as it is."""
     deserializer = handler.request_deserializer
@@ -87,4 +87,6 @@ def tolerant_handler(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMet
     for hook in ("experimental_non_blocking", "experimental_thread_pool"):  # gRPC's per-behavior hooks, kept
         if hasattr(behavior, hook):
             setattr(checked, hook, getattr(behavior, hook))
-    return make(checked, request_deserializer=parser, response_serializer=handler.response_serializer)
+    made: grpc.RpcMethodHandler[Any, Any] = make(checked, request_deserializer=parser,
+                                                 response_serializer=handler.response_serializer)
+    return made

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
 from fastapi import Depends, FastAPI, Query, Request, Response
@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
 from hps_service.admin.jobs import JobRunner, convert_job, import_job, import_tier
 from hps_service.admin.snapshots import Snapshots
@@ -60,6 +61,9 @@ from hps_service.server.rest_visibility import check_metrics, visible_job, visib
 from hps_service.server.status import http_status_for, status_for
 from hps_service.server.unread_bodies import CloseUnread
 
+if TYPE_CHECKING:
+    from hps_service.fleet.admin_writes import LogWriter
+
 __all__ = ["PROBLEM_JSON", "AdminContext", "ReadinessCheck", "SwitchableApp", "create_app", "create_starting_app"]
 
 log = logging.getLogger(__name__)
@@ -85,20 +89,20 @@ class AdminContext:
     gate: ServingGate
     jobs: JobRunner
     #: The snapshots: local checkpoints, or the bucket's when persistent.snapshot_store is configured.
-    snapshots: Snapshots
+    snapshots: Snapshots[Any]
     #: What /readyz reports: the reasons the server is not ready and details (HPSServer.readiness).
     readiness: Readiness
     #: Registers and unloads models (through the registration log in a fleet), keeping health and the consumer in step.
     registrations: ModelRegistrations
     #: Extra sections of /v1/stats, e.g. ``{"updates": consumer.stats}``.
-    stats_sections: dict[str, Callable[[], dict]] = field(default_factory=dict)
+    stats_sections: dict[str, Callable[[], dict[str, Any]]] = field(default_factory=dict)
     #: The keys this server answers; others are refused with 421 naming their shard.
     shard_map: ShardMap = field(default_factory=ShardMap)
     #: GET /v1/cluster (the fields of hps.v1.ClusterInfo); None: built from shard_map and readiness.
     cluster_info: Callable[[], dict[str, Any]] | None = None
 
     #: With Kafka updates on: admin row writes go to the update topic (fleet.admin_writes.LogWriter).
-    log_writer: Callable[[], Any] = lambda: None
+    log_writer: Callable[[], LogWriter | None] = lambda: None
 
 
 _DECIMAL = re.compile(r"[+-]?[0-9]+")
@@ -162,7 +166,7 @@ class SwitchableApp:
     def __init__(self, target: Any) -> None:
         self.target = target
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.target(scope, receive, send)
 
 

@@ -27,7 +27,15 @@ MAX_DIM = 16384
 #: ("-1.1754943508222875e-38"), a row's brackets and separator 4; and room for the braces, names and version.
 KEY_JSON_BYTES, FLOAT_JSON_BYTES, ROW_JSON_BYTES, BODY_SLACK_BYTES = 22, 25, 4, 4096
 
-B = TypeVar("B", bound=BaseModel)
+
+
+class KeyedBody(BaseModel):
+    """A body naming keys: the rows routes' (:func:`rows_bodies` bounds their ``keys`` per server)."""
+
+    keys: list[int]
+
+
+B = TypeVar("B", bound=KeyedBody)
 
 
 def keys_body_bytes(max_keys: int) -> int:
@@ -49,16 +57,16 @@ def rows_body_bytes(max_keys: int, dim: int) -> int:
 class RowsBodies:
     """The body models of the rows routes, their lists bounded by ``server.max_batch_keys``."""
 
-    lookup: type[BaseModel]
-    put: type[BaseModel]
-    delete: type[BaseModel]
+    lookup: type[KeyedBody]
+    put: type[KeyedBody]
+    delete: type[KeyedBody]
 
 
 def rows_bodies(max_batch_keys: int) -> RowsBodies:
     """The rows routes' body models for one server (the bound is its config's)."""
     keys_list = Annotated[list[Int64], Field(max_length=max_batch_keys)]
 
-    class LookupBody(BaseModel):
+    class LookupBody(KeyedBody):
         """Keys to look up, in the order the rows are wanted (duplicates allowed), up to server.max_batch_keys; with
         ``combiner``, in bags: one row answered per bag (a pooled lookup)."""
 
@@ -71,14 +79,14 @@ def rows_bodies(max_batch_keys: int) -> RowsBodies:
         weights: Annotated[list[float], Field(max_length=max_batch_keys)] | None = Field(
             None, description="pooled lookups with combiner sum: one weight per key (default 1)")
 
-    class RowsPut(BaseModel):
+    class RowsPut(KeyedBody):
         """Rows to upsert: ``vectors[i]`` is the row of ``keys[i]``; a stored row with a newer version is kept."""
 
         keys: keys_list
         vectors: Annotated[list[Annotated[list[float], Field(max_length=MAX_DIM)]], Field(max_length=max_batch_keys)]
         version: Int64 = 0
 
-    class KeysBody(BaseModel):
+    class KeysBody(KeyedBody):
         keys: keys_list
         version: Int64 | None = Field(
             None, ge=0, description="the tombstone's version: a stored row as new or newer is kept, and an older put "
@@ -138,7 +146,7 @@ def json_body(model: type[B], max_batch_keys: int) -> Any:
                 [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]) from None
         entry = getattr(request.state, AUDIT_STATE, None)
         if entry is not None:
-            entry.keys = len(body.keys)  # type: ignore[attr-defined]  # the body model is built per route: keys is there
+            entry.keys = len(body.keys)
         return body
 
     return Depends(parse)

@@ -51,13 +51,13 @@ def on_pool(behavior: Callable[..., Any], pool: futures.ThreadPoolExecutor | Non
     return behavior if pool is None else _OnPool(behavior, pool)
 
 
-def streams(handler: grpc.RpcMethodHandler) -> bool:
+def streams(handler: grpc.RpcMethodHandler[Any, Any]) -> bool:
     """Whether a method streams either way."""
     return bool(handler.request_streaming or handler.response_streaming)
 
 
-def _rebuilt(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
-             ) -> grpc.RpcMethodHandler:
+def _rebuilt(handler: grpc.RpcMethodHandler[Any, Any], wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+             ) -> grpc.RpcMethodHandler[Any, Any]:
     """``handler`` with its behavior wrapped by ``wrap`` (its kind and (de)serializers kept)."""
     make: Any
     behavior: Any
@@ -67,8 +67,9 @@ def _rebuilt(handler: grpc.RpcMethodHandler, wrap: Callable[[Callable[..., Any]]
         make, behavior = grpc.stream_unary_rpc_method_handler, handler.stream_unary
     else:
         make, behavior = grpc.unary_stream_rpc_method_handler, handler.unary_stream
-    return make(wrap(behavior), request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+    made: grpc.RpcMethodHandler[Any, Any] = make(wrap(behavior), request_deserializer=handler.request_deserializer,
+                                                 response_serializer=handler.response_serializer)
+    return made
 
 
 class StreamLane:
@@ -86,7 +87,7 @@ class StreamLane:
         self._auth = auth
         self._refused = refused
 
-    def handler(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def handler(self, method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
         """``handler`` of ``method`` on the lane when it streams either way; a unary one as it is."""
         if not streams(handler):
             return handler
@@ -103,7 +104,7 @@ class StreamLane:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
         return caller
 
-    def _laned(self, method: str, handler: grpc.RpcMethodHandler, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    def _laned(self, method: str, handler: grpc.RpcMethodHandler[Any, Any], behavior: Callable[..., Any]) -> Callable[..., Any]:
         """``behavior`` admitted, watched for idleness, and giving its slot back when it ends."""
         request_streaming = handler.request_streaming
         if getattr(behavior, "experimental_non_blocking", False):

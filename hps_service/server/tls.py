@@ -43,7 +43,7 @@ class _Material:
         self._checked = time.monotonic()
         self._lock = threading.Lock()
 
-    def _signature(self) -> tuple:
+    def _signature(self) -> tuple[tuple[int, int, int, int] | None, ...]:
         return tuple(file_signature(p) for p in self._paths)
 
     def _read(self) -> tuple[bytes, bytes, bytes | None]:

@@ -8,12 +8,19 @@ uvicorn closes the connection at once instead. The gatekeeper's own refusals alr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+#: ASGI's scope and messages, and its receive and send callables.
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
 
 CLOSE_HEADER = (b"connection", b"close")
 
 
-def declares_body(scope: dict) -> bool:
+def declares_body(scope: Scope) -> bool:
     """Whether a request says it has a body: a Content-Length above 0, or a Transfer-Encoding (chunked)."""
     for key, value in scope.get("headers") or ():
         if key == b"transfer-encoding" or (key == b"content-length" and value.strip() not in (b"0", b"")):
@@ -25,23 +32,23 @@ class CloseUnread:
     """ASGI middleware: a response that starts before its request's body was received whole says
     ``Connection: close``."""
 
-    def __init__(self, app: Callable) -> None:
+    def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]]) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not declares_body(scope):
             await self.app(scope, receive, send)
             return
         received = False
 
-        async def receiving() -> dict:
+        async def receiving() -> Message:
             nonlocal received
             message = await receive()
             if message["type"] != "http.request" or not message.get("more_body", False):
                 received = True
             return message
 
-        async def sending(message: dict) -> None:
+        async def sending(message: Message) -> None:
             if message["type"] == "http.response.start" and not received:
                 headers = list(message.get("headers") or ())
                 if not any(key.lower() == b"connection" for key, _ in headers):

@@ -156,6 +156,22 @@ class Assignment:
                      len(self.catch_up.targets))
         return assignment
 
+    def topics_of(self, model: str | None) -> set[str]:
+        """The update topics of ``model`` followed now (of every model with None)."""
+        return set(self.topics) if model is None else {t for t, m in self.topics.items() if m == model}
+
+    def positions(self) -> dict[Partition, int]:
+        """The next offset of each partition read now (applied, or where it was assigned)."""
+        return self.progress.positions(self.assigned)
+
+    def reassign(self, consumer: Consumer | None, offsets: dict[Partition, int]) -> None:
+        """Read ``offsets`` again from there (assigned again: a partition stopped by a fetch error needs it)."""
+        if offsets and consumer is not None:
+            consumer.incremental_unassign([TopicPartition(t, p) for t, p in offsets])
+            consumer.incremental_assign([TopicPartition(t, p, o) for (t, p), o in offsets.items()])
+        for part, offset in offsets.items():
+            self.gaps.expect(part, offset)
+
     def assigned_partitions(self, topic: str, count: int) -> list[int]:
         """The partitions of ``topic`` (``count`` of them) this consumer reads: its shard's, p % shards == shard."""
         return [p for p in range(count) if p % self.shards == self.shard]

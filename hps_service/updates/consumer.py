@@ -22,7 +22,7 @@ committed) and resumes there once the model is loaded again.
 
 This module is the loop; its parts: which partitions are read and from where (:mod:`assignment`), the applied
 positions (:mod:`progress`), a batch into durable engine changes (:mod:`apply`), lost updates (:mod:`log_losses`)
-and the offset commits (:mod:`commits`).
+and the offset commits (:mod:`commits`), each an object the consumer builds.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ _CONSUMER_DEFAULTS: dict[str, Any] = {
 }
 
 
-class UpdateConsumer(LogLosses, OffsetCommits):
+class UpdateConsumer:
     """Applies the update topics of ``models`` to ``engine`` in a background thread; see the module docstring.
 
     ``ready`` turns True once every partition is assigned at a known offset, so nothing published afterwards
@@ -127,16 +127,6 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         self.shard = shard
         self._client_config = with_logging(
             {**cfg.kafka_config, "bootstrap.servers": cfg.brokers, "socket.nagle.disable": True})
-        self._consumer_config = {
-            **_CONSUMER_DEFAULTS,
-            **cfg.kafka_config,
-            **(consumer_config or {}),
-            "bootstrap.servers": cfg.brokers,
-            "group.id": group,
-            "on_commit": self._on_commit,
-            "error_cb": self._on_client_error,
-            "logger": KAFKA_LOG,
-        }
         self.metrics = FreshnessStats()
         self.metrics.expect(models)
         self.admin_messages = AdminMessages(cfg.admin_key)
@@ -153,13 +143,18 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         #: Where the logs start and end and which topics they are; partitions that lost updates (stopped, durable).
         self.logs = BrokerLogs(self._client_config)
         self.ledger = LogLedger(engine.persistent)
-        self._lost: dict[tuple[str, int], LostLog] = {}
-        self._recovering: dict[tuple[str, int], int] = {}  # partitions bootstrapped again, to resume there
-        self._past_end_seen: dict[tuple[str, int], int] = {}
-        self.log_watch = LogWatch(self.logs, self.ledger, self._positions, cfg.log_check_interval_s, group)
-        self._committed: dict[tuple[str, int], int] = {}
-        self._commit_in_flight_since: float | None = None
-        self._last_commit = 0.0
+        #: Commits of the applied offsets to the group (for lag monitoring).
+        self.commits = OffsetCommits(group, self.progress, self.metrics, on_error=self._on_error)
+        self._consumer_config = {
+            **_CONSUMER_DEFAULTS,
+            **cfg.kafka_config,
+            **(consumer_config or {}),
+            "bootstrap.servers": cfg.brokers,
+            "group.id": group,
+            "on_commit": self.commits.on_commit,
+            "error_cb": self._on_client_error,
+            "logger": KAFKA_LOG,
+        }
         self._last_lag_refresh = 0.0
         self.last_error: str | None = None
         #: Unexpected errors the consumer thread survived (each batch then read again from what was applied).
@@ -173,8 +168,14 @@ class UpdateConsumer(LogLosses, OffsetCommits):
             replication={"replication_factor": cfg.replication_factor,
                          "min_insync_replicas": cfg.min_insync_replicas},
             engine=engine, logs=self.logs, ledger=self.ledger, progress=self.progress, gaps=self.gaps,
-            metrics=self.metrics, lose=self._lose, forget_lost=self._forget_lost, on_error=self._on_error,
+            metrics=self.metrics, lose=lambda found: self.losses.lose(found),
+            forget_lost=lambda topics: self.losses.forget(topics), on_error=self._on_error,
         )
+        #: Partitions stopped for lost updates, offsets out of range, positions past a log's end.
+        self.losses = LogLosses(group=group, engine=engine, metrics=self.metrics, logs=self.logs, ledger=self.ledger,
+                                progress=self.progress, gaps=self.gaps, assignment=self.assignment,
+                                kafka=lambda: self._consumer)
+        self.log_watch = LogWatch(self.logs, self.ledger, self.assignment.positions, cfg.log_check_interval_s, group)
         #: Turns polled batches into engine changes and applies them.
         self.applier = BatchApply(engine, self.metrics, self.admin_messages, self.gaps, group, self._stopping,
                                   on_error=self._on_error)
@@ -204,6 +205,11 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         """The partitions of ``topic`` (``count`` of them) this consumer reads: its shard's, p % shards == shard."""
         return self.assignment.assigned_partitions(topic, count)
 
+    @property
+    def _committed(self) -> dict[tuple[str, int], int]:
+        """The offsets the group confirmed, per partition (:attr:`OffsetCommits.committed`)."""
+        return self.commits.committed
+
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
@@ -222,7 +228,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
             return "update consumer has no partitions yet"
         if lost := self.lost_reason(model):
             return lost
-        topics = self._topics_of(model)
+        topics = self.assignment.topics_of(model)
         return self.catch_up.reason({p for p in self.catch_up.targets if p[0] in topics}, self.progress.applied)
 
     def caught_up(self, model: str | None = None) -> bool:
@@ -256,6 +262,33 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         offset included), or the timeout; returns whether it was."""
         return self.progress.wait_applied(positions, timeout)
 
+    def wait_applied_to_end(self, model: str, timeout: float) -> bool:
+        """Block until everything on ``model``'s partitions when called is applied, or the timeout; returns whether
+        it was (read-your-writes). The broker's listed end may be short (tansu's is a batch short): once applied up
+        to it, the end the fetch responses showed by then is waited for too (see :mod:`catch_up`)."""
+        if reason := self.lost_reason(model):
+            raise UnavailableError(reason)
+        deadline = time.monotonic() + timeout
+        listed = self.end_offsets(model)
+        for _ in range(2):
+            ends = {k: self.catch_up.end(k, end) for k, end in listed.items()}
+            if not self.wait_applied(
+                    {k: end - 1 for k, end in ends.items() if end > 0}, deadline - time.monotonic()):
+                return False
+        return True
+
+    def lost(self, model: str | None = None) -> dict[tuple[str, int], LostLog]:
+        """The partitions of ``model`` (of every model with None) that lost updates and are stopped."""
+        return self.losses.lost(model)
+
+    def lost_reason(self, model: str | None = None) -> str | None:
+        """Why ``model`` must not be served for lost updates (naming the partitions), or None."""
+        return self.losses.lost_reason(model)
+
+    def recover(self, positions: dict[tuple[str, int], int]) -> None:
+        """Lost partitions bootstrapped again up to ``positions``: the consumer thread resumes them there."""
+        self.losses.recover(positions)
+
     def start(self) -> None:
         """Start the background thread (it connects, assigns, then applies batches until stop())."""
         if self._thread is not None:
@@ -286,7 +319,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
         self.metrics.expect(models)
         self.assignment.request({topic_name(m, self.cfg.topic_prefix): m for m in models})
 
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Freshness and ingest state for /v1/stats."""
         out = self.metrics.snapshot()
         out.update(
@@ -337,7 +370,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
                     self._stopping.wait(backoff)
                     backoff = min(backoff * 2, 5.0)
                     try:
-                        self._reassign(self._positions())
+                        self.assignment.reassign(self._consumer, self.assignment.positions())
                     except KafkaException as again:  # the next round's error says more
                         log.warning("update consumer %s: cannot read again yet: %s", self.group, again)
         finally:
@@ -366,17 +399,16 @@ class UpdateConsumer(LogLosses, OffsetCommits):
             self.assignment.follow_changes(self._consumer)
         if self.assignment.parked:
             self.assignment.resume_parked(self._consumer)
-        self._take_losses(self.log_watch.take())
-        if self._recovering:
-            self._recover()
+        self.losses.take(self.log_watch.take())
+        self.losses.resume_recovered()
         msgs = self._next_batch()
         if msgs:
             self.stall.received()
             self._process(msgs)
         self._dlq.poll()
         now = time.monotonic()
-        if now - self._last_commit >= self.commit_interval_s:
-            self._commit()
+        if now - self.commits.last_commit >= self.commit_interval_s:
+            self.commits.commit(self._consumer, self._dlq)
         if now - self._last_lag_refresh >= 0.5:
             self._refresh_consumer_lag()
             self._last_lag_refresh = now
@@ -400,7 +432,7 @@ class UpdateConsumer(LogLosses, OffsetCommits):
 
     def _process(self, msgs: list[Message]) -> None:
         assert self._consumer is not None and self._dlq is not None
-        batch = self.applier.read(msgs, self.assignment, self._dlq, self._out_of_range)
+        batch = self.applier.read(msgs, self.assignment, self._dlq, self.losses.out_of_range)
         if not self.applier.apply(batch, self.topics, self._dlq):
             return  # stopping: the batch is read again
         fetched = {k: self._fetched_high(k) for k in batch.offsets}
@@ -422,10 +454,10 @@ class UpdateConsumer(LogLosses, OffsetCommits):
     def _refresh_consumer_lag(self) -> None:
         """Messages behind per partition and the age of the oldest unapplied update (:meth:`CatchUp.refresh`), from
         the high watermarks of the fetch responses; a partition whose position is past its log's end is handled."""
-        positions = self._positions()
+        positions = self.assignment.positions()
         highs = {k: self._fetched_high(k) for k in positions}
         highs = {k: h for k, h in highs.items() if h >= 0}
-        beyond = self._beyond_end(highs, positions)
+        beyond = self.losses.beyond_end(highs, positions)
         highs = {k: h for k, h in highs.items() if k not in beyond}
         for (topic, partition), high in highs.items():
             self.metrics.record_consumer_lag(topic, partition, high - positions[(topic, partition)])
@@ -446,8 +478,9 @@ class UpdateConsumer(LogLosses, OffsetCommits):
     def _close_clients(self, commit: bool) -> None:
         if self._consumer is not None:
             if commit:
+                assert self._dlq is not None
                 try:
-                    self._final_commit(self.close_timeout_s)
+                    self.commits.final(self._consumer, self._dlq, self.assignment.assigned, self.close_timeout_s)
                 except KafkaException as exc:
                     log.warning("update consumer %s: final commit failed: %s", self.group, exc)
             self._consumer.close()

@@ -43,7 +43,7 @@ class KafkaBroker:
     """A running tansu broker: its bootstrap address and SIGSTOP/SIGCONT handles for fault tests."""
 
     bootstrap: str
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
 
     def pause(self) -> None:
         """Freeze the broker (SIGSTOP): connections stay open but nothing answers. Returns once every thread of it
@@ -98,7 +98,7 @@ def _threads_stopped(pid: int) -> bool:
     return bool(states) and all(state == "T" for state in states)
 
 
-def _wait_for_metadata(bootstrap: str, process: subprocess.Popen, timeout_s: float = 30.0) -> None:
+def _wait_for_metadata(bootstrap: str, process: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
     admin = AdminClient(with_logging({"bootstrap.servers": bootstrap}))
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

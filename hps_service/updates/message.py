@@ -89,7 +89,8 @@ def encode_update(
     if delete_keys is not None and len(delete_keys):
         msg.delete_keys = np.ascontiguousarray(delete_keys, dtype="<i8").tobytes()
         msg.delete_versions = np.ascontiguousarray(delete_versions, dtype="<i8").tobytes()
-    return msg.SerializeToString()
+    encoded: bytes = msg.SerializeToString()
+    return encoded
 
 
 @dataclass(slots=True)

@@ -6,6 +6,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 from prometheus_client import Counter, Gauge, Histogram
@@ -133,7 +134,7 @@ class FreshnessStats:
             rows = sum(r for _, r in self._applied)
         return rows / self._rate_window_s
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """A JSON-ready view for /v1/stats."""
         lag = self.lag_percentiles()
         rate = self.rows_per_second()

@@ -131,7 +131,7 @@ def _rocksdb_lines() -> dict[tuple[str, int], str]:
     for module in _ROCKSDB_FILES:
         source = (cli.REPO / "hps_service" / "tiers" / module).read_text().splitlines()
         for i, line in enumerate(source, start=1):
-            if "_stored_states(cf, encoded" in line or "return decode_states(" in line:
+            if "stored_states(cf, encoded" in line or "return decode_states(" in line:
                 names[(module, i)] = "RocksDB: read the stored versions (multi-get)"
             elif "self._db.write(batch" in line:
                 names[(module, i)] = "RocksDB: synced write batch"

@@ -46,7 +46,8 @@ def _begin(context: grpc.ServicerContext) -> CallInfo:
 class RequestIdInterceptor(grpc.ServerInterceptor):
     """Serves each EmbeddingService call as the current call (see :mod:`hps_service.runtime.call_context`)."""
 
-    def intercept_service(self, continuation: Callable, details: grpc.HandlerCallDetails) -> Any:
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Any],
+                          details: grpc.HandlerCallDetails) -> Any:
         handler = continuation(details)
         if handler is None or not details.method.startswith(f"/{TRACED_SERVICE}/"):
             return handler

@@ -14,7 +14,8 @@ from opentelemetry.sdk.trace import TracerProvider
 
 from hps_service.errors import InvalidArgumentError
 from hps_service.runtime.call_context import REQUEST_ID, CallInfo, request_id, serving
-from hps_service.server.rest import AdminContext, _error, create_app
+from hps_service.server.problems import problem as _error
+from hps_service.server.rest import AdminContext, create_app
 from hps_service.server.tracing.lookups import TracedEngine
 
 #: Paths not traced: probes and scrapes, every few seconds, would drown the calls (regular expressions).
@@ -36,7 +37,7 @@ class RequestIdMiddleware:
     def __init__(self, app: Any) -> None:
         self.app = app
 
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -50,7 +51,7 @@ class RequestIdMiddleware:
         ctx = span.get_span_context()
         span.set_attribute("hps.request_id", rid)
 
-        async def send_with_id(message: dict) -> None:
+        async def send_with_id(message: dict[str, Any]) -> None:
             if message["type"] == "http.response.start":
                 message = {**message, "headers": [*message.get("headers", ()), (REQUEST_ID.encode(), rid.encode())]}
             await send(message)

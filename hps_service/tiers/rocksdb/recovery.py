@@ -11,7 +11,6 @@ Reads wait at :class:`ReadGate` for the instant of the reopen.
 from __future__ import annotations
 
 import functools
-import gc
 import logging
 import os
 import shutil
@@ -20,15 +19,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
-
-from rocksdict import DbClosedError
+from typing import Concatenate, ParamSpec, Protocol, TypeVar
 
 from hps_service.errors import UnavailableError
-from hps_service.tiers.rocksdb.layout import META_CF, POSITIONS_CF
-
-if TYPE_CHECKING:
-    from hps_service.tiers.rocksdb.tier import RocksDBTier
+from hps_service.tiers.rocksdb.flush import Flusher
 
 log = logging.getLogger(__name__)
 
@@ -81,18 +75,27 @@ class ReadGate:
                 self._cond.notify_all()
 
 
-_F = TypeVar("_F", bound=Callable[..., Any])
+class Gated(Protocol):
+    """A store whose reads wait at its :class:`Recovery`'s gate (:class:`RocksDBTier`)."""
+
+    @property
+    def _recovery(self) -> Recovery: ...
 
 
-def gated(method: _F) -> _F:
-    """A read of the store (``self._gate``, a :class:`ReadGate`): it waits for a reopen in progress."""
+_S = TypeVar("_S", bound=Gated)
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def gated(method: Callable[Concatenate[_S, _P], _R]) -> Callable[Concatenate[_S, _P], _R]:
+    """A read of the store: it waits for a reopen in progress (:attr:`Recovery.gate`)."""
 
     @functools.wraps(method)
-    def read(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with self._gate.reading():
+    def read(self: _S, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._recovery.gate.reading():
             return method(self, *args, **kwargs)
 
-    return read  # type: ignore[return-value]  # functools.wraps keeps method's signature; mypy sees read's
+    return read
 
 
 class WriteFailure:
@@ -146,52 +149,48 @@ class WriteFailure:
         self.error = None
 
 
-class Reopening:
-    """The reopen of :class:`RocksDBTier` after a failed write (mixed into it)."""
+class Reopenable(Protocol):
+    """What :class:`Recovery` closes and opens again: the tier's store (:class:`RocksDBTier`)."""
 
-    #: The store failed and is not reopened yet.
-    _down: bool
+    def _open(self) -> None: ...
 
-    def _heal(self: RocksDBTier) -> None:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
+    def _close_db(self) -> bool: ...
+
+    def _memtable_bytes(self) -> int: ...
+
+
+class Recovery:
+    """A store's way back from a failed write: the error it remembers, whether the store is closed for its reopen
+    (``down``), and the gate its reads wait at meanwhile; :meth:`heal` reopens it."""
+
+    def __init__(self, store: Reopenable, path: Path, lock: threading.RLock, flusher: Flusher | None) -> None:
+        """``lock``: the store's write lock; ``flusher``: its flush policy (None: read-only, never writes)."""
+        self._store = store
+        self._lock = lock
+        self._flusher = flusher
+        self.failure = WriteFailure(path)
+        self.gate = ReadGate()
+        #: The store failed and is not reopened yet.
+        self.down = False
+
+    def heal(self) -> None:
         """After a failed write: reopen the store when due (see :mod:`hps_service.tiers.rocksdb.recovery`), else
         refuse the write."""
         with self._lock:
-            if self._failure.error is None:
+            if self.failure.error is None:
                 return
-            if not self._failure.due(0 if self._down else self._memtable_bytes()):
-                raise self._failure.refusal()
+            if not self.failure.due(0 if self.down else self._store._memtable_bytes()):
+                raise self.failure.refusal()
             assert self._flusher is not None
-            with self._flusher.announced(reopened=True), self._gate.closed():
-                if not self._down:
-                    if not self._close_db():
-                        raise self._failure.refusal("it could not be closed to reopen it (no room yet?)")
-                    self._down = True
+            with self._flusher.announced(reopened=True), self.gate.closed():
+                if not self.down:
+                    if not self._store._close_db():
+                        raise self.failure.refusal("it could not be closed to reopen it (no room yet?)")
+                    self.down = True
                 try:
-                    self._open()  # an error leaves it closed (reads refused), tried again when next due
+                    self._store._open()  # an error leaves it closed (reads refused), tried again when next due
                     self._flusher.mark(self._flusher.families())
                 except Exception as exc:  # noqa: BLE001  (still no room, or the store cannot recover yet)
-                    raise self._failure.refusal(f"reopening failed: {exc}") from None
-                self._down = False
-            self._failure.healed()
-
-    def _close_db(self: RocksDBTier) -> bool:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
-        """Release the open store (every column family object first: the DB closes only once none is left);
-        whether it closed: rocksdict keeps it open when the flush its close makes fails, and then it stays in use."""
-        names = [*self._cfs, META_CF, POSITIONS_CF]
-        if self._flusher is not None:
-            self._flusher.detach()
-        self._cfs.clear()
-        self._handles.clear()
-        self._meta = self._positions = None
-        gc.collect()  # a failed write's batch (it holds column family handles) in a traceback's reference cycle
-        try:
-            self._db.close()
-        except Exception as exc:  # noqa: BLE001  (rocksdict raises bare Exception; the write error again)
-            try:
-                self._db.property_value("rocksdb.num-running-compactions")
-            except DbClosedError:
-                return True
-            log.warning("RocksDB at %s could not be closed: %s; it stays open", self.path, str(exc))
-            self._attach_all(names)
-            return False
-        return True
+                    raise self.failure.refusal(f"reopening failed: {exc}") from None
+                self.down = False
+            self.failure.healed()

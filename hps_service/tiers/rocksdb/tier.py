@@ -12,41 +12,31 @@ per-row calls into rocksdict are driven by ``map`` (C-level iteration), never by
 
 from __future__ import annotations
 
+import gc
 import logging
 import shutil
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rocksdict import (
-    AccessType,
-    Cache,
-    Options,
-    Rdict,
-    WriteBatch,
-    WriteOptions,
-)
+from rocksdict import Cache, DbClosedError, Options, Rdict, WriteBatch, WriteOptions
 
 from hps_service.errors import InvalidArgumentError, NotFoundError, UnavailableError
 from hps_service.keys import as_keys
 from hps_service.tiers.base import (
     Positions,
     Rows,
+    StoredEntries,
     TableWrite,
     Tier,
     TierCapability,
     TierStats,
     WriteResult,
 )
-from hps_service.tiers.codec import (
-    TOMBSTONE_BYTES,
-    decode_rows,
-    encode_keys,
-)
+from hps_service.tiers.codec import decode_rows, encode_keys
 from hps_service.tiers.rocksdb.files import IMPORT_CHUNK_ROWS, FileOperations
 from hps_service.tiers.rocksdb.flush import FileEvents, Flusher
 from hps_service.tiers.rocksdb.layout import (
@@ -60,24 +50,23 @@ from hps_service.tiers.rocksdb.layout import (
     parse_position_key,
     position_key,
 )
+from hps_service.tiers.rocksdb.opening import open_store
 from hps_service.tiers.rocksdb.options import tuned_options
-from hps_service.tiers.rocksdb.recovery import ReadGate, Reopening, WriteFailure, gated
-from hps_service.tiers.rocksdb.scan import EntryScan
-from hps_service.tiers.rocksdb.staging import WriteStaging
+from hps_service.tiers.rocksdb.recovery import Recovery, gated
+from hps_service.tiers.rocksdb.scan import live_keys, scan_entries
+from hps_service.tiers.rocksdb.staging import WriteHook, WriteStaging
 
 log = logging.getLogger(__name__)
 
-#: ``on_write(table, keys)``: keys of a write batch that reached the store (None when too many to list).
-WriteHook = Callable[[str, "np.ndarray | None"], None]
-
 _MiB = 1 << 20
-#: Opens of a read-only or secondary instance tried while the primary drops a column family it listed.
-_OPEN_TRIES = 5
 
 __all__ = ["IMPORT_CHUNK_ROWS", "META_CF", "POSITIONS_CF", "RESERVED_CFS", "RocksDBTier", "WriteHook"]
 
-class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
-    """RocksDB-backed tier: durable, versioned, tuned for batched point lookups."""
+
+class RocksDBTier(Tier):
+    """RocksDB-backed tier: durable, versioned, tuned for batched point lookups. It owns the open store and builds
+    its parts over it: the write batches (:class:`WriteStaging`), the whole-file operations (:class:`FileOperations`)
+    and the reopen after a failed write (:class:`Recovery`)."""
 
     kind = "persistent"
     #: A read-only or secondary instance lacks WRITES (see :meth:`__init__`).
@@ -116,16 +105,15 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
         self.read_only = read_only
         if read_only:
             self.capabilities = type(self).capabilities & ~TierCapability.WRITES
-        self._on_write = on_write
-        self._staged = []
         self.sync_writes = sync_writes
         self._lock = threading.RLock()  # writes; a reopen after a write error (from a write) takes it too
-        self._gate = ReadGate()
-        self._failure = WriteFailure(self.path)
+        self._staging = WriteStaging(self, self._lock, on_write)
+        self._files = FileOperations(self, self._staging)
         self._write_buffer_bytes = int(write_buffer_mb * _MiB)
         self._max_total_wal_bytes = int(max_total_wal_mb * _MiB)
         self._flusher = None if read_only else Flusher(
             self.path, self._write_buffer_bytes, self._max_total_wal_bytes, file_events)
+        self._recovery = Recovery(self, self.path, self._lock, self._flusher)
         self._block_cache = Cache(block_cache_mb * _MiB) if block_cache_mb else None
         self._row_cache = Cache(row_cache_mb * _MiB) if row_cache_mb else None
         # Batches are written unsynced, then the WAL is synced with flush_wal, which rocksdict runs with the GIL
@@ -136,42 +124,14 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
             raise UnavailableError(f"no RocksDB store at {self.path} to open read-only")
         self.path.mkdir(parents=True, exist_ok=True)
         self._closed = False
-        self._down = False
         self._open()
         if not read_only:  # SST files of an import that a crash interrupted (never ingested)
             drain(map(partial(shutil.rmtree, ignore_errors=True), self.path.glob("import-*")))
 
     def _open(self) -> None:
-        """Open the store's every column family and attach its tables (at start, and again after a write error).
-        A read-only or secondary instance lists the primary's column families first; one the primary drops before
-        the open (a version dropped, a conversion's old rows) is listed afresh."""
-        for attempt in range(_OPEN_TRIES):
-            column_families, access = self._families()
-            try:
-                self._db = Rdict(
-                    str(self.path), self._options(pin=True), column_families=column_families, access_type=access
-                )
-                break
-            except Exception as exc:  # rocksdict raises bare Exception for I/O and lock errors
-                if self.read_only and "Column family not found" in str(exc) and attempt + 1 < _OPEN_TRIES:
-                    continue
-                raise UnavailableError(f"cannot open RocksDB at {self.path}: {exc}") from exc
-        self._attach_all(list(column_families))
-
-    def _families(self) -> tuple[dict[str, Options], Any]:
-        """The column families to open, with their options, and the access type."""
-        existing = (
-            set(Rdict.list_cf(str(self.path), self._options())) if (self.path / "CURRENT").exists() else set()
-        )
-        column_families = {name: self._options() for name in existing | {META_CF, POSITIONS_CF}}
-        if self.secondary:
-            column_families = {name: opts for name, opts in column_families.items() if name in existing}
-            Path(self._secondary_path).mkdir(parents=True, exist_ok=True)  # type: ignore[arg-type]  # set whenever self.secondary is
-            return column_families, AccessType.secondary(str(self._secondary_path))
-        if self.read_only:
-            return {name: opts for name, opts in column_families.items() if name in existing}, \
-                AccessType.read_only(False)
-        return column_families, AccessType.read_write()
+        """Open the store's every column family and attach its tables (at start, and again after a write error)."""
+        self._db, names = open_store(self.path, self._options, self.read_only, self._secondary_path)
+        self._attach_all(names)
 
     def _attach_all(self, names: list[str]) -> None:
         """Take the column families ``names`` of the open store in use: metadata, positions, tables."""
@@ -201,7 +161,7 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
     def _write(self, batch: WriteBatch, families: Sequence[str] = (META_CF,)) -> None:
         """Apply ``batch`` (writing to ``families``) atomically; with ``sync_writes`` it is on disk (WAL fsynced) when
         this returns; then the flush policy switches what it filled. Caller holds the lock. A failure leaves the
-        store refusing writes until :meth:`_heal` reopens it."""
+        store refusing writes until :meth:`Recovery.heal` reopens it."""
         assert self._flusher is not None
         self._flusher.pin(batch)
         size = batch.size_in_bytes()
@@ -211,7 +171,7 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
                 self._db.flush_wal(True)
             self._flusher.written(size, families)  # a switch and its marker (a write too)
         except Exception as exc:  # rocksdict raises bare Exception for I/O errors (ENOSPC)
-            raise self._failure.failed(exc) from None  # (its message has it; its traceback holds the batch)
+            raise self._recovery.failure.failed(exc) from None  # (its message has it; its traceback holds the batch)
 
     def _meta_int(self, kind: str, table: str) -> int | None:
         if self._meta is None:
@@ -227,15 +187,15 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
     def _check_open(self) -> None:
         if self._closed:
             raise UnavailableError(f"RocksDB tier at {self.path} is closed")
-        if self._down:
-            raise UnavailableError(f"RocksDB at {self.path} is closed after its write error ({self._failure.error}) "
-                                   f"until it reopens")
+        if self._recovery.down:
+            raise UnavailableError(f"RocksDB at {self.path} is closed after its write error "
+                                   f"({self._recovery.failure.error}) until it reopens")
 
     def _check_writable(self, what: str) -> None:
         if self.read_only:
             raise UnavailableError(f"cannot {what}: RocksDB at {self.path} is opened read-only")
-        if self._failure.error is not None and not self._closed:
-            self._heal()
+        if self._recovery.failure.error is not None and not self._closed:
+            self._recovery.heal()
         self._check_open()
 
     def _table(self, table: str) -> tuple[Rdict, int]:
@@ -244,13 +204,6 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
             return self._cfs[table], self._dims[table]
         except KeyError:
             raise NotFoundError(f"table {table} does not exist in the persistent tier") from None
-
-    @staticmethod
-    def _vectors(vectors: np.ndarray, n: int, dim: int, table: str) -> np.ndarray:
-        arr = np.asarray(vectors)
-        if arr.ndim != 2 or arr.shape[0] != n or arr.shape[1] != dim:
-            raise InvalidArgumentError(f"vectors for {table} must have shape ({n}, {dim}), got {arr.shape}")
-        return arr.astype(np.float32, copy=False)
 
     # ---- Tier interface -------------------------------------------------------------------------------
 
@@ -306,8 +259,8 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
         self._table(table)
         with self._lock:
             batch, deltas = WriteBatch(raw_mode=True), dict[tuple[str, str], int]()
-            written = self._stage_put(batch, table, keys, vectors, versions, deltas)
-            self._commit(batch, deltas)
+            written = self._staging.stage_put(batch, table, keys, vectors, versions, deltas)
+            self._staging.commit(batch, deltas)
         return written
 
     def delete(self, table: str, keys: np.ndarray, versions: np.ndarray | None = None) -> int:
@@ -320,9 +273,19 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
         self._table(table)
         with self._lock:
             batch, deltas = WriteBatch(raw_mode=True), dict[tuple[str, str], int]()
-            removed = self._stage_delete(batch, table, keys, versions, deltas)
-            self._commit(batch, deltas)
+            removed = self._staging.stage_delete(batch, table, keys, versions, deltas)
+            self._staging.commit(batch, deltas)
         return removed
+
+    def purge_tombstones(self, table: str, below_version: int) -> int:
+        """Remove the tombstones of ``table`` whose version is below ``below_version``; returns how many.
+
+        A tombstone only matters while a put older than it can still arrive (a replay of the update log), so
+        ``below_version`` is the oldest version any producer or log can still deliver. Scans the whole table
+        without blocking writers.
+        """
+        self._check_writable(f"purge tombstones of {table}")
+        return self._staging.purge_tombstones(table, below_version)
 
     # ---- grouped writes with positions, metadata ------------------------------------------------------
 
@@ -338,16 +301,16 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
             batch, deltas = WriteBatch(raw_mode=True), dict[tuple[str, str], int]()
             results = []
             for w in writes:
-                written = (self._stage_put(batch, w.table, w.keys, w.vectors, w.versions, deltas)
+                written = (self._staging.stage_put(batch, w.table, w.keys, w.vectors, w.versions, deltas)
                            if w.keys.shape[0] else np.zeros(0, dtype=bool))
-                removed = (self._stage_delete(batch, w.table, w.delete_keys, w.delete_versions, deltas)
+                removed = (self._staging.stage_delete(batch, w.table, w.delete_keys, w.delete_versions, deltas)
                            if w.delete_keys.shape[0] else 0)
                 results.append(WriteResult(written=written, removed=removed))
             if positions:
                 handle = self._db.get_column_family_handle(POSITIONS_CF)
                 for (source, partition), offset in positions.items():
                     batch.put(position_key(source, partition), int_value(offset), handle)
-            self._commit(batch, deltas)
+            self._staging.commit(batch, deltas)
         return results
 
     @gated
@@ -435,19 +398,36 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
         cf, _ = self._table(table)
         if limit <= 0:
             return np.zeros(0, dtype=np.int64)
-        if not self.tombstones(table):
-            raw = b"".join(islice(cf.keys(), limit))
-            return np.frombuffer(raw, dtype=">i8").astype(np.int64)
-        found: list[np.ndarray] = []
-        need = limit
-        items = cf.items()
-        while need > 0 and (chunk := list(islice(items, max(need, 1024)))):
-            keys, values = zip(*chunk)
-            live = np.fromiter(map(len, values), dtype=np.int64, count=len(values)) != TOMBSTONE_BYTES
-            got = np.frombuffer(b"".join(keys), dtype=">i8")[live][:need].astype(np.int64)
-            found.append(got)
-            need -= got.size
-        return np.concatenate(found) if found else np.zeros(0, dtype=np.int64)
+        return live_keys(cf, limit, bool(self.tombstones(table)))
+
+    # ---- whole files: checkpoint, export, adopt, bulk import (rocksdb/files.py) -----------------------
+
+    def checkpoint(self, dest: Path) -> None:
+        """A consistent, hard-linked snapshot of the whole store at ``dest`` (which must not exist)."""
+        self._files.checkpoint(dest)
+
+    def export(
+        self, dest: Path, tables: Sequence[str], sources: Collection[str], metadata_keys: Collection[str] = ()
+    ) -> dict[str, Any]:
+        """A checkpoint at ``dest`` that holds only ``tables``, the positions of ``sources`` and the metadata entries
+        ``metadata_keys``: ``{"tables": {table: {"dim", "rows", "tombstones"}}, "positions": {...}}``."""
+        return self._files.export(dest, tables, sources, metadata_keys)
+
+    def adopt(self, src: Path) -> list[str]:
+        """Copy every table, metadata entry and position of the store at ``src`` (none of its tables here yet) into
+        this one, rows as stored; returns the tables."""
+        return self._files.adopt(src)
+
+    def bulk_import(self, table: str, keys: np.ndarray, vectors: np.ndarray, version: int = 0,
+                    progress: Callable[[int], None] | None = None) -> int:
+        """Write rows as sorted SST files ingested at once (all or nothing, never over a newer stored row or a
+        tombstone at or above ``version``); returns rows written. ``progress(rows_done)`` after each file."""
+        return self._files.bulk_import(table, keys, vectors, version, progress)
+
+    def scan(self, table: str, after: int | None, limit: int) -> StoredEntries:
+        """Up to ``limit`` entries, rows and tombstones, that follow key ``after`` in unsigned key order."""
+        cf, dim = self._table(table)
+        return scan_entries(cf, dim, after, limit)
 
     def drop_table(self, table: str) -> None:
         """Drop the table's column family and its metadata."""
@@ -470,7 +450,7 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
     @gated
     def healthy(self) -> bool:
         """Open, writing (no write error outstanding), and answering a property read."""
-        if self._closed or self._down or self._failure.error is not None:
+        if self._closed or self._recovery.down or self._recovery.failure.error is not None:
             return False
         try:
             return self._db.property_value("rocksdb.num-running-compactions") is not None
@@ -485,5 +465,27 @@ class RocksDBTier(FileOperations, WriteStaging, EntryScan, Reopening, Tier):
             self._flusher.close()
         with self._lock:
             self._closed = True
-            if not self._down:
+            if not self._recovery.down:
                 self._close_db()
+
+    def _close_db(self) -> bool:
+        """Release the open store (every column family object first: the DB closes only once none is left);
+        whether it closed: rocksdict keeps it open when the flush its close makes fails, and then it stays in use."""
+        names = [*self._cfs, META_CF, POSITIONS_CF]
+        if self._flusher is not None:
+            self._flusher.detach()
+        self._cfs.clear()
+        self._handles.clear()
+        self._meta = self._positions = None
+        gc.collect()  # a failed write's batch (it holds column family handles) in a traceback's reference cycle
+        try:
+            self._db.close()
+        except Exception as exc:  # noqa: BLE001  (rocksdict raises bare Exception; the write error again)
+            try:
+                self._db.property_value("rocksdb.num-running-compactions")
+            except DbClosedError:
+                return True
+            log.warning("RocksDB at %s could not be closed: %s; it stays open", self.path, str(exc))
+            self._attach_all(names)
+            return False
+        return True
