@@ -172,8 +172,14 @@ def lookup(
                                       help="Read this version of the model (default: what its label production "
                                            "names, else the model as configured)."),
     label: str = typer.Option("", "--label", help="Read the version this label of the model names."),
+    offsets: str = typer.Option("", "--offsets", help="Pool the keys in bags: each bag's start in KEYS, "
+                                                       "comma-separated (e.g. 0,3: KEYS[0:3] and KEYS[3:]); one row "
+                                                       "per bag."),
+    combiner: str = typer.Option("sum", "--combiner", help="With --offsets: sum or mean of each bag's rows."),
 ) -> None:
-    """Look keys up on a running server and print one row per key with the level that answered."""
+    """Look keys up on a running server and print one row per key (or per bag, with --offsets) with the level that
+    answered (a bag's: the deepest level that answered any of its keys)."""
+    from hps_client import Bags
     from hps_service.client import HPSClient
     from hps_service.config.secrets import SecretFileError, read_secret
 
@@ -186,18 +192,33 @@ def lookup(
         _fail(str(exc))
     with client:
         try:
-            answer = client.lookup_with_sources(model, table, np.array(keys, dtype=np.int64),
-                                                version=model_version or None, label=label)
+            asked = np.array(keys, dtype=np.int64)
+            if offsets:
+                starts = _int_list(offsets, "--offsets")
+                answer = client.lookup_bags_many(model, {table: Bags(asked, starts, combiner)},
+                                                 version=model_version or None, label=label)[table]
+            else:
+                answer = client.lookup_with_sources(model, table, asked, version=model_version or None, label=label)
         except HPSError as exc:
             _fail(str(exc))
     if as_json:
-        typer.echo(json.dumps({"model": model, "table": table, "dim": int(answer.vectors.shape[1]), "keys": keys,
+        labels = {"bags": len(starts)} if offsets else {"keys": keys}
+        typer.echo(json.dumps({"model": model, "table": table, "dim": int(answer.vectors.shape[1]), **labels,
                                "vectors": answer.vectors.tolist(),
                                "sources": [names.get(int(s), "unspecified") for s in answer.sources]}))
         return
     np.set_printoptions(precision=5, suppress=True, linewidth=140, threshold=64)
-    for key, row, src in zip(keys, answer.vectors, answer.sources):
+    rows = [f"bag {i}" for i in range(len(starts))] if offsets else keys
+    for key, row, src in zip(rows, answer.vectors, answer.sources):
         typer.echo(f"{key} [{names.get(int(src), '?')}] {np.array2string(row, max_line_width=1 << 30)}")
+
+
+def _int_list(text: str, option: str) -> list[int]:
+    """Comma-separated integers of a command-line option; a clear failure otherwise."""
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        _fail(f"{option} must be comma-separated integers, got {text!r}")
 
 
 @app.command()

@@ -14,8 +14,8 @@ from hps_service.proto.hps.v1 import embedding_pb2 as pb
 
 def request_bags(tables: Sequence[pb.TableKeys], keys: Sequence[bytes], max_bags: int) -> list[Bags | None] | None:
     """Per table, its checked bags (None: a plain table); None when no table of the request is pooled (one
-    attribute test per table on the usual request). Bags of every table together are at most ``max_bags``."""
-    if not any(tk.combiner for tk in tables):
+    few attribute tests per table on the usual request). Bags of every table together are at most ``max_bags``."""
+    if not any(tk.combiner or tk.offsets or tk.weights for tk in tables):
         return None
     out: list[Bags | None] = []
     total = 0

@@ -130,6 +130,19 @@ def test_hps_lookup_cli(server: ServerProcess, model_files: dict) -> None:
     assert lines[1].startswith("-1 [default]")
     r = run_hps("lookup", "--target", server.target, "--model", "demo", "--table", "zzz", "1")
     assert r.returncode == 1 and "no table 'zzz'" in r.stderr
+    # a bag: one row per bag, the mean of its keys' rows, with the deepest level that answered any of them
+    second = int(model_files["keys"][1])
+    r = run_hps("lookup", "--target", server.target, "--model", "demo", "--table", "item", "--offsets", "0,2,2",
+                "--combiner", "mean", "--json", "--", str(key), str(second), "-1")
+    assert r.returncode == 0, r.stderr
+    bags = json.loads(r.stdout)
+    with HPSClient(server.target) as client:
+        rows = client.lookup("demo", "item", [key, second, -1])
+    assert bags["bags"] == 3 and bags["sources"][1] == "unspecified" and bags["sources"][2] == "default"
+    np.testing.assert_allclose(bags["vectors"][0], rows[:2].mean(axis=0), rtol=1e-5, atol=1e-6)
+    assert bags["vectors"][1] == [0.0] * len(rows[0])
+    r = run_hps("lookup", "--target", server.target, "--model", "demo", "--table", "item", "--offsets", "1", "1")
+    assert r.returncode == 1 and "offsets must start at 0" in r.stderr
 
 
 #: Figures of /v1/stats that are rates, ratios or durations: the JSON may hold them as floats, 0.0 and 1.0 included.

@@ -159,3 +159,33 @@ def test_the_shard_map_is_learned_again_when_a_server_refuses_a_key(tmp_path: Pa
                 client.lookup("demo", "item", KEYS[:100])
             owned = KEYS[shard_of(KEYS, P, 2) == 0][:50]
             np.testing.assert_array_equal(client.lookup("demo", "item", owned), expected(owned, ITEM)[0])
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_bags_over_two_shards_equal_the_unsharded_answer(shards: list[HPSServer], combiner: str) -> None:
+    """Each shard sums its share of every bag (with the weights); the client adds the shares and divides by the
+    whole bag's length for a mean: what one server holding every row answers, within float32 rounding."""
+    from hps_client import Bags
+    from tests.engine.test_bags import reference
+
+    rng = np.random.default_rng(9)
+    lengths = rng.poisson(6, 40)
+    lengths[::7] = 0  # empty bags, and bags whose keys are all on one shard
+    keys = rng.choice(np.concatenate((KEYS, [-1, 7])), int(lengths.sum())).astype(np.int64)
+    offsets = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    weights = rng.standard_normal(keys.size).astype(np.float32) if combiner == "sum" else None
+    rows, stored = expected(keys, ITEM)
+    rows[~stored] = 0.0  # the item table's default
+    want, _ = reference(rows, np.where(stored, 1, 4).astype(np.uint8), offsets, 2 if combiner == "mean" else 1,
+                        weights)
+    with HPSClient([target(s) for s in shards]) as client:
+        got = client.lookup_bags_many("demo", {"item": Bags(keys, offsets, combiner, weights)})["item"]
+        np.testing.assert_allclose(got.vectors, want, rtol=1e-5, atol=1e-5)
+        has_default = np.add.reduceat(~stored, offsets) * (lengths > 0) > 0
+        assert ((got.sources == 4) == has_default).all() and (got.sources[lengths == 0] == 0).all()
+
+    async def pooled() -> np.ndarray:
+        async with AsyncHPSClient([target(s) for s in shards]) as aio:
+            return await aio.lookup_bags("demo", "item", keys, offsets, combiner, weights)
+
+    np.testing.assert_allclose(asyncio.run(pooled()), want, rtol=1e-5, atol=1e-5)
