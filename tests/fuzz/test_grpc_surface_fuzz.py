@@ -135,10 +135,32 @@ def _reader(metadata: tuple[tuple[str, Any], ...]) -> set[str] | None | bool:
 
 
 models = st.one_of(st.sampled_from(["demo", "other", "", "nope"]), printable)
-table_keys = st.builds(
+key_lists = st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40)
+plain_keys = st.builds(
     pb.TableKeys, table=st.one_of(st.sampled_from(["item", "user"]), printable),
-    keys=st.one_of(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=40).map(
-        lambda ks: np.array(ks, dtype="<i8").tobytes()), st.binary(max_size=64)))
+    keys=st.one_of(key_lists.map(lambda ks: np.array(ks, dtype="<i8").tobytes()), st.binary(max_size=64)))
+
+
+@st.composite
+def pooled_keys(draw: st.DrawFn) -> pb.TableKeys:
+    """A pooled table: keys in bags, valid often enough to be answered (sorted offsets from 0, weights with sum),
+    or any offsets, combiner and weights bytes."""
+    keys = draw(key_lists)
+    n = len(keys)
+    if draw(st.booleans()):
+        offsets = np.sort(np.array(draw(st.lists(st.integers(0, n), max_size=12)) or [0], dtype="<i8"))
+        offsets[0] = 0
+        combiner = draw(st.sampled_from([pb.COMBINER_SUM, pb.COMBINER_MEAN]))
+        weights = (np.array(draw(st.lists(st.floats(-4, 4, width=32), min_size=n, max_size=n)), dtype="<f4")
+                   if combiner == pb.COMBINER_SUM and draw(st.booleans()) else np.zeros(0, "<f4"))
+        return pb.TableKeys(table=draw(st.sampled_from(["item", "user"])), keys=np.array(keys, "<i8").tobytes(),
+                            offsets=offsets.tobytes(), combiner=combiner, weights=weights.tobytes())
+    return pb.TableKeys(table=draw(st.sampled_from(["item", "user"])), keys=np.array(keys, "<i8").tobytes(),
+                        offsets=draw(st.binary(max_size=48)), combiner=draw(st.integers(0, 2**31 - 1)),
+                        weights=draw(st.binary(max_size=48)))
+
+
+table_keys = st.one_of(plain_keys, plain_keys, pooled_keys())
 lookups = st.builds(
     lambda model, tables, version, label, precision, rid: pb.LookupRequest(
         model=model, tables=tables, label=label, precision=precision, request_id=rid,
@@ -158,9 +180,10 @@ def _check_answer(request: pb.LookupRequest, response: pb.LookupResponse) -> Non
     elif request.label == "canary":
         assert response.version == CANARY
     for asked, answer in zip(request.tables, response.tables, strict=True):
-        n = len(asked.keys) // 8
+        n = len(asked.offsets) // 8 if asked.combiner else len(asked.keys) // 8  # a pooled table: one row per bag
         assert answer.count == n and answer.dim == DIMS[request.model][asked.table] and len(answer.sources) == n
-        if request.precision == 0:
+        assert answer.pooled == bool(asked.combiner)
+        if request.precision == 0 or asked.combiner:
             assert len(answer.vectors) == n * answer.dim * 4
             assert np.isfinite(np.frombuffer(answer.vectors, dtype="<f4")).all()
 

@@ -26,6 +26,7 @@ import httpx
 import numpy as np
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
+from hps_client import Bags
 from hps_client.channel import channel_options
 from hps_client.errors import HPSError as ClientError
 from hps_service.client import HPSClient
@@ -376,7 +377,10 @@ class Workload:
         def step(rng: random.Random) -> None:
             started = time.monotonic()
             try:
-                self.read(client, self._pick(rng, 32), via=via)
+                if rng.random() < 0.5:
+                    self.read(client, self._pick(rng, 32), via=via)
+                else:
+                    self.read_bags(client, self._pick(rng, 32), via=f"{via}-bags")
             except Exception as exc:
                 if not self._tolerated(server.name, exc, started):
                     raise
@@ -388,9 +392,23 @@ class Workload:
         """One recorded lookup; returns the versions shown (a replica's reads go to ``replica_reads``)."""
         start = time.monotonic()
         answer = client.lookup_with_sources(self.s.model, self.s.table, keys, timeout=30)
+        return self._record(keys, answer.vectors, answer.sources, start, via)
+
+    def read_bags(self, client: HPSClient | LocalClient, keys: np.ndarray, via: str) -> np.ndarray:
+        """One recorded pooled lookup whose every bag reads as a plain read of one key: an empty bag first (a zero row,
+        checked here), then bag ``i`` of ``keys[i]`` twice, pooled by mean (the row itself, exactly)."""
+        start = time.monotonic()
+        offsets = np.arange(-2, 2 * keys.shape[0], 2, dtype=np.int64).clip(0)
+        answer = client.lookup_bags_many(self.s.model, {self.s.table: Bags(np.repeat(keys, 2), offsets, "mean")},
+                                         timeout=30)[self.s.table]
+        assert not answer.vectors[0].any() and answer.sources[0] == 0, "an empty bag answered other than a zero row"
+        return self._record(keys, answer.vectors[1:], answer.sources[1:], start, via)
+
+    def _record(self, keys: np.ndarray, rows: np.ndarray, sources: np.ndarray, start: float, via: str) -> np.ndarray:
         end = time.monotonic()
-        shown = decode_rows(keys, answer.vectors, np.asarray(answer.sources))
-        read = Read(keys, shown, np.asarray(answer.sources), start, end, via)
+        sources = np.asarray(sources)
+        shown = decode_rows(keys, rows, sources)
+        read = Read(keys, shown, sources, start, end, via)
         if via.startswith("replica"):
             with self._pending_lock:
                 self.replica_reads.append(read)
