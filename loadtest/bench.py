@@ -30,6 +30,9 @@
    precision=stored, and the table-size cliff of one hash-map budget (int8 >= 2.9x fp32's); 13d: a served table
    converted to int8 (loadtest.benchmarks.convert): copy rate, and lookups before, during and after; 13e: model
    versions (loadtest.benchmarks.versions): a label switch across 3 replicas, and the memory a dropped version frees.
+14. Pooled lookups (loadtest.benchmarks.bags): lookup_bags vs per-key lookups pooled by the caller (>= 2x keys/s at
+   mean bag 32) and vs a Redis Cluster client pooling likewise (>= 3x); response bytes 1/mean bag length of the
+   per-key answer's; server CPU per pooled key vs a plain lookup's (<= 1.0x).
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
-                         "node,tracing,storage")
+                         "node,tracing,storage,bags")
     cli.add_out(ap)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -168,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
                          "(loadtest.benchmarks.versions)")
             res["versions"] = versions.run(200_000 if args.quick else 1_000_000, 64, 4 if args.quick else 10,
                                            console)
+        if "bags" not in skip:
+            from loadtest.benchmarks import bags
+
+            console.rule("14. pooled lookups vs the caller's pooling and Redis (loadtest.benchmarks.bags)")
+            res["bags"] = bags.bench(200_000 if args.quick else 1_000_000, 6.0 if args.quick else 12.0, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
@@ -188,6 +196,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.benchmarks import tracing
 
         console.print(tracing.table(res["tracing"]))
+    if res.get("bags"):
+        from loadtest.benchmarks import bags
+
+        console.print(bags.table(res["bags"]))
     prof = (res.get("grpc") or {}).get("profile")
     if prof and "by_category" in prof:
         console.print(f"server under gRPC load (py-spy --gil): GIL held {prof['gil_busy']:.0%} of the time; by part: " + ", ".join(
