@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from hps_service.config import ConstantDefault, DefaultSpec
-from hps_service.config.base import served_name
 from hps_service.engine.defaults import default_rows
 from hps_service.engine.levels import DEFAULT, EXPIRED, LookupResult
 from hps_service.engine.table import ServedTable
@@ -130,14 +129,3 @@ def check_stamping(tier: Any, t: ServedTable) -> None:
             f"table {t.id} holds rows {'without' if t.ttl_s is not None else 'with'} their write times: ttl_s cannot "
             f"be {change} a table that holds rows (each of its rows is one word wider with it); keep the table as it "
             "was, or import it again into an empty store")
-
-
-def manifest_ttl(manifest: Mapping[str, Any], model: str, table: str) -> int | None:
-    """The ``ttl_s`` of table ``table`` of served model ``model`` in a node store's manifest (None: none)."""
-    for mc in manifest.get("models", ()):
-        if served_name(mc["name"], int(mc.get("version", 0))) == model:
-            for tc in mc["tables"]:
-                if tc["name"] == table:
-                    value = tc.get("ttl_s")
-                    return None if value is None else int(value)
-    return None

@@ -41,17 +41,13 @@ from hps_client.wire import TableAnswer, as_error, build_request, decode_answer,
 from hps_service.engine.bags import BagReader, check_bags
 from hps_service.engine.levels import LookupResult
 from hps_service.engine.read import Reader
-from hps_service.engine.table import ServedTable
-from hps_service.engine.ttl import manifest_ttl
 from hps_service.engine.versions import resolve
 from hps_service.errors import HPSError
 from hps_service.keys import unique_with_inverse
 from hps_service.node.reader_tiers import SharedVolatile
-from hps_service.node.shared_l1 import SharedL1Reader
+from hps_service.node.shared_tables import table_over_store
 from hps_service.node.store import layout
-from hps_service.node.store.node_store import T_L1_GEN
 from hps_service.node.store.view import StoreView
-from hps_service.node.worker_engine import PublishedGeneration
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 
 R = TypeVar("R")
@@ -73,16 +69,11 @@ class _Table:
     def __init__(self, view: StoreView, serial: int, version: int = 0) -> None:
         """``version``: the model version the table is of (its misses ask the server for that version)."""
         self.version = version
-        tv = view.table(serial)
-        entry = view.manifest["tables"][str(serial)].get("l1")
-        l1 = (SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read, None, touch=False)
-              if tv.l1 is not None and entry is not None else None)
-        self.served = ServedTable(model=tv.model, name=tv.table, dim=tv.dim, default=tv.default, cache=l1,
-                                  storage=tv.storage, stored_as=tv.stored_as,
-                                  ttl_s=manifest_ttl(view.manifest, tv.model, tv.table))
+        self.served = table_over_store(view, serial, touch=False)
         volatile = SharedVolatile(lambda: view) if view.volatile(self.served.id) is not None else None
         self.reader = Reader(volatile, None, max_batch_keys=0)
         # L1 read straight into the answer by a Rows call (None: its reads need the reader's expiry check or decode)
+        l1 = self.served.shared_l1
         self.l1_fp32 = l1 if self.served.ttl_s is None and self.served.format.identity else None
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -19,20 +18,19 @@ import numpy as np
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine.api import ReadEngine
 from hps_service.engine.bags import BagReader, Bags
-from hps_service.engine.levels import LEVELS, LookupResult
+from hps_service.engine.levels import LookupResult
 from hps_service.engine.read import Reader
 from hps_service.engine.registry import find_table, not_loaded
 from hps_service.engine.table import ServedTable
 from hps_service.engine.versions import Labels, resolve
 from hps_service.errors import NotFoundError
 from hps_service.node.reader_tiers import CaughtUpSecondary, SharedVolatile
-from hps_service.node.shared_l1 import SharedL1Reader
+from hps_service.node.shared_tables import StoreTable, table_over_store
 from hps_service.node.store import layout
 from hps_service.node.store.l3_events import l3_events
-from hps_service.node.store.node_store import T_L1_GEN, T_WRITE_GEN, W_MANIFEST
+from hps_service.node.store.node_store import W_MANIFEST
 from hps_service.node.store.view import StoreView, TableView
 from hps_service.shm.changes import ChangeRing
-from hps_service.shm.counters import TABLE_DEFAULTS, TABLE_HITS, TABLE_MISSES, ThreadRows
 from hps_service.shm.queue import record_bytes
 from hps_service.tiers.base import ReadTier, TierCapability, tier_can, tier_health, tier_memory
 from hps_service.tiers.registry import volatile_backend
@@ -40,49 +38,6 @@ from hps_service.tiers.registry import volatile_backend
 log = logging.getLogger(__name__)
 
 KIND_ADMIT, KIND_PROMOTE = 1, 2
-_LEVEL = {name: i for i, name in enumerate(LEVELS)}
-
-
-class PublishedGeneration:
-    """A generation the owner publishes in a table's control array (its writes', or its L1's): ``read()`` it."""
-
-    def __init__(self, control: np.ndarray, index: int) -> None:
-        self._control = control
-        self._index = index
-
-    def read(self) -> int:
-        return int(self._control[self._index])
-
-
-class SharedTableCounters:
-    """A table's per-level counts of this worker, in its rows of the store's shared counters (the owner sums them)."""
-
-    def __init__(self, counters: np.ndarray, process: int) -> None:
-        self._rows = ThreadRows(counters, process)
-        self._process = counters[process]
-
-    def add(self, level: str, hits: int, misses: int) -> None:
-        row = self._rows.row()
-        i = _LEVEL[level]
-        row[TABLE_HITS + i] += hits
-        row[TABLE_MISSES + i] += misses
-
-    def add_defaults(self, n: int) -> None:
-        self._rows.row()[TABLE_DEFAULTS] += n
-
-    def totals(self) -> tuple[dict[str, int], dict[str, int], int]:
-        """(hits per level, misses per level, defaults answered) of this worker's threads."""
-        sums = self._process.sum(axis=0)
-        hits = {level: int(sums[TABLE_HITS + i]) for level, i in _LEVEL.items()}
-        misses = {level: int(sums[TABLE_MISSES + i]) for level, i in _LEVEL.items()}
-        return hits, misses, int(sums[TABLE_DEFAULTS])
-
-
-@dataclass(eq=False)
-class WorkerTable(ServedTable):
-    """A served table in a worker: the store's serial of the table, which the owner knows it by."""
-
-    serial: int = 0
 
 
 class WorkerEngine(ReadEngine):
@@ -116,7 +71,7 @@ class WorkerEngine(ReadEngine):
         self._bags = BagReader()
         self.reader = Reader(self.volatile, self.persistent, self.max_batch_keys, promote=self._promote)
         self._models: dict[str, ModelConfig] = {}
-        self._tables: dict[str, dict[str, WorkerTable]] = {}
+        self._tables: dict[str, dict[str, StoreTable]] = {}
         self._labels = Labels()
         self._views: dict[int, TableView] = {}  # serial -> the table's arrays in the store
         self._load()
@@ -139,7 +94,7 @@ class WorkerEngine(ReadEngine):
         manifest = view.manifest
         models = {mc.served_name: mc for mc in (ModelConfig.model_validate(m) for m in manifest["models"])}
         labels = Labels(manifest.get("labels", {}))
-        tables: dict[str, dict[str, WorkerTable]] = {}
+        tables: dict[str, dict[str, StoreTable]] = {}
         views: dict[int, TableView] = {}
         rings: dict[str, ChangeRing] = {}
         for name, mc in models.items():
@@ -153,17 +108,9 @@ class WorkerEngine(ReadEngine):
                     t, tv = old, self._views[serial]
                 else:
                     tv = view.table(serial)
-                    t = WorkerTable(model=name, name=tc.name, dim=tc.dim, default=tc.default, serial=serial,
-                                    storage=tv.storage, stored_as=tv.stored_as, ttl_s=tc.ttl_s,
-                                    published_generation=PublishedGeneration(tv.control, T_WRITE_GEN).read)
-                    if tv.counters is not None:
-                        t.counters = SharedTableCounters(tv.counters, self.process)
+                    t = table_over_store(view, serial, touch=True, offer=self._offer, process=self.process)
                     if self.volatile is not None and tier_can(self.volatile, TierCapability.WRITES):
                         self.volatile.create_table(t.id, t.format.words)  # this worker's own Redis client (not the hash map)
-                    if tv.l1 is not None:
-                        entry = view.manifest["tables"][str(serial)]["l1"]
-                        t.cache = SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read,
-                                                 self._offer(t), touch=True)
                 tables[name][tc.name] = t
                 views[serial] = tv
                 rings[t.id] = tv.changes
@@ -177,7 +124,7 @@ class WorkerEngine(ReadEngine):
             self._status[W_MANIFEST] = self._loaded  # the owner waits for it before a registration returns
 
     # ---- lookups ------------------------------------------------------------------------------
-    def table(self, model: str, table: str) -> WorkerTable:
+    def table(self, model: str, table: str) -> StoreTable:
         """The served table, as the owner's manifest has it now (NotFoundError naming what is missing)."""
         self.sync()
         return find_table(self._tables, model, table)
@@ -245,11 +192,11 @@ class WorkerEngine(ReadEngine):
     def _promote(self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray,
                  read_at: int) -> None:
         """Rows this worker found in L3 go to the owner, which writes them into L2 as the engine does."""
-        assert isinstance(t, WorkerTable)
+        assert isinstance(t, StoreTable)
         if keys.shape[0]:
             self._push(KIND_PROMOTE, t.serial, read_at, 0.0, keys, versions, vectors)
 
-    def _offer(self, t: WorkerTable) -> Any:
+    def _offer(self, t: StoreTable) -> Any:
         def offer(keys: np.ndarray, versions: np.ndarray, vectors: np.ndarray, hit_rate: float,
                   fetched_at: int) -> None:
             self._push(KIND_ADMIT, t.serial, fetched_at, hit_rate, keys, versions, vectors)

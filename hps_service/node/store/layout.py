@@ -28,8 +28,10 @@ MAGIC = 0x4850535354524531  # "HPSSTRE1"
 #: word (a reader of layout 1 would take a tombstone for a row). 3: a table's entry names the tier id of its rows
 #: (``stored_as``: a converted table's is not ``model.table``, which a reader of layout 2 would look in). 4: the
 #: manifest holds model versions and their labels (a reader of layout 3 would answer a request that names no
-#: version from the model as configured, not from the version its label ``production`` names).
-LAYOUT_VERSION = 4
+#: version from the model as configured, not from the version its label ``production`` names). 5: a hash-map table's
+#: manifest entry lists its arrays' specs (``arrays``, ``writable``), as L1's does, instead of the capacity and dim a
+#: reader of layout 4 would look for.
+LAYOUT_VERSION = 5
 #: Store states: the owner is loading, serving, draining (refuse new lookups), or has closed the generation.
 STARTING, SERVING, DRAINING, CLOSED = 0, 1, 2, 3
 STATE_NAMES = {STARTING: "starting", SERVING: "serving", DRAINING: "draining", CLOSED: "closed"}

@@ -6,8 +6,9 @@ generation) says what readers attach to:
 * ``models``: the served models (their configs), ``served``: model -> table -> table serial;
 * ``tables``: per serial, the model and table names, dim, default, the table's ``control`` array (published change
   generations and the RocksDB change ring position), its ``changes`` ring, its ``counters`` and its ``l1`` arrays;
-* ``volatile``: per hash-map table, where its arrays are (a prefix of their own per table placed; the index file
-  changes as it grows: ``<prefix>/index.<ctrl[CTRL_INDEX_GEN]>``);
+* ``volatile``: per hash-map table, its arrays as placed (:mod:`hps_service.tiers.hashmap.layout`: a prefix of their
+  own per table placed, each fixed array's file, shape and dtype, and which a reader may write; the index file changes
+  as it grows: ``<prefix>/index.<ctrl[CTRL_INDEX_GEN]>``);
 * ``requests`` (request counters), ``queues`` (one ring per worker), ``uds`` (where misses may be sent).
 """
 
@@ -31,6 +32,7 @@ from hps_service.shm.permissions import PRIVATE, StoreAccess
 from hps_service.shm.queue import CTRL_LEN as QUEUE_CTRL_LEN
 from hps_service.shm.queue import Ring
 from hps_service.shm.region import Region, array_spec
+from hps_service.tiers.hashmap import layout as hashmap
 from hps_service.tiers.placement import Placement
 
 #: Indices into a table's control array (int64, one per cache line): the L1's change generation and the table's
@@ -114,6 +116,7 @@ class NodeStore:
         self._lock = threading.Lock()
         self._volatile: dict[str, dict[str, Any]] = {}
         self._volatile_prefix: dict[str, str] = {}  # hash-map table -> where its arrays are
+        self._volatile_arrays: dict[str, dict[str, dict[str, Any]]] = {}  # hash-map table -> part -> array spec
         self._volatile_placed = 0
         self._placement: Placement | None = None
         self.extra: dict[str, Any] = {}
@@ -131,19 +134,25 @@ class NodeStore:
                 if prefix is None:
                     self._volatile_placed += 1
                     prefix = self._volatile_prefix[table] = f"volatile/{self._volatile_placed}.{table}"
+                    self._volatile_arrays[table] = {}
             arr = self.region.create(f"{prefix}/{part}", shape, dtype)
-            if part == "rows":
+            if part in hashmap.PARTS:  # the index's name follows its generation: readers derive it from ctrl
                 with self._lock:
-                    self._volatile[table] = {"prefix": prefix, "capacity": int(shape[0]), "dim": int(shape[1])}
+                    arrays = self._volatile_arrays[table]
+                    arrays[part] = array_spec(f"{prefix}/{part}", arr)
+                    if len(arrays) == len(hashmap.PARTS):  # every fixed array placed: readers may map the table
+                        self._volatile[table] = {"prefix": prefix, "arrays": dict(arrays),
+                                                 "writable": list(hashmap.READER_WRITABLE)}
             return arr
 
         def release(name: str) -> None:
             table, _, part = name.rpartition("/")
             with self._lock:
                 prefix = self._volatile_prefix.get(table)
-                if part == "ctrl":
+                if part == hashmap.CTRL:
                     self._volatile.pop(table, None)
                     self._volatile_prefix.pop(table, None)
+                    self._volatile_arrays.pop(table, None)
             if prefix is not None:
                 self.region.remove(f"{prefix}/{part}")
 

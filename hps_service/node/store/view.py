@@ -16,6 +16,7 @@ from hps_service.node.store.node_store import T_CHANGES
 from hps_service.shm.changes import ChangeRing
 from hps_service.shm.queue import Ring
 from hps_service.shm.region import Region, open_spec
+from hps_service.tiers.hashmap import layout as hashmap
 from hps_service.tiers.hashmap import seqlock as hk
 from hps_service.tiers.hashmap.reader import TableArrays, TableReader
 from hps_service.tiers.hashmap.stamps import stamp_halves
@@ -135,17 +136,15 @@ class StoreView:
         entry = self.manifest["volatile"]["tables"].get(table_id)
         if entry is None:
             return None
-        prefix, cap, dim = entry["prefix"], int(entry["capacity"]), int(entry["dim"])
-        region = self.region
-        # Workers tick the table clock (their reads' stamps); a read-only reader never writes it.
-        ctrl = region.open(f"{prefix}/ctrl", (hk.CTRL_LEN,), np.int64)
-        # A worker writes its reads' stamps, the readers' half of each row's stamp word (see hashmap.stamps)
-        meta = region.open(f"{prefix}/meta", (cap, 3), np.int64, writable=self.writable)
-        rows = region.open(f"{prefix}/rows", (cap, dim), np.float32, writable=False)
+        prefix, region = entry["prefix"], self.region
+        # a worker writes its reads' stamps (the clock, the readers' halves of meta); a read-only reader writes none
+        mapped = {part: open_spec(region, spec, writable=self.writable and part in entry["writable"])
+                  for part, spec in entry["arrays"].items()}
+        ctrl, meta, rows = mapped[hashmap.CTRL], mapped[hashmap.META], mapped[hashmap.ROWS]
         stamps = stamp_halves(meta)[1] if self.writable else None
 
         def open_index(gen: int) -> np.ndarray:
-            name = f"{prefix}/index.{gen}"
+            name = hashmap.index_name(prefix, gen)
             size = (region.path / name).stat().st_size // 4
             return region.open(name, (size,), np.int32, writable=False)
 

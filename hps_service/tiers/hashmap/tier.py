@@ -39,6 +39,7 @@ from hps_service.tiers.hashmap import index as index_ops
 from hps_service.tiers.hashmap import rows as row_ops
 from hps_service.tiers.hashmap import seqlock
 from hps_service.tiers.hashmap import stamps as stamps_ops
+from hps_service.tiers.hashmap.layout import CTRL, META, META_WORDS, PARTS, ROWS, index_name, part_name
 from hps_service.tiers.hashmap.reader import TableArrays
 from hps_service.tiers.hashmap.stamps import stamp_halves
 from hps_service.tiers.placement import Release
@@ -90,14 +91,14 @@ class _Table:
         self.evictions = 0
         self._alloc = alloc
         self._release = release
-        self.ctrl = alloc(f"{name}/ctrl", (seqlock.CTRL_LEN,), np.int64)
+        self.ctrl = alloc(part_name(name, CTRL), (seqlock.CTRL_LEN,), np.int64)
         # Key, version and the two int32 stamps of a row share one cache line: a lookup misses once for all.
-        self.meta = alloc(f"{name}/meta", (max_rows, 3), np.int64)
+        self.meta = alloc(part_name(name, META), (max_rows, META_WORDS), np.int64)
         self.keys = self.meta[:, 0]
         self.versions = self.meta[:, 1]
         #: This process's stamps, and readers' in other processes (never written here except to move or reset them).
         self.stamps, self.reader_stamps = stamp_halves(self.meta)
-        self.rows = alloc(f"{name}/rows", (max_rows, dim), np.float32)
+        self.rows = alloc(part_name(name, ROWS), (max_rows, dim), np.float32)
         self.index_gen = 0
         self.index = self._new_index(_index_size(min(_INITIAL_ROWS, max_rows)))
         self.index.fill(index_ops.EMPTY)
@@ -163,14 +164,9 @@ class _Table:
 
     def drop(self) -> None:
         """Give the arrays back (files of a shared store are unlinked)."""
-        for part in ("ctrl", "meta", "rows"):
-            self._release(f"{self.name}/{part}")
+        for part in PARTS:
+            self._release(part_name(self.name, part))
         self._release(index_name(self.name, self.index_gen))
-
-
-def index_name(table: str, generation: int) -> str:
-    """The allocation name of generation ``generation`` of a table's index."""
-    return f"{table}/index.{generation}"
 
 
 class HashMapTier(Tier):
