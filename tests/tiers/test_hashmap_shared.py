@@ -85,7 +85,7 @@ def reader_main(path: str, writable: bool, n_keys: int, dim: int) -> None:
 
 
 def _start_reader(region: Region, n_keys: int, dim: int) -> subprocess.Popen:
-    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.store.test_shared_hashmap import reader_main;"
+    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.tiers.test_hashmap_shared import reader_main;"
               f"reader_main({str(region.path)!r}, True, {n_keys}, {dim})")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=REPO)
