@@ -250,7 +250,10 @@ class ColocatedTransport:
             serial = view.served(name, table)
             if serial is None:
                 return None  # the server answers NOT_FOUND (or knows it by now)
-            t = _Table(view, serial, resolved)
+            try:
+                t = _Table(view, serial, resolved)
+            except (FileNotFoundError, UnavailableError):  # freed after a newer manifest left it out: the server answers
+                return None
             self._tables[(model, table, version, label)] = t
         return t
 

@@ -135,11 +135,14 @@ class OwnerEngine(LookupEngine):
         wait_workers_serve(self.store, self.config.server.worker_processes(), described(served))
 
     def unregister_model(self, name: str) -> None:
+        """Unpublished first, its shared arrays freed once every worker serves without them."""
         old = set(self._slots_of(name))
         super().unregister_model(name)
         self.publish()
-        self._drop_slots(old)
-        wait_workers_serve(self.store, self.config.server.worker_processes(), f"the unload of model {name}")
+        try:
+            wait_workers_serve(self.store, self.config.server.worker_processes(), f"the unload of model {name}")
+        finally:
+            self._drop_slots(old)
 
     def drop_version(self, model: str, version: int) -> dict[str, int]:
         """Unpublished before its rows are freed (:meth:`unregister_model`), and published again after, so no reader

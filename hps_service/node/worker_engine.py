@@ -23,7 +23,7 @@ from hps_service.engine.read import Reader
 from hps_service.engine.registry import find_table, not_loaded
 from hps_service.engine.table import ServedTable
 from hps_service.engine.versions import Labels, resolve
-from hps_service.errors import NotFoundError
+from hps_service.errors import NotFoundError, UnavailableError
 from hps_service.node.reader_tiers import CaughtUpSecondary, SharedVolatile
 from hps_service.node.shared_tables import StoreTable, table_over_store
 from hps_service.node.store import layout
@@ -85,8 +85,15 @@ class WorkerEngine(ReadEngine):
         the tables were built from (not the one last read): a lookup while another thread loads waits for it."""
         if int(self.view.header[layout.H_MANIFEST]) != self._loaded:
             with self._sync_lock:
-                if int(self.view.header[layout.H_MANIFEST]) != self._loaded:
-                    self._load()
+                while int(self.view.header[layout.H_MANIFEST]) != self._loaded:
+                    try:
+                        self._load()
+                    except (FileNotFoundError, UnavailableError) as exc:
+                        # the manifest read was superseded while its tables were mapped: a table it lists was freed
+                        # (after a newer manifest left it out); the newer one is there to load
+                        if int(self.view.header[layout.H_MANIFEST]) == self.view.manifest_gen:
+                            raise UnavailableError(f"the store's manifest names a table whose arrays are gone: "
+                                                   f"{exc}") from None
 
     def _load(self) -> None:
         view = self.view

@@ -414,6 +414,10 @@ class LifecycleWorkload:
                     if self.stop.wait(0.1):
                         return
                 if view["state"] != "succeeded":
+                    if "registered again during its conversion" in str(view.get("error")):
+                        key = "convert aborted by a replace"  # the documented refusal: the copy's source was replaced
+                        self.events.refused[key] = self.events.refused.get(key, 0) + 1
+                        continue
                     self.errors.append(f"conversion to {storage} failed: {view.get('error')}")
                     return
                 self._storage += 1

@@ -203,3 +203,37 @@ def test_a_worker_that_dies_as_it_starts_is_given_up_and_the_node_is_not_ready(t
         assert 'hps_node_workers{state="failed"} 1.0' in n.http.get("/metrics").text
     finally:
         n.close()
+
+
+def test_a_worker_loading_a_manifest_whose_table_is_freed_meanwhile_loads_the_newer_one(tmp_path: Path) -> None:
+    """A worker maps the tables of the manifest it read; a replace that publishes a newer manifest and frees the old
+    table between the two makes that mapping fail (its files are gone). The worker loads the newer manifest instead
+    of failing the lookup that synced (the INTERNAL reads a long lifecycle history run found)."""
+    from hps_service.node.store.view import StoreView
+    from hps_service.node.worker_engine import WorkerEngine
+    from tests.server.conftest import running, server_config
+
+    config = server_config(tmp_path, workers=1, local={"enabled": True, "path": str(tmp_path / "store")})
+    with running(config) as srv:
+        engine, node = srv.engine, srv.node
+        assert engine is not None and node is not None
+        dim = engine.model("demo").tables[0].dim
+        engine.apply_updates("demo", "item", np.array([7], dtype=np.int64), np.full((1, dim), 3.0, np.float32), 1)
+        view = StoreView(node.store.path, writable=True)
+        reader = WorkerEngine(config, view, worker=0)  # a second reader in worker 0's place (its L1 stamps, its row)
+        model = engine.model("demo")
+        replaced: list[int] = []
+        table = view.table
+
+        def table_replaced_meanwhile(serial: int):  # type: ignore[no-untyped-def]
+            if not replaced:  # the first table of the manifest being loaded: a replace supersedes it and frees it
+                replaced.append(serial)
+                engine.register_model(model)
+            return table(serial)
+
+        engine.register_model(model)  # a newer manifest for the reader to load
+        view.table = table_replaced_meanwhile  # type: ignore[method-assign]
+        reader.sync()
+        assert replaced, "the reader did not load the replaced manifest"
+        got = reader.lookup("demo", "item", np.array([7, 8], dtype=np.int64))
+        assert got.vectors.tolist() == [[3.0] * dim, [0.0] * dim]
