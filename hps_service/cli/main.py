@@ -168,9 +168,10 @@ def lookup(
                                            help="A file holding a read token (server.auth: token)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: model, table, dim, keys, vectors, "
                                                        "sources."),
-    model_version: int = typer.Option(0, "--model-version", min=0, max=2**31 - 1,
-                                      help="Read this version of the model (default: what its label production "
-                                           "names, else the model as configured)."),
+    model_version: int | None = typer.Option(None, "--model-version", min=0, max=2**31 - 1,
+                                             help="Read this version of the model; 0: the model as configured "
+                                                  "(default: what its label production names, else the model as "
+                                                  "configured)."),
     label: str = typer.Option("", "--label", help="Read the version this label of the model names."),
 ) -> None:
     """Look keys up on a running server and print one row per key with the level that answered."""
@@ -187,7 +188,7 @@ def lookup(
     with client:
         try:
             answer = client.lookup_with_sources(model, table, np.array(keys, dtype=np.int64),
-                                                version=model_version or None, label=label)
+                                                version=model_version, label=label)
         except HPSError as exc:
             _fail(str(exc))
     if as_json:

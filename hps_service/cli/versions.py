@@ -76,6 +76,8 @@ def label_command(
     version: int | None = typer.Argument(None, min=0, help="The version it names (0: the model as configured); "
                                          "leave it out with --remove."),
     remove: bool = typer.Option(False, "--remove", help="Remove the label instead."),
+    allow_empty: bool = typer.Option(False, "--allow-empty", help="Point the label even where a table of the "
+                                     "version holds no rows (refused otherwise)."),
     url: str = URL_OPTION,
     token_file: Path | None = typer.Option(None, "--token-file", envvar="HPS_ADMIN_TOKEN_FILE",
                                            help="A file holding server.admin_token."),
@@ -100,7 +102,7 @@ def label_command(
         _call("DELETE", path, tls_ca, timeout, token=token)
         out_console.print(f"removed label {label} of {model}", highlight=False)
         return
-    answer = _call("PUT", path, tls_ca, timeout, {"version": version}, token=token)
+    answer = _call("PUT", path, tls_ca, timeout, {"version": version, "allow_empty": allow_empty}, token=token)
     before = answer.get("before")
     out_console.print(f"{model} {label} -> version {version}" + (f" (was {before})" if before is not None else ""),
                       highlight=False)

@@ -152,12 +152,12 @@ def test_a_switch_waits_for_every_replica_and_names_the_one_behind(kafka_broker,
     b.srv.readiness.append(held_back)
     time.sleep(2 * switch_gate.PUBLISH_S + 0.5)  # b's next status on the log, and a reading it
     try:
-        refused = a.http.put("/v1/models/base/labels/production", json={"version": 3})
+        refused = a.http.put("/v1/models/base/labels/production", json={"version": 3, "allow_empty": True})
         assert refused.status_code == 409, refused.text
         assert "replica b: held back by the test" in refused.json()["detail"], refused.text
         assert a.http.get("/v1/models/base").json()["labels"] == {}
     finally:
         b.srv.readiness.remove(held_back)
-    switched = a.http.put("/v1/models/base/labels/production", json={"version": 3})
+    switched = a.http.put("/v1/models/base/labels/production", json={"version": 3, "allow_empty": True})
     assert switched.status_code == 200, switched.text
     assert wait_until(lambda: b.http.get("/v1/models/base").json()["labels"] == {"production": 3}, timeout=30)

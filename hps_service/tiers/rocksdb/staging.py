@@ -50,6 +50,15 @@ class WriteStaging:
             states == LIVE, offered >= stored, np.where(states == TOMBSTONE, offered > stored, True)
         )
 
+    def accepts(self: RocksDBTier, table: str, keys: np.ndarray, versions: np.ndarray) -> np.ndarray:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
+        """Where a put of ``keys`` at ``versions`` would be written (see :meth:`_accepts`), tombstones included."""
+        cf, dim = self._table(table)
+        keys = as_keys(keys)
+        if keys.size == 0:
+            return np.zeros(0, dtype=bool)
+        states, stored = self._stored_states(cf, encode_keys(keys), dim)
+        return self._accepts(states, stored, np.broadcast_to(np.asarray(versions, dtype=np.int64), keys.shape))
+
     def _add_counts(self: RocksDBTier, batch: WriteBatch, table: str, rows: int, tombstones: int) -> None:  # type: ignore[misc]  # a mixin of RocksDBTier: self is the tier
         """Adjust the row and tombstone counts of ``table`` inside ``batch`` (caller holds the lock)."""
         self._stage_counts(batch, {("count", table): rows, ("tombstones", table): tombstones})
