@@ -130,24 +130,36 @@ def _hps_command() -> str:
 
 @app.command("import")
 def import_model(
-    path: Path = typer.Argument(..., help="HugeCTR sparse model dir (key + emb_vector files) or a .npz with keys/vectors."),
+    path: str = typer.Argument(..., help="Where the rows are: a .npz (keys, vectors), a .parquet (key, vector "
+                                         "columns), a .safetensors (keys, vectors), a HugeCTR sparse model directory "
+                                         "(key, emb_vector), or any of them at an s3:// URL."),
     config: Path = CONFIG_OPTION,
     model: str = typer.Option(..., "--model", "-m", help="Model name (as in the config)."),
     table: str = typer.Option(..., "--table", "-t", help="Table name (as in the config)."),
-    version: int = typer.Option(0, help="Version stored with every imported row."),
-    model_version: int = typer.Option(0, "--model-version", min=0, max=2**31 - 1,
-                                      help="Import into this version of the model (served once POST "
-                                           "/v1/models/{model}/versions adds it); 0: the model as configured."),
+    row_version: int = typer.Option(0, "--row-version", "--version",
+                                    help="The version stored with every imported row (a row's version, not the "
+                                         "model's: see --model-version; --version is its old name)."),
+    model_version: int | None = typer.Option(None, "--model-version", min=0, max=2**31 - 1,
+                                             help="Import into this version of the model (served once POST "
+                                                  "/v1/models/{model}/versions adds it); 0: the model as "
+                                                  "configured; default: what its label production names, else the "
+                                                  "model as configured (where a write naming no version lands)."),
     if_empty: bool = typer.Option(False, "--if-empty", help="Do nothing when the table already holds rows."),
+    token_file: Path | None = typer.Option(None, "--token-file", envvar="HPS_ADMIN_TOKEN_FILE",
+                                           help="A file holding the admin token of the server running on this "
+                                                "RocksDB, if one is (default: server.admin_token, HPS_ADMIN_TOKEN)."),
 ) -> None:
-    """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
+    """Bulk-import a table into the persistent tier, streamed (every row checked before the first is written).
+    With a server running on the same RocksDB, the import is sent to its REST API as a job."""
     from hps_service.cli.importing import ImportRefused, import_source
+    from hps_service.config.secrets import SecretFileError, read_secret
 
     cfg = _config(config)
     try:
-        done = import_source(cfg, path, model, table, version=version, model_version=model_version,
-                             if_empty=if_empty, console=err_console, source=f"the config {config}")
-    except ImportRefused as exc:
+        token = read_secret(token_file, "--token-file") if token_file is not None else None
+        done = import_source(cfg, path, model, table, version=row_version, model_version=model_version,
+                             if_empty=if_empty, console=err_console, source=f"the config {config}", token=token)
+    except (ImportRefused, SecretFileError) as exc:
         _fail(str(exc))
     out_console.print(done, highlight=False, soft_wrap=True)
 

@@ -202,8 +202,19 @@ def test_import_errors(http: httpx.Client, tmp_path: Path) -> None:
     wrong_dim = tmp_path / "wrong.npz"
     np.savez(wrong_dim, keys=np.arange(10, dtype=np.int64), vectors=np.ones((10, ITEM_DIM + 1), np.float32))
     r = http.post("/v1/models/demo/tables/item/import", json={"path": str(wrong_dim)}, headers=AUTH)
-    job = wait_job(http, r.json()["id"])
-    assert job["state"] == "failed" and f"dim {ITEM_DIM + 1}" in job["error"]
+    assert r.status_code == 400 and f"has dim {ITEM_DIM + 1}" in r.json()["detail"], r.text  # before any job
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(wrong_dim.read_bytes()[:200])
+    r = http.post("/v1/models/demo/tables/item/import", json={"path": str(cut)}, headers=AUTH)
+    assert r.status_code == 400 and "not a readable .npz file" in r.json()["detail"], r.text
+    nan = tmp_path / "nan.npz"
+    rows = np.ones((10, ITEM_DIM), np.float32)
+    rows[7, 2] = np.nan
+    np.savez(nan, keys=np.arange(770_000, 770_010, dtype=np.int64), vectors=rows)
+    job = wait_job(http, http.post("/v1/models/demo/tables/item/import", json={"path": str(nan)},
+                                   headers=AUTH).json()["id"])
+    assert job["state"] == "failed" and "row 7 has NaN or inf" in job["error"], job
+    assert _get(http, "item", [770_000])["sources"] == ["default"]  # checked whole first: nothing written
     unknown = http.post("/v1/models/demo/tables/nope/import", json={"path": str(wrong_dim)}, headers=AUTH)
     assert unknown.status_code == 404
 
