@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hps_service.engine.registry import record_storage
-from hps_service.errors import InvalidArgumentError
+from hps_service.errors import InvalidArgumentError, UnavailableError
 from hps_service.fleet.sharding import ShardMap
 from hps_service.rows import row_format
 from hps_service.rows.sources import RowSource
@@ -62,11 +62,15 @@ def verify(source: RowSource, batch_rows: int = BATCH_ROWS, progress: Progress |
 
 
 def import_rows(source: RowSource, write: WriteBatch, shard_map: ShardMap | None = None,
-                progress: Progress | None = None, batch_rows: int = BATCH_ROWS) -> ImportCounts:
-    """Write every row of ``source`` that this shard owns with ``write``, a batch at a time."""
+                progress: Progress | None = None, batch_rows: int = BATCH_ROWS,
+                stopping: Callable[[], bool] | None = None) -> ImportCounts:
+    """Write every row of ``source`` that this shard owns with ``write``, a batch at a time (UnavailableError
+    between two batches once ``stopping()`` says so)."""
     shard_map = shard_map if shard_map is not None else ShardMap()
     read = written = skipped = 0
     for keys, vectors in source.batches(batch_rows):
+        if stopping is not None and stopping():
+            raise UnavailableError(f"the import of {source.path} stopped after {read} rows: the server is stopping")
         read += keys.shape[0]
         keys, vectors, other = shard_map.keep_owned(keys, vectors)
         skipped += other

@@ -45,6 +45,8 @@ class VersionRecord:
     #: What the source looked like when the phase was set (a repository version's listing), to tell a change.
     signature: str = ""
     since: float = field(default_factory=time.time)
+    #: Whether ``source`` is kept in the store (a restart reads it back).
+    stored: bool = False
 
     def loading_reason(self, described: str) -> str:
         """Why a label cannot point at a version being imported, with its progress."""
@@ -100,7 +102,7 @@ class VersionStates:
         if tier is not None:
             for key, value in tier.metadata(_SOURCE_PREFIX).items():
                 name = key[len(_SOURCE_PREFIX):]
-                self._records[name] = VersionRecord("served", value.decode(errors="replace"))
+                self._records[name] = VersionRecord("served", value.decode(errors="replace"), stored=True)
 
     def _set(self, name: str, record: VersionRecord | None) -> None:
         with self._lock:
@@ -127,10 +129,11 @@ class VersionStates:
     def served(self, name: str, source: str, signature: str = "") -> None:
         """``name`` is registered (served) from now on; its source is kept across a restart."""
         before = self.record(name)
-        kept = before.source if before is not None else ""
-        self._set(name, VersionRecord("served", source or kept, served_at=time.time(), signature=signature))
-        if self._tier is not None and source and source != kept and split_served(name)[1]:
-            self._tier.set_metadata(_SOURCE_PREFIX + name, source.encode())
+        source = source or (before.source if before is not None else "")
+        stored = before is not None and before.stored and before.source == source
+        if self._tier is not None and source and not stored and split_served(name)[1]:
+            stored = self._tier.set_metadata(_SOURCE_PREFIX + name, source.encode())
+        self._set(name, VersionRecord("served", source, served_at=time.time(), signature=signature, stored=stored))
 
     def draining(self, name: str) -> None:
         """``name`` is being dropped."""
