@@ -1,4 +1,4 @@
-"""The ``hps`` command: serve, import, lookup, models, label, stats, synth, config, train, predict, demo."""
+"""The ``hps`` command: serve, import, lookup, models, versions, label, stats, synth, config, train, predict, demo."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rich.console import Console
 
 from hps_service import __version__
 from hps_service.cli.hugectr import config_app
-from hps_service.cli.versions import label_command, models_command
+from hps_service.cli.versions import label_command, models_command, versions_command
 from hps_service.config import ConfigError, HPSConfig, load_config
 from hps_service.errors import HPSError
 from hps_service.runtime.logs import setup_logging
@@ -300,6 +300,7 @@ app.add_typer(config_app, name="config")
 app.command("train")(train_command)
 app.command("predict")(predict_command)
 app.command("models")(models_command)
+app.command("versions")(versions_command)
 app.command("label")(label_command)
 
 

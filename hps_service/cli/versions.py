@@ -1,5 +1,5 @@
-"""``hps models`` and ``hps label``: a running server's models, their versions and labels, and a label switch (or a
-rollback) through its REST admin API."""
+"""``hps models``, ``hps versions`` and ``hps label``: a running server's models, their versions (with their states)
+and labels, and a label switch (or a rollback) through its REST admin API."""
 
 from __future__ import annotations
 
@@ -67,6 +67,30 @@ def models_command(
         table.add_row(m["name"], ", ".join(f"{t['name']} ({t['dim']})" for t in m["tables"]),
                       ", ".join(map(str, m.get("versions", []))) or "-", labels or "-",
                       str(m.get("default_version", 0)))
+    out_console.print(table)
+
+
+def versions_command(
+    model: str = typer.Argument(..., help="The model."),
+    url: str = URL_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print GET /v1/models/{model}/versions as JSON instead."),
+    timeout: float = typer.Option(10.0, help="Seconds."),
+    tls_ca: Path | None = TLS_CA_OPTION,
+) -> None:
+    """Show the versions of a model on a running server: state (loading, ready, failed, serving, draining), labels,
+    rows per table, where each came from, and why one failed."""
+    data = _call("GET", f"{url.rstrip('/')}/v1/models/{model}/versions", tls_ca, timeout)
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    table = Table(title=f"versions of {model} on {url} (a request naming none reads version "
+                        f"{data.get('default_version', 0)})", title_justify="left")
+    for column in ("version", "state", "labels", "rows", "source"):
+        table.add_column(column)
+    for v in data.get("versions", []):
+        rows = ", ".join(f"{t['name']}: {'-' if t['rows'] is None else format(t['rows'], ',')}" for t in v["tables"])
+        state = v["state"] + (f": {v['reason']}" if v.get("reason") else "")
+        table.add_row(str(v["version"]), state, ", ".join(v.get("labels", [])) or "-", rows, v.get("source") or "-")
     out_console.print(table)
 
 

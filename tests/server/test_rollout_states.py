@@ -93,6 +93,8 @@ def test_versions_list_their_state_source_rows_and_bytes_and_the_metrics_carry_t
         "item": (KEYS.size, KEYS.size * ITEM_DIM * 4), "user": (KEYS.size, KEYS.size * USER_DIM * 4)}
     assert {t["name"]: t["rows"] for t in one["tables"]} == {"item": 0, "user": 0}
     assert isinstance(two["ready_at"], float) and two["reason"] is None
+    shown = run_hps("versions", "demo", "--url", base_url(srv), env={"COLUMNS": "200"})
+    assert shown.returncode == 0 and "serving" in shown.stdout and "item: 32, user: 32" in shown.stdout, shown
     single = http.get("/v1/models/demo/versions/2").json()
     assert single["state"] == "serving" and single["model"] == "demo"
     assert http.get("/v1/models/demo/versions/7").status_code == 404
