@@ -30,6 +30,8 @@
    precision=stored, and the table-size cliff of one hash-map budget (int8 >= 2.9x fp32's); 13d: a served table
    converted to int8 (loadtest.benchmarks.convert): copy rate, and lookups before, during and after; 13e: model
    versions (loadtest.benchmarks.versions): a label switch across 3 replicas, and the memory a dropped version frees.
+14. A rollout (loadtest.benchmarks.rollout): a version from the model repository (SeaweedFS) to ready on 3 replicas
+   vs ``hps import`` of the same file (<= 1.5x), and the lookups' p99 meanwhile vs before (<= 1.5x).
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -66,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
-                         "node,tracing,storage")
+                         "node,tracing,storage,rollout")
     cli.add_out(ap)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -168,6 +170,12 @@ def main(argv: list[str] | None = None) -> int:
                          "(loadtest.benchmarks.versions)")
             res["versions"] = versions.run(200_000 if args.quick else 1_000_000, 64, 4 if args.quick else 10,
                                            console)
+        if "rollout" not in skip:
+            from loadtest.benchmarks import rollout
+
+            console.rule("14. a version from the model repository to ready on 3 replicas vs hps import, lookups "
+                         "meanwhile (loadtest.benchmarks.rollout)")
+            res["rollout"] = rollout.run(200_000 if args.quick else 1_000_000, 64, 3, console, workers=1)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started

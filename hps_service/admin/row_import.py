@@ -82,17 +82,25 @@ def import_rows(source: RowSource, write: WriteBatch, shard_map: ShardMap | None
 
 
 def tier_writer(tier: Tier, table_id: str, dim: int, storage: str, version: int = 0,
-                written_s: int | None = None) -> WriteBatch:
+                written_s: int | None = None, mirror: Tier | None = None) -> WriteBatch:
     """A :data:`WriteBatch` into ``table_id`` of ``tier`` (created, its format recorded), each batch encoded as
-    ``storage`` (stamped with ``written_s`` for a table with ``ttl_s``) and bulk-loaded."""
+    ``storage`` (stamped with ``written_s`` for a table with ``ttl_s``) and bulk-loaded; ``mirror`` (the volatile
+    tier, for a table no one serves yet) takes the same rows, so that it needs no preload."""
     fmt = row_format(storage, dim, stamped=written_s is not None)
     tier.create_table(table_id, fmt.words)
     record_storage(tier, table_id, storage)
+    if mirror is not None:
+        mirror.create_table(table_id, fmt.words)
 
     def write(keys: np.ndarray, vectors: np.ndarray) -> int:
         bad = np.flatnonzero(~np.isfinite(vectors).all(axis=1))
         if bad.size:
             raise InvalidArgumentError(f"a row of key {int(keys[bad[0]])} has NaN or inf values")
-        return int(tier.bulk_import(table_id, keys, fmt.encode(vectors, written_s), version=version))
+        stored = fmt.encode(vectors, written_s)
+        written = int(tier.bulk_import(table_id, keys, stored, version=version))
+        if mirror is not None:
+            last = keys.shape[0] - 1 - np.unique(keys[::-1], return_index=True)[1]  # the last row of each key
+            mirror.put(table_id, keys[last], stored[last], np.full(last.shape[0], version, np.int64))
+        return written
 
     return write

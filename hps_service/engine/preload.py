@@ -48,6 +48,9 @@ class Preloader:
             log.info("%s: %d stored rows exceed the volatile tier's %d; its rows load on demand", t.id, stored,
                      capacity)
             return
+        if self.volatile.count(t.id) >= stored:  # filled as its rows were imported (a repository version's)
+            self.finished_at = {**self.finished_at, t.id: time.time()}
+            return
         thread = threading.Thread(target=self._run, args=(t, stored), name=f"hps-preload-{t.id}", daemon=True)
         with self._lock:
             self._threads = [th for th in self._threads if th.is_alive()] + [thread]

@@ -3,13 +3,14 @@ version of a model it serves, and serves it beside the model once it is whole; a
 every replica at once (through the registration log), and a rollback is another switch.
 
 When a version is complete (imported): every table of the model has its file (``<table>.npz``, ``.parquet``,
-``.safetensors`` or a HugeCTR ``<table>/``), and two listings in a row, ``poll_s`` apart, showed the version's files
-unchanged (so a file still being written to a directory is not read half-way; an S3 object is whole once listed).
-No marker file is needed. Then each file must parse with its table's dim, or the version is ``failed`` with the
-reason: a version missing a table's file, with a file of a table the model does not have, with a corrupt file or
-one of the wrong dim is never served, and is tried again only once its files change. Rows are imported streamed
-(:mod:`hps_service.admin.row_import`, this shard's only) into tier ids of the version's own, then the version is
-registered here (not through the registration log: each replica imports its own), preloaded, and ``ready``.
+``.safetensors`` or a HugeCTR ``<table>/``), and, in a directory, two listings in a row, ``poll_s`` apart, showed the
+version's files unchanged (so a file still being written is not read half-way; an S3 object is whole once it is
+listed, so a bucket's version is taken at the first listing that shows every table). No marker file is needed. Then
+each file must parse with its table's dim, or the version is ``failed`` with the reason: a version missing a table's
+file, with a file of a table the model does not have, with a corrupt file or one of the wrong dim is never served,
+and is tried again only once its files change. Rows are imported streamed (:mod:`hps_service.admin.row_import`, this
+shard's only) into tier ids of the version's own, then the version is registered here (not through the registration
+log: each replica imports its own), preloaded, and ``ready``. The imports run at a lower CPU priority than serving.
 
 Of a model's versions in the repository, the ``keep_versions`` newest are imported; older ones the model serves
 are retired as a new version arrives (a labelled one never is). A version deleted from the repository is unloaded
@@ -36,11 +37,14 @@ from hps_service.engine.ttl import now_s
 from hps_service.errors import HPSError, InvalidArgumentError, NotFoundError
 from hps_service.fleet.repository_store import Repository, VersionListing, open_repository
 from hps_service.fleet.sharding import ShardMap
+from hps_service.rows import row_format
 from hps_service.rows.sources import RowSource, open_rows
 from hps_service.runtime.background import BackgroundThread
 from hps_service.tiers.base import Tier
 
 log = logging.getLogger(__name__)
+#: How much lower the CPU priority of the imports is than serving's (its downloads' threads inherit it).
+BACKGROUND_NICE = 10
 
 
 class RepositoryPoller:
@@ -61,7 +65,7 @@ class RepositoryPoller:
         self.last_error: str | None = None
         self.ignored = 0
         self.kept_deleted: list[str] = []
-        self._worker = BackgroundThread("hps-repository", self._run)
+        self._worker = BackgroundThread("hps-repository", self._run, nice=BACKGROUND_NICE)
 
     def start(self) -> None:
         self._worker.start()
@@ -108,10 +112,10 @@ class RepositoryPoller:
         record = self.engine.states.record(name)
         if name in served or (record is not None and record.phase == "failed" and record.signature == signature):
             return
-        if self._seen.get(name) != signature:
-            self._seen[name] = signature
+        if not self.repository.atomic and self._seen.get(name) != signature:
+            self._seen[name] = signature  # a file in a directory may still be being written: wait a listing
             return
-        del self._seen[name]
+        self._seen.pop(name, None)
         self._import(model, entry)
 
     def _unload_deleted(self, model: ModelConfig, found: dict[int, VersionListing]) -> list[str]:
@@ -214,10 +218,22 @@ class RepositoryPoller:
         for tc, rows in sources:
             stored = names.claim(name, tc.name)
             written[tc.name] = stored.id
-            write = tier_writer(tier, stored.id, tc.dim, stored.serving_storage(tc.storage),
-                                written_s=now_s() if tc.ttl_s is not None else None)
+            storage, written_s = stored.serving_storage(tc.storage), now_s() if tc.ttl_s is not None else None
+            words = row_format(storage, tc.dim, stamped=written_s is not None).words
+            write = tier_writer(tier, stored.id, tc.dim, storage, written_s=written_s,
+                                mirror=self._volatile_for(stored.id, words, rows.rows))
             import_rows(rows, write, self.shard_map, progress, stopping=self._worker.stopping.is_set)
             before += rows.rows
+
+    def _volatile_for(self, table_id: str, words: int, rows: int) -> Tier | None:
+        """The volatile tier, when it is in this process and a table of it holds ``rows`` rows: filled as the rows
+        are imported, it holds what the preload would have put there (None: lookups fill it, as without one)."""
+        volatile = self.engine.volatile
+        if volatile is None or not volatile.in_process:
+            return None
+        volatile.create_table(table_id, words)
+        capacity = volatile.stats(table_id).capacity
+        return volatile if capacity is None or rows <= capacity else None
 
     def stats(self) -> dict[str, Any]:
         """The ``repository`` section of /v1/stats."""

@@ -72,6 +72,8 @@ class Repository(Protocol):
     """A model repository: its URL, a listing of it, and a table's rows fetched to read."""
 
     url: str
+    #: Whether a listed file is whole (an object store's), or may still be being written (a directory's).
+    atomic: bool
 
     def list(self) -> tuple[Listing, int]:
         """Every version of every model it holds, and how many entries were ignored (not of the layout)."""
@@ -111,6 +113,8 @@ class _Collect:
 
 class LocalRepository:
     """A repository in a directory of this machine."""
+
+    atomic = False
 
     def __init__(self, root: str) -> None:
         self.url = root
@@ -155,6 +159,8 @@ class LocalRepository:
 
 class S3Repository:
     """A repository under ``s3://BUCKET/PREFIX``, listed with ListObjectsV2 and fetched with boto3's downloads."""
+
+    atomic = True
 
     def __init__(self, url: str, client: Any | None = None) -> None:
         self.url = url

@@ -166,10 +166,10 @@ def test_versions_from_the_bucket_roll_out_fail_safely_retire_and_survive_a_rest
     fleet.delete(6)
     fleet.delete(1)
     fleet.everywhere(lambda r: 6 not in r.states())
+    fleet.everywhere(lambda r: r.http.get("/v1/stats").json()["repository"]["deleted_but_labelled"] == [
+        "version 1 of model 'm' (labelled)"])
     for r in fleet.replicas:
-        assert r.http.get("/v1/stats").json()["repository"]["deleted_but_labelled"] == ["version 1 of model 'm' "
-                                                                                         "(labelled)"]
-        assert np.array_equal(r.lookup("a"), _rows(1, "a")[::50])
+        assert r.states()[1] == "serving" and np.array_equal(r.lookup("a"), _rows(1, "a")[::50])
 
     # a restart serves what the replica had, from its store
     two.process.stop()
