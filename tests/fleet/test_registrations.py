@@ -161,3 +161,24 @@ def test_a_switch_waits_for_every_replica_and_names_the_one_behind(kafka_broker,
     switched = a.http.put("/v1/models/base/labels/production", json={"version": 3, "allow_empty": True})
     assert switched.status_code == 200, switched.text
     assert wait_until(lambda: b.http.get("/v1/models/base").json()["labels"] == {"production": 3}, timeout=30)
+
+
+def test_a_switch_is_refused_while_a_table_of_the_version_is_empty_on_another_replica(fleet, monkeypatch) -> None:
+    """Issue 53: the version holds rows on the replica asked but none on the other; the PUT answers 409 naming that
+    replica and the empty table (its status carries the empty tables apart), and switches with allow_empty."""
+    from hps_service.fleet import switch_gate
+
+    prefix, (a, b) = fleet
+    assert a.http.post("/v1/models/base/versions", json={"version": 5}).status_code == 201
+    assert wait_until(lambda: b.loaded("base") and b.http.get("/v1/models/base").json()["versions"] == [5], timeout=30)
+    keys = np.arange(1, 33, dtype=np.int64)
+    assert a.srv.engine is not None  # rows on replica a only (not through the update log)
+    assert a.srv.engine.put_rows("base#v5", "item", keys, np.ones((keys.size, DIM), np.float32), 1).written == 32
+    monkeypatch.setattr(switch_gate, "WAIT_S", 3.0)
+    time.sleep(2 * switch_gate.PUBLISH_S + 0.5)  # b's next status on the log, and a reading it
+    refused = a.http.put("/v1/models/base/labels/production", json={"version": 5})
+    assert refused.status_code == 409, refused.text
+    assert "replica b: table item of version 5 of model 'base' holds no rows" in refused.json()["detail"]
+    switched = a.http.put("/v1/models/base/labels/production", json={"version": 5, "allow_empty": True})
+    assert switched.status_code == 200, switched.text
+    assert wait_until(lambda: b.http.get("/v1/models/base").json()["labels"] == {"production": 5}, timeout=30)
