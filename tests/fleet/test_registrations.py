@@ -182,3 +182,17 @@ def test_a_switch_is_refused_while_a_table_of_the_version_is_empty_on_another_re
     switched = a.http.put("/v1/models/base/labels/production", json={"version": 5, "allow_empty": True})
     assert switched.status_code == 200, switched.text
     assert wait_until(lambda: b.http.get("/v1/models/base").json()["labels"] == {"production": 5}, timeout=30)
+
+
+def test_a_strict_put_through_the_update_log_is_refused_when_this_replica_holds_newer_rows(fleet) -> None:
+    """Issue 53, part 5, with Kafka updates on: the put is checked against this replica's rows before it is
+    published; a stale one is refused with 409 and nothing is published."""
+    _, (a, _b) = fleet
+    rows = "/v1/models/base/tables/item/embeddings"
+    body = {"keys": [7, 8], "vectors": [[1.0] * DIM, [1.0] * DIM], "row_version": 5}
+    first = a.http.put(rows, params={"wait": "applied", "strict": "true"}, json=body)
+    assert first.status_code == 200 and first.json()["published"] == 2, first.text
+    stale = a.http.put(rows, params={"wait": "applied", "strict": "true"},
+                       json={**body, "vectors": [[2.0] * DIM] * 2, "row_version": 4})
+    assert stale.status_code == 409 and "2 of 2 rows are older than the rows this replica stores" in stale.text
+    assert np.array_equal(a.clients[0].lookup("base", "item", [7, 8]), np.ones((2, DIM), np.float32))
