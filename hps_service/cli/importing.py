@@ -17,7 +17,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from hps_service.config import HPSConfig
+from hps_service.config import HPSConfig, TableConfig
 from hps_service.errors import HPSError
 
 
@@ -47,7 +47,8 @@ def import_source(cfg: HPSConfig, path: Path | str, model: str, table: str, *, v
     mc = cfg.model(model)
     if mc is None:
         raise ImportRefused(f"model '{model}' is not in {source}")
-    if mc.table(table) is None:
+    tc = mc.table(table)
+    if tc is None:
         raise ImportRefused(f"model '{model}' has no table '{table}' in {source}")
     if cfg.persistent.type != "rocksdb":
         raise ImportRefused("import writes to the persistent tier, but persistent.type is disabled")
@@ -59,7 +60,7 @@ def import_source(cfg: HPSConfig, path: Path | str, model: str, table: str, *, v
                                token if token is not None else _admin_token(cfg))
     staging = Path(tempfile.mkdtemp(prefix="hps-import-")) if is_s3(where) else None
     try:
-        return _into_store(cfg, where, model, table, version, model_version, if_empty, console, staging)
+        return _into_store(cfg, where, model, tc, version, model_version, if_empty, console, staging)
     except _StoreHeld:  # a server opened it since
         return _through_server(cfg, where, model, table, version, model_version, if_empty, console,
                                token if token is not None else _admin_token(cfg))
@@ -104,7 +105,7 @@ def _through_server(cfg: HPSConfig, path: str, model: str, table: str, version: 
             f"{url} (job {job['id']}; a running server holds {store})")
 
 
-def _into_store(cfg: HPSConfig, path: str, model: str, table: str, version: int, model_version: int | None,
+def _into_store(cfg: HPSConfig, path: str, model: str, tc: TableConfig, version: int, model_version: int | None,
                 if_empty: bool, console: Console | None, staging: Path | None) -> str:
     """The import straight into the store, which no process holds."""
     from hps_service.admin.row_import import check_dim, import_rows, tier_writer, verify
@@ -120,8 +121,7 @@ def _into_store(cfg: HPSConfig, path: str, model: str, table: str, version: int,
     from hps_service.tiers.rocksdb.lock import held_elsewhere
     from hps_service.tiers.rocksdb.tier import RocksDBTier
 
-    tc = cfg.model(model).table(table)  # type: ignore[union-attr]  # checked by import_source
-    assert tc is not None
+    table = tc.name
     try:
         rows = open_rows(download_rows(path, staging) if staging is not None else Path(path))
         check_dim(rows, f"{model}.{table}", tc.dim)
