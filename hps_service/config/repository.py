@@ -21,7 +21,8 @@ class RepositoryConfig(Section):
     url: str = Field(description="a directory of this machine, or s3://BUCKET/PREFIX (endpoint and credentials from "
                                  "the standard AWS environment, AWS_ENDPOINT_URL included, as snapshots use)")
     poll_s: float = Field(10.0, ge=0.05, le=86400, description="list the repository this often; a version is "
-                          "imported once two listings in a row show every table's file unchanged")
+                          "imported once a listing shows every table's file (in a directory: two listings in a row, "
+                          "unchanged)")
 
     @field_validator("url")
     @classmethod
