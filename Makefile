@@ -61,7 +61,7 @@ $(VENV)/.installed-trainer: pyproject.toml | $(VENV)/.installed
 $(VENV)/.installed-dev: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
 	$(TORCH_INSTALL)
 	$(PIP) install -q -e $(CLIENT)
-	$(PIP) install -q -e '.[dev,trainer,demo,otel]'
+	$(PIP) install -q -e '.[dev,trainer,demo,otel,repository]'
 	@touch $@ $(VENV)/.installed $(VENV)/.installed-trainer
 
 # The documentation needs MkDocs and its theme only: the docs extra's requirements, read from pyproject.toml and

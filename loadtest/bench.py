@@ -33,6 +33,8 @@
 14. Pooled lookups (loadtest.benchmarks.bags): lookup_bags vs per-key lookups pooled by the caller (>= 2x keys/s at
    mean bag 32) and vs a Redis Cluster client pooling likewise (>= 3x); response bytes 1/mean bag length of the
    per-key answer's; server CPU per pooled key vs a plain lookup's (<= 1.0x).
+15. A rollout (loadtest.benchmarks.rollout): a version from the model repository (SeaweedFS) to ready on 3 replicas
+   vs ``hps import`` of the same file (<= 1.5x), and the lookups' p99 meanwhile vs before (<= 1.5x).
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
-                         "node,tracing,storage,bags")
+                         "node,tracing,storage,bags,rollout")
     cli.add_out(ap)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -176,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
 
             console.rule("14. pooled lookups vs the caller's pooling and Redis (loadtest.benchmarks.bags)")
             res["bags"] = bags.bench(200_000 if args.quick else 1_000_000, 6.0 if args.quick else 12.0, console)
+        if "rollout" not in skip:
+            from loadtest.benchmarks import rollout
+
+            console.rule("15. a version from the model repository to ready on 3 replicas vs hps import, lookups "
+                         "meanwhile (loadtest.benchmarks.rollout)")
+            res["rollout"] = rollout.run(200_000 if args.quick else 1_000_000, 64, 3, console, workers=1)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started

@@ -7,20 +7,25 @@ and two bulk writes into the same store never race each other.
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from hps_service.admin.importer import check_import_shape, read_model_source
 from hps_service.engine.api import Engine
 from hps_service.engine.convert import ConvertProgress
 from hps_service.errors import HPSError, NotFoundError, UnavailableError
+from hps_service.fleet.row_import import check_dim, import_rows, verify
+from hps_service.fleet.s3_files import download_rows, is_s3
 from hps_service.fleet.sharding import ShardMap
+from hps_service.rows.sources import open_rows
 from hps_service.tiers.base import Tier, TierCapability, tier_can
 
 log = logging.getLogger(__name__)
@@ -45,6 +50,8 @@ class Job:
     finished_at: float | None = None
     error: str | None = None
     result: dict[str, Any] = field(default_factory=dict)
+    #: What the job is doing now, where it has steps (an import: checking, then importing).
+    phase: str | None = None
 
     def view(self) -> dict[str, Any]:
         """The JSON shape served by the REST API."""
@@ -61,6 +68,7 @@ class Job:
             "rows_total": self.rows_total,
             "rows_done": self.rows_done,
             "progress": progress,
+            "phase": self.phase,
             "created_at": self.created_at,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
@@ -166,27 +174,45 @@ def convert_job(engine: Engine, model: str, table: str, storage: str) -> Callabl
 
 
 def import_job(
-    engine: Engine, model: str, table: str, path: Path, version: int, shard_map: ShardMap | None = None
+    engine: Engine, model: str, table: str, path: Path | str, version: int, shard_map: ShardMap | None = None,
+    staging: Path | None = None,
 ) -> Callable[[Job], dict[str, Any]]:
-    """The work of ``POST .../import``: read the file, keep this shard's rows, then bulk-load L3 and evict the keys
-    from L2 and L1 as one write of the table (see :meth:`LookupEngine.import_rows`)."""
-    shard_map = shard_map if shard_map is not None else ShardMap()
+    """The work of ``POST .../import``: the rows at ``path`` (a server-side path, or an ``s3://`` URL downloaded into
+    ``staging`` first and removed after), checked whole, then this shard's imported a batch at a time, each batch
+    bulk-loaded into L3 with its keys evicted from L2 and L1 as one write of the table (see
+    :meth:`LookupEngine.import_rows`); ``rows_total`` counts the rows of each pass (``phase`` says which)."""
 
     def work(job: Job) -> dict[str, Any]:
         tier = import_tier(engine)
         t = engine.table(model, table)
-        keys, vectors = read_model_source(path)
-        check_import_shape(t.id, t.dim, keys, vectors)
-        rows_read = int(keys.shape[0])
-        keys, vectors, skipped = shard_map.keep_owned(keys, vectors)
-        job.rows_total = int(keys.shape[0])
+        with staged_rows(str(path), staging) as local:
+            source = open_rows(local)
+            check_dim(source, t.id, t.dim)
 
-        def progress(done: int) -> None:
-            job.rows_done = done
+            def report(done: int, total: int) -> None:
+                job.rows_done, job.rows_total = done, total
 
-        written = engine.import_rows(model, table, keys, vectors, version=version, progress=progress)
-        job.rows_done = job.rows_total
-        return {"rows_read": rows_read, "rows_written": int(written), "rows_stored": tier.count(t.id),
-                "rows_skipped_other_shards": skipped}
+            job.phase = "checking"
+            verify(source, progress=report)
+            job.phase = "importing"
+            counts = import_rows(source, lambda k, v: engine.import_rows(model, table, k, v, version=version),
+                                 shard_map, report)
+        return {**counts.as_json(), "rows_stored": tier.count(t.id)}
 
     return work
+
+
+@contextmanager
+def staged_rows(path: str, staging: Path | None) -> Iterator[Path]:
+    """The local path of the rows at ``path``: itself, or (an ``s3://`` URL) a download into a directory of its own
+    under ``staging`` (the system's temporary directory when None), removed after."""
+    if not is_s3(path):
+        yield Path(path)
+        return
+    if staging is not None:
+        staging.mkdir(parents=True, exist_ok=True)
+    where = Path(tempfile.mkdtemp(prefix="import-", dir=staging))
+    try:
+        yield download_rows(path, where)
+    finally:
+        shutil.rmtree(where, ignore_errors=True)

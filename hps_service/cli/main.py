@@ -1,4 +1,4 @@
-"""The ``hps`` command: serve, import, lookup, models, label, stats, synth, config, train, predict, demo."""
+"""The ``hps`` command: serve, import, lookup, models, versions, label, stats, synth, config, train, predict, demo."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from rich.console import Console
 
 from hps_service import __version__
 from hps_service.cli.hugectr import config_app
-from hps_service.cli.versions import label_command, models_command
+from hps_service.cli.versions import label_command, models_command, versions_command
 from hps_service.config import ConfigError, HPSConfig, load_config
 from hps_service.errors import HPSError
 from hps_service.runtime.logs import setup_logging
@@ -130,24 +130,36 @@ def _hps_command() -> str:
 
 @app.command("import")
 def import_model(
-    path: Path = typer.Argument(..., help="HugeCTR sparse model dir (key + emb_vector files) or a .npz with keys/vectors."),
+    path: str = typer.Argument(..., help="Where the rows are: a .npz (keys, vectors), a .parquet (key, vector "
+                                         "columns), a .safetensors (keys, vectors), a HugeCTR sparse model directory "
+                                         "(key, emb_vector), or any of them at an s3:// URL."),
     config: Path = CONFIG_OPTION,
     model: str = typer.Option(..., "--model", "-m", help="Model name (as in the config)."),
     table: str = typer.Option(..., "--table", "-t", help="Table name (as in the config)."),
-    version: int = typer.Option(0, help="Version stored with every imported row."),
-    model_version: int = typer.Option(0, "--model-version", min=0, max=2**31 - 1,
-                                      help="Import into this version of the model (served once POST "
-                                           "/v1/models/{model}/versions adds it); 0: the model as configured."),
+    row_version: int = typer.Option(0, "--row-version", "--version",
+                                    help="The version stored with every imported row (a row's version, not the "
+                                         "model's: see --model-version; --version is its old name)."),
+    model_version: int | None = typer.Option(None, "--model-version", min=0, max=2**31 - 1,
+                                             help="Import into this version of the model (served once POST "
+                                                  "/v1/models/{model}/versions adds it); 0: the model as "
+                                                  "configured; default: what its label production names, else the "
+                                                  "model as configured (where a write naming no version lands)."),
     if_empty: bool = typer.Option(False, "--if-empty", help="Do nothing when the table already holds rows."),
+    token_file: Path | None = typer.Option(None, "--token-file", envvar="HPS_ADMIN_TOKEN_FILE",
+                                           help="A file holding the admin token of the server running on this "
+                                                "RocksDB, if one is (default: server.admin_token, HPS_ADMIN_TOKEN)."),
 ) -> None:
-    """Bulk-import a table into the persistent tier (RocksDB SST ingest: all rows or none)."""
+    """Bulk-import a table into the persistent tier, streamed (every row checked before the first is written).
+    With a server running on the same RocksDB, the import is sent to its REST API as a job."""
     from hps_service.cli.importing import ImportRefused, import_source
+    from hps_service.config.secrets import SecretFileError, read_secret
 
     cfg = _config(config)
     try:
-        done = import_source(cfg, path, model, table, version=version, model_version=model_version,
-                             if_empty=if_empty, console=err_console, source=f"the config {config}")
-    except ImportRefused as exc:
+        token = read_secret(token_file, "--token-file") if token_file is not None else None
+        done = import_source(cfg, path, model, table, version=row_version, model_version=model_version,
+                             if_empty=if_empty, console=err_console, source=f"the config {config}", token=token)
+    except (ImportRefused, SecretFileError) as exc:
         _fail(str(exc))
     out_console.print(done, highlight=False, soft_wrap=True)
 
@@ -168,9 +180,10 @@ def lookup(
                                            help="A file holding a read token (server.auth: token)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: model, table, dim, keys, vectors, "
                                                        "sources."),
-    model_version: int = typer.Option(0, "--model-version", min=0, max=2**31 - 1,
-                                      help="Read this version of the model (default: what its label production "
-                                           "names, else the model as configured)."),
+    model_version: int | None = typer.Option(None, "--model-version", min=0, max=2**31 - 1,
+                                             help="Read this version of the model; 0: the model as configured "
+                                                  "(default: what its label production names, else the model as "
+                                                  "configured)."),
     label: str = typer.Option("", "--label", help="Read the version this label of the model names."),
     offsets: str = typer.Option("", "--offsets", help="Pool the keys in bags: each bag's start in KEYS, "
                                                        "comma-separated (e.g. 0,3: KEYS[0:3] and KEYS[3:]); one row "
@@ -196,9 +209,9 @@ def lookup(
             if offsets:
                 starts = _int_list(offsets, "--offsets")
                 answer = client.lookup_bags_many(model, {table: Bags(asked, starts, combiner)},
-                                                 version=model_version or None, label=label)[table]
+                                                 version=model_version, label=label)[table]
             else:
-                answer = client.lookup_with_sources(model, table, asked, version=model_version or None, label=label)
+                answer = client.lookup_with_sources(model, table, asked, version=model_version, label=label)
         except HPSError as exc:
             _fail(str(exc))
     if as_json:
@@ -308,6 +321,7 @@ app.add_typer(config_app, name="config")
 app.command("train")(train_command)
 app.command("predict")(predict_command)
 app.command("models")(models_command)
+app.command("versions")(versions_command)
 app.command("label")(label_command)
 
 

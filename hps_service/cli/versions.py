@@ -1,5 +1,5 @@
-"""``hps models`` and ``hps label``: a running server's models, their versions and labels, and a label switch (or a
-rollback) through its REST admin API."""
+"""``hps models``, ``hps versions`` and ``hps label``: a running server's models, their versions (with their states)
+and labels, and a label switch (or a rollback) through its REST admin API."""
 
 from __future__ import annotations
 
@@ -70,12 +70,38 @@ def models_command(
     out_console.print(table)
 
 
+def versions_command(
+    model: str = typer.Argument(..., help="The model."),
+    url: str = URL_OPTION,
+    as_json: bool = typer.Option(False, "--json", help="Print GET /v1/models/{model}/versions as JSON instead."),
+    timeout: float = typer.Option(10.0, help="Seconds."),
+    tls_ca: Path | None = TLS_CA_OPTION,
+) -> None:
+    """Show the versions of a model on a running server: state (loading, ready, failed, serving, draining), labels,
+    rows per table, where each came from, and why one failed."""
+    data = _call("GET", f"{url.rstrip('/')}/v1/models/{model}/versions", tls_ca, timeout)
+    if as_json:
+        typer.echo(json.dumps(data, indent=2))
+        return
+    table = Table(title=f"versions of {model} on {url} (a request naming none reads version "
+                        f"{data.get('default_version', 0)})", title_justify="left")
+    for column in ("version", "state", "labels", "rows", "source"):
+        table.add_column(column)
+    for v in data.get("versions", []):
+        rows = ", ".join(f"{t['name']}: {'-' if t['rows'] is None else format(t['rows'], ',')}" for t in v["tables"])
+        state = v["state"] + (f": {v['reason']}" if v.get("reason") else "")
+        table.add_row(str(v["version"]), state, ", ".join(v.get("labels", [])) or "-", rows, v.get("source") or "-")
+    out_console.print(table)
+
+
 def label_command(
     model: str = typer.Argument(..., help="The model."),
     label: str = typer.Argument(..., help="The label, e.g. production (what a request naming none reads)."),
     version: int | None = typer.Argument(None, min=0, help="The version it names (0: the model as configured); "
                                          "leave it out with --remove."),
     remove: bool = typer.Option(False, "--remove", help="Remove the label instead."),
+    allow_empty: bool = typer.Option(False, "--allow-empty", help="Point the label even where a table of the "
+                                     "version holds no rows (refused otherwise)."),
     url: str = URL_OPTION,
     token_file: Path | None = typer.Option(None, "--token-file", envvar="HPS_ADMIN_TOKEN_FILE",
                                            help="A file holding server.admin_token."),
@@ -100,7 +126,7 @@ def label_command(
         _call("DELETE", path, tls_ca, timeout, token=token)
         out_console.print(f"removed label {label} of {model}", highlight=False)
         return
-    answer = _call("PUT", path, tls_ca, timeout, {"version": version}, token=token)
+    answer = _call("PUT", path, tls_ca, timeout, {"version": version, "allow_empty": allow_empty}, token=token)
     before = answer.get("before")
     out_console.print(f"{model} {label} -> version {version}" + (f" (was {before})" if before is not None else ""),
                       highlight=False)

@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from hps_client.rows import row_words
 from hps_service.config.base import NAME_PATTERN, NAME_RE, Storage, served_name
 from hps_service.config.base import Section as _Section
+from hps_service.config.repository import RepositoryConfig as RepositoryConfig
 from hps_service.config.secrets import load_secret_files
 from hps_service.config.security import AuthMode, InternalListener, ReaderConfig, check_auth
 from hps_service.config.tiers import VOLATILE_TYPES
@@ -397,6 +398,8 @@ class HPSConfig(BaseSettings):
     updates: UpdatesConfig = Field(default_factory=UpdatesConfig)
     models: list[ModelConfig] = Field(default_factory=list)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    repository: RepositoryConfig | None = Field(None, description="where new model versions are published for every "
+                                                "replica to import (unset: versions come from the REST API only)")
 
     @classmethod
     def settings_customise_sources(
@@ -427,6 +430,14 @@ class HPSConfig(BaseSettings):
             raise ValueError(
                 "updates.type kafka needs persistent.type rocksdb: with persistent.type disabled, offsets would be "
                 "committed for updates held in memory only, and a restart would lose them")
+        return self
+
+    @model_validator(mode="after")
+    def _repository_needs_a_store(self) -> HPSConfig:
+        """The repository's versions are imported into RocksDB."""
+        if self.repository is not None and (self.persistent.type != "rocksdb" or self.persistent.read_only):
+            raise ValueError("repository needs a writable persistent tier (persistent.type rocksdb, not read_only): "
+                             "its versions are imported there")
         return self
 
     def model(self, name: str) -> ModelConfig | None:

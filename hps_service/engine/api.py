@@ -19,8 +19,9 @@ from hps_service.engine.bags import Bags
 from hps_service.engine.levels import LookupResult
 from hps_service.engine.stats import TableStats
 from hps_service.engine.table import ServedTable
+from hps_service.engine.version_states import VersionStates, VersionView
 from hps_service.engine.versions import Labels
-from hps_service.engine.write import PreparedChange, TableChange
+from hps_service.engine.write import PreparedChange, PutCounts, TableChange
 from hps_service.tiers.base import Positions, Tier, WriteResult
 
 if TYPE_CHECKING:
@@ -80,6 +81,8 @@ class Engine(ReadEngine, Protocol):
     volatile: Tier | None
     persistent: Tier | None
     labels: Labels
+    #: What each version does beyond its registration (importing, failed, draining) and where it came from.
+    states: VersionStates
 
     # ---- models, versions and labels
     def register_model(self, model: ModelConfig) -> None:
@@ -90,8 +93,9 @@ class Engine(ReadEngine, Protocol):
         """Stop serving a served name (its rows stay stored)."""
         ...
 
-    def add_version(self, model: ModelConfig) -> list[int]:
-        """Serve a new version beside the model; returns the older versions ``keep_versions`` dropped."""
+    def add_version(self, model: ModelConfig, source: str = "") -> list[int]:
+        """Serve a new version beside the model (``source``: where its rows come from); returns the older versions
+        ``keep_versions`` dropped."""
         ...
 
     def drop_version(self, model: str, version: int) -> dict[str, int]:
@@ -110,8 +114,13 @@ class Engine(ReadEngine, Protocol):
         """The loaded versions of ``model``, oldest first."""
         ...
 
-    def not_switchable(self, model: str, version: int) -> list[str]:
-        """Why a label cannot point at ``version`` yet (empty: it can)."""
+    def not_switchable(self, model: str, version: int, allow_empty: bool = False) -> list[str]:
+        """Why a label cannot point at ``version`` yet (empty: it can); ``allow_empty``: a table without rows is no
+        reason."""
+        ...
+
+    def version_states(self, model: str) -> list[VersionView]:
+        """Every version of ``model`` known here, served or not: state, source, rows per table, oldest first."""
         ...
 
     def set_label(self, model: str, label: str, version: int | None) -> int | None:
@@ -126,6 +135,12 @@ class Engine(ReadEngine, Protocol):
     def apply_updates(self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray,
                       versions: np.ndarray | int, written_s: np.ndarray | None = None) -> int:
         """Write rows to every tier (a newer stored version is kept); returns rows written."""
+        ...
+
+    def put_rows(self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int,
+                 strict: bool = False) -> PutCounts:
+        """:meth:`apply_updates` saying rows written and rows stale (a newer stored row kept); ``strict``:
+        FailedPreconditionError, nothing written, when any row is stale."""
         ...
 
     def apply_deletes(self, model: str, table: str, keys: np.ndarray,

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from hps_service.config import ModelConfig
+from hps_service.config import ModelConfig, TableConfig
 from hps_service.config.base import served_name
 from hps_service.engine import version_drop
 from hps_service.engine.api import Engine
@@ -37,9 +37,16 @@ from hps_service.engine.repair import VolatileRepair
 from hps_service.engine.stats import TableStats, table_stats
 from hps_service.engine.stored_tables import TableNames
 from hps_service.engine.table import CacheFactory, ServedTable
+from hps_service.engine.version_states import TableView, VersionStates, VersionView, view_of
 from hps_service.engine.versions import Labels, check_label, load_labels, resolve, save_label, to_drop
-from hps_service.engine.write import PreparedChange, TableChange, Writer, prepare_change
-from hps_service.errors import FailedPreconditionError, InvalidArgumentError, NotFoundError, UnavailableError
+from hps_service.engine.write import PreparedChange, PutCounts, TableChange, Writer, prepare_change
+from hps_service.errors import (
+    FailedPreconditionError,
+    HPSError,
+    InvalidArgumentError,
+    NotFoundError,
+    UnavailableError,
+)
 from hps_service.tiers.base import Positions, Tier, WriteResult, tier_health, tier_memory
 
 log = logging.getLogger(__name__)
@@ -64,6 +71,8 @@ class LookupEngine(Engine):
         #: The tier id of each table, never reused (see :mod:`hps_service.engine.stored_tables`).
         self.names = TableNames(persistent)
         self.labels = Labels(load_labels(persistent))
+        #: What each version is doing beyond its registration (importing, failed, draining) and where it came from.
+        self.states = VersionStates(persistent)
         self.reader = Reader(volatile, persistent, max_batch_keys,
                              promoter(volatile) if volatile is not None else None)
         self.writer = Writer(volatile, persistent)
@@ -109,6 +118,8 @@ class LookupEngine(Engine):
         finally:
             if old:
                 close_tables(old.values())
+        if model.version:
+            self.states.served(served, "")
         log.info("%s loaded: %s", described(served), ", ".join(f"{t.name}(dim {t.dim})" for t in model.tables))
         for t in tables.values():
             self.preloader.start(t)
@@ -146,8 +157,12 @@ class LookupEngine(Engine):
             if tables is None:
                 raise NotFoundError(f"model '{model}' has no version {version} loaded")
             version_drop.mark(self.persistent, name, {t.name: t.id for t in tables.values()})  # cleared with its registration
-            self.unregister_model(name)
-            return drop_stored(self.volatile, self.persistent, tables.values(), self.names)
+            self.states.draining(name)
+            try:
+                self.unregister_model(name)
+                return drop_stored(self.volatile, self.persistent, tables.values(), self.names)
+            finally:
+                self.states.forget(name)
 
     def finish_drop(self, name: str, tables: dict[str, str]) -> dict[str, int]:
         """Free what is left of the tables (name -> tier id) of a served name whose drop a crash interrupted (see
@@ -156,12 +171,14 @@ class LookupEngine(Engine):
             raise FailedPreconditionError(f"{described(name)} is served: its drop is not pending")
         return drop_stored_ids(self.volatile, self.persistent, tables, self.names)
 
-    def add_version(self, model: ModelConfig) -> list[int]:
-        """Serve version ``model.version`` beside the model, then drop the older unlabelled versions beyond
-        ``model.keep_versions`` (the new one counts among them); returns the versions dropped."""
+    def add_version(self, model: ModelConfig, source: str = "") -> list[int]:
+        """Serve version ``model.version`` (from ``source``: where its rows come from) beside the model, then drop the
+        older unlabelled versions beyond ``model.keep_versions`` (the new one counts among them); returns the versions
+        dropped."""
         if not model.version:
             raise InvalidArgumentError("a version of a model is numbered from 1")
         self.register_model(model)
+        self.states.served(model.served_name, source)
         with self._lifecycle:
             keep = self.labels.labelled(model.name) | {model.version}
             older = [v for v in self.versions(model.name) if v.version != model.version]
@@ -189,14 +206,65 @@ class LookupEngine(Engine):
         :func:`hps_service.engine.versions.resolve`)."""
         return resolve(self.labels.current(), self.registry.tables(), model, version, label)
 
-    def not_switchable(self, model: str, version: int) -> list[str]:
-        """Why a label cannot point at ``version`` of ``model`` yet (empty: it can): not loaded here, or a table
-        whose hash map is still being filled from RocksDB."""
-        tables = self.registry.tables().get(served_name(model, version))
+    def not_switchable(self, model: str, version: int, allow_empty: bool = False) -> list[str]:
+        """Why a label cannot point at ``version`` of ``model`` yet (empty: it can): not loaded here (being
+        imported, or failed), a table whose hash map is still being filled from RocksDB, or (unless
+        ``allow_empty``) a table that holds no rows."""
+        name = served_name(model, version)
+        tables = self.registry.tables().get(name)
         if tables is None:
+            record = self.states.record(name)
+            if record is not None and record.phase == "importing":
+                return [record.loading_reason(described(name))]
+            if record is not None and record.phase == "failed":
+                return [f"{described(name)} failed to load from {record.source}: {record.reason}"]
             return [f"model '{model}' has no version {version} loaded"]
-        return [f"table {t.name} of {described(t.model)} is still preloading" for t in tables.values()
-                if self.preloader.loading(t.id)]
+        out = [f"table {t.name} of {described(t.model)} is still preloading" for t in tables.values()
+               if self.preloader.loading(t.id)]
+        if not allow_empty:
+            out += [f"table {t.name} of {described(t.model)} holds no rows (allow_empty: true points a label at it "
+                    "all the same)" for t in tables.values() if self.stored_rows(t) == 0]
+        return out
+
+    def stored_rows(self, t: ServedTable) -> int | None:
+        """The rows of ``t`` this replica stores: the persistent tier's count, else the volatile tier's (None:
+        neither tier is enabled, or it cannot say now)."""
+        tier = self.persistent if self.persistent is not None else self.volatile
+        if tier is None:
+            return None
+        try:
+            return tier.count(t.id)
+        except HPSError:
+            return None
+
+    def version_states(self, model: str) -> list[VersionView]:
+        """Every version of ``model`` this replica knows of, served or not (see
+        :mod:`hps_service.engine.version_states`), oldest first."""
+        base = self.registry.model(model)
+        labels = self.labels.of(model)
+        views = {}
+        for version, record in self.states.unserved(model).items():
+            views[version] = view_of(model, version, record, [], self._table_views(base.tables, {}), [], None)
+        served = self.registry.tables()
+        for config in self.versions(model):
+            tables = served.get(config.served_name, {})
+            named = sorted(k for k, v in labels.items() if v == config.version)
+            preloading = sorted(t.name for t in tables.values() if self.preloader.loading(t.id))
+            ended = [self.preloader.finished_at.get(t.id) for t in tables.values()]
+            views[config.version] = view_of(model, config.version, self.states.record(config.served_name), named,
+                                            self._table_views(config.tables, tables), preloading,
+                                            max((e for e in ended if e is not None), default=None))
+        return [views[v] for v in sorted(views)]
+
+    def _table_views(self, configs: Sequence[TableConfig], tables: dict[str, ServedTable]) -> list[TableView]:
+        out = []
+        for tc in configs:
+            t = tables.get(tc.name)
+            rows = self.stored_rows(t) if t is not None else None
+            width = t.format.words * 4 if t is not None else None
+            out.append(TableView(tc.name, tc.dim, t.storage if t is not None else tc.storage, rows,
+                                 rows * width if rows is not None and width is not None else None))
+        return out
 
     def set_label(self, model: str, label: str, version: int | None) -> int | None:
         """Point ``label`` of ``model`` at a loaded ``version`` (None: remove it), persisted; returns the version it
@@ -269,6 +337,12 @@ class LookupEngine(Engine):
         """
         with self.writing(model, table) as t:
             return self.writer.apply_updates(t, keys, vectors, versions, written_s)
+
+    def put_rows(self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int,
+                 strict: bool = False) -> PutCounts:
+        """:meth:`apply_updates` saying rows written and rows stale (see :meth:`Writer.put`)."""
+        with self.writing(model, table) as t:
+            return self.writer.put(t, keys, vectors, versions, strict=strict)
 
     def apply_deletes(self, model: str, table: str, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:
         """Delete keys from every tier and the L1 cache. Returns how many live rows the lowest enabled tier held

@@ -33,6 +33,8 @@ class Preloader:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
+        #: When the preload of each table (by tier id) ended (wall clock): a version is ready from then on.
+        self.finished_at: dict[str, float] = {}
 
     def start(self, t: ServedTable) -> None:
         """Preload ``t`` in the background when the volatile tier is in process and the stored rows all fit."""
@@ -46,6 +48,9 @@ class Preloader:
             log.info("%s: %d stored rows exceed the volatile tier's %d; its rows load on demand", t.id, stored,
                      capacity)
             return
+        if self.volatile.count(t.id) >= stored:  # filled as its rows were imported (a repository version's)
+            self.finished_at = {**self.finished_at, t.id: time.time()}
+            return
         thread = threading.Thread(target=self._run, args=(t, stored), name=f"hps-preload-{t.id}", daemon=True)
         with self._lock:
             self._threads = [th for th in self._threads if th.is_alive()] + [thread]
@@ -57,6 +62,12 @@ class Preloader:
             return any(th.is_alive() and th.name == f"hps-preload-{table_id}" for th in self._threads)
 
     def _run(self, t: ServedTable, stored: int) -> None:
+        try:
+            self._preload(t, stored)
+        finally:
+            self.finished_at = {**self.finished_at, t.id: time.time()}
+
+    def _preload(self, t: ServedTable, stored: int) -> None:
         assert self.volatile is not None and self.persistent is not None
         started = time.monotonic()
         loaded = 0

@@ -16,7 +16,7 @@ import numpy as np
 
 from hps_service.engine import ttl
 from hps_service.engine.table import ServedTable
-from hps_service.errors import InvalidArgumentError, UnavailableError
+from hps_service.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_service.keys import as_keys
 from hps_service.tiers.base import (
     Positions,
@@ -48,6 +48,14 @@ class TableChange:
     def write(self, t: ServedTable, admit: Admit | None = None) -> TableWrite:
         """The write of this change to ``t``, checked (see :func:`prepare_change`) and resolved."""
         return prepare_change(t, self).write(t, admit)
+
+@dataclass(frozen=True, slots=True)
+class PutCounts:
+    """What a put did: rows written, and rows not written because the stored row of their key is newer (stale)."""
+
+    written: int
+    stale: int
+
 
 #: Keys per L2 delete and L1 invalidation after an import (bounds one call).
 INVALIDATE_CHUNK = 65_536
@@ -189,19 +197,27 @@ class Writer:
     ) -> int:
         """Write the rows the table admits (see :meth:`admitted`) to persistent (durable) -> volatile -> rows present
         in L1. Returns rows written. ``written_s``: the rows' write times for a table with ``ttl_s`` (None: now)."""
+        return self.put(t, keys, vectors, versions, written_s).written
+
+    def put(
+        self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int,
+        written_s: np.ndarray | None = None, strict: bool = False,
+    ) -> PutCounts:
+        """:meth:`apply_updates`, saying how many rows were written and how many were stale (a stored row is
+        newer). ``strict``: FailedPreconditionError naming the stale rows, and nothing written, when any is."""
         keys = as_keys(keys)
         n = keys.shape[0]
         vectors = as_rows(vectors, n, t.dim, f"update of {t.id}")
         stamped = np.broadcast_to(np.asarray(versions, dtype=np.int64), (n,))
         if n == 0:
-            return 0
+            return PutCounts(0, 0)
         written = ttl.write_times(n, written_s) if t.ttl_s is not None else None
         if (admitted := self.admitted(t, keys)) is not None:
             keys, vectors, stamped = keys[admitted], vectors[admitted], stamped[admitted]
             written = written[admitted] if written is not None else None
             n = keys.shape[0]
             if n == 0:
-                return 0
+                return PutCounts(0, 0)
         keep = latest_per_key(keys, stamped)
         if keep.shape[0] != n:
             keys, vectors, stamped = keys[keep], vectors[keep], stamped[keep]
@@ -210,19 +226,38 @@ class Writer:
             stamped = np.ascontiguousarray(stamped)
         vectors = t.format.encode(vectors, written)  # once: every tier and L1 hold the stored form
         with t.guard.writing(keys):
-            written = np.ones(keys.shape[0], dtype=bool)
-            if self.persistent is not None:
-                written = self.persistent.put(t.id, keys, vectors, stamped)
-                if t.converting is not None and (copy := copy_write(t, _rows_write(t, keys, vectors, stamped))):
-                    self.persistent.put(copy.table, copy.keys, copy.vectors, copy.versions)
-            if self.volatile is not None:
-                if self.persistent is None:
-                    written = self.volatile.put(t.id, keys, vectors, stamped)
-                elif written.any():
-                    # only rows L3 accepted: an older replay must not reach L2 where an evicted tombstone left a gap
-                    self.volatile.put(t.id, keys[written], vectors[written], stamped[written])
-            if t.cache is not None and written.any():
-                t.cache.update(keys[written], vectors[written], stamped[written])
+            if strict:
+                self._refuse_stale(t, keys, stamped)
+            written_n = self._put_encoded(t, keys, vectors, stamped)
+        return PutCounts(written_n, int(keys.shape[0]) - written_n)
+
+    def _refuse_stale(self, t: ServedTable, keys: np.ndarray, versions: np.ndarray) -> None:
+        """FailedPreconditionError when the lowest tier holds a row newer than some put (a strict write)."""
+        tier = self.persistent if self.persistent is not None else self.volatile
+        if tier is None:
+            return
+        stale = np.flatnonzero(~tier.accepts(t.id, keys, versions))
+        if stale.size:
+            raise FailedPreconditionError(
+                f"{stale.size} of {keys.shape[0]} rows are older than the rows stored for their keys (key "
+                f"{int(keys[stale[0]])} at version {int(versions[stale[0]])}, for one); nothing was written "
+                "(strict)")
+
+    def _put_encoded(self, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, stamped: np.ndarray) -> int:
+        """Write unique encoded rows to every tier and L1 (the caller holds the write guard); rows written."""
+        written = np.ones(keys.shape[0], dtype=bool)
+        if self.persistent is not None:
+            written = self.persistent.put(t.id, keys, vectors, stamped)
+            if t.converting is not None and (copy := copy_write(t, _rows_write(t, keys, vectors, stamped))):
+                self.persistent.put(copy.table, copy.keys, copy.vectors, copy.versions)
+        if self.volatile is not None:
+            if self.persistent is None:
+                written = self.volatile.put(t.id, keys, vectors, stamped)
+            elif written.any():
+                # only rows L3 accepted: an older replay must not reach L2 where an evicted tombstone left a gap
+                self.volatile.put(t.id, keys[written], vectors[written], stamped[written])
+        if t.cache is not None and written.any():
+            t.cache.update(keys[written], vectors[written], stamped[written])
         return int(np.count_nonzero(written))
 
     def apply_deletes(self, t: ServedTable, keys: np.ndarray, versions: np.ndarray | int | None = None) -> int:

@@ -16,7 +16,6 @@ import builtins
 import hashlib
 import json
 import logging
-import os
 import re
 import shutil
 import threading
@@ -28,9 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import boto3
 from boto3.s3.transfer import TransferConfig
-from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from hps_service.config import PersistentConfig
@@ -44,6 +41,7 @@ from hps_service.fleet.manifests import (
     file_target,
     uploaded_files,
 )
+from hps_service.fleet.s3_files import s3_client
 
 log = logging.getLogger(__name__)
 
@@ -112,15 +110,7 @@ class SnapshotBucket:
         environment."""
         self.url = url
         self.bucket, self.prefix = parse_store_url(url)
-        if client is None:
-            # S3-compatible servers named by AWS_ENDPOINT_URL (MinIO, SeaweedFS, ...) want path-style addressing
-            custom = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-            config = Config(s3={"addressing_style": "path" if custom else "auto"},
-                            retries={"max_attempts": 5, "mode": "standard"},
-                            request_checksum_calculation="when_required",
-                            response_checksum_validation="when_required")
-            client = boto3.client("s3", config=config, **(credentials or {}))
-        self.client = client
+        self.client = client if client is not None else s3_client(credentials)
         self.transfer = TransferConfig(max_bandwidth=max_bandwidth or None, use_threads=True, max_concurrency=4)
 
     @classmethod

@@ -161,14 +161,14 @@ class ModelRegistrations:
         self.engine.model(name)  # NotFoundError for a model not loaded
         return self._through_log(RegistryChange(UNLOAD, name))
 
-    def set_label(self, model: str, label: str, version: int | None) -> bool:
+    def set_label(self, model: str, label: str, version: int | None, allow_empty: bool = False) -> bool:
         """Point ``label`` of ``model`` at ``version`` (None: remove it) here (and, through the log, on every replica
         and shard, at the same offset of the one-partition log) before this returns; whether it travelled. Through
-        the log, the switch waits until every replica reports the version switchable (FailedPreconditionError
-        naming what is missing, after a while)."""
+        the log, the switch waits until every replica reports the version switchable (``allow_empty``: tables
+        without rows included; FailedPreconditionError naming what is missing, after a while)."""
         registry = self.log_of()
         if version is not None and self.gate is not None and registry is not None and registry.signs:
-            self.gate.wait(model, version)
+            self.gate.wait(model, version, allow_empty=allow_empty)
         return self._through_log(RegistryChange.switch(model, label, version))
 
     def _through_log(self, change: RegistryChange) -> bool:
@@ -178,7 +178,7 @@ class ModelRegistrations:
         if registry is not None and not registry.signs and change.name not in self.configured:
             self._warn_local_once(registry.topic)
         if registry is None or not registry.signs or change.name in self.configured:
-            self._apply(change)
+            self._apply(change, "REST API")
             return False
         offset = registry.publish(change)
         if not registry.wait_applied(offset, self.timeout_s):
@@ -207,9 +207,9 @@ class ModelRegistrations:
             log.info("model %s is defined by the config; its %s on the registration log is skipped", change.name,
                      change.op)
             return
-        self._apply(change)
+        self._apply(change, "registration log")
 
-    def _apply(self, change: RegistryChange) -> None:
+    def _apply(self, change: RegistryChange, source: str) -> None:
         with self._lock:
             loaded = {m.served_name: m for m in self.engine.served_models()}
             if change.op == LABEL:
@@ -219,7 +219,7 @@ class ModelRegistrations:
                 if loaded.get(change.name) == change.model:
                     return
                 if change.model.version:
-                    self.engine.add_version(change.model)
+                    self.engine.add_version(change.model, source)
                 else:
                     self.engine.register_model(change.model)
             elif change.name in loaded:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hps_service.config.base import served_name
@@ -33,19 +33,32 @@ STALE_S = 60.0
 
 @dataclass(frozen=True)
 class ReplicaStatus:
-    """What one replica said last: when (its wall clock), when it arrived here (this monotonic clock), and per
-    served name what keeps a switch to it back there (empty: switchable)."""
+    """What one replica said last: when (its wall clock), when it arrived here (this monotonic clock), per served
+    name what keeps a switch to it back there (empty: switchable), and per served name the tables that hold no rows
+    there (what a switch with ``allow_empty`` passes over)."""
 
     replica: str
     at: float
     received: float
     served: dict[str, list[str]]
+    empty: dict[str, list[str]] = field(default_factory=dict)
 
 
-def local_status(engine: Engine, not_ready: Callable[[], list[str]]) -> dict[str, list[str]]:
-    """This replica's status: per served name (every model and version), what keeps a label from pointing at it."""
+def local_status(engine: Engine, not_ready: Callable[[], list[str]]) -> dict[str, Any]:
+    """This replica's status: per served name (every model and version, and the versions being imported or failed
+    here) what keeps a label from pointing at it, and apart, what only a switch with ``allow_empty`` passes over."""
     reasons = not_ready()
-    return {m.served_name: [*engine.not_switchable(m.name, m.version), *reasons] for m in engine.served_models()}
+    served: dict[str, list[str]] = {}
+    empty: dict[str, list[str]] = {}
+    for m in engine.served_models():
+        hard = engine.not_switchable(m.name, m.version, allow_empty=True)
+        served[m.served_name] = [*hard, *reasons]
+        if extra := [r for r in engine.not_switchable(m.name, m.version) if r not in hard]:
+            empty[m.served_name] = extra
+    for m in engine.models():
+        for version in engine.states.unserved(m.name):
+            served[served_name(m.name, version)] = engine.not_switchable(m.name, version, allow_empty=True)
+    return {"served": served, "empty": empty}
 
 
 class SwitchGate:
@@ -71,7 +84,7 @@ class SwitchGate:
         while not self._worker.stopping.wait(PUBLISH_S):
             try:
                 self.publish({"replica": self.replica, "at": time.time(),
-                              "served": local_status(self.engine, self.not_ready)})
+                              **local_status(self.engine, self.not_ready)})
             except HPSError as exc:  # the broker away: the next period tries again; members wait out the lease
                 log.debug("switch gate: status not published: %s", exc)
 
@@ -80,7 +93,8 @@ class SwitchGate:
         if time.time() - float(status["at"]) > STALE_S:
             return
         served = {str(k): [str(r) for r in v] for k, v in dict(status["served"]).items()}
-        got = ReplicaStatus(str(status["replica"]), float(status["at"]), time.monotonic(), served)
+        empty = {str(k): [str(r) for r in v] for k, v in dict(status.get("empty") or {}).items()}
+        got = ReplicaStatus(str(status["replica"]), float(status["at"]), time.monotonic(), served, empty)
         self._statuses = {**self._statuses, got.replica: got}
 
     def members(self) -> dict[str, ReplicaStatus]:
@@ -88,23 +102,25 @@ class SwitchGate:
         now = time.monotonic()
         return {r: s for r, s in self._statuses.items() if r != self.replica and now - s.received <= LEASE_S}
 
-    def missing(self, model: str, version: int) -> list[str]:
-        """What keeps the other members from taking a switch to ``version`` of ``model`` (empty: nothing)."""
+    def missing(self, model: str, version: int, allow_empty: bool = False) -> list[str]:
+        """What keeps the other members from taking a switch to ``version`` of ``model`` (empty: nothing); a table
+        without rows does unless ``allow_empty``."""
         name = served_name(model, version)
         out = []
         for replica, status in sorted(self.members().items()):
+            reasons = [*status.served.get(name, []), *([] if allow_empty else status.empty.get(name, []))]
             if name not in status.served:
                 what = f"version {version} of model '{model}'" if version else f"model '{model}'"
                 out.append(f"replica {replica} does not serve {what} yet")
-            elif status.served[name]:
-                out.append(f"replica {replica}: {'; '.join(status.served[name])}")
+            elif reasons:
+                out.append(f"replica {replica}: {'; '.join(reasons)}")
         return out
 
-    def wait(self, model: str, version: int, timeout: float | None = None) -> None:
-        """Return once every member reports ``version`` switchable; FailedPreconditionError naming what is
-        missing after ``timeout`` seconds (default ``WAIT_S``)."""
+    def wait(self, model: str, version: int, timeout: float | None = None, allow_empty: bool = False) -> None:
+        """Return once every member reports ``version`` switchable (``allow_empty``: tables without rows
+        included); FailedPreconditionError naming what is missing after ``timeout`` seconds (default ``WAIT_S``)."""
         deadline = time.monotonic() + (WAIT_S if timeout is None else timeout)
-        while missing := self.missing(model, version):
+        while missing := self.missing(model, version, allow_empty):
             if time.monotonic() >= deadline:
                 raise FailedPreconditionError(f"version {version} of model '{model}' is not switchable on every "
                                               f"replica yet: {' | '.join(missing)}")

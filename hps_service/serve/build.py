@@ -29,6 +29,11 @@ def build_engine(config: HPSConfig) -> LookupEngine:
     return engine
 
 
+def staging_root(config: HPSConfig) -> Path:
+    """Where rows downloaded from object storage wait for their import: a ``staging`` directory beside the DB."""
+    return Path(config.persistent.path).parent / "staging"
+
+
 def snapshots_root(config: HPSConfig) -> Path:
     """Where RocksDB checkpoints go: server.snapshots_path, else a ``snapshots`` directory beside the DB."""
     if config.server.snapshots_path is not None:

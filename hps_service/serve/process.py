@@ -26,6 +26,7 @@ from hps_service.fleet.admin_writes import LogWriter
 from hps_service.fleet.bootstrap import BootstrapProgress, bootstrap
 from hps_service.fleet.bucket import SnapshotBucket
 from hps_service.fleet.registrations import sync_registrations
+from hps_service.fleet.repository import RepositoryPoller
 from hps_service.fleet.services import FleetServices
 from hps_service.fleet.sharding import ShardMap
 from hps_service.fleet.snapshots import BucketStore
@@ -33,8 +34,8 @@ from hps_service.jit.warmup import warm_all
 from hps_service.runtime.gate import DRAINING, ServingGate
 from hps_service.runtime.heap import HeapTrimmer
 from hps_service.serve import readiness
-from hps_service.serve.build import build_engine, snapshots_root
-from hps_service.serve.unix_socket import bind_unix_socket
+from hps_service.serve.build import build_engine, snapshots_root, staging_root
+from hps_service.serve.unix_socket import UnixSocket, bind_unix_socket
 from hps_service.server.call_tracing import admin_app
 from hps_service.server.grpc_server import (  # noqa: F401  (message_limits re-exported)
     ServingGrpc,
@@ -68,6 +69,7 @@ class HPSServer:
         self.gate = ServingGate()
         self.health = HealthServicer()
         self._grpc: ServingGrpc | None = None
+        self._uds: UnixSocket | None = None  # the owner's Unix domain socket, removed on stop
         self.grpc_port: int | None = None
         self.http_port: int | None = None
         self.metrics: ServerMetrics | None = None
@@ -87,6 +89,7 @@ class HPSServer:
         #: Snapshots in the bucket (persistent.snapshot_store): taken periodically, restored by recovery and REST.
         self.bucket_snapshots: Snapshots[BucketStore] | None = None
         self.fleet: FleetServices | None = None
+        self.repository: RepositoryPoller | None = None
         self.log_writer: LogWriter | None = None
         self._app = SwitchableApp(create_starting_app(self.readiness_report))
         self._probes: ProbeServer | None = None
@@ -140,6 +143,7 @@ class HPSServer:
             self._start_updates()  # first: an admin write answered before the log writer exists would bypass the log
             self._app.target = admin_app(self._admin_context())
             self.fleet.start()
+            self._start_repository()
             if self.bucket_snapshots is not None:
                 self.bucket_snapshots.start(self.config.persistent.snapshot_interval_s)
         except Exception:
@@ -186,7 +190,7 @@ class HPSServer:
                 raise UnavailableError(f"cannot bind gRPC to {cfg.host}:{cfg.grpc_port}")
         uds = cfg.local_socket()
         if uds is not None:  # the colocated readers' group may connect, as it may map the store
-            bind_unix_socket(server, uds, local_access(cfg.local))
+            self._uds = bind_unix_socket(server, uds, local_access(cfg.local))
         server.start()
         self._grpc = serving
         self.grpc_port = port
@@ -217,6 +221,16 @@ class HPSServer:
             node.close()
             self.node = self.engine = None  # cleaned up: start()'s handler must not close them again
             raise
+
+    def _start_repository(self) -> None:
+        """With ``repository`` configured: poll it for new versions (see :mod:`hps_service.fleet.repository`)."""
+        if self.config.repository is None:
+            return
+        assert self.engine is not None
+        self.repository = RepositoryPoller(self.config.repository, self.engine, self.models_changed,
+                                           staging_root(self.config) / "repository", self.shard_map)
+        self.stats_sections["repository"] = self.repository.stats
+        self.repository.start()
 
     def _bootstrap(self) -> None:
         """An empty RocksDB with a snapshot store configured restores each model's newest complete snapshot."""
@@ -258,6 +272,7 @@ class HPSServer:
             log_writer=lambda: self.log_writer,
             shard_map=self.shard_map,
             cluster_info=self.cluster_info,
+            import_staging=staging_root(self.config),
         )
 
     # ---- readiness ----------------------------------------------------------------------------
@@ -387,7 +402,11 @@ class HPSServer:
             self.node.stop_workers(remaining(0.6))
         if self._grpc is not None:
             self._grpc.drain_and_stop(self.gate, remaining(0.6))
+        if self._uds is not None:
+            self._uds.remove()
         self.gate.close(DRAINING)
+        if self.repository is not None:
+            self.repository.stop(max(remaining(0.3), 0.5))
         if self.fleet is not None:
             self.fleet.stop(max(remaining(0.3), 0.5))
         if self.consumer is not None:

@@ -21,6 +21,7 @@ from prometheus_client.registry import Collector
 from hps_service import __version__
 from hps_service.engine import LEVELS
 from hps_service.engine.api import Engine
+from hps_service.server.version_metrics import VersionCollector
 from hps_service.shm.counters import (
     KEYS_BUCKETS,
     LATENCY_BUCKETS,
@@ -200,6 +201,7 @@ class ServerMetrics:
         build.labels(__version__).set(1)
         if engine is not None:
             self.registry.register(EngineCollector(engine))
+            self.registry.register(VersionCollector(engine))
 
     def queue_wait(self, seconds: float) -> None:
         """Count how long a gRPC call waited for a handler thread (see :class:`hps_service.server.grpc_server.HandlerPool`)."""

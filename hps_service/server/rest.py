@@ -10,16 +10,13 @@ loop. The gatekeeper in front (:mod:`hps_service.server.gatekeeper`) admits each
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
-import numpy as np
-from fastapi import Depends, FastAPI, Query, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -30,12 +27,14 @@ from starlette.types import Receive, Scope, Send
 from hps_service.admin.jobs import JobRunner, convert_job, import_job, import_tier
 from hps_service.admin.snapshots import Snapshots
 from hps_service.config import HPSConfig, ModelConfig
-from hps_service.engine import LEVELS, as_rows
+from hps_service.engine import LEVELS
 from hps_service.engine.api import Engine
-from hps_service.engine.bags import Bags
-from hps_service.errors import HPSError, InvalidArgumentError, ResourceExhaustedError
+from hps_service.errors import HPSError
 from hps_service.fleet.registry_log import ModelRegistrations
+from hps_service.fleet.row_import import check_dim
+from hps_service.fleet.s3_files import is_s3, parse_s3
 from hps_service.fleet.sharding import ShardMap
+from hps_service.rows.sources import open_rows
 from hps_service.runtime.gate import ServingGate
 from hps_service.server.audit import AuditLog
 from hps_service.server.auth import Authenticator
@@ -46,19 +45,11 @@ from hps_service.server.probes import Readiness, ReadinessCheck, add_probe_route
 from hps_service.server.problems import PROBLEM_JSON
 from hps_service.server.problems import problem as _error
 from hps_service.server.rest_access import BodyLimits
-from hps_service.server.rest_bags import body_bags, pooled_answer
-from hps_service.server.rest_bodies import (
-    ConvertRequest,
-    ImportRequest,
-    PurgeTombstonesRequest,
-    Wait,
-    body_schema,
-    json_body,
-    rows_bodies,
-)
+from hps_service.server.rest_bodies import ConvertRequest, ImportRequest, PurgeTombstonesRequest, Wait
+from hps_service.server.rest_rows import ModelVersion, add_rows_routes
 from hps_service.server.rest_versions import add_version_routes
 from hps_service.server.rest_visibility import check_metrics, visible_job, visible_jobs, visible_models, visible_stats
-from hps_service.server.status import http_status_for, status_for
+from hps_service.server.status import http_status_for
 from hps_service.server.unread_bodies import CloseUnread
 
 if TYPE_CHECKING:
@@ -73,10 +64,6 @@ AdminCredentials = Annotated[
     HTTPAuthorizationCredentials | None,
     Depends(HTTPBearer(auto_error=False, description="server.admin_token (or HPS_ADMIN_TOKEN)")),
 ]
-_SOURCE_NAMES = np.array(["unspecified", "cache", "volatile", "persistent", "default", "expired"])
-#: ``?model_version=N``: a version of the model (``POST /v1/models/{model}/versions``); 0: the model (or, for a
-#: read, the version its ``?label=`` or its label ``production`` names). Not ``version``: that is a row's version.
-ModelVersion = Annotated[int, Query(ge=0, le=2**31 - 1, description="a version of the model (0: see label)")]
 
 
 @dataclass
@@ -103,33 +90,8 @@ class AdminContext:
 
     #: With Kafka updates on: admin row writes go to the update topic (fleet.admin_writes.LogWriter).
     log_writer: Callable[[], LogWriter | None] = lambda: None
-
-
-_DECIMAL = re.compile(r"[+-]?[0-9]+")
-
-
-def parse_keys(text: str) -> np.ndarray:
-    """``"1,2,3"`` as an int64 array; InvalidArgumentError naming the bad entry."""
-    parts = [p.strip() for p in text.split(",")] if text.strip() else []
-    bad = next((p for p in parts if not _DECIMAL.fullmatch(p)), None)
-    if bad is not None:  # ASCII decimals only: int() would also take '1_0' or other scripts' digits
-        raise InvalidArgumentError(f"keys must be comma-separated integers, got {bad!r}")
-    values = [int(p) for p in parts]
-    try:
-        return np.array(values, dtype=np.int64)
-    except OverflowError:
-        raise InvalidArgumentError("keys must fit in int64") from None
-
-
-def rows_array(vectors: list[list[float]], n: int) -> np.ndarray:
-    """JSON rows as a float32 (n, dim) array; ragged rows are an InvalidArgumentError."""
-    if n == 0 and not vectors:
-        return np.zeros((0, 0), dtype=np.float32)
-    try:
-        with np.errstate(over="ignore"):  # out-of-range values become inf and are rejected by the engine
-            return np.asarray(vectors, dtype=np.float32)
-    except ValueError:
-        raise InvalidArgumentError("vectors must be a list of rows of equal length") from None
+    #: Where rows downloaded from object storage wait for their import (None: a temporary directory).
+    import_staging: Path | None = None
 
 
 def describe_model(engine: Engine, name: str) -> dict[str, Any]:
@@ -194,7 +156,6 @@ def create_app(ctx: AdminContext) -> FastAPI:
                        limits=BodyLimits(cfg.max_batch_keys, cfg.max_body_bytes, dim_of),
                        internal_on=cfg.expose_internal_on)
     app.add_middleware(CloseUnread)  # outermost: a request answered before its body was read closes its connection
-    bodies = rows_bodies(cfg.max_batch_keys)
 
     def require_admin(credentials: AdminCredentials) -> None:
         """The gatekeeper has checked the token; checked again here, so no admin route runs without it."""
@@ -267,109 +228,24 @@ def create_app(ctx: AdminContext) -> FastAPI:
 
     add_version_routes(app, engine, ctx.registrations, ctx.readiness, admin)
 
-    # ---- rows -------------------------------------------------------------------------------------
-    rows_path = "/v1/models/{model}/tables/{table}/embeddings"
-
-    def rows_of(method: str, model: str, table: str, keys: Callable[[], np.ndarray], version: int,
-                label: str, bags: Callable[[int], Bags | None] = lambda n: None) -> Response:
-        """Look ``keys()`` up in the version ``version`` or ``label`` names, timed and counted as ``method``; the
-        rows as JSON (encoded once, not walked by FastAPI's encoder: a 65,536 x 64 answer is 4M floats). With
-        ``bags(n)`` naming bags of the n keys, a pooled lookup: one row per bag."""
-        with ctx.metrics.observe(method) as outcome:
-            try:
-                served, version = engine.resolve(model, version or None, label)
-                arr = keys()
-                if arr.shape[0] > ctx.config.server.max_batch_keys:
-                    raise ResourceExhaustedError(f"{arr.shape[0]} keys in one request exceeds "
-                                                 f"server.max_batch_keys={ctx.config.server.max_batch_keys}")
-                pooled = bags(arr.shape[0])
-                ctx.shard_map.check(arr)
-                if pooled is not None:
-                    outcome[1] = True
-                    ctx.metrics.observe_bags(pooled.count)
-                    body = pooled_answer(engine, served, model, version, table, arr, pooled, _SOURCE_NAMES)
-                else:
-                    result = engine.lookup(served, table, arr)
-            except HPSError as err:
-                outcome[0] = status_for(err).name
-                raise
-            ctx.metrics.observe_keys(arr.shape[0])
-        if pooled is None:
-            body = {"model": model, "version": version, "table": table, "dim": int(result.vectors.shape[1]),
-                    "keys": arr.tolist(),
-                    "vectors": result.vectors.tolist(), "sources": _SOURCE_NAMES[result.sources].tolist()}
-        return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
-
-    lookup_responses: dict[int | str, dict[str, Any]] = {
-        200: {"description": "rows in the order asked: `{model, table, dim, keys, vectors, sources}`; a pooled "
-                             "lookup's, one per bag: `{model, table, dim, bags, vectors, sources}`"}}
-
-    @app.get(rows_path, tags=["rows"], summary="Rows of keys, and which level answered each",
-             response_class=Response, responses=lookup_responses)
-    def get_rows(model: str, table: str,
-                 keys: str = Query(..., description="comma-separated int64 keys (a few thousand at most: the URL is "
-                                                    "limited; POST ...embeddings:lookup takes up to "
-                                                    "server.max_batch_keys)", examples=["1,2,3"]),
-                 model_version: ModelVersion = 0, label: str = "") -> Response:
-        return rows_of("RestGetEmbeddings", model, table, lambda: parse_keys(keys), model_version, label)
-
-    @app.post(rows_path + ":lookup", tags=["rows"], response_class=Response, responses=lookup_responses,
-              summary="Rows of many keys (JSON body, up to server.max_batch_keys), and which level answered each; "
-                      "with offsets and a combiner, one row per bag",
-              openapi_extra=body_schema(bodies.lookup))
-    def lookup_rows(model: str, table: str, body: Any = json_body(bodies.lookup, cfg.max_batch_keys),
-                    model_version: ModelVersion = 0, label: str = "") -> Response:
-        return rows_of("RestLookupEmbeddings", model, table, lambda: np.array(body.keys, dtype=np.int64),
-                       model_version, label, lambda n: body_bags(body, n, cfg.max_batch_keys))
-
-    @app.put(rows_path, tags=["rows"], dependencies=admin, summary="Upsert rows (dim checked, NaN/inf rejected)",
-             openapi_extra=body_schema(bodies.put))
-    def put_rows(model: str, table: str, body: Any = json_body(bodies.put, cfg.max_batch_keys),
-                 wait: Wait = "acknowledged", model_version: ModelVersion = 0) -> dict[str, Any]:
-        model = engine.resolve(model, model_version)[0] if model_version else model
-        n = len(body.keys)
-        if n > ctx.config.server.max_batch_keys:
-            raise ResourceExhaustedError(f"{n} rows exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
-        t = engine.table(model, table)
-        vectors = rows_array(body.vectors, n)
-        if n == 0 and vectors.size == 0:
-            return {"written": 0}
-        ctx.shard_map.check(np.array(body.keys, dtype=np.int64))
-        if vectors.ndim != 2 or vectors.shape[1] != t.dim:
-            width = vectors.shape[1] if vectors.ndim == 2 else "?"
-            raise InvalidArgumentError(f"table '{table}' has dim {t.dim}; rows have {width} values")
-        keys = np.array(body.keys, dtype=np.int64)
-        if (writer := ctx.log_writer()) is not None:
-            as_rows(vectors, n, t.dim, f"rows for {model}.{table}")
-            return writer.put(model, table, keys, vectors, body.version, wait_applied=wait == "applied")
-        return {"written": engine.apply_updates(model, table, keys, vectors, body.version)}
-
-    @app.delete(rows_path, tags=["rows"], dependencies=admin, summary="Delete rows from every tier",
-                openapi_extra=body_schema(bodies.delete))
-    def delete_rows(model: str, table: str, body: Any = json_body(bodies.delete, cfg.max_batch_keys),
-                    wait: Wait = "acknowledged", model_version: ModelVersion = 0) -> dict[str, Any]:
-        model = engine.resolve(model, model_version)[0] if model_version else model
-        if len(body.keys) > ctx.config.server.max_batch_keys:
-            raise ResourceExhaustedError(
-                f"{len(body.keys)} keys exceeds server.max_batch_keys={ctx.config.server.max_batch_keys}")
-        keys = np.array(body.keys, dtype=np.int64)
-        ctx.shard_map.check(keys)
-        if (writer := ctx.log_writer()) is not None:
-            return writer.delete(model, table, keys, body.version, wait_applied=wait == "applied")
-        return {"deleted": engine.apply_deletes(model, table, keys, body.version)}
+    add_rows_routes(app, ctx, admin)
 
     # ---- import jobs ------------------------------------------------------------------------------
     @app.post("/v1/models/{model}/tables/{table}/import", tags=["jobs"], status_code=202, dependencies=admin,
-              summary="Import a table from a server-side path as a background job")
-    def import_rows(model: str, table: str, body: ImportRequest, model_version: ModelVersion = 0) -> dict[str, Any]:
-        model = engine.resolve(model, model_version)[0] if model_version else model
-        engine.table(model, table)
+              summary="Import a table from a server-side path or an s3:// URL (npz, Parquet, safetensors, HugeCTR) "
+                      "as a background job, streamed")
+    def import_rows(model: str, table: str, body: ImportRequest,
+                    model_version: ModelVersion = None) -> dict[str, Any]:
+        model = engine.resolve(model, model_version)[0]
+        t = engine.table(model, table)
         import_tier(engine)
-        path = Path(body.path)
-        if not path.exists():
-            raise InvalidArgumentError(f"model source {path} does not exist on the server")
-        job = ctx.jobs.submit("import", {"model": model, "table": table, "path": str(path)},
-                              import_job(engine, model, table, path, body.version, ctx.shard_map))
+        if is_s3(body.path):
+            parse_s3(body.path)
+        else:  # refused now, before a job: a path that is not there, a file that does not parse or has another dim
+            check_dim(open_rows(Path(body.path)), t.id, t.dim)
+        job = ctx.jobs.submit("import", {"model": model, "table": table, "path": body.path},
+                              import_job(engine, model, table, body.path, body.row_version, ctx.shard_map,
+                                         ctx.import_staging))
         return job.view()
 
     @app.post("/v1/models/{model}/tables/{table}:convert", tags=["jobs"], status_code=202, dependencies=admin,

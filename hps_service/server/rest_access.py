@@ -54,6 +54,7 @@ ROUTES: dict[str, tuple[Access, BodyKind]] = {
     "restore_snapshot": ("admin", "none"),
     "clear_cache": ("admin", "none"),
     "list_versions": ("read", "none"),
+    "get_version": ("read", "none"),
     "list_labels": ("read", "none"),
     "create_version": ("admin", "model"),
     "delete_version": ("admin", "none"),

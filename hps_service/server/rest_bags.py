@@ -24,9 +24,9 @@ def body_bags(body: Any, n_keys: int, max_bags: int) -> Bags | None:
     return check_bags(n_keys, np.array(body.offsets, dtype=np.int64), COMBINERS[body.combiner], weights, max_bags)
 
 
-def pooled_answer(engine: ReadEngine, served: str, model: str, version: int, table: str, keys: np.ndarray,
+def pooled_answer(engine: ReadEngine, served: str, model: str, version: int | None, table: str, keys: np.ndarray,
                   bags: Bags, source_names: np.ndarray) -> dict[str, Any]:
     """The JSON answer of a pooled lookup: one row per bag and the deepest level that answered each."""
     result = engine.lookup_bags(served, table, keys, bags)
-    return {"model": model, "version": version, "table": table, "dim": int(result.vectors.shape[1]),
+    return {"model": model, "model_version": version, "version": version, "table": table, "dim": int(result.vectors.shape[1]),
             "bags": bags.count, "vectors": result.vectors.tolist(), "sources": source_names[result.sources].tolist()}

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, TypeVar
 
 from fastapi import Depends, Query, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, Field, ValidationError
 
 from hps_service.config.base import Storage
 from hps_service.errors import ResourceExhaustedError
@@ -36,6 +36,11 @@ class KeyedBody(BaseModel):
 
 
 B = TypeVar("B", bound=KeyedBody)
+#: A row's version in a body: ``row_version``, or ``version`` as it was first named (not the model's version: that
+#: is the ``model_version`` query parameter).
+ROW_VERSION = AliasChoices("row_version", "version")
+ROW_VERSION_HELP = ("the rows' version (alias: version): a stored row with a newer one is kept; not the model's "
+                    "version, which is ?model_version")
 
 
 def keys_body_bytes(max_keys: int) -> int:
@@ -84,14 +89,15 @@ def rows_bodies(max_batch_keys: int) -> RowsBodies:
 
         keys: keys_list
         vectors: Annotated[list[Annotated[list[float], Field(max_length=MAX_DIM)]], Field(max_length=max_batch_keys)]
-        version: Int64 = 0
+        row_version: Int64 = Field(0, validation_alias=ROW_VERSION, description=ROW_VERSION_HELP)
 
     class KeysBody(KeyedBody):
         keys: keys_list
-        version: Int64 | None = Field(
-            None, ge=0, description="the tombstone's version: a stored row as new or newer is kept, and an older put "
-            "that lands later stays deleted (default, with Kafka updates on: the version this replica holds for each "
-            "key; without: none, the keys are forgotten whatever their version)")
+        row_version: Int64 | None = Field(
+            None, ge=0, validation_alias=ROW_VERSION, description="the tombstone's row version (alias: version): a "
+            "stored row as new or newer is kept, and an older put that lands later stays deleted (default, with Kafka "
+            "updates on: the version this replica holds for each key; without: none, the keys are forgotten whatever "
+            "their version)")
 
     return RowsBodies(LookupBody, RowsPut, KeysBody)
 
@@ -113,8 +119,10 @@ class ConvertRequest(BaseModel):
 
 
 class ImportRequest(BaseModel):
-    path: str = Field(description="server-side HugeCTR sparse model directory or .npz with keys/vectors")
-    version: Int64 = 0
+    path: str = Field(min_length=1, max_length=4096, description="where the rows are: a server-side path or an "
+                      "s3:// URL of a .npz (keys, vectors), a .parquet (key, vector columns), a .safetensors (keys, "
+                      "vectors tensors) or a HugeCTR sparse model directory (key, emb_vector)")
+    row_version: Int64 = Field(0, validation_alias=ROW_VERSION, description=ROW_VERSION_HELP)
 
 
 async def _body_bytes(request: Request) -> bytes:

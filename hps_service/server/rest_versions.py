@@ -33,18 +33,17 @@ class LabelRequest(BaseModel):
     """The version a label names (0: the model as configured)."""
 
     version: int = Field(ge=0, le=2**31 - 1)
+    allow_empty: bool = Field(False, description="point the label even where a table of the version holds no rows "
+                                                 "(refused with 409 otherwise)")
 
 
 def describe_versions(engine: Engine, model: str) -> dict[str, Any]:
-    """The versions of a loaded model, its labels, and the version a request naming neither reads."""
+    """The versions of a loaded model (each with its state, source, rows and bytes per table, and when it became
+    ready), its labels, and the version a request naming neither reads."""
     engine.model(model)
     _, default = engine.resolve(model)
-    labels = engine.labels.of(model)
-    return {"model": model, "default_version": default, "labels": labels,
-            "versions": [{"version": v.version, "tables": [{"name": t.name, "dim": t.dim, "storage": t.storage}
-                                                           for t in v.tables],
-                          "labels": sorted(k for k, n in labels.items() if n == v.version)}
-                         for v in engine.versions(model)]}
+    return {"model": model, "default_version": default, "labels": engine.labels.of(model),
+            "versions": [v.as_json() for v in engine.version_states(model)]}
 
 
 def add_version_routes(app: FastAPI, engine: Engine, registrations: ModelRegistrations,
@@ -61,6 +60,15 @@ def add_version_routes(app: FastAPI, engine: Engine, registrations: ModelRegistr
                              tables=body.tables if body.tables is not None else base.tables)
         replicated = registrations.register(config)
         return {**describe_versions(engine, model), "added": body.version, "replicated": replicated}
+
+    @app.get("/v1/models/{model}/versions/{version}", tags=["versions"],
+             summary="One version: its state, source, rows and bytes per table, when it became ready")
+    def get_version(model: str, version: Annotated[int, Path(ge=1, le=2**31 - 1)]) -> dict[str, Any]:
+        engine.model(model)
+        found = [v for v in engine.version_states(model) if v.version == version]
+        if not found:
+            raise HTTPException(404, f"model '{model}' has no version {version}")
+        return {"model": model, **found[0].as_json()}
 
     @app.get("/v1/models/{model}/versions", tags=["versions"], summary="Versions and labels of a model")
     def list_versions(model: str) -> dict[str, Any]:
@@ -86,13 +94,13 @@ def add_version_routes(app: FastAPI, engine: Engine, registrations: ModelRegistr
     def set_label(model: str, label: str, body: LabelRequest) -> dict[str, Any]:
         check_label(label)
         engine.model(model)
-        missing = engine.not_switchable(model, body.version)
+        missing = engine.not_switchable(model, body.version, body.allow_empty)
         not_ready, _ = readiness()
         if missing or not_ready:
             raise HTTPException(409, f"version {body.version} of model '{model}' is not switchable here yet: "
                                      f"{'; '.join([*missing, *not_ready])}")
         before = engine.labels.of(model).get(label)
-        replicated = registrations.set_label(model, label, body.version)
+        replicated = registrations.set_label(model, label, body.version, body.allow_empty)
         return {"model": model, "label": label, "version": body.version, "before": before,
                 "replicated": replicated}
 

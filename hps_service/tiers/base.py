@@ -270,6 +270,12 @@ class Tier(ReadTier):
         """Up to ``limit`` stored keys of ``table`` in the store's own order (used for cache warm start)."""
         raise NotImplementedError(f"{type(self).__name__} cannot scan keys")
 
+    def accepts(self, table: str, keys: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Where a put of ``keys`` (unique) at ``versions`` would be written, without writing: no stored row is newer.
+        This default reads the live rows with :meth:`get`; a store that can see its tombstones overrides it."""
+        rows = self.get(table, keys)
+        return ~(rows.found & (rows.versions > np.asarray(versions, dtype=np.int64)))
+
     def purge_tombstones(self, table: str, below_version: int) -> int:
         """Remove tombstones of ``table`` older than ``below_version``; returns how many. Stores whose
         tombstones are bounded otherwise (evicted with the rows) keep them and return 0."""

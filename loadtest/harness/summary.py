@@ -74,6 +74,12 @@ def ratio_table(res: dict[str, Any]) -> cli.RatioTable:
             row(f"9. catch-up behind {r['catch_up_rows']:,} rows", f"{r['catch_up_s']:.1f} s",
                 f"{r['catch_up_rows_per_s']:,.0f} rows/s")
     _storage_rows(res, row)
+    ro = res.get("rollout")
+    if ro:
+        row(f"15. version of {ro['rows']:,} x {ro['dim']} from the repository to ready on {ro['replicas']} replicas",
+            f"{ro['all_ready_s']:.1f} s", f"hps import {ro['import_s']:.1f} s", ro["load_ratio"], cli.at_most(1.5))
+        row("15. lookup p99 while it loads", f"{ro['p99_during_s'] * 1e3:.1f} ms",
+            f"before {ro['p99_before_s'] * 1e3:.1f} ms", ro["p99_ratio"], cli.at_most(1.5))
     return t
 
 

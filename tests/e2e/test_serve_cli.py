@@ -104,7 +104,7 @@ def test_errors_name_the_problem(server: ServerProcess) -> None:
             client.lookup("demo", "nope", [1])
         with pytest.raises(ResourceExhaustedError, match="max_batch_keys=5000"):
             client.lookup("demo", "item", np.arange(5001))
-        stub = pb_grpc.EmbeddingServiceStub(client._channel)
+        stub = pb_grpc.EmbeddingServiceStub(client.transport._channel)
         import grpc
 
         with pytest.raises(grpc.RpcError) as info:

@@ -152,12 +152,47 @@ def test_a_switch_waits_for_every_replica_and_names_the_one_behind(kafka_broker,
     b.srv.readiness.append(held_back)
     time.sleep(2 * switch_gate.PUBLISH_S + 0.5)  # b's next status on the log, and a reading it
     try:
-        refused = a.http.put("/v1/models/base/labels/production", json={"version": 3})
+        refused = a.http.put("/v1/models/base/labels/production", json={"version": 3, "allow_empty": True})
         assert refused.status_code == 409, refused.text
         assert "replica b: held back by the test" in refused.json()["detail"], refused.text
         assert a.http.get("/v1/models/base").json()["labels"] == {}
     finally:
         b.srv.readiness.remove(held_back)
-    switched = a.http.put("/v1/models/base/labels/production", json={"version": 3})
+    switched = a.http.put("/v1/models/base/labels/production", json={"version": 3, "allow_empty": True})
     assert switched.status_code == 200, switched.text
     assert wait_until(lambda: b.http.get("/v1/models/base").json()["labels"] == {"production": 3}, timeout=30)
+
+
+def test_a_switch_is_refused_while_a_table_of_the_version_is_empty_on_another_replica(fleet, monkeypatch) -> None:
+    """Issue 53: the version holds rows on the replica asked but none on the other; the PUT answers 409 naming that
+    replica and the empty table (its status carries the empty tables apart), and switches with allow_empty."""
+    from hps_service.fleet import switch_gate
+
+    prefix, (a, b) = fleet
+    assert a.http.post("/v1/models/base/versions", json={"version": 5}).status_code == 201
+    assert wait_until(lambda: b.loaded("base") and b.http.get("/v1/models/base").json()["versions"] == [5], timeout=30)
+    keys = np.arange(1, 33, dtype=np.int64)
+    assert a.srv.engine is not None  # rows on replica a only (not through the update log)
+    assert a.srv.engine.put_rows("base#v5", "item", keys, np.ones((keys.size, DIM), np.float32), 1).written == 32
+    monkeypatch.setattr(switch_gate, "WAIT_S", 3.0)
+    time.sleep(2 * switch_gate.PUBLISH_S + 0.5)  # b's next status on the log, and a reading it
+    refused = a.http.put("/v1/models/base/labels/production", json={"version": 5})
+    assert refused.status_code == 409, refused.text
+    assert "replica b: table item of version 5 of model 'base' holds no rows" in refused.json()["detail"]
+    switched = a.http.put("/v1/models/base/labels/production", json={"version": 5, "allow_empty": True})
+    assert switched.status_code == 200, switched.text
+    assert wait_until(lambda: b.http.get("/v1/models/base").json()["labels"] == {"production": 5}, timeout=30)
+
+
+def test_a_strict_put_through_the_update_log_is_refused_when_this_replica_holds_newer_rows(fleet) -> None:
+    """Issue 53, part 5, with Kafka updates on: the put is checked against this replica's rows before it is
+    published; a stale one is refused with 409 and nothing is published."""
+    _, (a, _b) = fleet
+    rows = "/v1/models/base/tables/item/embeddings"
+    body = {"keys": [7, 8], "vectors": [[1.0] * DIM, [1.0] * DIM], "row_version": 5}
+    first = a.http.put(rows, params={"wait": "applied", "strict": "true"}, json=body)
+    assert first.status_code == 200 and first.json()["published"] == 2, first.text
+    stale = a.http.put(rows, params={"wait": "applied", "strict": "true"},
+                       json={**body, "vectors": [[2.0] * DIM] * 2, "row_version": 4})
+    assert stale.status_code == 409 and "2 of 2 rows are older than the rows this replica stores" in stale.text
+    assert np.array_equal(a.clients[0].lookup("base", "item", [7, 8]), np.ones((2, DIM), np.float32))

@@ -179,7 +179,7 @@ class LifecycleWorkload:
         body: dict[str, Any] = {"keys": keys.tolist(), "version": version}
         if not delete:
             body["vectors"] = encode(keys, version).tolist()
-        params = {"model_version": inc.number} if inc.number else {}
+        params = {"model_version": inc.number}  # 0 too: a write naming none would go where production points
         r = http.request("DELETE" if delete else "PUT", f"/v1/models/{self.model}/tables/t/embeddings",
                          params=params, json=body)
         if r.status_code == 200:
@@ -236,10 +236,8 @@ class LifecycleWorkload:
             while not self.stop.is_set():
                 keys, asked = self._pick(rng, 16), self._asked(rng)
                 params: dict[str, Any] = {"keys": ",".join(map(str, keys.tolist()))}
-                if asked > 0:
+                if asked >= 0:
                     params["model_version"] = asked
-                elif asked == 0:
-                    continue  # REST reads model_version=0 as "unset" (issue 53): not a read of version 0
                 start = time.monotonic()
                 r = http.get(f"/v1/models/{self.model}/tables/t/embeddings", params=params)
                 if r.status_code != 200:
@@ -386,7 +384,7 @@ class LifecycleWorkload:
             target = rng.choice(list(self.live))
         s = Switch(target, time.monotonic())
         self.switches.append(s)
-        r = http.put(f"/v1/models/{self.model}/labels/production", json={"version": target})
+        r = http.put(f"/v1/models/{self.model}/labels/production", json={"version": target, "allow_empty": True})
         if r.status_code != 200:
             return self._refused("switch", r)
         s.ack = time.monotonic()

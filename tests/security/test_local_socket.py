@@ -85,4 +85,4 @@ def test_the_local_socket_is_created_with_its_final_mode(tmp_path: Path) -> None
     assert stat.S_ISSOCK(final) and stat.S_IMODE(final) == 0o600, oct(final)
     assert watch.modes, "the watcher never saw the socket appear"
     assert all(stat.S_IMODE(mode) == 0o600 for mode in watch.modes), [oct(m) for m in watch.modes]
-    assert sorted(p.name for p in sockets.iterdir()) == ["grpc.sock"]  # no private directory left behind
+    assert sorted(p.name for p in sockets.iterdir()) == []  # no private directory left, the socket gone with the server

@@ -93,7 +93,7 @@ def test_every_mutating_endpoint_needs_the_token(http: httpx.Client) -> None:
         basic = http.request(method, path, json={}, headers={"Authorization": f"Basic {TOKEN}"})
         assert basic.status_code == 401
     ok = _put(http, "item", [900_001], np.ones((1, ITEM_DIM), np.float32))
-    assert ok.status_code == 200 and ok.json() == {"written": 1}
+    assert ok.status_code == 200 and ok.json() == {"model_version": 0, "written": 1, "stale": 0}
 
 
 def test_admin_disabled_without_a_token(tmp_path: Path) -> None:
@@ -107,26 +107,26 @@ def test_admin_disabled_without_a_token(tmp_path: Path) -> None:
 def test_put_get_delete_round_trip_with_versions(http: httpx.Client) -> None:
     keys = [11, 12, -13, 2**62]
     rows = np.arange(len(keys) * ITEM_DIM, dtype=np.float32).reshape(len(keys), ITEM_DIM) / 7
-    assert _put(http, "item", keys, rows, version=5).json() == {"written": len(keys)}
+    assert _put(http, "item", keys, rows, version=5).json() == {"model_version": 0, "written": len(keys), "stale": 0}
     got = _get(http, "item", keys + [14])
     np.testing.assert_array_equal(np.array(got["vectors"][:4], np.float32), rows)
     assert got["vectors"][4] == [0.0] * ITEM_DIM and got["sources"][4] == "default"
     assert set(got["sources"][:4]) <= {"cache", "volatile", "persistent"}
     assert got["keys"] == keys + [14] and got["dim"] == ITEM_DIM
     # an older version never replaces a newer row
-    assert _put(http, "item", keys[:2], rows[:2] + 1, version=4).json() == {"written": 0}
+    assert _put(http, "item", keys[:2], rows[:2] + 1, version=4).json() == {"model_version": 0, "written": 0, "stale": 2}
     np.testing.assert_array_equal(np.array(_get(http, "item", keys)["vectors"], np.float32), rows)
     r = http.request("DELETE", ROWS.format(table="item"), json={"keys": keys[:2] + [999_999]}, headers=AUTH)
-    assert r.status_code == 200 and r.json() == {"deleted": 2}
+    assert r.status_code == 200 and r.json() == {"model_version": 0, "deleted": 2}
     after = _get(http, "item", keys)
     assert after["sources"][:2] == ["default", "default"] and after["vectors"][0] == [0.0] * ITEM_DIM
     np.testing.assert_array_equal(np.array(after["vectors"][2:], np.float32), rows[2:])
     # a delete naming a version is a tombstone, with or without Kafka: an older put landing after it stays deleted,
     # a row newer than it is kept
-    assert _put(http, "item", keys[3:], rows[3:], version=20).json() == {"written": 1}
+    assert _put(http, "item", keys[3:], rows[3:], version=20).json() == {"model_version": 0, "written": 1, "stale": 0}
     r = http.request("DELETE", ROWS.format(table="item"), json={"keys": keys[2:], "version": 10}, headers=AUTH)
     assert r.status_code == 200, r.text
-    assert _put(http, "item", keys[2:3], rows[2:3] + 1, version=9).json() == {"written": 0}
+    assert _put(http, "item", keys[2:3], rows[2:3] + 1, version=9).json() == {"model_version": 0, "written": 0, "stale": 1}
     after = _get(http, "item", keys[2:])
     assert after["sources"][0] == "default" and after["sources"][1] != "default"
     np.testing.assert_array_equal(np.array(after["vectors"][1:], np.float32), rows[3:])
@@ -202,8 +202,19 @@ def test_import_errors(http: httpx.Client, tmp_path: Path) -> None:
     wrong_dim = tmp_path / "wrong.npz"
     np.savez(wrong_dim, keys=np.arange(10, dtype=np.int64), vectors=np.ones((10, ITEM_DIM + 1), np.float32))
     r = http.post("/v1/models/demo/tables/item/import", json={"path": str(wrong_dim)}, headers=AUTH)
-    job = wait_job(http, r.json()["id"])
-    assert job["state"] == "failed" and f"dim {ITEM_DIM + 1}" in job["error"]
+    assert r.status_code == 400 and f"has dim {ITEM_DIM + 1}" in r.json()["detail"], r.text  # before any job
+    cut = tmp_path / "cut.npz"
+    cut.write_bytes(wrong_dim.read_bytes()[:200])
+    r = http.post("/v1/models/demo/tables/item/import", json={"path": str(cut)}, headers=AUTH)
+    assert r.status_code == 400 and "not a readable .npz file" in r.json()["detail"], r.text
+    nan = tmp_path / "nan.npz"
+    rows = np.ones((10, ITEM_DIM), np.float32)
+    rows[7, 2] = np.nan
+    np.savez(nan, keys=np.arange(770_000, 770_010, dtype=np.int64), vectors=rows)
+    job = wait_job(http, http.post("/v1/models/demo/tables/item/import", json={"path": str(nan)},
+                                   headers=AUTH).json()["id"])
+    assert job["state"] == "failed" and "row 7 has NaN or inf" in job["error"], job
+    assert _get(http, "item", [770_000])["sources"] == ["default"]  # checked whole first: nothing written
     unknown = http.post("/v1/models/demo/tables/nope/import", json={"path": str(wrong_dim)}, headers=AUTH)
     assert unknown.status_code == 404
 
@@ -220,7 +231,7 @@ def test_snapshot_create_list_restore(http: httpx.Client, server: HPSServer) -> 
     assert snap["id"] in [s["id"] for s in listed]
     assert http.get(f"/v1/models/demo/snapshots/{snap['id']}").json()["id"] == snap["id"]
     # after the snapshot: newer versions of half the rows, and rows the snapshot never had
-    assert _put(http, "user", keys[:50], original[:50] + 100, version=7).json() == {"written": 50}
+    assert _put(http, "user", keys[:50], original[:50] + 100, version=7).json() == {"model_version": 0, "written": 50, "stale": 0}
     assert _put(http, "user", [77_000, 77_001], np.ones((2, USER_DIM), np.float32), version=9).status_code == 200
     assert _get(http, "user", [77_000])["sources"] != ["default"]
     # and a versioned delete (an update tombstone) of rows the snapshot holds
@@ -325,7 +336,7 @@ def test_hps_serve_serves_rest_with_env_token(tmp_path: Path) -> None:
         body = {"keys": [5], "vectors": [[0.5, 1.5]]}
         assert http.put("/v1/models/demo/tables/item/embeddings", json=body).status_code == 401
         r = http.put("/v1/models/demo/tables/item/embeddings", json=body, headers={"Authorization": "Bearer from-env"})
-        assert r.json() == {"written": 1}
+        assert r.json() == {"model_version": 0, "written": 1, "stale": 0}
         assert _get(http, "item", [5])["vectors"] == [[0.5, 1.5]]
 
 

@@ -22,7 +22,8 @@ from hps_service.engine.bags import MEAN, Bags
 from hps_service.engine.levels import CACHE, DEFAULT, PERSISTENT, VOLATILE, LookupResult
 from hps_service.engine.stats import TableStats
 from hps_service.engine.table import ServedTable
-from hps_service.engine.write import PreparedChange, TableChange
+from hps_service.engine.version_states import VersionView
+from hps_service.engine.write import PreparedChange, PutCounts, TableChange
 from hps_service.tiers.base import Positions, WriteResult
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class TracedEngine(TracedReadEngine, Engine):
         super().__init__(engine, provider)
         self._engine = engine
         self.volatile, self.persistent, self.labels = engine.volatile, engine.persistent, engine.labels
+        self.states = engine.states
 
     def register_model(self, model: ModelConfig) -> None:
         self._engine.register_model(model)
@@ -97,8 +99,8 @@ class TracedEngine(TracedReadEngine, Engine):
     def unregister_model(self, name: str) -> None:
         self._engine.unregister_model(name)
 
-    def add_version(self, model: ModelConfig) -> list[int]:
-        return self._engine.add_version(model)
+    def add_version(self, model: ModelConfig, source: str = "") -> list[int]:
+        return self._engine.add_version(model, source)
 
     def drop_version(self, model: str, version: int) -> dict[str, int]:
         return self._engine.drop_version(model, version)
@@ -112,8 +114,11 @@ class TracedEngine(TracedReadEngine, Engine):
     def versions(self, model: str) -> list[ModelConfig]:
         return self._engine.versions(model)
 
-    def not_switchable(self, model: str, version: int) -> list[str]:
-        return self._engine.not_switchable(model, version)
+    def not_switchable(self, model: str, version: int, allow_empty: bool = False) -> list[str]:
+        return self._engine.not_switchable(model, version, allow_empty)
+
+    def version_states(self, model: str) -> list[VersionView]:
+        return self._engine.version_states(model)
 
     def set_label(self, model: str, label: str, version: int | None) -> int | None:
         return self._engine.set_label(model, label, version)
@@ -124,6 +129,10 @@ class TracedEngine(TracedReadEngine, Engine):
     def apply_updates(self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray,
                       versions: np.ndarray | int, written_s: np.ndarray | None = None) -> int:
         return self._engine.apply_updates(model, table, keys, vectors, versions, written_s)
+
+    def put_rows(self, model: str, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray | int,
+                 strict: bool = False) -> PutCounts:
+        return self._engine.put_rows(model, table, keys, vectors, versions, strict)
 
     def apply_deletes(self, model: str, table: str, keys: np.ndarray,
                       versions: np.ndarray | int | None = None) -> int:

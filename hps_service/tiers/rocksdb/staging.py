@@ -83,6 +83,15 @@ class WriteStaging:
         #: (table, keys) of each batch staged since the last commit, for ``on_write``.
         self._staged: list[tuple[str, np.ndarray]] = []
 
+    def accepts_puts(self, table: str, keys: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Where a put of ``keys`` at ``versions`` would be written (see :func:`accepts`), tombstones included."""
+        cf, dim = self._store._table(table)
+        keys = as_keys(keys)
+        if keys.size == 0:
+            return np.zeros(0, dtype=bool)
+        states, stored = stored_states(cf, encode_keys(keys), dim)
+        return accepts(states, stored, np.broadcast_to(np.asarray(versions, dtype=np.int64), keys.shape))
+
     def add_counts(self, batch: WriteBatch, table: str, rows: int, tombstones: int) -> None:
         """Adjust the row and tombstone counts of ``table`` inside ``batch`` (caller holds the lock)."""
         self.stage_counts(batch, {("count", table): rows, ("tombstones", table): tombstones})

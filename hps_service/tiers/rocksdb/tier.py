@@ -244,6 +244,11 @@ class RocksDBTier(Tier):
             return Rows.empty(0, dim)
         return decode_rows(cf.get(encode_keys(keys)), dim)
 
+    @gated
+    def accepts(self, table: str, keys: np.ndarray, versions: np.ndarray) -> np.ndarray:
+        """Where a put would be written, this store's tombstones included."""
+        return self._staging.accepts_puts(table, keys, versions)
+
     def catch_up(self) -> None:
         """A secondary instance: apply what the primary wrote since the last catch-up (about 1-2 ms even when
         nothing changed, so readers call it when they know of writes they need, not per read)."""
