@@ -15,10 +15,11 @@ import httpx
 import numpy as np
 import pytest
 
+from hps_client import StreamRequest
 from hps_service.aio_client import AsyncHPSClient
 from hps_service.client import HPSClient
 from hps_service.config import HPSConfig
-from hps_service.errors import InvalidArgumentError, UnavailableError
+from hps_service.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_service.serve.process import HPSServer
 from hps_service.updates.partitioning import shard_of
 from tests.helpers import free_port
@@ -100,6 +101,20 @@ def test_async_client_splits_by_shard_and_answers_in_order(shards: list[HPSServe
         async with AsyncHPSClient([target(s) for s in shards]) as client:
             check(await client.lookup_many("demo", {"item": ASK, "user": user_keys}), user_keys)
             assert (await client.cluster_info())["partitions"] == P
+
+    asyncio.run(run())
+
+
+def test_a_stream_is_refused_on_a_sharded_fleet(shards: list[HPSServer]) -> None:
+    with HPSClient([target(s) for s in shards]) as client, pytest.raises(
+            FailedPreconditionError, match="sharded fleet of 2 shards: use lookup"):
+        client.lookup_stream([StreamRequest("demo", {"item": KEYS[:3]})])
+
+    async def run() -> None:
+        async with AsyncHPSClient([target(s) for s in shards]) as client:
+            with pytest.raises(FailedPreconditionError, match="sharded fleet of 2 shards"):
+                async for _ in client.lookup_stream([StreamRequest("demo", {"item": KEYS[:3]})]):
+                    pass
 
     asyncio.run(run())
 

@@ -18,10 +18,12 @@ from hps_client.errors import (
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
+    StreamLimitError,
     UnauthenticatedError,
     UnavailableError,
 )
 from hps_client.rows import StoredAnswer, StoredRows
+from hps_client.streams import StreamAnswer, StreamRequest
 from hps_client.transport import AsyncTransport, Transport
 from hps_client.wire import TableAnswer, build_request, decode_answer, decode_stored, encode_keys
 
@@ -31,11 +33,12 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 __all__ = [
-    "ACCEPTING_SERVICE", "AsyncHPSClient", "CancelledError", "DeadlineExceededError", "FailedPreconditionError",
-    "HPSClient", "HPSError", "HedgingPolicy", "InternalError", "InvalidArgumentError", "NotFoundError",
-    "PermissionDeniedError", "ResourceExhaustedError", "StoredAnswer", "StoredRows", "TableAnswer",
-    "AsyncTransport", "Transport", "UnauthenticatedError", "UnavailableError", "build_request", "channel_options", "channel_target", "decode_answer",
-    "decode_stored", "encode_keys", "service_config",
+    "ACCEPTING_SERVICE", "AsyncHPSClient", "AsyncTransport", "CancelledError",
+    "DeadlineExceededError", "FailedPreconditionError", "HPSClient", "HPSError",
+    "HedgingPolicy", "InternalError", "InvalidArgumentError", "NotFoundError", "PermissionDeniedError",
+    "ResourceExhaustedError", "StoredAnswer", "StoredRows", "StreamAnswer", "StreamLimitError", "StreamRequest",
+    "TableAnswer", "Transport", "UnauthenticatedError", "UnavailableError", "build_request", "channel_options",
+    "channel_target", "decode_answer", "decode_stored", "encode_keys", "service_config",
 ]
 
 

@@ -2,11 +2,13 @@
 
     async with AsyncHPSClient("dns:///hps-headless.ml.svc:8500") as client:
         rows = await client.lookup("demo", "item", np.array([1, 2, 3]))   # (3, dim) float32
+        async for answer in client.lookup_stream(StreamRequest("demo", {"item": keys}) for keys in batches):
+            answer.request_id, answer.tables["item"].vectors
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -20,6 +22,7 @@ from hps_client.calls import Call, Ready
 from hps_client.channel import Metadata, channel_options
 from hps_client.errors import InvalidArgumentError
 from hps_client.rows import StoredAnswer
+from hps_client.streams import DEFAULT_IN_FLIGHT, StreamAnswer, StreamRequest
 from hps_client.tls import channel_credentials
 from hps_client.transport import AsyncTransport, is_local
 from hps_client.wire import TableAnswer
@@ -99,6 +102,18 @@ class AsyncHPSClient(BaseClient):
         answers = await self._handle(self._lookup(model, {table: keys}, timeout, metadata, version, label, stored=True))
         answer: StoredAnswer = answers[table]
         return answer
+
+    async def lookup_stream(self, requests: Iterable[StreamRequest] | AsyncIterable[StreamRequest],
+                            timeout: float | None = None, *, metadata: Metadata | None = None,
+                            max_in_flight: int = DEFAULT_IN_FLIGHT) -> AsyncIterator[StreamAnswer]:
+        """The answers of ``requests`` (an iterable or an async iterable) over one ``StreamLookup`` call, in order,
+        as :meth:`hps_client.HPSClient.lookup_stream`; leaving the ``async for`` early ends the stream."""
+        answers = await self._handle(self._stream(requests, timeout, metadata, max_in_flight))
+        try:
+            async for answer in answers:
+                yield answer
+        finally:
+            await answers.aclose()
 
     async def list_models(self, timeout: float | None = None, *,
                           metadata: Metadata | None = None) -> dict[str, dict[str, int]]:

@@ -8,11 +8,15 @@
 
     # a colocated server's shared store, read in this process (hits at memory speed, misses over its socket)
     client = HPSClient("local:///dev/shm/hps")
+
+    # many lookups over one StreamLookup call, answered in order
+    for answer in client.lookup_stream(StreamRequest("demo", {"item": keys}) for keys in batches):
+        answer.request_id, answer.tables["item"].vectors
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from hps_client.channel import Metadata, channel_options
 from hps_client.grpc_transport import GrpcTransport
 from hps_client.routing import whole_target
 from hps_client.rows import StoredAnswer
+from hps_client.streams import DEFAULT_IN_FLIGHT, StreamAnswer, StreamRequest
 from hps_client.tls import channel_credentials
 from hps_client.transport import Transport, is_local, local_transport
 from hps_client.wire import TableAnswer
@@ -125,6 +130,17 @@ class HPSClient(BaseClient):
         answer: StoredAnswer = self._handle(self._lookup(model, {table: keys}, timeout, metadata, version, label,
                                                          stored=True))[table]
         return answer
+
+    def lookup_stream(self, requests: Iterable[StreamRequest], timeout: float | None = None, *,
+                      metadata: Metadata | None = None,
+                      max_in_flight: int = DEFAULT_IN_FLIGHT) -> Iterator[StreamAnswer]:
+        """The answers of ``requests`` over one ``StreamLookup`` call, in the order asked, each with its
+        ``request_id``; at most ``max_in_flight`` requests are sent ahead of their answers (``requests`` is read as
+        room frees, on gRPC's thread). ``timeout`` bounds the whole stream (default: none). A failed request ends
+        the stream and is raised after the answers before it; the server's stream limit raises StreamLimitError.
+        One server answers a stream: FailedPreconditionError for a sharded fleet."""
+        answers: Iterator[StreamAnswer] = self._handle(self._stream(requests, timeout, metadata, max_in_flight))
+        return answers
 
     def list_models(self, timeout: float | None = None, *,
                     metadata: Metadata | None = None) -> dict[str, dict[str, int]]:
