@@ -5,6 +5,7 @@ from typing import Any
 
 from hps_client import errors as _errors
 from hps_client.aio import AsyncHPSClient
+from hps_client.aio_coalescing import AsyncCoalescingTransport
 from hps_client.attempts import HedgingPolicy
 from hps_client.channel import ACCEPTING_SERVICE, channel_options, channel_target, service_config
 from hps_client.client import HPSClient
@@ -24,6 +25,7 @@ from hps_client.errors import (
 )
 from hps_client.rows import StoredAnswer, StoredRows
 from hps_client.streams import StreamAnswer, StreamRequest
+from hps_client.thread_coalescing import CoalescingTransport
 from hps_client.transport import AsyncTransport, Transport
 from hps_client.wire import TableAnswer, build_request, decode_answer, decode_stored, encode_keys
 
@@ -33,8 +35,8 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 __all__ = [
-    "ACCEPTING_SERVICE", "AsyncHPSClient", "AsyncTransport", "CancelledError",
-    "DeadlineExceededError", "FailedPreconditionError", "HPSClient", "HPSError",
+    "ACCEPTING_SERVICE", "AsyncCoalescingTransport", "AsyncHPSClient", "AsyncTransport", "CancelledError",
+    "CoalescingTransport", "DeadlineExceededError", "FailedPreconditionError", "HPSClient", "HPSError",
     "HedgingPolicy", "InternalError", "InvalidArgumentError", "NotFoundError", "PermissionDeniedError",
     "ResourceExhaustedError", "StoredAnswer", "StoredRows", "StreamAnswer", "StreamLimitError", "StreamRequest",
     "TableAnswer", "Transport", "UnauthenticatedError", "UnavailableError", "build_request", "channel_options",

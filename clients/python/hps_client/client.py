@@ -9,6 +9,9 @@
     # a colocated server's shared store, read in this process (hits at memory speed, misses over its socket)
     client = HPSClient("local:///dev/shm/hps")
 
+    # threads' small lookups merged into one call while calls are in flight (at most 200 us of waiting)
+    client = HPSClient("dns:///hps-headless.ml.svc:8500", coalesce_window_s=200e-6)
+
     # many lookups over one StreamLookup call, answered in order
     for answer in client.lookup_stream(StreamRequest("demo", {"item": keys}) for keys in batches):
         answer.request_id, answer.tables["item"].vectors
@@ -27,10 +30,12 @@ from hps_client.attempts import HedgingPolicy
 from hps_client.base import BaseClient, Keys, answer_into, cluster_of, models_of, rows_into
 from hps_client.calls import Call, Ready
 from hps_client.channel import Metadata, channel_options
+from hps_client.coalescing import DEFAULT_MAX_KEYS
 from hps_client.grpc_transport import GrpcTransport
 from hps_client.routing import whole_target
 from hps_client.rows import StoredAnswer
 from hps_client.streams import DEFAULT_IN_FLIGHT, StreamAnswer, StreamRequest
+from hps_client.thread_coalescing import CoalescingTransport
 from hps_client.tls import channel_credentials
 from hps_client.transport import Transport, is_local, local_transport
 from hps_client.wire import TableAnswer
@@ -46,8 +51,10 @@ class HPSClient(BaseClient):
     ``GrpcInstrumentorClient().instrument()`` instruments every channel the client opens (it sends the W3C
     ``traceparent``; it reads the global tracer provider); its ``client_interceptor()`` is not a gRPC interceptor and
     cannot be passed here. ``hedging`` (a :class:`HedgingPolicy` or gRPC's ``hedgingPolicy`` dict) sends a second
-    copy of a slow unsharded lookup to another replica (see :mod:`hps_client.attempts`). ``transport`` replaces the
-    one the targets would pick (any :class:`~hps_client.transport.Transport`).
+    copy of a slow unsharded lookup to another replica (see :mod:`hps_client.attempts`). ``coalesce_window_s`` > 0
+    merges small lookups that threads make while calls are in flight into one call (see
+    :mod:`hps_client.thread_coalescing`). ``transport`` replaces the one the targets would pick (any
+    :class:`~hps_client.transport.Transport`, used as it is).
     """
 
     def __init__(
@@ -68,6 +75,8 @@ class HPSClient(BaseClient):
         health_check: bool = True,
         credentials: str | grpc.CallCredentials | None = None,
         transport: Transport | None = None,
+        coalesce_window_s: float = 0.0,
+        coalesce_max_keys: int = DEFAULT_MAX_KEYS,
     ) -> None:
         """``targets``: a gRPC target (``host:port``, ``dns:///name:port``) or a list of them: ``host:port``
         replicas, or for a sharded fleet the replicas or ``dns:///`` names of its shards, in any order; or
@@ -76,7 +85,9 @@ class HPSClient(BaseClient):
         ``tls_cert``/``tls_key`` add a client certificate for servers that require mutual TLS. ``metadata``,
         ``interceptors`` and ``hedging``: see the class; ``health_check=False`` for servers older than 0.2 (no
         ``accepting`` health service). ``credentials``: for ``server.auth: token``, a read token (sent as
-        ``authorization: Bearer`` metadata on every call) or gRPC call credentials (which gRPC sends over TLS only)."""
+        ``authorization: Bearer`` metadata on every call) or gRPC call credentials (which gRPC sends over TLS only).
+        ``coalesce_window_s`` (0: off) and ``coalesce_max_keys``: how long a lookup waits for others, and the keys
+        of a merged call at most (gRPC targets only)."""
         super().__init__(timeout, metadata, credentials)
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         self.target = None if is_local(targets) else whole_target(self.targets)
@@ -91,6 +102,8 @@ class HPSClient(BaseClient):
                 self.targets, channel_options(retries, backoff_s, options, health_check=health_check),
                 channel_credentials(tls_ca, tls_cert, tls_key, tls), tuple(interceptors or ()),
                 HedgingPolicy.parse(hedging) if hedging is not None else None, self._call_credentials, self.metadata)
+            if coalesce_window_s:
+                self.transport = CoalescingTransport(self.transport, coalesce_window_s, coalesce_max_keys)
 
     def _handle(self, call: Call[Any]) -> Any:
         return self.transport.handle(call)
