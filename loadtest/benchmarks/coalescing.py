@@ -76,11 +76,11 @@ def thread_bursts(server: EmbeddedServer, keys: np.ndarray, bursts: int, window_
             asks = _asks(keys, rng)
             start = threading.Barrier(BURST)
 
-            def ask(keys: np.ndarray) -> None:
+            def ask(keys: np.ndarray, start: threading.Barrier) -> None:
                 start.wait()
                 assert client.lookup(server.model, server.table, keys).shape == (BURST_KEYS, server.dim)
 
-            threads = [threading.Thread(target=ask, args=(a,)) for a in asks]
+            threads = [threading.Thread(target=ask, args=(a, start)) for a in asks]
             before = lookups_served(server)
             for t in threads:
                 t.start()
