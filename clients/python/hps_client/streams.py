@@ -183,7 +183,8 @@ async def stream_answers_async(stub: Any, requests: Iterable[StreamRequest] | As
             yield order.answer(response)
     except grpc.aio.AioRpcError as err:
         head = order.head()
-        if head is not None and err.code() == grpc.StatusCode.INTERNAL and WRITE_RACE in (err.debug_error_string() or ""):
+        raced = err.code() == grpc.StatusCode.INTERNAL and WRITE_RACE in (err.debug_error_string() or "")
+        if head is not None and raced:
             try:
                 await stub.Lookup(head, timeout=remaining(deadline), **kwargs)
             except grpc.aio.AioRpcError as alone:
