@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
 from hps_service.admin.jobs import JobRunner, convert_job, import_job, import_tier
@@ -211,6 +212,11 @@ def create_app(ctx: AdminContext) -> FastAPI:
                   for e in exc.errors()]
         summary = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors[:5])
         return _error(422, f"invalid request: {summary}", errors=errors)
+
+    @app.exception_handler(ValidationError)
+    def _model_error(request: Request, exc: ValidationError) -> JSONResponse:
+        """A model an endpoint builds from the request's values (a version's tables) that does not validate."""
+        return _validation_error(request, RequestValidationError(exc.errors(include_url=False)))
 
     @app.exception_handler(Exception)
     def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

@@ -26,7 +26,8 @@ class VersionRequest(BaseModel):
     """A version to add: its number, and its tables (default: the model's)."""
 
     version: int = Field(ge=1, le=2**31 - 1, description="the version's number (e.g. the training run)")
-    tables: list[TableConfig] | None = Field(None, max_length=256, description="its tables (default: the model's)")
+    tables: list[TableConfig] | None = Field(None, min_length=1, max_length=256,
+                                             description="its tables (default: the model's)")
 
 
 class LabelRequest(BaseModel):
