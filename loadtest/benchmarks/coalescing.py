@@ -6,7 +6,8 @@ the same client with coalescing off. HPSClient's coalescing across threads is me
     python -m loadtest.benchmarks.coalescing --lone 4000 --rounds 12
 
 Calls are counted by the server (``hps_lookup_requests_total{method="Lookup"}``). The lone lookups alternate between
-a client with coalescing on and one with it off, round by round, so that both see the same machine.
+a client with coalescing on and one with it off, round by round, so that both see the same machine; beside them, the
+coalescing transports' own cost per lone lookup, over a transport that answers at once (no network, no noise).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 import httpx
 import numpy as np
 
-from hps_client import AsyncHPSClient, HPSClient
+from hps_client import AsyncCoalescingTransport, AsyncHPSClient, CoalescingTransport, HPSClient
+from hps_client.calls import Call, Rows
 from loadtest.harness import cli
 from loadtest.harness.embedded import EmbeddedServer, start_node
 
@@ -138,6 +140,55 @@ def lone_p50(server: EmbeddedServer, keys: np.ndarray, n: int, rounds: int, batc
             "sync_ratio": us["sync_on"] / us["sync_off"]}
 
 
+class _Answered:
+    """A transport that answers every call at once with the same rows."""
+
+    rows = np.zeros((BURST_KEYS, 64), dtype=np.float32)
+
+    def handle(self, call: Call[Any]) -> Any:
+        return self.rows
+
+    def close(self) -> None:
+        pass
+
+
+class _AsyncAnswered:
+    """:class:`_Answered` in an event loop."""
+
+    async def handle(self, call: Call[Any]) -> Any:
+        return _Answered.rows
+
+    async def close(self) -> None:
+        pass
+
+
+def wrapper_cost_us(n: int = 50_000) -> dict[str, float]:
+    """Microseconds a lone lookup spends in the coalescing transports, over one that answers at once (the wrapped
+    minus the bare one)."""
+    keys = np.arange(BURST_KEYS, dtype=np.int64)
+
+    def call() -> Rows:
+        return Rows(time.monotonic() + 5, None, "demo", "item", keys)
+
+    def sync_us(transport: Any) -> float:
+        started = time.perf_counter()
+        for _ in range(n):
+            transport.handle(call())
+        return 1e6 * (time.perf_counter() - started) / n
+
+    async def async_us(transport: Any) -> float:
+        started = time.perf_counter()
+        for _ in range(n):
+            await transport.handle(call())
+        return 1e6 * (time.perf_counter() - started) / n
+
+    async def both() -> tuple[float, float]:
+        return await async_us(AsyncCoalescingTransport(_AsyncAnswered())), await async_us(_AsyncAnswered())
+
+    wrapped, bare = asyncio.run(both())
+    return {"async": wrapped - bare, "sync": sync_us(CoalescingTransport(_Answered())) - sync_us(_Answered())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = cli.parser(__spec__, __doc__)
     ap.add_argument("--quick", action="store_true", help="fewer bursts and lone lookups")
@@ -167,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                      "threads_off": thread_bursts(server, keys, bursts, 0)}
             console.print(f"  {rounds} rounds of {lone} lone {args.batch}-key lookups, coalescing on and off")
             p50 = lone_p50(server, keys, lone, rounds, args.batch)
+            p50["wrapper_us"] = wrapper_cost_us()
         finally:
             server.stop()
     finally:
@@ -182,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{p50['async_off']:.0f} us", p50["async_ratio"], P50_TARGET)
     t.row(f"HPSClient: lone {args.batch}-key lookup p50, window 200 us vs off", f"{p50['sync_on']:.0f} us",
           f"{p50['sync_off']:.0f} us", p50["sync_ratio"], "-")
+    cost = p50["wrapper_us"]
+    t.row("a lone lookup's time in the coalescing transport (asyncio, threads)",
+          f"{cost['async']:.1f} us, {cost['sync']:.1f} us")
     console.print(t)
     print(f"calls of {BURST} concurrent lookups (AsyncHPSClient): at most {worst:.0f} "
           f"(target {CALLS_TARGET}: {cli.verdict(CALLS_TARGET.met(worst))})")

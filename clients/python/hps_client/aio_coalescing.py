@@ -35,9 +35,9 @@ R = TypeVar("R")
 class _LoopBatch(Batch):
     __slots__ = ("done", "ready")
 
-    def __init__(self, max_keys: int, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, max_keys: int) -> None:
         super().__init__(max_keys)
-        self.done: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] | None = None  # made when a second member joins: a lone one awaits nothing
         self.ready: asyncio.Future[None] | None = None  # the leader's wait for others, while calls are in flight
 
     def release(self) -> None:
@@ -66,14 +66,16 @@ class AsyncCoalescingTransport:
         if member is None:
             answer: R = await self.inner.handle(call)
             return answer
-        key = group_of(member.lookup)
+        key = group_of(member)
         batch = self._pending.get(key)
         if batch is not None and batch.fits(member):
+            if batch.done is None:
+                batch.done = asyncio.get_running_loop().create_future()
             batch.add(member)
             if batch.sealed:
                 batch.release()
             return await self._follow(batch, member)
-        batch = self._pending[key] = _LoopBatch(self.max_keys, asyncio.get_running_loop())
+        batch = self._pending[key] = _LoopBatch(self.max_keys)
         batch.add(member)
         try:
             await self._gather(batch)
@@ -133,6 +135,7 @@ class AsyncCoalescingTransport:
             batch.settle(answer)
         finally:
             self._ended()
+            assert batch.done is not None
             batch.done.set_result(None)
 
     def _ended(self) -> None:
@@ -143,13 +146,15 @@ class AsyncCoalescingTransport:
 
     async def _follow(self, batch: _LoopBatch, member: Member) -> Any:
         """The member's outcome once its batch is answered (its own call when it must go alone)."""
+        assert batch.done is not None
         try:
             await asyncio.shield(batch.done)
         except asyncio.CancelledError:
             batch.remove(member)
             raise
         if member.outcome is ALONE:
-            return await self.inner.handle(member.call)
+            call: Call[Any] = member.call
+            return await self.inner.handle(call)
         return resolved(member)
 
     async def close(self) -> None:

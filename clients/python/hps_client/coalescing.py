@@ -54,13 +54,14 @@ def check_settings(window_s: float, max_keys: int) -> None:
 
 
 class Member:
-    """One caller of a batch: its call as made, the call as a Lookup, its keys, and (once settled) its outcome."""
+    """One caller of a batch: its call as made (a Rows or a Lookup), its keys by table and in all, and (once
+    settled) its outcome."""
 
-    __slots__ = ("call", "lookup", "keys", "outcome")
+    __slots__ = ("call", "tables", "keys", "outcome")
 
-    def __init__(self, call: Call[Any], lookup: Lookup, keys: int) -> None:
+    def __init__(self, call: Rows | Lookup, tables: dict[str, np.ndarray], keys: int) -> None:
         self.call = call
-        self.lookup = lookup
+        self.tables = tables
         self.keys = keys
         self.outcome: Any = _PENDING
 
@@ -72,26 +73,31 @@ class Member:
 def joinable(call: Call[Any], max_keys: int) -> Member | None:
     """``call`` as a member of a batch, or None when it goes out as it is: not a lookup, not small (``max_keys``
     keys or more), or already past its deadline."""
-    match call:
-        case Rows():
-            lookup = Lookup(call.deadline, call.metadata, call.model, {call.table: call.keys}, call.version,
-                            call.label)
-        case Lookup():
-            lookup = call
-        case _:
-            return None
-    keys = 0
-    for arr in lookup.tables.values():
-        keys += arr.shape[0]
+    if isinstance(call, Rows):
+        tables = {call.table: call.keys}
+        keys = call.keys.shape[0]
+    elif isinstance(call, Lookup):
+        tables = call.tables
+        keys = 0
+        for arr in tables.values():
+            keys += arr.shape[0]
+    else:
+        return None
     if keys >= max_keys or (call.deadline is not None and call.deadline <= time.monotonic()):
         return None
-    return Member(call, lookup, keys)
+    return Member(call, tables, keys)
 
 
-def group_of(lookup: Lookup) -> Hashable:
+def group_of(member: Member) -> Hashable:
     """What lookups must share to go out as one."""
-    metadata = tuple(tuple(item) for item in lookup.metadata) if lookup.metadata else None
-    return (lookup.model, lookup.version, lookup.label, lookup.stored, tuple(sorted(lookup.tables)), metadata)
+    call = member.call
+    metadata: Any = call.metadata or None
+    try:
+        hash(metadata)  # the client's own: a tuple of pairs already
+    except TypeError:
+        metadata = tuple(tuple(item) for item in metadata)
+    names = (call.table,) if isinstance(call, Rows) else tuple(sorted(call.tables))
+    return (call.model, call.version, call.label, isinstance(call, Lookup) and call.stored, names, metadata)
 
 
 class Batch:
@@ -126,11 +132,11 @@ class Batch:
         self.sealed = self.sent = True
         if len(self.members) == 1:
             return self.members[0].call
-        first = self.members[0].lookup
+        first = self.members[0].call
         deadlines = [m.call.deadline for m in self.members if m.call.deadline is not None]
-        tables = {t: np.concatenate([m.lookup.tables[t] for m in self.members]) for t in first.tables}
+        tables = {t: np.concatenate([m.tables[t] for m in self.members]) for t in self.members[0].tables}
         return Lookup(min(deadlines) if deadlines else None, first.metadata, first.model, tables, first.version,
-                      first.label, first.stored)
+                      first.label, isinstance(first, Lookup) and first.stored)
 
     def settle(self, answer: Any = None, error: BaseException | None = None) -> None:
         """Each member's outcome: its part of ``answer``, or what ``error`` means for it."""
@@ -144,7 +150,7 @@ class Batch:
         offsets = dict.fromkeys(answer, 0)
         for member in self.members:
             own: dict[str, TableAnswer | StoredAnswer] = {}
-            for table, keys in member.lookup.tables.items():
+            for table, keys in member.tables.items():
                 start = offsets[table]
                 offsets[table] = end = start + keys.shape[0]
                 own[table] = part_of(answer[table], start, end)

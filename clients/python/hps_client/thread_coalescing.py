@@ -2,9 +2,9 @@
 small lookups that threads make while the client has calls in flight go out as one (see
 :mod:`hps_client.coalescing`).
 
-The first lookup of a group leads a batch. With no call of the client in flight it goes out at once, alone (a lone
-lookup waits for nothing); otherwise it waits for others to join until the window passes, the batch fills its key
-budget or the calls in flight end, then makes the call in its thread and hands each follower its part.
+With no call of the client in flight a lookup goes out at once, alone (a lone lookup waits for nothing). Otherwise
+the first lookup of a group leads a batch: it waits for others to join until the window passes, the batch fills its
+key budget or the calls in flight end, then makes the call in its thread and hands each follower its part.
 """
 
 from __future__ import annotations
@@ -58,7 +58,16 @@ class CoalescingTransport:
         member = joinable(call, self.max_keys)
         if member is None:
             return self.inner.handle(call)
-        key = group_of(member.lookup)
+        with self._cond:
+            alone = not self._in_flight and not self._pending
+            if alone:
+                self._in_flight += 1
+        if alone:  # nothing to wait for: at once, and counted in flight so that lookups meanwhile batch up
+            try:
+                return self.inner.handle(call)
+            finally:
+                self._ended()
+        key = group_of(member)
         with self._cond:
             batch = self._pending.get(key)
             lead = batch is None or not batch.fits(member)
@@ -97,14 +106,18 @@ class CoalescingTransport:
         else:
             batch.settle(answer)
         finally:
-            with self._cond:
-                self._in_flight -= 1
-                self._cond.notify_all()
+            self._ended()
             batch.done.set()
+
+    def _ended(self) -> None:
+        with self._cond:
+            self._in_flight -= 1
+            self._cond.notify_all()
 
     def _own(self, member: Member) -> Any:
         if member.outcome is ALONE:
-            return self.inner.handle(member.call)
+            call: Call[Any] = member.call
+            return self.inner.handle(call)
         return resolved(member)
 
     def close(self) -> None:
