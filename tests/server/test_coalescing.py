@@ -63,6 +63,48 @@ def test_200_concurrent_2_key_lookups_are_one_call_and_each_gets_its_own_rows(sr
         np.testing.assert_array_equal(answer, rows([k, k + 500]))
 
 
+def test_callers_own_out_buffers_and_sources_come_back_theirs(srv: HPSServer) -> None:
+    outs = [np.full((2, ITEM_DIM), -1, dtype=np.float32) for _ in range(20)]
+
+    async def main() -> tuple[list[np.ndarray], list]:
+        async with AsyncHPSClient(target(srv), timeout=30) as client:
+            await client.wait_ready()
+            before = _lookups(srv)
+            got = await asyncio.gather(*(client.lookup("demo", "item", [k, 5000 + k], out=out)
+                                         for k, out in zip(range(1, 21), outs)))
+            sources = await asyncio.gather(*(client.lookup_with_sources("demo", "item", [k, 5000 + k])
+                                             for k in range(1, 21)))
+            assert _lookups(srv) - before == 2
+            return got, sources
+
+    got, sources = asyncio.run(main())
+    for k, out, answer, with_sources in zip(range(1, 21), outs, got, sources):
+        assert answer is out
+        np.testing.assert_array_equal(out[0], rows([k])[0])
+        assert out[1].tolist() == [0.0] * ITEM_DIM and with_sources.sources.tolist()[1] == 4  # 5000 + k: default
+        assert with_sources.sources[0] != 4
+
+
+def test_a_hedged_client_coalesces_too(srv: HPSServer) -> None:
+    """Thirty lookups at once from a hedging client, the server's only handler thread held past the hedging delay:
+    one merged call answers them all, hedged as a whole (its second copy served or cancelled: one or two calls)."""
+    with HeldLookups(srv, "user") as held:
+        async def main() -> list[np.ndarray]:
+            async with AsyncHPSClient(target(srv), timeout=30,
+                                      hedging={"maxAttempts": 2, "hedgingDelay": "0.1s"}) as client:
+                await client.wait_ready()
+                before = _lookups(srv)
+                tasks = [asyncio.ensure_future(client.lookup("demo", "user", [k])) for k in range(1, 31)]
+                await asyncio.sleep(0.5)
+                held.release()
+                got = await asyncio.gather(*tasks)
+                assert _lookups(srv) - before <= 2
+                return got
+
+        for k, answer in zip(range(1, 31), asyncio.run(main())):
+            np.testing.assert_array_equal(answer, rows([k], 0, USER_DIM))
+
+
 def test_the_key_budget_splits_a_burst(srv: HPSServer) -> None:
     async def main() -> float:
         async with AsyncHPSClient(target(srv), timeout=30, coalesce_max_keys=64) as client:
