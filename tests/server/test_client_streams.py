@@ -10,6 +10,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import grpc
 import httpx
 import numpy as np
 import pytest
@@ -25,6 +26,9 @@ from hps_client import (
     StreamLimitError,
     StreamRequest,
 )
+from hps_client.aio_streams import hidden_status
+from hps_client.stub import EmbeddingStub
+from hps_client.wire import build_request
 from hps_service.serve.process import HPSServer
 from tests.server.conftest import AUTH, ITEM_DIM, USER_DIM, base_url, running, server_config, target
 
@@ -170,6 +174,13 @@ def test_the_servers_stream_limits_are_a_clear_error(srv: HPSServer, tmp_path: P
                 with pytest.raises(StreamLimitError, match="server.max_streams=2"):
                     async for _ in aclient.lookup_stream(ask):
                         pass
+            # what the stream asks after grpc.aio hid a status (grpc/grpc#36066): the head alone, then admission
+            async with grpc.aio.insecure_channel(target(srv)) as channel:
+                stub = EmbeddingStub(channel)
+                missing = await hidden_status(stub, build_request("demo", {"nope": [1]}), None, {})
+                assert missing is not None and missing.code() == grpc.StatusCode.NOT_FOUND
+                full = await hidden_status(stub, build_request("demo", {"item": [1]}), None, {})
+                assert full is not None and "server.max_streams=2" in (full.details() or "")
 
         asyncio.run(refused())
         for stream in held:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from hps_client.aio_streams import stream_answers_async
 from hps_client.attempts import HedgingPolicy, call_hedged_async, retry_elsewhere
 from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows, Stream
 from hps_client.channel import Metadata
@@ -32,7 +33,6 @@ from hps_client.routing import (
     stream_refused_sharded,
     whole_target,
 )
-from hps_client.streams import stream_answers_async
 from hps_client.stub import EmbeddingStub
 from hps_client.wire import WireResponse, as_error, decode_answer, decode_stored
 

@@ -5,17 +5,14 @@ its ``request_id`` echoed). A failure ends the stream: the answers before it are
 The server bounds its streams (``server.max_streams``, ``server.max_streams_per_caller``); a stream past either
 is refused at once, which raises :class:`~hps_client.errors.StreamLimitError`.
 
-grpc.aio reports ``INTERNAL: Internal error from Core`` instead of the server's status when a request is written as
-the server ends the stream (grpc/grpc#36066); the asyncio stream then asks the request at its head alone, as a
-unary Lookup, and raises what the server answers it.
+This module holds what both clients share and the blocking stream; :mod:`hps_client.aio_streams` the asyncio one.
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections import deque
-from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +27,6 @@ from hps_client.wire import TableAnswer, WireResponse, as_keys, build_request, d
 
 #: Requests a stream sends ahead of their answers unless the caller says otherwise.
 DEFAULT_IN_FLIGHT = 64
-#: What grpc.aio's debug string says when a write raced the end of the call (grpc/grpc#36066).
-WRITE_RACE = 'Failed "execute_batch"'
 
 
 @dataclass(slots=True)
@@ -150,47 +145,5 @@ def stream_answers(method: Callable[..., Any], requests: Iterable[StreamRequest]
     finally:
         ended.set()
         responses.cancel()
-    if failed:
-        raise failed[0]
-
-
-async def stream_answers_async(stub: Any, requests: Iterable[StreamRequest] | AsyncIterable[StreamRequest],
-                               max_in_flight: int, deadline: float | None, **kwargs: Any
-                               ) -> AsyncIterator[StreamAnswer]:
-    """:func:`stream_answers` over a grpc.aio stub's ``StreamLookup`` (its ``Lookup`` asks the head request alone
-    after a write race, see the module docstring); ``requests`` may be an async iterable."""
-    order = StreamOrder()
-    slots = asyncio.Semaphore(max_in_flight)
-    failed: list[BaseException] = []
-
-    async def outgoing() -> AsyncIterator[pb.LookupRequest]:
-        try:
-            if isinstance(requests, AsyncIterable):
-                async for request in requests:
-                    await slots.acquire()
-                    yield order.request(request)
-            else:
-                for request in requests:
-                    await slots.acquire()
-                    yield order.request(request)
-        except Exception as err:  # a bad request, or the caller's iterator failed: the stream ends there
-            failed.append(err)
-
-    call = stub.StreamLookup(outgoing(), timeout=remaining(deadline), **kwargs)
-    try:
-        async for response in call:
-            slots.release()
-            yield order.answer(response)
-    except grpc.aio.AioRpcError as err:
-        head = order.head()
-        raced = err.code() == grpc.StatusCode.INTERNAL and WRITE_RACE in (err.debug_error_string() or "")
-        if head is not None and raced:
-            try:
-                await stub.Lookup(head, timeout=remaining(deadline), **kwargs)
-            except grpc.aio.AioRpcError as alone:
-                err = alone
-        raise order.error(err) from None
-    finally:
-        call.cancel()
     if failed:
         raise failed[0]
