@@ -30,6 +30,7 @@ def served_name(model: str, version: int) -> str:
 
 
 def split_served(name: str) -> tuple[str, int]:
-    """``(model, version)`` of a served name (see :func:`served_name`)."""
-    model, mark, version = name.partition(VERSION_MARK)
-    return (model, int(version)) if mark else (name, 0)
+    """``(model, version)`` of a served name (see :func:`served_name`); a name no model may have (a request's, with
+    the mark but no version after it) is itself, version 0."""
+    model, mark, version = name.rpartition(VERSION_MARK)
+    return (model, int(version)) if mark and version.isascii() and version.isdigit() else (name, 0)

@@ -31,11 +31,12 @@ import numpy as np
 
 from hps_client.bags import Pooling
 from hps_client.buffers import check_out
-from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows
+from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows, Stream
 from hps_client.channel import channel_options
 from hps_client.errors import UnavailableError
 from hps_client.routing import CLUSTER_INFO, remaining
 from hps_client.rows import StoredAnswer, StoredRows
+from hps_client.streams import stream_answers
 from hps_client.stub import EmbeddingStub
 from hps_client.wire import TableAnswer, as_error, build_request, decode_answer, decode_stored
 from hps_service.engine.bags import BagReader, check_bags
@@ -126,6 +127,9 @@ class ColocatedTransport:
                 if not self.mapped:
                     self._server("GetClusterInfo", CLUSTER_INFO, call)
                 answer = None
+            case Stream():  # the owner answers a stream over the socket (a request at a time: no rows to map)
+                answer = stream_answers(self._server_stub().StreamLookup, call.requests, call.max_in_flight,
+                                        call.deadline, metadata=call.metadata)
             case _:
                 raise TypeError(f"{type(call).__name__} is not a call this transport answers")
         return cast(R, answer)

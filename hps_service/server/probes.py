@@ -24,6 +24,8 @@ from starlette.types import ASGIApp
 from hps_service.server.gatekeeper import Listener
 from hps_service.server.http_listener import HttpListener
 from hps_service.server.problems import problem
+from hps_service.server.rest_models import PUBLIC, Liveness, answers
+from hps_service.server.rest_models import Readiness as ReadinessAnswer
 
 #: A readiness check: None when ready, else a short reason naming what is not.
 ReadinessCheck = Callable[[], "str | None"]
@@ -45,12 +47,14 @@ def readiness_response(readiness: Readiness, models: Callable[[], list[str]]) ->
 def add_probe_routes(app: FastAPI, readiness: Readiness, models: Callable[[], list[str]]) -> None:
     """``/healthz`` and ``/readyz`` on ``app``, answered without FastAPI's thread pool."""
 
-    @app.get("/healthz", tags=["health"], summary="Liveness: the process answers")
+    @app.get("/healthz", tags=["health"], summary="Liveness: the process answers", operation_id="getLiveness",
+             response_model=Liveness, responses=answers(*PUBLIC))
     async def healthz() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["health"], summary="Readiness: caught up with the update log, tiers reachable, models "
-             "loaded", responses={503: {"description": "not ready; `not_ready` names what"}})
+             "loaded", operation_id="getReadiness", response_model=ReadinessAnswer,
+             responses=answers(*PUBLIC, 503))
     async def readyz() -> JSONResponse:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(_READINESS_POOL, readiness_response, readiness, models)

@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -36,6 +37,7 @@ from hps_service.fleet.s3_files import is_s3, parse_s3
 from hps_service.fleet.sharding import ShardMap
 from hps_service.rows.sources import open_rows
 from hps_service.runtime.gate import ServingGate
+from hps_service.server import rest_models as rm
 from hps_service.server.audit import AuditLog
 from hps_service.server.auth import Authenticator
 from hps_service.server.docs import add_offline_docs
@@ -46,6 +48,7 @@ from hps_service.server.problems import PROBLEM_JSON
 from hps_service.server.problems import problem as _error
 from hps_service.server.rest_access import BodyLimits
 from hps_service.server.rest_bodies import ConvertRequest, ImportRequest, PurgeTombstonesRequest, Wait
+from hps_service.server.rest_models import ADMIN, INTERNAL, READ, answers, typed_openapi
 from hps_service.server.rest_rows import ModelVersion, add_rows_routes
 from hps_service.server.rest_versions import add_version_routes
 from hps_service.server.rest_visibility import check_metrics, visible_job, visible_jobs, visible_models, visible_stats
@@ -143,6 +146,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         docs_url=None, redoc_url=None,  # served from packaged assets (offline clusters): hps_service.server.docs
     )
     add_offline_docs(app)
+    app.openapi = typed_openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to change the spec
     cfg = ctx.config.server
     auth = Authenticator(cfg)
 
@@ -179,6 +183,11 @@ def create_app(ctx: AdminContext) -> FastAPI:
         summary = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors[:5])
         return _error(422, f"invalid request: {summary}", errors=errors)
 
+    @app.exception_handler(ValidationError)
+    def _model_error(request: Request, exc: ValidationError) -> JSONResponse:
+        """A model an endpoint builds from the request's values (a version's tables) that does not validate."""
+        return _validation_error(request, RequestValidationError(exc.errors(include_url=False)))
+
     @app.exception_handler(Exception)
     def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
         log.error("unexpected error in the admin API", exc_info=exc)
@@ -187,7 +196,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
     # ---- health -----------------------------------------------------------------------------------
     add_probe_routes(app, ctx.readiness, lambda: [m.name for m in engine.models()])
 
-    @app.get("/v1/cluster", tags=["health"], summary="Shard map: shards, this shard, partitions per topic, readiness")
+    @app.get("/v1/cluster", tags=["health"], summary="Shard map: shards, this shard, partitions per topic, readiness",
+             operation_id="getClusterInfo", response_model=rm.ClusterInfo, responses=answers(*READ))
     def cluster() -> dict[str, Any]:
         if ctx.cluster_info is not None:
             return ctx.cluster_info()
@@ -197,32 +207,39 @@ def create_app(ctx: AdminContext) -> FastAPI:
                 "owned_partitions": m.owned_partitions(), "topic_partitions": {}, "ready": not not_ready,
                 "not_ready": not_ready}
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response)
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics", response_class=Response,
+             operation_id="getMetrics", responses={
+                 200: {"description": "the Prometheus text exposition",
+                       "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}, **answers(*INTERNAL)})
     def metrics(request: Request) -> Response:
         check_metrics(caller_of(request.state))
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     # ---- models -----------------------------------------------------------------------------------
-    @app.get("/v1/models", tags=["models"], summary="Loaded models (those the caller may read)")
+    @app.get("/v1/models", tags=["models"], summary="Loaded models (those the caller may read)",
+             operation_id="listModels", response_model=rm.ModelList, responses=answers(*READ))
     def list_models(request: Request) -> dict[str, Any]:
         caller = caller_of(request.state)
         return {"models": [describe_model(engine, m.name) for m in engine.models()
                            if caller is None or caller.may_read(m.name)]}
 
     @app.post("/v1/models", tags=["models"], status_code=201, dependencies=admin,
-              summary="Register a model and its tables at runtime")
+              summary="Register a model and its tables at runtime", operation_id="registerModel",
+              response_model=rm.RegisteredModel, responses=answers(*ADMIN, 400, 404, 409, 422, 503))
     def register_model(model: ModelConfig, replace: bool = False) -> dict[str, Any]:
         if not replace and any(m.name == model.name for m in engine.models()):
             raise HTTPException(409, f"model '{model.name}' is already loaded (pass replace=true to replace it)")
         replicated = ctx.registrations.register(model)
         return {**describe_model(engine, model.name), "replicated": replicated}
 
-    @app.get("/v1/models/{model}", tags=["models"], summary="Describe a model: tables, dims, rows per tier")
+    @app.get("/v1/models/{model}", tags=["models"], summary="Describe a model: tables, dims, rows per tier",
+             operation_id="getModel", response_model=rm.ModelDescription, responses=answers(*READ, 404))
     def get_model(model: str) -> dict[str, Any]:
         return describe_model(engine, model)
 
     @app.delete("/v1/models/{model}", tags=["models"], dependencies=admin,
-                summary="Unload a model (its rows stay stored)")
+                summary="Unload a model (its rows stay stored)", operation_id="unloadModel",
+                response_model=rm.UnloadedModel, responses=answers(*ADMIN, 404, 503))
     def unload_model(model: str) -> dict[str, Any]:
         return {"unloaded": model, "replicated": ctx.registrations.unload(model)}
 
@@ -233,7 +250,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
     # ---- import jobs ------------------------------------------------------------------------------
     @app.post("/v1/models/{model}/tables/{table}/import", tags=["jobs"], status_code=202, dependencies=admin,
               summary="Import a table from a server-side path or an s3:// URL (npz, Parquet, safetensors, HugeCTR) "
-                      "as a background job, streamed")
+                      "as a background job, streamed", operation_id="importTable",
+              response_model=rm.Job, responses=answers(*ADMIN, 400, 404, 409, 422, 503))
     def import_rows(model: str, table: str, body: ImportRequest,
                     model_version: ModelVersion = None) -> dict[str, Any]:
         model = engine.resolve(model, model_version)[0]
@@ -249,7 +267,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return job.view()
 
     @app.post("/v1/models/{model}/tables/{table}:convert", tags=["jobs"], status_code=202, dependencies=admin,
-              summary="Re-encode a table in another row format as a background job, served throughout")
+              summary="Re-encode a table in another row format as a background job, served throughout",
+              operation_id="convertTable", response_model=rm.Job, responses=answers(*ADMIN, 400, 404, 409, 422, 503))
     def convert_table(model: str, table: str, body: ConvertRequest) -> dict[str, Any]:
         engine.check_conversion(model, table, body.storage)
         job = ctx.jobs.submit("convert", {"model": model, "table": table, "storage": body.storage},
@@ -257,7 +276,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return job.view()
 
     @app.post("/v1/models/{model}/tables/{table}/tombstones/purge", tags=["jobs"], status_code=202,
-              dependencies=admin, summary="Remove tombstones older than a version from every tier, as a job")
+              dependencies=admin, summary="Remove tombstones older than a version from every tier, as a job",
+              operation_id="purgeTombstones", response_model=rm.Job, responses=answers(*ADMIN, 400, 404, 422, 503))
     def purge_tombstones(model: str, table: str, body: PurgeTombstonesRequest,
                          wait: Wait = "acknowledged") -> dict[str, Any]:
         engine.table(model, table)
@@ -271,37 +291,44 @@ def create_app(ctx: AdminContext) -> FastAPI:
                                   lambda job: {"purged": engine.purge_tombstones(model, table, body.below_version)})
         return job.view()
 
-    @app.get("/v1/jobs", tags=["jobs"], summary="Known jobs, oldest first")
+    @app.get("/v1/jobs", tags=["jobs"], summary="Known jobs, oldest first", operation_id="listJobs",
+             response_model=rm.JobList, responses=answers(*INTERNAL))
     def list_jobs(request: Request) -> dict[str, Any]:
         return {"jobs": visible_jobs([j.view() for j in ctx.jobs.list()], caller_of(request.state))}
 
-    @app.get("/v1/jobs/{job_id}", tags=["jobs"], summary="State and progress of a job")
+    @app.get("/v1/jobs/{job_id}", tags=["jobs"], summary="State and progress of a job", operation_id="getJob",
+             response_model=rm.Job, responses=answers(*INTERNAL))
     def get_job(job_id: str, request: Request) -> dict[str, Any]:
         return visible_job(ctx.jobs.get(job_id).view(), caller_of(request.state))
 
     # ---- snapshots --------------------------------------------------------------------------------
     @app.post("/v1/models/{model}/snapshots", tags=["snapshots"], status_code=201, dependencies=admin,
-              summary="Checkpoint the persistent store for this model")
+              summary="Checkpoint the persistent store for this model", operation_id="createSnapshot",
+              response_model=rm.Snapshot, responses=answers(*ADMIN, 400, 404, 409, 503))
     def create_snapshot(model: str) -> dict[str, Any]:
         return ctx.snapshots.create(model)
 
-    @app.get("/v1/models/{model}/snapshots", tags=["snapshots"], summary="Snapshots of a model")
+    @app.get("/v1/models/{model}/snapshots", tags=["snapshots"], summary="Snapshots of a model",
+             operation_id="listSnapshots", response_model=rm.SnapshotList, responses=answers(*READ, 404, 503))
     def list_snapshots(model: str) -> dict[str, Any]:
         engine.model(model)
         return {"snapshots": ctx.snapshots.list(model)}
 
-    @app.get("/v1/models/{model}/snapshots/{snapshot_id}", tags=["snapshots"], summary="One snapshot")
+    @app.get("/v1/models/{model}/snapshots/{snapshot_id}", tags=["snapshots"], summary="One snapshot",
+             operation_id="getSnapshot", response_model=rm.Snapshot, responses=answers(*READ, 400, 404, 503))
     def get_snapshot(model: str, snapshot_id: str) -> dict[str, Any]:
         return ctx.snapshots.get(model, snapshot_id)
 
     @app.delete("/v1/models/{model}/snapshots/{snapshot_id}", tags=["snapshots"], dependencies=admin,
-                summary="Delete a snapshot")
+                summary="Delete a snapshot", operation_id="deleteSnapshot", response_model=rm.SnapshotDeleted,
+                responses=answers(*ADMIN, 400, 404, 503))
     def delete_snapshot(model: str, snapshot_id: str) -> dict[str, str]:
         ctx.snapshots.delete(model, snapshot_id)
         return {"deleted": snapshot_id}
 
     @app.post("/v1/models/{model}/snapshots/{snapshot_id}/restore", tags=["snapshots"], status_code=202,
-              dependencies=admin, summary="Restore a model's tables from a snapshot (background job)")
+              dependencies=admin, summary="Restore a model's tables from a snapshot (background job)",
+              operation_id="restoreSnapshot", response_model=rm.Job, responses=answers(*ADMIN, 400, 404, 409, 503))
     def restore_snapshot(model: str, snapshot_id: str) -> dict[str, Any]:
         ctx.snapshots.check_restorable(model, snapshot_id)
         job = ctx.jobs.submit("restore", {"model": model, "snapshot": snapshot_id},
@@ -309,7 +336,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
         return job.view()
 
     # ---- stats and cache --------------------------------------------------------------------------
-    @app.get("/v1/stats", tags=["stats"], summary="Per model, table and tier: hits, misses, rows, evictions")
+    @app.get("/v1/stats", tags=["stats"], summary="Per model, table and tier: hits, misses, rows, evictions",
+             operation_id="getStats", response_model=rm.Stats, responses=answers(*INTERNAL))
     def stats(request: Request) -> dict[str, Any]:
         out = engine.stats()
         out["updates"] = {"enabled": False}
@@ -317,18 +345,21 @@ def create_app(ctx: AdminContext) -> FastAPI:
             out[name] = section()
         return visible_stats(out, caller_of(request.state))
 
-    @app.get("/v1/cache", tags=["cache"], summary="L1 cache stats of every table (the caller may read)")
+    @app.get("/v1/cache", tags=["cache"], summary="L1 cache stats of every table (the caller may read)",
+             operation_id="listCacheStats", response_model=rm.CacheStats, responses=answers(*INTERNAL))
     def cache_stats(request: Request) -> dict[str, Any]:
         models = {m.name: {"tables": {t.name: engine.table_stats(m.name, t.name)["cache"] for t in m.tables}}
                   for m in engine.models()}
         return {"models": visible_models(models, caller_of(request.state))}
 
-    @app.get("/v1/cache/{model}/{table}", tags=["cache"], summary="L1 cache stats of one table")
+    @app.get("/v1/cache/{model}/{table}", tags=["cache"], summary="L1 cache stats of one table",
+             operation_id="getTableCacheStats", response_model=rm.TableCacheStats, responses=answers(*INTERNAL))
     def table_cache_stats(model: str, table: str) -> dict[str, Any]:
         return engine.table_stats(model, table)["cache"]
 
     @app.post("/v1/cache/{model}/{table}/clear", tags=["cache"], dependencies=admin,
-              summary="Drop every row of a table's L1 cache")
+              summary="Drop every row of a table's L1 cache", operation_id="clearCache",
+              response_model=rm.CacheCleared, responses=answers(*ADMIN, 404))
     def clear_cache(model: str, table: str) -> dict[str, Any]:
         t = engine.table(model, table)
         if t.cache is None:

@@ -20,8 +20,10 @@ from hps_service.engine import as_rows
 from hps_service.engine.api import Engine
 from hps_service.engine.bags import Bags
 from hps_service.errors import FailedPreconditionError, HPSError, InvalidArgumentError, ResourceExhaustedError
+from hps_service.server import rest_models as rm
 from hps_service.server.rest_bags import body_bags, pooled_answer
 from hps_service.server.rest_bodies import Wait, body_schema, json_body, rows_bodies
+from hps_service.server.rest_models import ADMIN, READ, answers
 from hps_service.server.status import status_for
 
 if TYPE_CHECKING:
@@ -102,13 +104,16 @@ def add_rows_routes(app: FastAPI, ctx: AdminContext, admin: Sequence[Any]) -> No
                     "sources": _SOURCE_NAMES[result.sources].tolist()}
         return Response(json.dumps(body, separators=(",", ":")), media_type="application/json")
 
-    lookup_responses: dict[int | str, dict[str, Any]] = {200: {"description": (
+    read_errors = answers(*READ, 400, 404, 413, 421, 422, 503)
+    get_responses: dict[int | str, dict[str, Any]] = {200: {"description": (
         "rows in the order asked: `{model, model_version, table, dim, keys, vectors, sources}` (`version`: "
-        "model_version, as first named); a pooled lookup's, one per bag: `{model, model_version, table, dim, bags, "
-        "vectors, sources}`")}}
+        "model_version, as first named)"), "model": rm.Embeddings}, **read_errors}
+    lookup_responses: dict[int | str, dict[str, Any]] = {200: {"description": (
+        "rows in the order asked, as the GET's; a pooled lookup's, one per bag: `{model, model_version, table, dim, "
+        "bags, vectors, sources}`"), "model": rm.Embeddings | rm.PooledEmbeddings}, **read_errors}
 
     @app.get(rows_path, tags=["rows"], summary="Rows of keys, and which level answered each",
-             response_class=Response, responses=lookup_responses)
+             response_class=Response, responses=get_responses, operation_id="getEmbeddings")
     def get_rows(model: str, table: str,
                  keys: str = Query(..., description="comma-separated int64 keys (a few thousand at most: the URL is "
                                                     "limited; POST ...embeddings:lookup takes up to "
@@ -117,6 +122,7 @@ def add_rows_routes(app: FastAPI, ctx: AdminContext, admin: Sequence[Any]) -> No
         return rows_of("RestGetEmbeddings", model, table, lambda: parse_keys(keys), model_version, label)
 
     @app.post(rows_path + ":lookup", tags=["rows"], response_class=Response, responses=lookup_responses,
+              operation_id="lookupEmbeddings",
               summary="Rows of many keys (JSON body, up to server.max_batch_keys), and which level answered each; "
                       "with offsets and a combiner, one row per bag",
               openapi_extra=body_schema(bodies.lookup))
@@ -126,7 +132,9 @@ def add_rows_routes(app: FastAPI, ctx: AdminContext, admin: Sequence[Any]) -> No
                        model_version, label, lambda n: body_bags(body, n, cfg.max_batch_keys))
 
     @app.put(rows_path, tags=["rows"], dependencies=admin, openapi_extra=body_schema(bodies.put),
-             summary="Upsert rows (dim checked, NaN/inf rejected): how many were written, how many were stale")
+             summary="Upsert rows (dim checked, NaN/inf rejected): how many were written, how many were stale",
+             operation_id="putEmbeddings", response_model=rm.Written | rm.Published, response_model_exclude_none=True,
+             responses=answers(*ADMIN, 400, 404, 409, 413, 421, 422, 503))
     def put_rows(model: str, table: str, body: Any = json_body(bodies.put, cfg.max_batch_keys),
                  wait: Wait = "acknowledged", model_version: ModelVersion = None,
                  strict: Strict = False) -> dict[str, Any]:
@@ -152,7 +160,9 @@ def add_rows_routes(app: FastAPI, ctx: AdminContext, admin: Sequence[Any]) -> No
         return {"model_version": version, "written": counts.written, "stale": counts.stale}
 
     @app.delete(rows_path, tags=["rows"], dependencies=admin, summary="Delete rows from every tier",
-                openapi_extra=body_schema(bodies.delete))
+                openapi_extra=body_schema(bodies.delete), operation_id="deleteEmbeddings",
+                response_model=rm.Deleted | rm.Published, response_model_exclude_none=True,
+                responses=answers(*ADMIN, 400, 404, 413, 421, 422, 503))
     def delete_rows(model: str, table: str, body: Any = json_body(bodies.delete, cfg.max_batch_keys),
                     wait: Wait = "acknowledged", model_version: ModelVersion = None) -> dict[str, Any]:
         served, version = engine.resolve(model, model_version)

@@ -20,13 +20,26 @@ from hps_service.engine.api import Engine
 from hps_service.engine.versions import check_label
 from hps_service.fleet.registry_log import ModelRegistrations
 from hps_service.server.probes import Readiness
+from hps_service.server.rest_models import (
+    ADMIN,
+    READ,
+    AddedVersion,
+    DroppedVersion,
+    LabelRemoved,
+    LabelSet,
+    ModelLabels,
+    ModelVersion,
+    ModelVersions,
+    answers,
+)
 
 
 class VersionRequest(BaseModel):
     """A version to add: its number, and its tables (default: the model's)."""
 
     version: int = Field(ge=1, le=2**31 - 1, description="the version's number (e.g. the training run)")
-    tables: list[TableConfig] | None = Field(None, max_length=256, description="its tables (default: the model's)")
+    tables: list[TableConfig] | None = Field(None, min_length=1, max_length=256,
+                                             description="its tables (default: the model's)")
 
 
 class LabelRequest(BaseModel):
@@ -51,7 +64,8 @@ def add_version_routes(app: FastAPI, engine: Engine, registrations: ModelRegistr
     """Register the version and label routes on ``app`` (``admin``: the dependencies of an admin route)."""
 
     @app.post("/v1/models/{model}/versions", tags=["versions"], status_code=201, dependencies=admin,
-              summary="Add a version of a model, served beside it with tables of its own")
+              summary="Add a version of a model, served beside it with tables of its own", operation_id="createVersion",
+              response_model=AddedVersion, responses=answers(*ADMIN, 400, 404, 409, 422, 503))
     def create_version(model: str, body: VersionRequest) -> dict[str, Any]:
         base = engine.model(model)
         if served_name(model, body.version) in {m.served_name for m in engine.served_models()}:
@@ -61,8 +75,9 @@ def add_version_routes(app: FastAPI, engine: Engine, registrations: ModelRegistr
         replicated = registrations.register(config)
         return {**describe_versions(engine, model), "added": body.version, "replicated": replicated}
 
-    @app.get("/v1/models/{model}/versions/{version}", tags=["versions"],
-             summary="One version: its state, source, rows and bytes per table, when it became ready")
+    @app.get("/v1/models/{model}/versions/{version}", tags=["versions"], operation_id="getVersion",
+             summary="One version: its state, source, rows and bytes per table, when it became ready",
+             response_model=ModelVersion, responses=answers(*READ, 404, 422))
     def get_version(model: str, version: Annotated[int, Path(ge=1, le=2**31 - 1)]) -> dict[str, Any]:
         engine.model(model)
         found = [v for v in engine.version_states(model) if v.version == version]
@@ -70,12 +85,14 @@ def add_version_routes(app: FastAPI, engine: Engine, registrations: ModelRegistr
             raise HTTPException(404, f"model '{model}' has no version {version}")
         return {"model": model, **found[0].as_json()}
 
-    @app.get("/v1/models/{model}/versions", tags=["versions"], summary="Versions and labels of a model")
+    @app.get("/v1/models/{model}/versions", tags=["versions"], summary="Versions and labels of a model",
+             operation_id="listVersions", response_model=ModelVersions, responses=answers(*READ, 404))
     def list_versions(model: str) -> dict[str, Any]:
         return describe_versions(engine, model)
 
     @app.delete("/v1/models/{model}/versions/{version}", tags=["versions"], dependencies=admin,
-                summary="Drop an unlabelled version and free its rows in every tier")
+                summary="Drop an unlabelled version and free its rows in every tier", operation_id="deleteVersion",
+                response_model=DroppedVersion, responses=answers(*ADMIN, 404, 409, 422, 503))
     def delete_version(model: str, version: Annotated[int, Path(ge=1, le=2**31 - 1)]) -> dict[str, Any]:
         names = [k for k, v in engine.labels.of(model).items() if v == version]
         if names:
@@ -84,13 +101,15 @@ def add_version_routes(app: FastAPI, engine: Engine, registrations: ModelRegistr
         replicated = registrations.unload(served_name(model, version))  # NotFoundError for a version not loaded
         return {"model": model, "dropped": version, "replicated": replicated}
 
-    @app.get("/v1/models/{model}/labels", tags=["versions"], summary="Labels of a model")
+    @app.get("/v1/models/{model}/labels", tags=["versions"], summary="Labels of a model", operation_id="listLabels",
+             response_model=ModelLabels, responses=answers(*READ, 404))
     def list_labels(model: str) -> dict[str, Any]:
         engine.model(model)
         return {"model": model, "labels": engine.labels.of(model)}
 
     @app.put("/v1/models/{model}/labels/{label}", tags=["versions"], dependencies=admin,
-             summary="Point a label at a version: a switch (or a rollback) that every replica makes at once")
+             summary="Point a label at a version: a switch (or a rollback) that every replica makes at once",
+             operation_id="setLabel", response_model=LabelSet, responses=answers(*ADMIN, 400, 404, 409, 422, 503))
     def set_label(model: str, label: str, body: LabelRequest) -> dict[str, Any]:
         check_label(label)
         engine.model(model)
@@ -105,7 +124,8 @@ def add_version_routes(app: FastAPI, engine: Engine, registrations: ModelRegistr
                 "replicated": replicated}
 
     @app.delete("/v1/models/{model}/labels/{label}", tags=["versions"], dependencies=admin,
-                summary="Remove a label (a request naming it is then refused with 404)")
+                summary="Remove a label (a request naming it is then refused with 404)", operation_id="deleteLabel",
+                response_model=LabelRemoved, responses=answers(*ADMIN, 400, 404, 503))
     def delete_label(model: str, label: str) -> dict[str, Any]:
         if label not in engine.labels.of(model):
             raise HTTPException(404, f"model '{model}' has no label '{check_label(label)}'")

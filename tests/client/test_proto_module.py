@@ -50,7 +50,7 @@ def test_renumbered_field_is_breaking(buf: Path, tmp_path: Path) -> None:
     proto = module / "hps/v1/embedding.proto"
     text = proto.read_text()
     assert "  bytes sources = 5;" in text
-    proto.write_text(text.replace("  bytes sources = 5;", "  bytes sources = 7;"))
+    proto.write_text(text.replace("  bytes sources = 5;", "  bytes sources = 99;"))
     result = breaking(buf, module)
     assert result.returncode != 0
     assert 'Previously present field "5" with name "sources" on message "TableVectors" was deleted' in result.stdout

@@ -27,6 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 #: ``| `METHOD /path` |`` at the start of a row of the REST reference's route table.
 ROUTE_ROW = re.compile(r"^\| `(GET|POST|PUT|DELETE|PATCH) (/[^`]*)` \|", re.MULTILINE)
+#: ``| `operationId` | METHOD `/path` | 200 `Model` | 401 403 |``: a row of the REST reference's typed answers.
+ANSWER_ROW = re.compile(r"^\| `(\w+)` \| (GET|POST|PUT|DELETE) `([^`]+)` \| (\d{3}) ([^|]+) \| ([\d ]+) \|$",
+                        re.MULTILINE)
 
 
 gen_config_reference = load_script("gen_config_reference", DOCS / "gen_config_reference.py")
@@ -127,11 +130,32 @@ def test_a_key_without_a_description_is_refused() -> None:
     assert gen_config_reference.undocumented() == []
 
 
-def test_the_rest_reference_lists_exactly_the_apps_routes() -> None:
+def _rest_spec() -> dict:
     cfg = load_config(persistent={"type": "disabled"}, volatile={"type": "disabled"})
     engine = LookupEngine(None, None)
     app = create_app(AdminContext(engine, cfg, ServerMetrics(engine), ServingGate(), JobRunner(), None,
                                   lambda: ([], {}), ModelRegistrations(engine, (), lambda: None)))
-    routes = [(method.upper(), path) for path, ops in app.openapi()["paths"].items() for method in ops]
+    return app.openapi()
+
+
+def test_the_rest_reference_lists_exactly_the_apps_routes() -> None:
+    routes = [(method.upper(), path) for path, ops in _rest_spec()["paths"].items() for method in ops]
     documented = ROUTE_ROW.findall((DOCS / "reference" / "rest.md").read_text())
     assert sorted(documented) == sorted(routes)
+
+
+def test_the_rest_reference_lists_each_operations_typed_answer_and_errors() -> None:
+    """The table of typed answers: each route's operation id, 2xx status and body model, and error statuses, as the
+    spec says them."""
+    spec = []
+    for path, ops in _rest_spec()["paths"].items():
+        for method, op in ops.items():
+            ok = next(code for code in op["responses"] if code.startswith("2"))
+            schema = next(iter(op["responses"][ok].get("content", {}).values()), {}).get("schema", {})
+            refs = [s["$ref"] for s in schema.get("anyOf", [schema]) if "$ref" in s]
+            spec.append((op["operationId"], method.upper(), path, ok, [r.rsplit("/", 1)[1] for r in refs],
+                         [code for code in op["responses"] if not code.startswith("2")]))
+    documented = [(op, method, path, ok, re.findall(r"`(\w+)`", answer), errors.split())
+                  for op, method, path, ok, answer, errors in ANSWER_ROW.findall(
+                      (DOCS / "reference" / "rest.md").read_text())]
+    assert sorted(documented) == sorted(spec)

@@ -127,6 +127,21 @@ def test_local_reads_answer_exactly_as_grpc_sources_included(server: tuple[Local
     np.testing.assert_array_equal(asked[stored].shape[0], seen[1] + seen[2])
 
 
+def test_a_local_client_streams_through_the_owner_in_order(server: tuple[LocalServer, np.ndarray, np.ndarray]
+                                                            ) -> None:
+    """lookup_stream on a colocated client: the owner answers the stream over the socket, each answer the next one
+    asked, with the rows gRPC answers."""
+    from hps_client import StreamRequest
+
+    srv, keys, _ = server
+    batches = np.array_split(keys[:4000], 8)
+    with LocalClient(srv.store) as local, HPSClient(srv.srv.target) as remote:
+        answers = list(local.lookup_stream((StreamRequest("m", {"item": b}) for b in batches), max_in_flight=3))
+        assert [a.request_id for a in answers] == list(range(1, 9))
+        for batch, answer in zip(batches, answers):
+            np.testing.assert_array_equal(answer.tables["item"].vectors, remote.lookup("m", "item", batch))
+
+
 def test_lookup_after_the_first_call_answers_as_grpc(server: tuple[LocalServer, np.ndarray, np.ndarray]) -> None:
     """Once a table is mapped, ``lookup`` reads L1 in one compiled call and hands its hit mask to the general path
     only when a key missed: batches of L1 hits alone, and of L1 and hash-map hits, defaults, duplicates and the int64

@@ -43,10 +43,11 @@ def replicas(tmp_path: Path) -> Iterator[list[HPSServer]]:
 
 
 def test_round_robin_over_replicas(replicas: list[HPSServer]) -> None:
-    """One channel over both replicas (gRPC's round_robin): once both are connected, calls alternate."""
+    """One channel over both replicas (gRPC's round_robin): once both are connected, calls alternate (coalescing
+    off, so that ten concurrent lookups are ten calls)."""
 
     async def main() -> list[float]:
-        async with AsyncHPSClient([target(s) for s in replicas], timeout=30) as client:
+        async with AsyncHPSClient([target(s) for s in replicas], timeout=30, coalesce_window_s=0) as client:
             for _ in range(200):  # until the channel has connected to both (the first calls go to the first one up)
                 await client.lookup("demo", "item", KEYS[:1])
                 if all(_lookups_served(s) for s in replicas):

@@ -15,10 +15,11 @@ import httpx
 import numpy as np
 import pytest
 
+from hps_client import StreamRequest
 from hps_service.aio_client import AsyncHPSClient
 from hps_service.client import HPSClient
 from hps_service.config import HPSConfig
-from hps_service.errors import InvalidArgumentError, UnavailableError
+from hps_service.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from hps_service.serve.process import HPSServer
 from hps_service.updates.partitioning import shard_of
 from tests.helpers import free_port
@@ -100,6 +101,42 @@ def test_async_client_splits_by_shard_and_answers_in_order(shards: list[HPSServe
         async with AsyncHPSClient([target(s) for s in shards]) as client:
             check(await client.lookup_many("demo", {"item": ASK, "user": user_keys}), user_keys)
             assert (await client.cluster_info())["partitions"] == P
+
+    asyncio.run(run())
+
+
+def _lookups(servers: list[HPSServer]) -> float:
+    return sum(s.metrics.requests_served("Lookup") for s in servers if s.metrics is not None)
+
+
+def test_concurrent_lookups_coalesce_before_the_shard_split(shards: list[HPSServer]) -> None:
+    """200 concurrent 2-key lookups, their keys on both shards: one merged batch, split as any batch is (a call to
+    each shard), each caller answered its own rows."""
+    asks = [KEYS[[i, 2999 - i]] for i in range(200)]
+
+    async def run() -> tuple[list[np.ndarray], float]:
+        async with AsyncHPSClient([target(s) for s in shards], timeout=30) as client:
+            await client.lookup("demo", "item", KEYS[:2])  # the shard map, learned
+            before = _lookups(shards)
+            got = await asyncio.gather(*(client.lookup("demo", "item", ask) for ask in asks))
+            return got, _lookups(shards) - before
+
+    got, calls = asyncio.run(run())
+    assert calls == 2
+    for ask, rows in zip(asks, got):
+        np.testing.assert_array_equal(rows, expected(ask, ITEM)[0])
+
+
+def test_a_stream_is_refused_on_a_sharded_fleet(shards: list[HPSServer]) -> None:
+    with HPSClient([target(s) for s in shards]) as client, pytest.raises(
+            FailedPreconditionError, match="sharded fleet of 2 shards: use lookup"):
+        client.lookup_stream([StreamRequest("demo", {"item": KEYS[:3]})])
+
+    async def run() -> None:
+        async with AsyncHPSClient([target(s) for s in shards]) as client:
+            with pytest.raises(FailedPreconditionError, match="sharded fleet of 2 shards"):
+                async for _ in client.lookup_stream([StreamRequest("demo", {"item": KEYS[:3]})]):
+                    pass
 
     asyncio.run(run())
 

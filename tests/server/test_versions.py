@@ -135,6 +135,11 @@ def test_refusals_name_the_problem(http: httpx.Client, stub: pb_grpc.EmbeddingSe
     assert _add(http, 1).status_code == 409
     assert http.post("/v1/models/nope/versions", json={"version": 1}, headers=AUTH).status_code == 404
     assert http.post("/v1/models/demo/versions", json={"version": 0}, headers=AUTH).status_code == 422
+    no_tables = http.post("/v1/models/demo/versions", json={"version": 3, "tables": []}, headers=AUTH)
+    assert no_tables.status_code == 422 and "tables" in no_tables.json()["detail"]  # was a 500 (schemathesis)
+    twice = http.post("/v1/models/demo/versions", headers=AUTH, json={"version": 3, "tables": [
+        {"name": "item", "dim": 4}, {"name": "item", "dim": 8}]})
+    assert twice.status_code == 422 and "duplicate table name(s): item" in twice.json()["detail"]  # was a 500 too
     assert http.post("/v1/models/demo/versions", json={"version": 3}).status_code == 401
     missing = _label(http, "production", 9)
     assert missing.status_code == 409 and "no version 9" in missing.json()["detail"]

@@ -5,6 +5,7 @@ from typing import Any
 
 from hps_client import errors as _errors
 from hps_client.aio import AsyncHPSClient
+from hps_client.aio_coalescing import AsyncCoalescingTransport
 from hps_client.attempts import HedgingPolicy
 from hps_client.bags import Bags
 from hps_client.channel import ACCEPTING_SERVICE, channel_options, channel_target, service_config
@@ -19,10 +20,13 @@ from hps_client.errors import (
     NotFoundError,
     PermissionDeniedError,
     ResourceExhaustedError,
+    StreamLimitError,
     UnauthenticatedError,
     UnavailableError,
 )
 from hps_client.rows import StoredAnswer, StoredRows
+from hps_client.streams import StreamAnswer, StreamRequest
+from hps_client.thread_coalescing import CoalescingTransport
 from hps_client.transport import AsyncTransport, Transport
 from hps_client.wire import TableAnswer, build_request, decode_answer, decode_stored, encode_keys
 
@@ -32,11 +36,12 @@ except PackageNotFoundError:  # imported from a source tree that was never insta
     __version__ = "0+unknown"
 
 __all__ = [
-    "ACCEPTING_SERVICE", "AsyncHPSClient", "Bags", "CancelledError", "DeadlineExceededError", "FailedPreconditionError",
-    "HPSClient", "HPSError", "HedgingPolicy", "InternalError", "InvalidArgumentError", "NotFoundError",
-    "PermissionDeniedError", "ResourceExhaustedError", "StoredAnswer", "StoredRows", "TableAnswer",
-    "AsyncTransport", "Transport", "UnauthenticatedError", "UnavailableError", "build_request", "channel_options", "channel_target", "decode_answer",
-    "decode_stored", "encode_keys", "service_config",
+    "ACCEPTING_SERVICE", "AsyncCoalescingTransport", "AsyncHPSClient", "AsyncTransport", "Bags", "CancelledError",
+    "CoalescingTransport", "DeadlineExceededError", "FailedPreconditionError", "HPSClient", "HPSError",
+    "HedgingPolicy", "InternalError", "InvalidArgumentError", "NotFoundError", "PermissionDeniedError",
+    "ResourceExhaustedError", "StoredAnswer", "StoredRows", "StreamAnswer", "StreamLimitError", "StreamRequest",
+    "TableAnswer", "Transport", "UnauthenticatedError", "UnavailableError", "build_request", "channel_options",
+    "channel_target", "decode_answer", "decode_stored", "encode_keys", "service_config",
 ]
 
 

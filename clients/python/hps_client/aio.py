@@ -2,25 +2,32 @@
 
     async with AsyncHPSClient("dns:///hps-headless.ml.svc:8500") as client:
         rows = await client.lookup("demo", "item", np.array([1, 2, 3]))   # (3, dim) float32
+        # concurrent small lookups go out as one call and are split back (coalesce_window_s=0: off)
+        many = await asyncio.gather(*(client.lookup("demo", "item", [k, k + 1]) for k in range(200)))
+        async for answer in client.lookup_stream(StreamRequest("demo", {"item": keys}) for keys in batches):
+            answer.request_id, answer.tables["item"].vectors
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self
 
 import grpc
 import numpy as np
 
+from hps_client.aio_coalescing import AsyncCoalescingTransport
 from hps_client.aio_transport import AsyncGrpcTransport
 from hps_client.attempts import HedgingPolicy
 from hps_client.bags import Bags
 from hps_client.base import BaseClient, Keys, answer_into, cluster_of, models_of, rows_into
 from hps_client.calls import Call, Ready
 from hps_client.channel import Metadata, channel_options
+from hps_client.coalescing import DEFAULT_MAX_KEYS, DEFAULT_WINDOW_S
 from hps_client.errors import InvalidArgumentError
 from hps_client.rows import StoredAnswer
+from hps_client.streams import DEFAULT_IN_FLIGHT, StreamAnswer, StreamRequest
 from hps_client.tls import channel_credentials
 from hps_client.transport import AsyncTransport, is_local
 from hps_client.wire import TableAnswer
@@ -28,8 +35,9 @@ from hps_client.wire import TableAnswer
 
 class AsyncHPSClient(BaseClient):
     """Replicas or shards as in HPSClient: one grpc.aio channel per replica set, balanced and retried by gRPC;
-    a sharded batch is split by shard and its parts awaited concurrently. ``transport`` replaces the gRPC one (any
-    :class:`~hps_client.transport.AsyncTransport`)."""
+    a sharded batch is split by shard and its parts awaited concurrently. Small lookups that tasks make together
+    go out as one call, split back to each caller (see :mod:`hps_client.aio_coalescing`). ``transport`` replaces the
+    gRPC one (any :class:`~hps_client.transport.AsyncTransport`, used as it is)."""
 
     def __init__(
         self,
@@ -49,9 +57,13 @@ class AsyncHPSClient(BaseClient):
         health_check: bool = True,
         credentials: str | grpc.CallCredentials | None = None,
         transport: AsyncTransport | None = None,
+        coalesce_window_s: float = DEFAULT_WINDOW_S,
+        coalesce_max_keys: int = DEFAULT_MAX_KEYS,
     ) -> None:
         """Targets, retry, channel, TLS, metadata, hedging, health-check options and ``credentials`` as in HPSClient;
-        ``interceptors`` are grpc.aio client interceptors (e.g. OpenTelemetry's ``aio_client_interceptors()``)."""
+        ``interceptors`` are grpc.aio client interceptors (e.g. OpenTelemetry's ``aio_client_interceptors()``).
+        ``coalesce_window_s`` (0: off): how long a lookup waits for others while calls are in flight;
+        ``coalesce_max_keys``: the keys of a merged call at most (a larger lookup goes out on its own)."""
         super().__init__(timeout, metadata, credentials)
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         self.retries = retries
@@ -65,6 +77,8 @@ class AsyncHPSClient(BaseClient):
                 self.targets, channel_options(retries, backoff_s, options, health_check=health_check),
                 channel_credentials(tls_ca, tls_cert, tls_key, tls), tuple(interceptors or ()),
                 HedgingPolicy.parse(hedging) if hedging is not None else None, self._call_credentials, self.metadata)
+            if coalesce_window_s:
+                self.transport = AsyncCoalescingTransport(self.transport, coalesce_window_s, coalesce_max_keys)
 
     async def _handle(self, call: Call[Any]) -> Any:
         return await self.transport.handle(call)
@@ -123,6 +137,18 @@ class AsyncHPSClient(BaseClient):
         answers = await self._handle(self._lookup(model, {table: keys}, timeout, metadata, version, label, stored=True))
         answer: StoredAnswer = answers[table]
         return answer
+
+    async def lookup_stream(self, requests: Iterable[StreamRequest] | AsyncIterable[StreamRequest],
+                            timeout: float | None = None, *, metadata: Metadata | None = None,
+                            max_in_flight: int = DEFAULT_IN_FLIGHT) -> AsyncIterator[StreamAnswer]:
+        """The answers of ``requests`` (an iterable or an async iterable) over one ``StreamLookup`` call, in order,
+        as :meth:`hps_client.HPSClient.lookup_stream`; leaving the ``async for`` early ends the stream."""
+        answers = await self._handle(self._stream(requests, timeout, metadata, max_in_flight))
+        try:
+            async for answer in answers:
+                yield answer
+        finally:
+            await answers.aclose()
 
     async def list_models(self, timeout: float | None = None, *,
                           metadata: Metadata | None = None) -> dict[str, dict[str, int]]:

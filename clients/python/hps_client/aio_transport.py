@@ -12,9 +12,10 @@ from typing import Any, TypeVar
 
 import grpc
 
+from hps_client.aio_streams import stream_answers_async
 from hps_client.attempts import HedgingPolicy, call_hedged_async, retry_elsewhere
 from hps_client.bags import answers_of
-from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows
+from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows, Stream
 from hps_client.channel import Metadata
 from hps_client.errors import FailedPreconditionError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
@@ -30,6 +31,7 @@ from hps_client.routing import (
     shard_error,
     shard_unavailable,
     split_batch,
+    stream_refused_sharded,
     whole_target,
 )
 from hps_client.stub import EmbeddingStub
@@ -73,6 +75,10 @@ class AsyncGrpcTransport:
                 answer = await self._call("ListModels", pb.ListModelsRequest(), call)
             case ClusterInfo():
                 answer = await self._call("GetClusterInfo", CLUSTER_INFO, call)
+            case Stream():
+                stub = await self._stream_stub(call.deadline)
+                answer = stream_answers_async(stub, call.requests, call.max_in_flight, call.deadline,
+                                              **self._auth(call.metadata))
             case Ready():
                 answer = await self._any_stub(call.deadline)
                 channel = self._channels.get(self.target) if self.target is not None else None
@@ -117,6 +123,17 @@ class AsyncGrpcTransport:
                 request, timeout=remaining(call.deadline), **self._auth(call.metadata))
         except grpc.aio.AioRpcError as err:
             raise as_error(err) from None
+
+    async def _stream_stub(self, deadline: float | None) -> EmbeddingStub:
+        """The stub a stream goes over: one server's; FailedPreconditionError for a sharded fleet."""
+        routes = await self._learn(deadline)
+        if routes is not None:
+            if routes.shape.shards > 1:
+                raise stream_refused_sharded(routes.shape)
+            return await self._any_stub(deadline)
+        stub = self._get_stub()
+        assert stub is not None
+        return stub
 
     # ---- the shard map ------------------------------------------------------------------------------------
     async def _learn(self, deadline: float | None) -> ShardRoutes | None:

@@ -4,7 +4,7 @@ written once as calls to build (checked here) and answers to shape. Each twin on
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -13,10 +13,11 @@ import numpy as np
 from hps_client.bags import Bags, pooling_of
 from hps_client.buffers import check_out
 from hps_client.call_auth import read_credentials
-from hps_client.calls import ClusterInfo, ListModels, Lookup, Rows
+from hps_client.calls import ClusterInfo, ListModels, Lookup, Rows, Stream
 from hps_client.channel import Metadata, merge_metadata
 from hps_client.errors import InvalidArgumentError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
+from hps_client.streams import StreamRequest, check_in_flight
 from hps_client.wire import TableAnswer, as_keys
 
 Keys = np.ndarray | Sequence[int]
@@ -57,6 +58,12 @@ class BaseClient:
                             out=out)
         call.pooling = {name: pooling_of(bags.offsets, bags.combiner, bags.weights) for name, bags in tables.items()}
         return call
+
+    def _stream(self, requests: Iterable[StreamRequest] | AsyncIterable[StreamRequest], timeout: float | None,
+                metadata: Metadata | None, max_in_flight: int) -> Stream:
+        """A stream's call: ``timeout`` bounds the whole stream (None: none, whatever the client's default)."""
+        return Stream(None if timeout is None else time.monotonic() + timeout,
+                      merge_metadata(self.metadata, metadata), requests, check_in_flight(max_in_flight))
 
     def _list_models(self, timeout: float | None, metadata: Metadata | None) -> ListModels:
         return ListModels(self._deadline(timeout), merge_metadata(self.metadata, metadata))

@@ -4,6 +4,7 @@ as an HTTP request is httpx's). The client builds and checks them once (:mod:`hp
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -13,6 +14,7 @@ from hps_client.bags import Pooling, table_keys
 from hps_client.channel import Metadata
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.rows import StoredAnswer
+from hps_client.streams import StreamRequest
 from hps_client.wire import TableAnswer, version_field
 
 R = TypeVar("R")
@@ -69,6 +71,16 @@ class Rows(Call[np.ndarray]):
     def as_lookup(self) -> Lookup:
         return Lookup(self.deadline, self.metadata, self.model, {self.table: self.keys}, self.version, self.label,
                       out=self.out)
+
+
+@dataclass(slots=True)
+class Stream(Call[Any]):
+    """Lookups over one ``StreamLookup`` call, at most ``max_in_flight`` ahead of their answers: an iterator of
+    :class:`~hps_client.streams.StreamAnswer` in the order asked (an async iterator from an asyncio transport);
+    ``deadline`` bounds the whole stream."""
+
+    requests: Iterable[StreamRequest] | AsyncIterable[StreamRequest]
+    max_in_flight: int
 
 
 @dataclass(slots=True)

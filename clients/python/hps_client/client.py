@@ -8,11 +8,18 @@
 
     # a colocated server's shared store, read in this process (hits at memory speed, misses over its socket)
     client = HPSClient("local:///dev/shm/hps")
+
+    # threads' small lookups merged into one call while calls are in flight (at most 200 us of waiting)
+    client = HPSClient("dns:///hps-headless.ml.svc:8500", coalesce_window_s=200e-6)
+
+    # many lookups over one StreamLookup call, answered in order
+    for answer in client.lookup_stream(StreamRequest("demo", {"item": keys}) for keys in batches):
+        answer.request_id, answer.tables["item"].vectors
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +31,12 @@ from hps_client.bags import Bags
 from hps_client.base import BaseClient, Keys, answer_into, cluster_of, models_of, rows_into
 from hps_client.calls import Call, Ready
 from hps_client.channel import Metadata, channel_options
+from hps_client.coalescing import DEFAULT_MAX_KEYS
 from hps_client.grpc_transport import GrpcTransport
 from hps_client.routing import whole_target
 from hps_client.rows import StoredAnswer
+from hps_client.streams import DEFAULT_IN_FLIGHT, StreamAnswer, StreamRequest
+from hps_client.thread_coalescing import CoalescingTransport
 from hps_client.tls import channel_credentials
 from hps_client.transport import Transport, is_local, local_transport
 from hps_client.wire import TableAnswer
@@ -42,8 +52,10 @@ class HPSClient(BaseClient):
     ``GrpcInstrumentorClient().instrument()`` instruments every channel the client opens (it sends the W3C
     ``traceparent``; it reads the global tracer provider); its ``client_interceptor()`` is not a gRPC interceptor and
     cannot be passed here. ``hedging`` (a :class:`HedgingPolicy` or gRPC's ``hedgingPolicy`` dict) sends a second
-    copy of a slow unsharded lookup to another replica (see :mod:`hps_client.attempts`). ``transport`` replaces the
-    one the targets would pick (any :class:`~hps_client.transport.Transport`).
+    copy of a slow unsharded lookup to another replica (see :mod:`hps_client.attempts`). ``coalesce_window_s`` > 0
+    merges small lookups that threads make while calls are in flight into one call (see
+    :mod:`hps_client.thread_coalescing`). ``transport`` replaces the one the targets would pick (any
+    :class:`~hps_client.transport.Transport`, used as it is).
     """
 
     def __init__(
@@ -64,6 +76,8 @@ class HPSClient(BaseClient):
         health_check: bool = True,
         credentials: str | grpc.CallCredentials | None = None,
         transport: Transport | None = None,
+        coalesce_window_s: float = 0.0,
+        coalesce_max_keys: int = DEFAULT_MAX_KEYS,
     ) -> None:
         """``targets``: a gRPC target (``host:port``, ``dns:///name:port``) or a list of them: ``host:port``
         replicas, or for a sharded fleet the replicas or ``dns:///`` names of its shards, in any order; or
@@ -72,7 +86,9 @@ class HPSClient(BaseClient):
         ``tls_cert``/``tls_key`` add a client certificate for servers that require mutual TLS. ``metadata``,
         ``interceptors`` and ``hedging``: see the class; ``health_check=False`` for servers older than 0.2 (no
         ``accepting`` health service). ``credentials``: for ``server.auth: token``, a read token (sent as
-        ``authorization: Bearer`` metadata on every call) or gRPC call credentials (which gRPC sends over TLS only)."""
+        ``authorization: Bearer`` metadata on every call) or gRPC call credentials (which gRPC sends over TLS only).
+        ``coalesce_window_s`` (0: off) and ``coalesce_max_keys``: how long a lookup waits for others, and the keys
+        of a merged call at most (gRPC targets only)."""
         super().__init__(timeout, metadata, credentials)
         self.targets = [targets] if isinstance(targets, str) else list(targets)
         self.target = None if is_local(targets) else whole_target(self.targets)
@@ -87,6 +103,8 @@ class HPSClient(BaseClient):
                 self.targets, channel_options(retries, backoff_s, options, health_check=health_check),
                 channel_credentials(tls_ca, tls_cert, tls_key, tls), tuple(interceptors or ()),
                 HedgingPolicy.parse(hedging) if hedging is not None else None, self._call_credentials, self.metadata)
+            if coalesce_window_s:
+                self.transport = CoalescingTransport(self.transport, coalesce_window_s, coalesce_max_keys)
 
     def _handle(self, call: Call[Any]) -> Any:
         return self.transport.handle(call)
@@ -148,6 +166,17 @@ class HPSClient(BaseClient):
         answer: StoredAnswer = self._handle(self._lookup(model, {table: keys}, timeout, metadata, version, label,
                                                          stored=True))[table]
         return answer
+
+    def lookup_stream(self, requests: Iterable[StreamRequest], timeout: float | None = None, *,
+                      metadata: Metadata | None = None,
+                      max_in_flight: int = DEFAULT_IN_FLIGHT) -> Iterator[StreamAnswer]:
+        """The answers of ``requests`` over one ``StreamLookup`` call, in the order asked, each with its
+        ``request_id``; at most ``max_in_flight`` requests are sent ahead of their answers (``requests`` is read as
+        room frees, on gRPC's thread). ``timeout`` bounds the whole stream (default: none). A failed request ends
+        the stream and is raised after the answers before it; the server's stream limit raises StreamLimitError.
+        One server answers a stream: FailedPreconditionError for a sharded fleet."""
+        answers: Iterator[StreamAnswer] = self._handle(self._stream(requests, timeout, metadata, max_in_flight))
+        return answers
 
     def list_models(self, timeout: float | None = None, *,
                     metadata: Metadata | None = None) -> dict[str, dict[str, int]]:

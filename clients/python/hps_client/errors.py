@@ -45,6 +45,11 @@ class ResourceExhaustedError(HPSError):
     default_code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+class StreamLimitError(ResourceExhaustedError):
+    """The server refused a stream: it holds ``server.max_streams`` streams, or this caller
+    ``server.max_streams_per_caller`` (close a stream, or make unary calls)."""
+
+
 class UnavailableError(HPSError):
     """The service cannot answer right now: starting, draining, or a required tier is down."""
 

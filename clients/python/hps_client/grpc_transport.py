@@ -19,7 +19,7 @@ import grpc
 
 from hps_client.attempts import HedgingPolicy, call_hedged, retry_elsewhere
 from hps_client.bags import answers_of
-from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows
+from hps_client.calls import Call, ClusterInfo, ListModels, Lookup, Ready, Rows, Stream
 from hps_client.channel import Metadata
 from hps_client.errors import FailedPreconditionError, UnavailableError
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
@@ -35,8 +35,10 @@ from hps_client.routing import (
     shard_error,
     shard_unavailable,
     split_batch,
+    stream_refused_sharded,
     whole_target,
 )
+from hps_client.streams import stream_answers
 from hps_client.stub import EmbeddingStub
 from hps_client.wire import WireResponse, as_error
 
@@ -85,6 +87,9 @@ class GrpcTransport:
                 answer = self._call("ListModels", pb.ListModelsRequest(), call)
             case ClusterInfo():
                 answer = self._call("GetClusterInfo", CLUSTER_INFO, call)
+            case Stream():
+                answer = stream_answers(self._stream_stub(call.deadline).StreamLookup, call.requests,
+                                        call.max_in_flight, call.deadline, **self._auth(call.metadata))
             case Ready():
                 self._wait_ready(call.deadline)
                 answer = None
@@ -124,6 +129,16 @@ class GrpcTransport:
                                                                  **self._auth(call.metadata))
         except grpc.RpcError as err:
             raise as_error(err) from None
+
+    def _stream_stub(self, deadline: float | None) -> EmbeddingStub:
+        """The stub a stream goes over: one server's; FailedPreconditionError for a sharded fleet."""
+        routes = self._learn(deadline)
+        if routes is not None:
+            if routes.shape.shards > 1:
+                raise stream_refused_sharded(routes.shape)
+            return self._any_stub(deadline)
+        assert self._stub is not None
+        return self._stub
 
     def _wait_ready(self, deadline: float | None) -> None:
         """Block until the channel has a connection (UnavailableError at ``deadline``)."""

@@ -17,7 +17,7 @@ import numpy as np
 
 from hps_client.bags import Pooling, add_parts, answer_pooled, shard_pooling, table_keys
 from hps_client.channel import channel_target
-from hps_client.errors import HPSError, InternalError, InvalidArgumentError, UnavailableError
+from hps_client.errors import FailedPreconditionError, HPSError, InternalError, InvalidArgumentError, UnavailableError
 from hps_client.partitioning import shard_ids
 from hps_client.proto.hps.v1 import embedding_pb2 as pb
 from hps_client.stub import EmbeddingStub
@@ -215,6 +215,13 @@ def remaining(deadline: float | None, cap: float | None = None) -> float | None:
     if cap is None:
         return left
     return cap if left is None else min(left, cap)
+
+
+def stream_refused_sharded(shape: ShardShape) -> HPSError:
+    """Why a stream is not opened over a sharded fleet (each of its requests would need every shard)."""
+    return FailedPreconditionError(
+        f"lookup_stream sends every request to one server, and the client's targets are a sharded fleet of "
+        f"{shape.shards} shards: use lookup or lookup_many, which split each batch by shard")
 
 
 def shard_error(shard: int, shape: ShardShape, err: grpc.RpcError) -> HPSError:

@@ -106,6 +106,7 @@ class WireResponse:
     model: str
     tables: list[WireTable]
     request_id: int
+    version: int = 0
 
 
 def _varint(buf: bytes, i: int, end: int) -> tuple[int, int]:
@@ -183,5 +184,7 @@ def parse_lookup_response(data: bytes) -> WireResponse:
             out.model = str(view[value:after], "utf-8")
         elif kind == 0 and number == 3:
             out.request_id = value & 0xFFFFFFFFFFFFFFFF
+        elif kind == 0 and number == 4:
+            out.version = value & 0xFFFFFFFF
         i = after
     return out
