@@ -57,11 +57,19 @@ $(VENV)/.installed-trainer: pyproject.toml | $(VENV)/.installed
 	$(PIP) install -q -e '.[trainer,demo]'
 	@touch $@
 
+# TorchRec for hps_client.torchrec's tests, example and benchmark: its requirements come from the torchrec extra
+# (fbgemm-gpu-cpu, not the CUDA fbgemm-gpu TorchRec asks for), TorchRec itself with --no-deps. Every install after
+# torch's holds it at TORCH_VERSION (a constraint), so that no package can swap in another (CUDA) build.
+TORCHREC_VERSION ?= 1.8.0
+TORCH_PIN := $(VENV)/torch-constraint.txt
+
 # Everything the tests, lint and the benchmarks use (the dev extra and every other one but the GPU's).
 $(VENV)/.installed-dev: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
 	$(TORCH_INSTALL)
-	$(PIP) install -q -e $(CLIENT)
-	$(PIP) install -q -e '.[dev,trainer,demo,otel]'
+	@echo 'torch==$(TORCH_VERSION)' > $(TORCH_PIN)
+	$(PIP) install -q -c $(TORCH_PIN) -e '$(CLIENT)[torch]'
+	$(PIP) install -q -c $(TORCH_PIN) -e '.[dev,trainer,demo,otel,torchrec]'
+	$(PIP) install -q -c $(TORCH_PIN) --no-deps 'torchrec==$(TORCHREC_VERSION)'
 	@touch $@ $(VENV)/.installed $(VENV)/.installed-trainer
 
 # The documentation needs MkDocs and its theme only: the docs extra's requirements, read from pyproject.toml and
