@@ -175,7 +175,7 @@ def import_job(
     def work(job: Job) -> dict[str, Any]:
         tier = import_tier(engine)
         t = engine.table(model, table)
-        keys, vectors = read_model_source(path)
+        keys, vectors = read_model_source(path, table)
         check_import_shape(t.id, t.dim, keys, vectors)
         rows_read = int(keys.shape[0])
         keys, vectors, skipped = shard_map.keep_owned(keys, vectors)

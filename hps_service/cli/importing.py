@@ -1,6 +1,6 @@
-"""``hps import`` as a function: one table's rows from a HugeCTR sparse model directory or a ``.npz`` into the
-persistent tier (RocksDB SST ingest: all rows or none), used by ``hps import`` and ``hps config from-hugectr
---import``."""
+"""``hps import`` as a function: one table's rows from a HugeCTR sparse model directory, a ``.npz`` or torch weights
+(a state_dict or safetensors file, the table's rows found by its name) into the persistent tier (RocksDB SST
+ingest: all rows or none), used by ``hps import`` and ``hps config from-hugectr --import``."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def import_source(cfg: HPSConfig, path: Path, model: str, table: str, *, version
     if cfg.persistent.read_only:
         raise ImportRefused("import needs a writable persistent tier, but persistent.read_only is true")
     try:
-        keys, vectors = read_model_source(path)
+        keys, vectors = read_model_source(path, table)
         keys, vectors, skipped = ShardMap.from_config(cfg.cluster).keep_owned(keys, vectors)
         tier = RocksDBTier(cfg.persistent.path, block_cache_mb=cfg.persistent.block_cache_mb)
     except HPSError as exc:

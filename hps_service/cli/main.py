@@ -130,7 +130,11 @@ def _hps_command() -> str:
 
 @app.command("import")
 def import_model(
-    path: Path = typer.Argument(..., help="HugeCTR sparse model dir (key + emb_vector files) or a .npz with keys/vectors."),
+    path: Path = typer.Argument(..., help="HugeCTR sparse model dir (key + emb_vector files), a .npz with "
+                                          "keys/vectors, or a torch state_dict (.pt, .pth) or .safetensors file "
+                                          "holding the table's weights (a TorchRec EBC's "
+                                          "embedding_bags.TABLE.weight; row index = key, or a keys tensor beside "
+                                          "it)."),
     config: Path = CONFIG_OPTION,
     model: str = typer.Option(..., "--model", "-m", help="Model name (as in the config)."),
     table: str = typer.Option(..., "--table", "-t", help="Table name (as in the config)."),

@@ -113,7 +113,8 @@ class ConvertRequest(BaseModel):
 
 
 class ImportRequest(BaseModel):
-    path: str = Field(description="server-side HugeCTR sparse model directory or .npz with keys/vectors")
+    path: str = Field(description="server-side HugeCTR sparse model directory, .npz with keys/vectors, or "
+                                  "torch state_dict (.pt, .pth) or .safetensors file holding the table's weights")
     version: Int64 = 0
 
 
