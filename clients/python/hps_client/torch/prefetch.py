@@ -46,9 +46,13 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 class Prefetch:
     """A lookup started ahead of the forward that will consume it: ``done()``, ``wait()`` for its rows."""
 
-    def __init__(self, key: Hashable, inputs: tuple[torch.Tensor | None, ...],
+    def __init__(self, key: Hashable, given: tuple[torch.Tensor | None, ...], inputs: tuple[torch.Tensor | None, ...],
                  future: Future[tuple[torch.Tensor, Any]]) -> None:
         self.key = key
+        #: The caller's tensors and their version counters: the same tensors unchanged match at once.
+        self._given = given
+        self._versions = tuple(None if t is None else t._version for t in given)
+        #: Copies of the inputs, which the lookup reads and other tensors of equal values match.
         self.inputs = inputs
         self._future = future
         #: Whether a forward took its rows.
@@ -67,8 +71,11 @@ class Prefetch:
         return rows
 
     def matches(self, key: Hashable, inputs: tuple[torch.Tensor | None, ...]) -> bool:
-        return self.key == key and len(inputs) == len(self.inputs) and all(
-            _same(a, b) for a, b in zip(inputs, self.inputs))
+        if self.key != key or len(inputs) != len(self.inputs):
+            return False
+        if all(a is b and (a is None or a._version == v) for a, b, v in zip(inputs, self._given, self._versions)):
+            return True
+        return all(_same(a, b) for a, b in zip(inputs, self.inputs))
 
 
 class Prefetches:
@@ -95,7 +102,7 @@ class Prefetches:
                 event.record(stream)
             return rows, event
 
-        handle = Prefetch(key, copies, _pool().submit(run))
+        handle = Prefetch(key, inputs, copies, _pool().submit(run))
         with self._lock:
             self._pending.append(handle)
         return handle
