@@ -8,7 +8,7 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps cpp-deps cpp-client buf proto-lint proto-baseline test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build docs
+.PHONY: help install install-dev test-deps cpp-deps cpp-client buf proto-lint proto-baseline test test-images test-coexistence test-triton dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build docs
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
@@ -127,6 +127,12 @@ lock: install-dev
 # package imported (make test runs the resolution checks, the floors, tritonclient and feast with their stubs only).
 test-coexistence: install-dev
 	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/client/test_coexistence.py $(PYTEST_ARGS)
+
+# examples/triton_hps.py: PyTriton's Triton server in a virtualenv of its own (the system's Python 3.11, whose
+# libpython PyTriton's Python backend loads; nvidia-pytriton, torch, hps-client[torch]) called through tritonclient
+# (minutes, most of them building that virtualenv).
+test-triton: install-dev
+	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/torch/test_triton_example.py $(PYTEST_ARGS)
 
 # One copy of the rows per node: PSS of a server with 2 gRPC workers vs 1 over a 1M x 64 table (minutes).
 test-node-memory: install-dev
