@@ -33,6 +33,9 @@
 14. Pooled lookups (loadtest.benchmarks.bags): lookup_bags vs per-key lookups pooled by the caller (>= 2x keys/s at
    mean bag 32) and vs a Redis Cluster client pooling likewise (>= 3x); response bytes 1/mean bag length of the
    per-key answer's; server CPU per pooled key vs a plain lookup's (<= 1.0x).
+15. PyTorch (loadtest.benchmarks.torch_dlrm): a DLRM-sized embedding step (batch 512, 26 features of mean bag 20,
+   dim 64) through HPSEmbeddingBagCollection over LocalClient (>= 0.5x TorchRec's EmbeddingBagCollection in
+   process) and over gRPC; prefetch hiding >= 80% of the lookup behind a dense step of equal length.
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -69,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
-                         "node,tracing,storage,bags")
+                         "node,tracing,storage,bags,torch")
     cli.add_out(ap)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -176,6 +179,12 @@ def main(argv: list[str] | None = None) -> int:
 
             console.rule("14. pooled lookups vs the caller's pooling and Redis (loadtest.benchmarks.bags)")
             res["bags"] = bags.bench(200_000 if args.quick else 1_000_000, 6.0 if args.quick else 12.0, console)
+        if "torch" not in skip:
+            from loadtest.benchmarks import torch_dlrm
+
+            console.rule("15. a DLRM step in PyTorch: HPSEmbeddingBagCollection vs TorchRec's EBC, prefetch "
+                         "(loadtest.benchmarks.torch_dlrm)")
+            res["torch"] = torch_dlrm.bench(5_000 if args.quick else 20_000, 6.0 if args.quick else 20.0, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
@@ -200,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.benchmarks import bags
 
         console.print(bags.table(res["bags"]))
+    if res.get("torch"):
+        from loadtest.benchmarks import torch_dlrm
+
+        console.print(torch_dlrm.table(res["torch"]))
     prof = (res.get("grpc") or {}).get("profile")
     if prof and "by_category" in prof:
         console.print(f"server under gRPC load (py-spy --gil): GIL held {prof['gil_busy']:.0%} of the time; by part: " + ", ".join(
