@@ -89,7 +89,7 @@ def prefetch_embedding(ref: str, table: str, ids: Tensor, dim: int, device: torc
     """Start what :func:`embedding` of these arguments looks up; that call then takes its rows."""
     src = source(ref)
     return src.prefetches.start(("embedding", table, dim, device), (ids,),
-                                lambda t: lookups.embedding_rows(src, table, t[0], dim, device), device)
+                                lambda i: lookups.embedding_rows(src, table, i, dim, device), device)
 
 
 def prefetch_embedding_bag(ref: str, table: str, input: Tensor, offsets: Tensor | None,
@@ -99,7 +99,7 @@ def prefetch_embedding_bag(ref: str, table: str, input: Tensor, offsets: Tensor 
     src = source(ref)
     return src.prefetches.start(
         ("embedding_bag", table, mode, include_last_offset, dim, device), (input, offsets, per_sample_weights),
-        lambda t: lookups.bag_rows(src, table, t[0], t[1], t[2], mode, include_last_offset, dim, device), device)
+        lambda i, o, w: lookups.bag_rows(src, table, i, o, w, mode, include_last_offset, dim, device), device)
 
 
 def prefetch_pooled_features(ref: str, values: Tensor, offsets: Tensor, weights: Tensor | None, stride: int,
@@ -108,7 +108,7 @@ def prefetch_pooled_features(ref: str, values: Tensor, offsets: Tensor, weights:
     src = source(ref)
     return src.prefetches.start(
         ("pooled_features", stride, tuple(features), tuple(feature_tables), device), (values, offsets, weights),
-        lambda t: lookups.pooled_features(src, src.plan, t[0], t[1], t[2], stride, features, feature_tables, device),
+        lambda v, o, w: lookups.pooled_features(src, src.plan, v, o, w, stride, features, feature_tables, device),
         device)
 
 
@@ -118,5 +118,5 @@ def prefetch_unpooled_features(ref: str, values: Tensor, offsets: Tensor, stride
     src = source(ref)
     return src.prefetches.start(
         ("unpooled_features", stride, tuple(features), tuple(feature_tables), dim, device), (values, offsets),
-        lambda t: lookups.unpooled_features(src, src.plan, t[0], t[1], stride, features, feature_tables, dim,
-                                            device), device)
+        lambda v, o: lookups.unpooled_features(src, src.plan, v, o, stride, features, feature_tables, dim,
+                                               device), device)

@@ -88,16 +88,16 @@ class Prefetches:
         self.hits = 0
 
     def start(self, key: Hashable, inputs: tuple[torch.Tensor | None, ...],
-              lookup: Callable[[tuple[torch.Tensor | None, ...]], torch.Tensor], device: torch.device) -> Prefetch:
-        """Run ``lookup`` on copies of ``inputs`` in the background; the handle a later :meth:`take` consumes."""
+              lookup: Callable[..., torch.Tensor], device: torch.device) -> Prefetch:
+        """Run ``lookup(*copies of inputs)`` in the background; the handle a later :meth:`take` consumes."""
         copies = tuple(None if t is None else t.detach().clone() for t in inputs)
 
         def run() -> tuple[torch.Tensor, Any]:
             if device.type != "cuda":
-                return lookup(copies), None
+                return lookup(*copies), None
             stream = _side_stream(device)
             with torch.cuda.stream(stream):
-                rows = lookup(copies)
+                rows = lookup(*copies)
                 event = torch.cuda.Event()
                 event.record(stream)
             return rows, event
