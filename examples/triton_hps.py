@@ -2,7 +2,7 @@
 through ``HPSEmbeddingBag``: each request's rows of history ids are pooled (mean) by the server, and the model
 answers the pooled row and a score.
 
-    python examples/triton_hps.py --hps-target 127.0.0.1:8500 --model demo --table item --http-port 8000
+    python examples/triton_hps.py --hps-target 127.0.0.1:8500 --model demo --table item --http-port 8010
 
 Model ``ranker``: input ``history`` (int64, a fixed number of ids per row), outputs ``pooled`` (float32, dim) and
 ``score`` (float32, 1: the sigmoid of the pooled row's sum). Needs ``nvidia-pytriton`` and ``hps-client[torch]`` in
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hps-target", required=True, help="hps serve's gRPC address (or local:///dev/shm/hps)")
     ap.add_argument("--model", required=True)
     ap.add_argument("--table", required=True)
-    ap.add_argument("--http-port", type=int, default=8000)
-    ap.add_argument("--grpc-port", type=int, default=8001)
-    ap.add_argument("--metrics-port", type=int, default=8002)
+    ap.add_argument("--http-port", type=int, default=8010)
+    ap.add_argument("--grpc-port", type=int, default=8011)
+    ap.add_argument("--metrics-port", type=int, default=8012)
     args = ap.parse_args(argv)
     client = HPSClient(args.hps_target, timeout=10)
     ranker = Ranker(client, args.model, args.table).eval()
