@@ -62,7 +62,7 @@ def batches(rows: int, count: int, seed: int) -> list[KeyedJaggedTensor]:
 class Node:
     """``hps serve`` of model ``dlrm`` (FEATURES tables) with a colocated store: the tables imported from the TorchRec
     collection's weights (a safetensors file, the REST import), then the server restarted, so that it loads every
-    row into its hash map, and every row read twice, so that L1 (sized to hold them all) holds the rows as well."""
+    row into its hash map, and every row read until L1 (sized to hold them all) holds them too."""
 
     def __init__(self, workdir: Path, ebc: EmbeddingBagCollection, rows: int) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
@@ -94,15 +94,16 @@ class Node:
         stop_process(self.proc, 30)
         self._start()
         keys = np.arange(rows, dtype=np.int64)
-        with HPSClient(self.target, timeout=120) as client:
-            for _ in range(2):
+        with HPSClient(self.target, timeout=120) as client, LocalClient(self.store) as local:
+            for _ in range(6):  # read until L1 holds (nearly) every row: it admits what reads miss
                 for c in configs(rows):
                     client.lookup("dlrm", c.name, keys)
-        with LocalClient(self.store) as local:
-            answered = [local.lookup_with_sources("dlrm", c.name, keys).sources for c in configs(rows)]
-        #: The fraction of rows a colocated read finds in L1, and in L1 or the hash map.
-        self.l1 = float(np.mean([(a == 1).mean() for a in answered]))
-        self.hits = float(np.mean([np.isin(a, (1, 2)).mean() for a in answered]))
+                answered = [local.lookup_with_sources("dlrm", c.name, keys).sources for c in configs(rows)]
+                #: The fraction of rows a colocated read finds in L1, and in L1 or the hash map.
+                self.l1 = float(np.mean([(a == 1).mean() for a in answered]))
+                self.hits = float(np.mean([np.isin(a, (1, 2)).mean() for a in answered]))
+                if self.l1 >= 0.99:
+                    break
 
     def _start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "hps_service.cli.main", "serve", "--config",
