@@ -1,7 +1,7 @@
 """HPSEmbeddingBagCollection and HPSEmbeddingCollection against TorchRec's own collections holding the served rows
 as their weights: KJTs with empty and long bags, features sharing a table, SUM and MEAN, weighted bags, through gRPC
 and the colocated store, within 1e-5; a trained collection's state_dict loads into the served one; bad configs and
-inputs are refused naming what is wrong."""
+inputs are refused naming what is wrong; the bag collection compiles with fullgraph=True."""
 
 from __future__ import annotations
 
@@ -121,3 +121,10 @@ def test_configs_and_inputs_that_do_not_fit_are_refused(served: Served) -> None:
     ebc = HPSEmbeddingBagCollection(served.local, "m", tables=_bag_configs())
     with pytest.raises(InvalidArgumentError, match="lacks feature\\(s\\) f3"):
         ebc(_kjt(["f1", "f2", "f4"], 6))
+
+
+def test_the_bag_collection_compiles_whole(served: Served) -> None:
+    ebc = HPSEmbeddingBagCollection(served.grpc, "m", tables=_bag_configs())
+    kjt = _kjt(["f1", "f2", "f3", "f4"], 7)
+    compiled = torch.compile(lambda features: ebc(features).values(), fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(kjt), ebc(kjt).values())
