@@ -99,8 +99,12 @@ class Server:
         self.target = f"127.0.0.1:{self.grpc_port}"
         self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.http_port}", timeout=60,
                                  headers={"Authorization": f"Bearer {TOKEN}"})
-        with HPSClient(self.target) as client:
-            client.wait_ready(timeout=120)
+        try:
+            with HPSClient(self.target) as client:
+                client.wait_ready(timeout=120)
+        except BaseException:
+            self.stop()
+            raise
 
     def import_table(self, table: str, path: Path) -> int:
         """The REST import of ``table`` from ``path``, waited for; the rows it wrote."""
