@@ -8,7 +8,7 @@ RUN_CONFIG ?= examples/embedded.yaml
 DEMO_ROWS ?= 100000
 DEMO_DIM ?= 64
 
-.PHONY: help install install-dev test-deps cpp-deps cpp-client buf proto-lint proto-baseline test test-images test-coexistence dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build docs
+.PHONY: help install install-dev test-deps cpp-deps cpp-client buf proto-lint proto-baseline test test-images test-coexistence test-triton dist image-deps lock test-node-memory run demo proto bench loadtest soak history lint clean helm-lint docker-build docs
 
 help:
 	@echo "make run     - install, import a demo model and serve it on the embedded default (no external servers)"
@@ -57,11 +57,19 @@ $(VENV)/.installed-trainer: pyproject.toml | $(VENV)/.installed
 	$(PIP) install -q -e '.[trainer,demo]'
 	@touch $@
 
+# TorchRec for hps_client.torchrec's tests, example and benchmark: its requirements come from the torchrec extra
+# (fbgemm-gpu-cpu, not the CUDA fbgemm-gpu TorchRec asks for), TorchRec itself with --no-deps. Every install after
+# torch's holds it at TORCH_VERSION (a constraint), so that no package can swap in another (CUDA) build.
+TORCHREC_VERSION ?= 1.8.0
+TORCH_PIN := $(VENV)/torch-constraint.txt
+
 # Everything the tests, lint and the benchmarks use (the dev extra and every other one but the GPU's).
 $(VENV)/.installed-dev: pyproject.toml $(CLIENT)/pyproject.toml | $(VENV)/bin/python
 	$(TORCH_INSTALL)
-	$(PIP) install -q -e $(CLIENT)
-	$(PIP) install -q -e '.[dev,trainer,demo,otel,repository]'
+	@echo 'torch==$(TORCH_VERSION)' > $(TORCH_PIN)
+	$(PIP) install -q -c $(TORCH_PIN) -e '$(CLIENT)[torch]'
+	$(PIP) install -q -c $(TORCH_PIN) -e '.[dev,trainer,demo,otel,repository,torchrec]'
+	$(PIP) install -q -c $(TORCH_PIN) --no-deps 'torchrec==$(TORCHREC_VERSION)'
 	@touch $@ $(VENV)/.installed $(VENV)/.installed-trainer
 
 # The documentation needs MkDocs and its theme only: the docs extra's requirements, read from pyproject.toml and
@@ -119,6 +127,12 @@ lock: install-dev
 # package imported (make test runs the resolution checks, the floors, tritonclient and feast with their stubs only).
 test-coexistence: install-dev
 	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/client/test_coexistence.py $(PYTEST_ARGS)
+
+# examples/triton_hps.py: PyTriton's Triton server in a virtualenv of its own (the system's Python 3.11, whose
+# libpython PyTriton's Python backend loads; nvidia-pytriton, torch, hps-client[torch]) called through tritonclient
+# (minutes, most of them building that virtualenv).
+test-triton: install-dev
+	HPS_RUN_LONG=1 $(PY) -m pytest -q -s tests/torch/test_triton_example.py $(PYTEST_ARGS)
 
 # One copy of the rows per node: PSS of a server with 2 gRPC workers vs 1 over a 1M x 64 table (minutes).
 test-node-memory: install-dev

@@ -35,6 +35,9 @@
    per-key answer's; server CPU per pooled key vs a plain lookup's (<= 1.0x).
 15. A rollout (loadtest.benchmarks.rollout): a version from the model repository (SeaweedFS) to ready on 3 replicas
    vs ``hps import`` of the same file (<= 1.5x), and the lookups' p99 meanwhile vs before (<= 1.5x).
+16. PyTorch (loadtest.benchmarks.torch_dlrm): a DLRM-sized embedding step (batch 512, 26 features of mean bag 20,
+   dim 64) through HPSEmbeddingBagCollection over LocalClient (>= 0.5x TorchRec's EmbeddingBagCollection in
+   process) and over gRPC; prefetch hiding >= 80% of the lookup behind a dense step of equal length.
 
 2. runs the server with its default worker processes (the CPUs) and the floors with as many processes.
 
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="L1 capacity of the served table for 2. and the batch curve (0.2: the embedded default)")
     ap.add_argument("--skip", default="",
                     help="comma-separated parts to skip: l1,grpc,curves,l3,memory,freshness,ingest,shards,replicas,"
-                         "node,tracing,storage,bags,rollout")
+                         "node,tracing,storage,bags,rollout,torch")
     cli.add_out(ap)
     args = ap.parse_args(argv)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
@@ -184,6 +187,12 @@ def main(argv: list[str] | None = None) -> int:
             console.rule("15. a version from the model repository to ready on 3 replicas vs hps import, lookups "
                          "meanwhile (loadtest.benchmarks.rollout)")
             res["rollout"] = rollout.run(200_000 if args.quick else 1_000_000, 64, 3, console, workers=1)
+        if "torch" not in skip:
+            from loadtest.benchmarks import torch_dlrm
+
+            console.rule("16. a DLRM step in PyTorch: HPSEmbeddingBagCollection vs TorchRec's EBC, prefetch "
+                         "(loadtest.benchmarks.torch_dlrm)")
+            res["torch"] = torch_dlrm.bench(5_000 if args.quick else 20_000, 6.0 if args.quick else 20.0, console)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         res["elapsed_s"] = time.perf_counter() - started
@@ -208,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         from loadtest.benchmarks import bags
 
         console.print(bags.table(res["bags"]))
+    if res.get("torch"):
+        from loadtest.benchmarks import torch_dlrm
+
+        console.print(torch_dlrm.table(res["torch"]))
     prof = (res.get("grpc") or {}).get("profile")
     if prof and "by_category" in prof:
         console.print(f"server under gRPC load (py-spy --gil): GIL held {prof['gil_busy']:.0%} of the time; by part: " + ", ".join(

@@ -1,4 +1,5 @@
-"""Model import: read a HugeCTR sparse-model directory or an ``.npz`` and bulk-load it into the RocksDB tier.
+"""Model import: read a HugeCTR sparse-model directory, an ``.npz`` or a table of torch weights and bulk-load it into
+the RocksDB tier.
 
 Everything is validated before the first byte is written, so a bad file never leaves a half-imported table.
 Also writes HugeCTR directories and synthesizes deterministic demo models (used by ``make run`` and tests).
@@ -14,6 +15,7 @@ import numpy as np
 from hps_service.engine.registry import record_storage
 from hps_service.errors import InvalidArgumentError
 from hps_service.rows import row_format
+from hps_service.rows.torch_weights import WeightsSource, is_torch_weights
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 #: Rows checked per pass when scanning vectors for NaN/inf (bounds the temporary memory on huge files).
@@ -81,8 +83,9 @@ def check_finite(vectors: np.ndarray) -> None:
             raise InvalidArgumentError(f"row {start + int(bad[0])} of the model has NaN or inf values")
 
 
-def read_model_source(path: Path) -> tuple[np.ndarray, np.ndarray]:
-    """Read validated ``(keys int64 (n,), vectors float32 (n, dim))`` from a HugeCTR dir or a ``.npz``."""
+def read_model_source(path: Path, table: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Read validated ``(keys int64 (n,), vectors float32 (n, dim))`` from a HugeCTR dir, a ``.npz``, or ``table``'s
+    weights in a torch state_dict or safetensors file (:mod:`hps_service.rows.torch_weights`)."""
     path = Path(path)
     if not path.exists():
         raise InvalidArgumentError(f"model source {path} does not exist")
@@ -90,8 +93,12 @@ def read_model_source(path: Path) -> tuple[np.ndarray, np.ndarray]:
         keys, vectors = _read_hugectr_dir(path)
     elif path.suffix == ".npz":
         keys, vectors = _read_npz(path)
+    elif is_torch_weights(path):
+        source = WeightsSource(path, table)
+        keys, vectors = next(source.batches(source.rows))
     else:
-        raise InvalidArgumentError(f"{path} is neither a HugeCTR model directory nor a .npz file")
+        raise InvalidArgumentError(f"{path} is neither a HugeCTR model directory, a .npz file, a torch state_dict "
+                                   f"(.pt, .pth) nor a .safetensors file")
     check_finite(vectors)
     return keys, vectors
 

@@ -186,7 +186,7 @@ def import_job(
         tier = import_tier(engine)
         t = engine.table(model, table)
         with staged_rows(str(path), staging) as local:
-            source = open_rows(local)
+            source = open_rows(local, table)
             check_dim(source, t.id, t.dim)
 
             def report(done: int, total: int) -> None:

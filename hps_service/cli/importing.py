@@ -1,5 +1,6 @@
-"""``hps import`` as a function: one table's rows from a ``.npz``, a ``.parquet``, a ``.safetensors``, a HugeCTR
-sparse model directory, or any of them at an ``s3://`` URL, into the persistent tier, streamed a batch at a time
+"""``hps import`` as a function: one table's rows from a ``.npz``, a ``.parquet``, a ``.safetensors``, torch weights
+(a state_dict, the table's rows found by its name), a HugeCTR sparse model directory, or any of them at an ``s3://``
+URL, into the persistent tier, streamed a batch at a time
 (every row is checked before the first is written, so a bad file writes nothing). Used by ``hps import`` and
 ``hps config from-hugectr --import``.
 
@@ -123,7 +124,7 @@ def _into_store(cfg: HPSConfig, path: str, model: str, tc: TableConfig, version:
 
     table = tc.name
     try:
-        rows = open_rows(download_rows(path, staging) if staging is not None else Path(path))
+        rows = open_rows(download_rows(path, staging) if staging is not None else Path(path), table)
         check_dim(rows, f"{model}.{table}", tc.dim)
         tier = RocksDBTier(cfg.persistent.path, block_cache_mb=cfg.persistent.block_cache_mb)
     except HPSError as exc:

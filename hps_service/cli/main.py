@@ -131,8 +131,11 @@ def _hps_command() -> str:
 @app.command("import")
 def import_model(
     path: str = typer.Argument(..., help="Where the rows are: a .npz (keys, vectors), a .parquet (key, vector "
-                                         "columns), a .safetensors (keys, vectors), a HugeCTR sparse model directory "
-                                         "(key, emb_vector), or any of them at an s3:// URL."),
+                                         "columns), a .safetensors (keys, vectors) or a torch state_dict (.pt, .pth) "
+                                         "holding the table's weights by name (a TorchRec EBC's "
+                                         "embedding_bags.TABLE.weight; row index = key, or a keys tensor beside it), "
+                                         "a HugeCTR sparse model directory (key, emb_vector), or any of them at an "
+                                         "s3:// URL."),
     config: Path = CONFIG_OPTION,
     model: str = typer.Option(..., "--model", "-m", help="Model name (as in the config)."),
     table: str = typer.Option(..., "--table", "-t", help="Table name (as in the config)."),

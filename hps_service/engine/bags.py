@@ -22,7 +22,7 @@ from hps_service.engine.levels import LookupResult
 from hps_service.engine.table import ServedTable
 from hps_service.errors import InvalidArgumentError, ResourceExhaustedError
 from hps_service.jit.views import read_only_view
-from hps_service.keys import unique_with_inverse
+from hps_service.keys import distinct_with_inverse
 
 #: Combiners, as hps.v1.Combiner numbers them (0: no pooling).
 SUM, MEAN = 1, 2
@@ -164,7 +164,7 @@ class BagReader:
             out.fill(0.0)
             bag_sources.fill(0)
             return LookupResult(out, bag_sources)
-        uniq, inverse = unique_with_inverse(keys)
+        uniq, inverse = distinct_with_inverse(keys)
         rows, sources = self._scratch(uniq.shape[0], dim)
         lookup(uniq, rows, sources)
         weights = bags.weights if bags.weights is not None else _NO_WEIGHTS

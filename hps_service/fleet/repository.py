@@ -199,7 +199,7 @@ class RepositoryPoller:
             raise InvalidArgumentError(f"more than one file for table(s) {', '.join(doubled)}")
         out = []
         for tc in model.tables:
-            rows = open_rows(self.repository.fetch(entry, entry.tables[tc.name][0], where))
+            rows = open_rows(self.repository.fetch(entry, entry.tables[tc.name][0], where), tc.name)
             check_dim(rows, tc.name, tc.dim)
             out.append((tc, rows))
         return out

@@ -8,7 +8,7 @@ import numpy as np
 
 from hps_service.cache.layout import CacheArrays
 from hps_service.jit.views import read_only_view
-from hps_service.keys import unique_with_inverse
+from hps_service.keys import distinct_with_inverse, unique_with_inverse
 from hps_service.node.shared_l1 import WORKER_WRITABLE, SharedL1Reader, cache_entry
 from hps_service.node.store.l3_events import L3Announcer, l3_events
 from hps_service.shm import changes, counters, queue
@@ -47,6 +47,7 @@ def warm_up_kernels() -> None:
     ring.pop_all()
     changes.ChangeRing(np.zeros(16, np.int64), np.zeros(4, np.int64), 0).append(keys)
     unique_with_inverse(keys)
+    distinct_with_inverse(keys)
     arrays = CacheArrays.allocate(1, 32, 2)
     shared = CacheArrays(**{f: getattr(arrays, f) if f in WORKER_WRITABLE else _read_only(getattr(arrays, f).copy())
                             for f in ("tags", "keys", "versions", "clock", "values", "meta")})

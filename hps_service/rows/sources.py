@@ -3,7 +3,8 @@
 * ``.npz``: arrays ``keys`` (integers, ``(n,)``) and ``vectors`` (numbers, ``(n, dim)``), stored or compressed;
 * ``.parquet``: columns ``key`` (integers) and ``vector`` (a list of numbers per row, all of one length), read
   with pyarrow a record batch at a time;
-* ``.safetensors``: tensors ``keys`` and ``vectors``, read a slice at a time;
+* ``.safetensors``: tensors ``keys`` and ``vectors``, or a table's weights by name, and ``.pt`` / ``.pth``, a torch
+  state_dict holding them (:mod:`hps_service.rows.torch_weights`), read a slice at a time;
 * a HugeCTR sparse model directory: ``key`` (int64 little-endian) and ``emb_vector`` (float32 rows), mapped.
 
 Opening a source reads its header, footer or sizes only, and refuses a file cut short (a zip without its directory,
@@ -23,9 +24,10 @@ from typing import IO, Any, Protocol
 import numpy as np
 
 from hps_service.errors import InvalidArgumentError
+from hps_service.rows.torch_weights import SAFETENSORS_SUFFIX, STATE_DICT_SUFFIXES, WeightsSource, is_torch_weights
 
 #: The file name endings of the row files, and what a HugeCTR directory holds.
-SUFFIXES = (".npz", ".parquet", ".safetensors")
+SUFFIXES = (".npz", ".parquet", SAFETENSORS_SUFFIX, *STATE_DICT_SUFFIXES)
 HUGECTR_FILES = ("key", "emb_vector")
 Batch = tuple[np.ndarray, np.ndarray]
 
@@ -225,51 +227,6 @@ class ParquetSource:
             raise _refuse(self.path, f"cannot read rows after row {done}: {exc}") from None
 
 
-@dataclass
-class SafetensorsSource:
-    """A safetensors file with ``keys`` and ``vectors`` tensors, read a slice at a time."""
-
-    path: Path
-    rows: int = 0
-    dim: int = 0
-
-    def __post_init__(self) -> None:
-        try:
-            with self._open() as f:
-                names = set(f.keys())
-                missing = [t for t in ("keys", "vectors") if t not in names]
-                if missing:
-                    raise _refuse(self.path, f"lacks the tensor(s) {', '.join(missing)} (needs keys and vectors)")
-                keys, vectors = f.get_slice("keys"), f.get_slice("vectors")
-                key_shape, vec_shape = keys.get_shape(), vectors.get_shape()
-                key_dtype, vec_dtype = keys.get_dtype(), vectors.get_dtype()
-        except InvalidArgumentError:
-            raise
-        except Exception as exc:  # noqa: BLE001  (safetensors raises its own SafetensorError for a bad file)
-            raise _refuse(self.path, f"is not a readable safetensors file (cut short?): {exc}") from None
-        if len(key_shape) != 1 or len(vec_shape) != 2:
-            raise _refuse(self.path, f"keys must be 1-D and vectors 2-D, got {key_shape} and {vec_shape}")
-        if not key_dtype.startswith(("I", "U")) or not vec_dtype.startswith(("F", "BF", "I", "U")):
-            raise _refuse(self.path, f"keys must be integers and vectors numbers, got {key_dtype} and {vec_dtype}")
-        _check_counts(self.path, int(key_shape[0]), int(vec_shape[0]))
-        self.rows, self.dim = int(key_shape[0]), int(vec_shape[1])
-
-    def _open(self) -> Any:
-        try:
-            from safetensors import safe_open
-        except ImportError:
-            raise InvalidArgumentError("reading .safetensors needs the safetensors package: pip install "
-                                       "'hps-service[repository]'") from None
-        return safe_open(str(self.path), framework="numpy")
-
-    def batches(self, size: int) -> Iterator[Batch]:
-        with self._open() as f:
-            keys, vectors = f.get_slice("keys"), f.get_slice("vectors")
-            for start in range(0, self.rows, size):
-                end = min(start + size, self.rows)
-                yield _as_batch(keys[start:end], vectors[start:end])
-
-
 def _pyarrow_parquet() -> Any:
     try:
         import pyarrow.parquet as pq
@@ -278,8 +235,9 @@ def _pyarrow_parquet() -> Any:
     return pq
 
 
-def open_rows(path: Path) -> RowSource:
-    """The rows at ``path`` (see the module docstring for the formats); InvalidArgumentError naming the problem."""
+def open_rows(path: Path, table: str | None = None) -> RowSource:
+    """The rows at ``path`` (see the module docstring for the formats; ``table``: the name its weights go by in a
+    file of torch weights); InvalidArgumentError naming the problem."""
     path = Path(path)
     if not path.exists():
         raise InvalidArgumentError(f"model source {path} does not exist")
@@ -289,7 +247,7 @@ def open_rows(path: Path) -> RowSource:
         return NpzSource(path)
     if path.suffix == ".parquet":
         return ParquetSource(path)
-    if path.suffix == ".safetensors":
-        return SafetensorsSource(path)
-    raise InvalidArgumentError(f"{path} is none of a .npz, .parquet or .safetensors file or a HugeCTR model "
-                               "directory")
+    if is_torch_weights(path):
+        return WeightsSource(path, table)
+    raise InvalidArgumentError(f"{path} is none of a .npz, .parquet, .safetensors, .pt or .pth file or a HugeCTR "
+                               "model directory")

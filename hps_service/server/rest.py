@@ -260,7 +260,7 @@ def create_app(ctx: AdminContext) -> FastAPI:
         if is_s3(body.path):
             parse_s3(body.path)
         else:  # refused now, before a job: a path that is not there, a file that does not parse or has another dim
-            check_dim(open_rows(Path(body.path)), t.id, t.dim)
+            check_dim(open_rows(Path(body.path), table), t.id, t.dim)
         job = ctx.jobs.submit("import", {"model": model, "table": table, "path": body.path},
                               import_job(engine, model, table, body.path, body.row_version, ctx.shard_map,
                                          ctx.import_staging))

@@ -121,7 +121,8 @@ class ConvertRequest(BaseModel):
 class ImportRequest(BaseModel):
     path: str = Field(min_length=1, max_length=4096, description="where the rows are: a server-side path or an "
                       "s3:// URL of a .npz (keys, vectors), a .parquet (key, vector columns), a .safetensors (keys, "
-                      "vectors tensors) or a HugeCTR sparse model directory (key, emb_vector)")
+                      "vectors tensors, or the table's weights by name), a torch state_dict (.pt, .pth) or a HugeCTR "
+                      "sparse model directory (key, emb_vector)")
     row_version: Int64 = Field(0, validation_alias=ROW_VERSION, description=ROW_VERSION_HELP)
 
 

@@ -75,6 +75,12 @@ def test_fresh_venv_with_only_the_client_looks_rows_up(client_venv: Path, tmp_pa
             raise SystemExit("hps_service is importable in the client-only venv")
         except ImportError:
             pass
+        try:
+            import hps_client.torch  # noqa: F401
+            raise SystemExit("hps_client.torch imported without torch")
+        except ImportError as exc:
+            assert "pip install 'hps-client[torch]'" in str(exc), exc
+        assert "torch" not in sys.modules
         with HPSClient("127.0.0.1:{grpc_port}", timeout=30) as client:
             got = client.lookup_with_sources("demo", "item", np.array({keys.tolist()} + [7]))
             try:
