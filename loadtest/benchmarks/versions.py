@@ -173,8 +173,8 @@ def run_switch(replicas: int, switches: int) -> dict[str, Any]:
                 for n in range(switches):
                     version = 1 if n % 2 == 0 else 0
                     started = time.monotonic()
-                    httpx.put(f"{urls[0]}/v1/models/m/labels/production", json={"version": version}, headers=AUTH,
-                              timeout=60).raise_for_status()
+                    httpx.put(f"{urls[0]}/v1/models/m/labels/production", headers=AUTH, timeout=60,
+                              json={"version": version, "allow_empty": True}).raise_for_status()  # rows or none
                     put_s.append(time.monotonic() - started)
                     for i in range(replicas):
                         deadline = time.monotonic() + 30

@@ -97,7 +97,7 @@ def surface(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Surface]:
         rows = "/v1/models/demo/tables/item/embeddings"
         assert s.http.put(rows, json={"keys": [1, 2, 3], "vectors": [[0.5] * 8] * 3}).status_code == 200
         assert s.http.post("/v1/models/demo/versions", json={"version": CANARY}).status_code == 201
-        assert s.http.put("/v1/models/demo/labels/canary", json={"version": CANARY}).status_code == 200
+        assert s.http.put("/v1/models/demo/labels/canary", json={"version": CANARY, "allow_empty": True}).status_code == 200
         yield s
         s.check_workers()
         for channel in s.channels:

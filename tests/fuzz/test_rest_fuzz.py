@@ -112,19 +112,21 @@ def _padded(body: bytes, size: int) -> bytes:
 
 
 def test_bodies_at_and_past_each_routes_bound(rest) -> None:
-    """A lookup, a put and a delete of server.max_batch_keys keys (rows) in their longest JSON are taken, and so is
-    each padded to its route's byte bound exactly; one byte more, or one key more, is 413 naming the bound."""
+    """A lookup (pooled, in as many weighted bags as keys: its longest form), a put and a delete of
+    server.max_batch_keys keys (rows) in their longest JSON are taken, and so is each padded to its route's byte bound
+    exactly; one byte more, or one key more, is 413 naming the bound."""
     client, _ = rest
-    from hps_service.server.rest_bodies import keys_body_bytes, rows_body_bytes
+    from hps_service.server.rest_bodies import bags_body_bytes, keys_body_bytes, rows_body_bytes
 
     n = 1024  # the fixture's server.max_batch_keys
     path = "/v1/models/demo/tables/item/embeddings"
     longest_key, longest_float = -(2**63), -1.1754943508222875e-38  # 20 and 23 characters
-    lookup = json.dumps({"keys": [longest_key] * n}).encode()
+    lookup = json.dumps({"keys": [longest_key] * n, "offsets": list(range(n)),
+                         "combiner": "sum", "weights": [longest_float] * n}).encode()
     put = json.dumps({"keys": [longest_key + i for i in range(n)], "vectors": [[longest_float] * DIM] * n,
                       "version": 2**63 - 1}).encode()
     delete = json.dumps({"keys": [longest_key] * n, "version": 2**63 - 1}).encode()
-    cases = [("POST", path + ":lookup", lookup, keys_body_bytes(n), {}),
+    cases = [("POST", path + ":lookup", lookup, bags_body_bytes(n), {}),
              ("PUT", path, put, rows_body_bytes(n, DIM), AUTH),
              ("DELETE", path, delete, keys_body_bytes(n), AUTH)]
     for method, url, body, bound, headers in cases:

@@ -18,5 +18,5 @@ def test_the_rollout_bench_times_a_version_to_ready_everywhere_and_the_lookups_m
     console = Console(record=True, width=220, file=open("/dev/null", "w"))  # noqa: SIM115
     console.print(ratio_table({"rollout": res}))
     text = console.export_text()
-    assert "14. version of 20,000 x 16 from the repository to ready on 2 replicas" in text
-    assert "14. lookup p99 while it loads" in text
+    assert "15. version of 20,000 x 16 from the repository to ready on 2 replicas" in text
+    assert "15. lookup p99 while it loads" in text

@@ -37,8 +37,10 @@ class DirectoryWatch(threading.Thread):
         self.done = threading.Event()
 
     def run(self) -> None:
+        poller = select.poll()  # not select(): a test process may hold more than 1024 descriptors by now
+        poller.register(self.fd, select.POLLIN)
         while not self.done.is_set():
-            if not select.select([self.fd], [], [], 0.05)[0]:
+            if not poller.poll(50):
                 continue
             data = os.read(self.fd, 65536)
             offset = 0
