@@ -198,7 +198,10 @@ class ServerConfig(_Section):
 class CacheConfig(_Section):
     """L1 embedding cache (device memory on a GPU, host memory on NumPy)."""
 
-    enabled: bool = Field(True, description="keep an L1 cache per table (false: lookups start at L2)")
+    enabled: bool | Literal["auto"] = Field(
+        "auto", description="keep an L1 cache per table (false: lookups start at L2); auto: on where it sits on a "
+        "GPU or in front of a remote volatile tier (redis_cluster) or none, off where it would be a second host "
+        "copy of this node's hash map (cache.backend resolving to host memory with volatile.type hashmap)")
     backend: Literal["auto", "numpy", "cupy"] = Field(
         "auto", description="auto: the GPU when a CUDA device is usable, else host memory (logged); numpy: host "
         "memory; cupy: the GPU, or fail at start")
@@ -220,6 +223,16 @@ class CacheConfig(_Section):
     refresh_interval_s: float = Field(0.0, ge=0.0, description="re-read cached rows from below this often (0: off)")
     refresh_fraction: float = Field(0.1, gt=0.0, le=1.0, description="share of the cache re-read per refresh")
     warm_start: bool = Field(True, description="fill L1 at start from the hot-key snapshot, else RocksDB's first rows")
+
+    @field_validator("enabled", mode="before")
+    @classmethod
+    def _enabled_choice(cls, v: Any) -> bool | str:
+        if isinstance(v, str) and v.strip().lower() in ("auto", "true", "false", "yes", "no", "on", "off", "1", "0"):
+            word = v.strip().lower()
+            return "auto" if word == "auto" else word in ("true", "yes", "on", "1")
+        if isinstance(v, bool):
+            return v
+        raise ValueError(f"must be true, false or auto, got {v!r}")
 
     @field_validator("capacity")
     @classmethod
