@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
 from hps_service.config import ConstantDefault, DefaultSpec
@@ -18,6 +21,12 @@ def hashed_random_rows(keys: np.ndarray, dim: int) -> np.ndarray:
     unit = bits.astype(np.float32) * np.float32(1.0 / (1 << 24))
     scale = np.float32(1.0 / np.sqrt(dim))
     return (unit * np.float32(2.0) - np.float32(1.0)) * scale
+
+
+def default_spec(value: Any) -> DefaultSpec:
+    """A table's default as the engine takes it, from what the node store's manifest writes (a constant is a mapping
+    there: a colocated reader's table has it so)."""
+    return ConstantDefault.model_validate(value) if isinstance(value, Mapping) else value
 
 
 def default_rows(spec: DefaultSpec, keys: np.ndarray, dim: int) -> np.ndarray:

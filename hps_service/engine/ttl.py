@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 
-from hps_service.config import ConstantDefault, DefaultSpec
 from hps_service.config.base import served_name
 from hps_service.engine.defaults import default_rows
 from hps_service.engine.levels import DEFAULT, EXPIRED, LookupResult
@@ -62,12 +61,6 @@ def expired_mask(t: ServedTable, stored: np.ndarray, now: int | None = None) -> 
     return t.format.stamps(stored) < cutoff
 
 
-def _spec(default: Any) -> DefaultSpec:
-    """A table's default as the engine's defaults take it (a colocated reader's table has it as the node store's
-    manifest writes it: a constant is a mapping there)."""
-    return ConstantDefault.model_validate(default) if isinstance(default, Mapping) else default
-
-
 def _refuse_stored(t: ServedTable) -> None:
     raise InvalidArgumentError(f"table {t.name} has ttl_s: its stored rows carry their write time, so it answers "
                                "precision fp32 only (PRECISION_FP32)")
@@ -82,7 +75,7 @@ def _answer(t: ServedTable, keys: np.ndarray, words: np.ndarray, held: np.ndarra
     fill = (~held | expired) if defaults else expired
     if fill.any():
         at = np.flatnonzero(fill)
-        out[at] = default_rows(_spec(t.default), keys[at], t.dim)
+        out[at] = default_rows(t.default, keys[at], t.dim)
         n_expired = int(np.count_nonzero(expired))
         if n_expired:
             sources[expired] = EXPIRED

@@ -39,12 +39,14 @@ from hps_client.rows import StoredAnswer, StoredRows
 from hps_client.stub import EmbeddingStub
 from hps_client.wire import TableAnswer, as_error, build_request, decode_answer, decode_stored
 from hps_service.engine.bags import BagReader, check_bags
+from hps_service.engine.defaults import default_spec
 from hps_service.engine.levels import LookupResult
 from hps_service.engine.read import Reader
 from hps_service.engine.table import ServedTable
 from hps_service.engine.ttl import manifest_ttl
 from hps_service.engine.versions import resolve
 from hps_service.errors import HPSError
+from hps_service.jit.views import read_only_view
 from hps_service.keys import unique_with_inverse
 from hps_service.node.reader_tiers import SharedVolatile
 from hps_service.node.shared_l1 import SharedL1Reader
@@ -77,13 +79,17 @@ class _Table:
         entry = view.manifest["tables"][str(serial)].get("l1")
         l1 = (SharedL1Reader(tv.l1, entry, PublishedGeneration(tv.control, T_L1_GEN).read, None, touch=False)
               if tv.l1 is not None and entry is not None else None)
-        self.served = ServedTable(model=tv.model, name=tv.table, dim=tv.dim, default=tv.default, cache=l1,
+        self.served = ServedTable(model=tv.model, name=tv.table, dim=tv.dim, default=default_spec(tv.default),
+                                  cache=l1,
                                   storage=tv.storage, stored_as=tv.stored_as,
                                   ttl_s=manifest_ttl(view.manifest, tv.model, tv.table))
         volatile = SharedVolatile(lambda: view) if view.volatile(self.served.id) is not None else None
         self.reader = Reader(volatile, None, max_batch_keys=0)
         # L1 read straight into the answer by a Rows call (None: its reads need the reader's expiry check or decode)
-        self.l1_fp32 = l1 if self.served.ttl_s is None and self.served.format.identity else None
+        plain = self.served.ttl_s is None and self.served.format.identity
+        self.l1_fp32 = l1 if plain else None
+        #: Without L1, the hash map's compiled pass, read straight into the answer by a Rows call (as L1 is).
+        self.lane = volatile.lane(self.served.id) if plain and l1 is None and volatile is not None else None
 
 
 def _one(call: Lookup, table: str) -> pb.LookupRequest:
@@ -285,7 +291,29 @@ class ColocatedTransport:
             if miss is not None:
                 self._fetch_misses(call.model, call.table, t, keys, local, miss, call)
             return local.vectors
+        if t is not None and t.lane is not None and n:
+            out = np.empty((n, t.served.dim), dtype=np.float32) if call.out is None else check_out(call.out, n,
+                                                                                                    t.served.dim)
+            sources, miss_idx = self._lane_scratch(n)
+            if t.lane(keys if not keys.flags.writeable else read_only_view(keys), out, sources, miss_idx)[0] == n:
+                return out
+            local, miss = self._read_local(t, keys, out)
+            if miss is not None:
+                self._fetch_misses(call.model, call.table, t, keys, local, miss, call)
+            return local.vectors
         return self._lookup(call.as_lookup())[call.table].vectors
+
+    def _lane_scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's sources and miss indices for the compiled pass over batches of ``n`` keys (a few sizes
+        kept; nothing keeps them past the call)."""
+        lanes: dict[int, tuple[np.ndarray, np.ndarray]] = getattr(self._scratch, "lanes", None) or {}
+        got = lanes.get(n)
+        if got is None:
+            if len(lanes) >= SCRATCH_SIZES:
+                lanes.clear()
+            got = lanes[n] = (np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.intp))
+            self._scratch.lanes = lanes
+        return got
 
     def _hit_mask(self, n: int) -> np.ndarray:
         """This thread's hit mask for batches of ``n`` keys (a few sizes kept): a lookup's L1 read fills it, and
