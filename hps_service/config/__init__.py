@@ -142,6 +142,12 @@ class ServerConfig(_Section):
     log_format: Literal["text", "json"] = Field(
         "text", description="stderr log lines as text, or one JSON object per line (librdkafka and uvicorn too)")
     tracing: TracingConfig = Field(default_factory=lambda: TracingConfig())
+    front: Literal["grpcio", "native"] = Field(
+        "grpcio", description="what serves Lookup on the workers' gRPC port: grpcio, or native (pygrpc-native, the "
+        "native extra: HTTP/2 and gRPC in Rust outside the GIL, Lookup calls handed to the worker in batches; every "
+        "other method, StreamLookup included, passes to the worker's grpcio server behind it). native refuses what "
+        "it cannot honour: server.tls, server.max_connection_age_s above 0, server.tracing.enabled, server.workers 0, "
+        "and min_client_ping_interval_s, max_concurrent_requests or max_connection_age_grace_s when set")
     probe_port: int | None = Field(
         None, ge=0, le=65535, description="plaintext HTTP port answering only /healthz and /readyz, for probes that "
         "cannot speak (mutual) TLS; off when unset")
@@ -159,6 +165,25 @@ class ServerConfig(_Section):
     @model_validator(mode="after")
     def _auth(self) -> ServerConfig:
         check_auth(self)
+        return self
+
+    @model_validator(mode="after")
+    def _native_front(self) -> ServerConfig:
+        """server.front native serves what pygrpc-native 0.5 can: every setting it cannot honour is refused, named."""
+        if self.front != "native":
+            return self
+        cannot = [why for refused, why in (
+            (self.tls is not None, "server.tls (it serves no TLS)"),
+            (self.max_connection_age_s > 0, "server.max_connection_age_s above 0 (it closes no connection by age: "
+                                            "set 0)"),
+            (self.tracing.enabled, "server.tracing.enabled (its lookups pass no interceptor)"),
+            (self.workers == 0, "server.workers 0 (it serves the worker processes' port)"),
+        ) if refused]
+        cannot += [f"server.{key} (it does not enforce it)" for key in
+                   ("min_client_ping_interval_s", "max_concurrent_requests", "max_connection_age_grace_s")
+                   if key in self.model_fields_set]
+        if cannot:
+            raise ValueError("server.front native cannot honour " + "; ".join(cannot) + ": use server.front grpcio")
         return self
 
     @model_validator(mode="after")
