@@ -81,7 +81,9 @@ class Reader:
         rows answered as stored (None: the general path)."""
         if t.cache is not None or self.volatile is None or not (stored or t.format.identity):
             return None
-        return self.volatile.lane(t.id)
+        if t.lane is None:  # a table's rows stay where its tier id says: asked once
+            t.lane = self.volatile.lane(t.id)
+        return t.lane
 
     def _through_lane(self, t: ServedTable, lane: LaneRead, keys: np.ndarray, out: np.ndarray, sources: np.ndarray,
                       stored: bool) -> np.ndarray:

@@ -9,7 +9,7 @@ import pytest
 
 from hps_service.engine.levels import VOLATILE
 from hps_service.errors import InvalidArgumentError
-from hps_service.tiers.hashmap.lane import SOURCE_VOLATILE, check_answer
+from hps_service.tiers.hashmap.lane import SOURCE_VOLATILE, STAMP_EVERY, check_answer
 from hps_service.tiers.hashmap.tier import HashMapTier
 
 DIM = 6
@@ -64,18 +64,24 @@ def test_random_batches_answer_what_the_batch_get_answers(policy: str) -> None:
         assert np.isnan(out[~want.found]).all()  # the misses' rows are left to the caller
 
 
-def test_it_stamps_the_rows_it_read_for_eviction() -> None:
-    tier = HashMapTier(capacity_rows=100, evict_fraction=0.5)
+def test_it_stamps_the_rows_it_read_for_eviction_to_its_resolution() -> None:
+    tier = HashMapTier(capacity_rows=100, evict_fraction=0.4)
     tier.create_table("m.t", DIM)
     keys = np.arange(100, dtype=np.int64)
     tier.put("m.t", keys, _rows(keys, 1), np.ones(100, np.int64))
-    read = keys[50:]
-    for _ in range(3):  # the rows read last are the recently used ones
-        tier.lane("m.t")(_read_only(read), np.empty((50, DIM), np.float32), np.empty(50, np.uint8),
-                         np.empty(50, np.int64))
+    read = keys[:50]  # the rows stored first: without the reads' stamps, the eviction's ties would take them
+    lane = tier.lane("m.t")
+
+    def pass_over(asked: np.ndarray) -> None:
+        lane(_read_only(asked), np.empty((asked.size, DIM), np.float32), np.empty(asked.size, np.uint8),
+             np.empty(asked.size, np.int64))
+
+    for _ in range(STAMP_EVERY + 1):  # a pass with a hit ticks: the put's stamps get old enough to be renewed
+        pass_over(keys[99:])
+    pass_over(read)
     tier.put("m.t", np.arange(1000, 1010, dtype=np.int64), _rows(np.arange(10), 1), np.ones(10, np.int64))
     assert tier.get("m.t", read).found.all()  # the eviction took the half not read
-    assert not tier.get("m.t", keys[:50]).found.all()
+    assert not tier.get("m.t", keys[50:]).found.all()
 
 
 def test_an_answer_it_cannot_write_into_is_refused() -> None:

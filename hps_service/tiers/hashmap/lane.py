@@ -25,6 +25,7 @@ from hps_service.jit.bound import bind_kernel
 from hps_service.jit.hashing import home_slot
 from hps_service.jit.prefetch import prefetch
 from hps_service.jit.rowcopy import copy_row
+from hps_service.jit.ticks import age
 from hps_service.tiers.hashmap.index import PREFETCH_AHEAD
 from hps_service.tiers.hashmap.seqlock import (
     CTRL_CLOCK,
@@ -39,6 +40,9 @@ from hps_service.tiers.hashmap.stamps import counted, live
 #: What the pass writes into ``sources`` for a row it copied: ``hps.v1.Source`` VOLATILE (engine.levels.VOLATILE,
 #: which the engine, above the tiers, defines).
 SOURCE_VOLATILE = 2
+#: A row read is stamped again once its stamp is this many ticks (batches) old: the rows every batch reads do not
+#: move their metadata line between the workers' cores on every batch, and LRU order is kept to that resolution.
+STAMP_EVERY = 256
 #: Back-off of a reader that keeps overlapping writes (as ``reader.TableReader``'s).
 _SPINS, _SLEEP_S, _SLEEP_CAP_S = 8, 20e-6, 2e-3
 
@@ -127,10 +131,11 @@ def lane_kernel(ctrl: np.ndarray, clock: np.ndarray, keys: np.ndarray, stamps: n
                 if r >= 0:
                     reader_stamps[r] = counted(reader_stamps[r])
         else:
-            now = live(atomic_fetch_add(clock, CTRL_CLOCK, 1) + 1)
+            tick = atomic_fetch_add(clock, CTRL_CLOCK, 1) + 1
+            now = live(tick)
             for i in range(n):
                 r = row_ids[i]
-                if r >= 0 and reader_stamps[r] != now:
+                if r >= 0 and (reader_stamps[r] == 0 or age(tick, np.int64(reader_stamps[r])) >= STAMP_EVERY):
                     reader_stamps[r] = now
     return hits, complete
 

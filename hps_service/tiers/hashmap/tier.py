@@ -323,6 +323,8 @@ class HashMapTier(Tier):
             lane = t.lane = Lane(t.ctrl, t.meta, t.rows, t.stamps, t.stamps, self._lfu, t.read_index, _no_remap)
 
         def read(keys: np.ndarray, out: np.ndarray, sources: np.ndarray, miss: np.ndarray) -> tuple[int, bool]:
+            if self._tables.get(table) is not t:  # dropped since (a caller that kept the pass reads the table anew)
+                raise NotFoundError(f"volatile hashmap tier has no table {table!r}")
             with t.lock:
                 return lane.read(keys, out, sources, miss)
 
