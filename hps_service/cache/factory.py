@@ -36,9 +36,10 @@ def build_table_cache(
     snapshot_path: Path | None,
     alloc: Allocator = numpy_zeros,
 ) -> TableCache | None:
-    """The L1 cache of one table, or None when the cache is disabled or its capacity comes to 0 rows. ``alloc``
-    places the host cache's arrays (the node's shared store, for its worker processes to read)."""
-    if not cfg.enabled:
+    """The L1 cache of one table, or None when the cache is disabled (``enabled: false``; the caller decides
+    ``auto``: see :mod:`hps_service.cache.enabled`) or its capacity comes to 0 rows. ``alloc`` places the host
+    cache's arrays (the node's shared store, for its worker processes to read)."""
+    if cfg.enabled is False:
         return None
     rows = capacity_rows(cfg, table_rows)
     if rows == 0:

@@ -23,6 +23,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from hps_client.rows import row_words
 from hps_service.config.base import NAME_PATTERN, NAME_RE, Storage, served_name
 from hps_service.config.base import Section as _Section
+from hps_service.config.cache import CacheConfig as CacheConfig
 from hps_service.config.repository import RepositoryConfig as RepositoryConfig
 from hps_service.config.secrets import load_secret_files
 from hps_service.config.security import AuthMode, InternalListener, ReaderConfig, check_auth
@@ -143,6 +144,12 @@ class ServerConfig(_Section):
     log_format: Literal["text", "json"] = Field(
         "text", description="stderr log lines as text, or one JSON object per line (librdkafka and uvicorn too)")
     tracing: TracingConfig = Field(default_factory=lambda: TracingConfig())
+    front: Literal["grpcio", "native"] = Field(
+        "grpcio", description="what serves Lookup on the workers' gRPC port: grpcio, or native (pygrpc-native, the "
+        "native extra: HTTP/2 and gRPC in Rust outside the GIL, Lookup calls handed to the worker in batches; every "
+        "other method, StreamLookup included, passes to the worker's grpcio server behind it). native refuses what "
+        "it cannot honour: server.tls, server.max_connection_age_s above 0, server.tracing.enabled, server.workers 0, "
+        "and min_client_ping_interval_s, max_concurrent_requests or max_connection_age_grace_s when set")
     probe_port: int | None = Field(
         None, ge=0, le=65535, description="plaintext HTTP port answering only /healthz and /readyz, for probes that "
         "cannot speak (mutual) TLS; off when unset")
@@ -160,6 +167,25 @@ class ServerConfig(_Section):
     @model_validator(mode="after")
     def _auth(self) -> ServerConfig:
         check_auth(self)
+        return self
+
+    @model_validator(mode="after")
+    def _native_front(self) -> ServerConfig:
+        """server.front native serves what pygrpc-native 0.5 can: every setting it cannot honour is refused, named."""
+        if self.front != "native":
+            return self
+        cannot = [why for refused, why in (
+            (self.tls is not None, "server.tls (it serves no TLS)"),
+            (self.max_connection_age_s > 0, "server.max_connection_age_s above 0 (it closes no connection by age: "
+                                            "set 0)"),
+            (self.tracing.enabled, "server.tracing.enabled (its lookups pass no interceptor)"),
+            (self.workers == 0, "server.workers 0 (it serves the worker processes' port)"),
+        ) if refused]
+        cannot += [f"server.{key} (it does not enforce it)" for key in
+                   ("min_client_ping_interval_s", "max_concurrent_requests", "max_connection_age_grace_s")
+                   if key in self.model_fields_set]
+        if cannot:
+            raise ValueError("server.front native cannot honour " + "; ".join(cannot) + ": use server.front grpcio")
         return self
 
     @model_validator(mode="after")
@@ -194,44 +220,6 @@ class ServerConfig(_Section):
         if self.uds_path is not None:
             return self.uds_path
         return self.local.path / "grpc.sock" if self.local.enabled else None
-
-
-class CacheConfig(_Section):
-    """L1 embedding cache (device memory on a GPU, host memory on NumPy)."""
-
-    enabled: bool = Field(True, description="keep an L1 cache per table (false: lookups start at L2)")
-    backend: Literal["auto", "numpy", "cupy"] = Field(
-        "auto", description="auto: the GPU when a CUDA device is usable, else host memory (logged); numpy: host "
-        "memory; cupy: the GPU, or fail at start")
-    capacity: int | float = Field(0.2, description="float in (0, 1]: fraction of each table's rows; int: rows")
-    min_rows: int = Field(8192, ge=0, description="a fractional capacity never gives fewer rows than this (so that a "
-                          "table fed only by updates gets a cache)")
-    ways: int = Field(32, ge=1, le=1024, description="slots per set of the set-associative cache")
-    policy: Literal["lru", "lfu"] = Field("lru", description="which slot of a full set is evicted")
-    hit_rate_threshold: float = Field(
-        0.9, ge=0.0, le=1.0, description="a batch with at least this hit rate inserts its misses off the request path")
-    # 3, not 2: on zipf(0.9 / 1.05 / 1.2) over a table 5x L1 the hit rate is as high or higher (in process 0.59 /
-    # 0.79 / 0.91 against 0.57 / 0.78 / 0.91; served, part 2 of make bench, 0.917 against 0.898) with 1.4-8x fewer
-    # inserts, and every insert makes the lock-free L1 reads it overlaps run again (14% of a worker's reads on part
-    # 2's mix at 2, 1.5% at 3).
-    admit_after_misses: int = Field(
-        3, ge=1, le=15,
-        description="once the cache is full, a key enters it after missing this many times lately (a count-min "
-        "sketch of misses, halved every `capacity` misses; 1: every miss)")
-    refresh_interval_s: float = Field(0.0, ge=0.0, description="re-read cached rows from below this often (0: off)")
-    refresh_fraction: float = Field(0.1, gt=0.0, le=1.0, description="share of the cache re-read per refresh")
-    warm_start: bool = Field(True, description="fill L1 at start from the hot-key snapshot, else RocksDB's first rows")
-
-    @field_validator("capacity")
-    @classmethod
-    def _capacity_range(cls, v: float) -> int | float:
-        if isinstance(v, bool):
-            raise ValueError("must be a fraction in (0, 1] or a row count")
-        if isinstance(v, float) and not (0.0 < v <= 1.0):
-            raise ValueError("a fractional capacity must be in (0, 1]; give an integer for a row count")
-        if isinstance(v, int) and v < 0:
-            raise ValueError("a row count must be >= 0")
-        return v
 
 
 class UpdatesConfig(_Section):

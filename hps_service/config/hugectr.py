@@ -230,8 +230,9 @@ def _cache(conv: Conversion, models: list[dict[str, Any]]) -> None:
         cache["enabled"] = False
         conv.mapped("cache", "models[0].gpucache", False, "cache.enabled false", "lookups start at the volatile tier")
     elif "gpucache" in first:
-        conv.mapped("cache", "models[0].gpucache", first["gpucache"], "cache.enabled true (the default)",
-                    "an L1 cache per table, on the GPU when there is one")
+        conv.mapped("cache", "models[0].gpucache", first["gpucache"], "cache.enabled auto (the default)",
+                    "an L1 cache per table on the GPU when there is one; on a CPU node none in front of the hash map, "
+                    "whose lookups go straight to it as HugeCTR's CPU lookups go to its volatile database")
     share = _number(first.get("gpucacheper", 0.2), "models[0].gpucacheper", float)
     kind = str(first.get("embedding_cache_type", "dynamic"))
     static = _bool(first.get("use_static_table", False), "models[0].use_static_table") or kind == "static"

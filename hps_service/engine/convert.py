@@ -140,6 +140,8 @@ def _switch(engine: LookupEngine, tier: Tier, t: ServedTable, conv: Conversion) 
         _served(t, current, conv)
         engine.names.moved(name, conv.id)
         tier.set_metadata(converting_key(name), None)
+        if engine.volatile is not None:  # writes reach the copy alone from here: the old table is complete no more
+            engine.volatile.lose_complete(t.id)
     served = engine.model(t.model)
     engine.register_model(served.model_copy(update={"tables": [
         tc.model_copy(update={"storage": conv.format.storage}) if tc.name == t.name else tc for tc in served.tables]}))

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
+from hps_service.cache.enabled import l1_enabled
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
 from hps_service.engine.table import CacheFactory, ServedTable
@@ -37,8 +38,8 @@ def plan_l1(config: HPSConfig, table_id: str, tiers: Sequence[Tier | None], has_
 
 
 def l1_cache_factory(config: HPSConfig, volatile: Tier | None, persistent: Tier | None) -> CacheFactory | None:
-    """Builds each table's L1 cache in process memory (None with ``cache.enabled: false``)."""
-    if not config.cache.enabled:
+    """Builds each table's L1 cache in process memory (None where :func:`l1_enabled` says no L1)."""
+    if not l1_enabled(config.cache, config.volatile):
         return None
 
     def factory(t: ServedTable, fetch_below: FetchBelow, warm_keys: WarmKeys | None) -> TableCache | None:

@@ -37,21 +37,27 @@ class Preloader:
         self.finished_at: dict[str, float] = {}
 
     def start(self, t: ServedTable) -> None:
-        """Preload ``t`` in the background when the volatile tier is in process and the stored rows all fit."""
+        """Preload ``t`` in the background when the volatile tier is in process and the stored rows all fit; once
+        every stored row is in, the table is complete (:mod:`hps_service.tiers.hashmap.complete`) unless something
+        lost that meanwhile."""
         if self.volatile is None or self.persistent is None or not self.volatile.in_process:
             return
+        token = self.volatile.complete_token(t.id)  # before any stored row is read
         stored = self.persistent.count(t.id)
         capacity = self.volatile.stats(t.id).capacity
         if stored == 0:
+            self._complete(t, token)
             return
         if capacity is not None and stored > capacity:
             log.info("%s: %d stored rows exceed the volatile tier's %d; its rows load on demand", t.id, stored,
                      capacity)
             return
         if self.volatile.count(t.id) >= stored:  # filled as its rows were imported (a repository version's)
+            self._complete(t, token)
             self.finished_at = {**self.finished_at, t.id: time.time()}
             return
-        thread = threading.Thread(target=self._run, args=(t, stored), name=f"hps-preload-{t.id}", daemon=True)
+        thread = threading.Thread(target=self._run, args=(t, stored, token), name=f"hps-preload-{t.id}",
+                                  daemon=True)
         with self._lock:
             self._threads = [th for th in self._threads if th.is_alive()] + [thread]
         thread.start()
@@ -61,13 +67,24 @@ class Preloader:
         with self._lock:
             return any(th.is_alive() and th.name == f"hps-preload-{table_id}" for th in self._threads)
 
-    def _run(self, t: ServedTable, stored: int) -> None:
+    def _complete(self, t: ServedTable, token: int) -> None:
+        """Mark ``t`` complete in the volatile tier, given the token taken before its stored rows were read, while
+        no write of it runs and the tier holds at least as many live rows as the persistent tier."""
+        assert self.volatile is not None and self.persistent is not None
+        with t.guard.lock:
+            if not self._is_served(t) or self.volatile.count(t.id) < self.persistent.count(t.id):
+                return
+            if self.volatile.mark_complete(t.id, token):
+                log.info("%s is complete in the volatile tier: a key it does not hold answers the default without "
+                         "a persistent read", t.id)
+
+    def _run(self, t: ServedTable, stored: int, token: int) -> None:
         try:
-            self._preload(t, stored)
+            self._preload(t, stored, token)
         finally:
             self.finished_at = {**self.finished_at, t.id: time.time()}
 
-    def _preload(self, t: ServedTable, stored: int) -> None:
+    def _preload(self, t: ServedTable, stored: int, token: int) -> None:
         assert self.volatile is not None and self.persistent is not None
         started = time.monotonic()
         loaded = 0
@@ -87,6 +104,8 @@ class Preloader:
             log.warning("preloading %s into the volatile tier stopped after %d rows", t.id, loaded, exc_info=True)
             return
         log.info("preloaded %d rows of %s into the volatile tier in %.1f s", loaded, t.id, time.monotonic() - started)
+        if not self._stop.is_set():
+            self._complete(t, token)
 
     def _scan(self, t: ServedTable) -> int:
         """Copy the stored rows into L2 a stretch of the store at a time, as the scan reads them (one read per row,
@@ -100,7 +119,7 @@ class Preloader:
             live = entries.live
             if live.any():
                 put_read_rows(self.volatile, t, entries.keys[live], entries.vectors[live], entries.versions[live],
-                              read_at)
+                              read_at, wait=True)
                 loaded += int(np.count_nonzero(live))
             if entries.keys.shape[0] < SCAN_CHUNK:
                 break

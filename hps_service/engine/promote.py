@@ -2,7 +2,9 @@
 
 A row read before a write (put, delete, import) must not land in L2 after it: L2 may have evicted the write's row
 or tombstone, and an admin delete or an import leaves none. The table's write guard tells which keys were written
-since the read (see :mod:`hps_service.engine.write_guard`); those are left out.
+since the read (see :mod:`hps_service.engine.write_guard`); those are left out, and the put is made under the
+table's write lock, so no write lands between that check and the put: nothing is ever put that must be taken back
+out, and a table that holds every stored row (:mod:`hps_service.tiers.hashmap.complete`) keeps holding them.
 """
 
 from __future__ import annotations
@@ -23,20 +25,23 @@ Promote = Callable[[ServedTable, np.ndarray, np.ndarray, np.ndarray, int], None]
 
 
 def put_read_rows(
-    volatile: Tier, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, read_at: int
-) -> None:
-    """Write rows read from L3 into L2. Rows of keys written after ``read_at`` (the guard's generation before the
-    read) are left out, or taken back out when the write ran between that check and the put (L2 then misses them;
-    L3 holds the truth)."""
-    keep = ~t.guard.changed_since(read_at, keys)
-    if not keep.all():
-        keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
-    if keys.shape[0] == 0:
-        return
-    volatile.put(t.id, keys, vectors, versions)
-    overtaken = t.guard.changed_since(read_at, keys)
-    if overtaken.any():
-        volatile.delete(t.id, keys[overtaken])
+    volatile: Tier, t: ServedTable, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray, read_at: int,
+    wait: bool = False,
+) -> bool:
+    """Write rows read from L3 into L2, under the table's write lock: rows of keys written after ``read_at`` (the
+    guard's generation before the read) are left out (L2 then misses them; L3 holds the truth). ``wait``: for a
+    write that holds the lock now; else the rows are not written (a later read promotes them). Whether it ran."""
+    if not t.guard.lock.acquire(blocking=wait):
+        return False
+    try:
+        keep = ~t.guard.changed_since(read_at, keys)
+        if not keep.all():
+            keys, vectors, versions = keys[keep], vectors[keep], versions[keep]
+        if keys.shape[0]:
+            volatile.put(t.id, keys, vectors, versions)
+        return True
+    finally:
+        t.guard.lock.release()
 
 
 def promote(
@@ -60,9 +65,10 @@ def promoter(volatile: Tier) -> Promote:
 
 
 def copy_stored_rows(volatile: Tier, persistent: Tier, t: ServedTable, keys: np.ndarray) -> np.ndarray:
-    """Read ``keys`` from L3 and write the rows it holds into L2 (see :func:`put_read_rows`); the found mask."""
+    """Read ``keys`` from L3 and write the rows it holds into L2 (see :func:`put_read_rows`, waiting for the write
+    lock); the found mask."""
     read_at = t.guard.generation
     got = persistent.get(t.id, keys)
     if got.found.any():
-        put_read_rows(volatile, t, keys[got.found], got.vectors[got.found], got.versions[got.found], read_at)
+        put_read_rows(volatile, t, keys[got.found], got.vectors[got.found], got.versions[got.found], read_at, True)
     return got.found

@@ -21,8 +21,10 @@ from hps_service.engine.levels import (
 )
 from hps_service.engine.promote import Promote
 from hps_service.engine.table import ServedTable
+from hps_service.jit.views import read_only_view
 from hps_service.keys import as_keys, first_occurrences, unique_with_inverse
-from hps_service.tiers.base import ReadTier
+from hps_service.tiers.base import LaneRead, ReadTier
+from hps_service.tiers.hashmap.lane import check_answer
 
 
 class Reader:
@@ -55,17 +57,56 @@ class Reader:
             out = np.empty((n, t.format.words if stored else t.dim), dtype=np.float32)
         if sources is None:
             sources = np.empty(n, dtype=np.uint8)
+        lane = self._lane(t, stored)
+        if lane is not None:
+            miss_idx = self._through_lane(t, lane, keys, out, sources, stored)
+            if miss_idx.shape[0] == 0:
+                return LookupResult(out, sources)
+            return self._below(t, keys, miss_idx, out, sources, stored, PERSISTENT, 0.0, 0)
         fetched_at = t.cache.generation() if t.cache is not None else 0
-        miss_idx, batch_hit_rate = self._from_cache(t, keys, out, sources, stored)
+        missed, batch_hit_rate = self._from_cache(t, keys, out, sources, stored)
         if batch_hit_rate == 1.0:
             return LookupResult(out, sources)
         start = VOLATILE
-        if miss_idx is not None and self._fills(t, stored):
+        if missed is not None and self._fills(t, stored):
             # the rows are answered as stored: the volatile tier fills L1's holes in place, no dedupe, no copies
-            miss_idx = self._fill_volatile(t, keys, miss_idx, out, sources, batch_hit_rate, fetched_at)
+            missed = self._fill_volatile(t, keys, missed, out, sources, batch_hit_rate, fetched_at)
             start = PERSISTENT
-        if miss_idx is not None and miss_idx.shape[0] == 0:
+        if missed is not None and missed.shape[0] == 0:
             return LookupResult(out, sources)
+        return self._below(t, keys, missed, out, sources, stored, start, batch_hit_rate, fetched_at)
+
+    def _lane(self, t: ServedTable, stored: bool) -> LaneRead | None:
+        """The volatile tier's compiled pass over ``t`` where it answers the lookup: no L1 in front of it and the
+        rows answered as stored (None: the general path)."""
+        if t.cache is not None or self.volatile is None or not (stored or t.format.identity):
+            return None
+        if t.lane is None:  # a table's rows stay where its tier id says: asked once
+            t.lane = self.volatile.lane(t.id)
+        return t.lane
+
+    def _through_lane(self, t: ServedTable, lane: LaneRead, keys: np.ndarray, out: np.ndarray, sources: np.ndarray,
+                      stored: bool) -> np.ndarray:
+        """The volatile tier's rows of ``keys`` into ``out`` in one compiled pass; a key a complete table does not
+        hold answers the default here. Returns the indices of the keys left for the tiers below."""
+        n = keys.shape[0]
+        check_answer(out, sources, n, t.format.words)
+        miss = np.empty(n, dtype=np.intp)
+        hits, complete = lane(read_only_view(keys), out, sources, miss)
+        t.count("volatile", hits, n - hits)
+        miss_idx = miss[: n - hits]
+        if complete and hits < n:
+            vectors = default_rows(t.default, keys[miss_idx], t.dim)
+            out[miss_idx] = t.format.encode(vectors, written_s=0) if stored and not t.format.identity else vectors
+            sources[miss_idx] = DEFAULT
+            t.count_defaults(n - hits)
+            return miss_idx[:0]
+        return miss_idx
+
+    def _below(self, t: ServedTable, keys: np.ndarray, miss_idx: np.ndarray | None, out: np.ndarray,
+               sources: np.ndarray, stored: bool, start: int, batch_hit_rate: float, fetched_at: int) -> LookupResult:
+        """The rows of ``keys[miss_idx]`` (None: every key) from the tiers from ``start`` down, deduplicated, into
+        ``out``; offered to L1."""
         miss_keys = keys if miss_idx is None else keys[miss_idx]
         uniq, inverse = unique_with_inverse(miss_keys)
         got = self.fetch_below(t, uniq, start=start)
@@ -148,6 +189,9 @@ class Reader:
 
     def _lookup_held(self, t: ServedTable, keys: np.ndarray, out: np.ndarray, sources: np.ndarray,
                      stored: bool = False, hit: np.ndarray | None = None) -> np.ndarray:
+        lane = self._lane(t, stored)
+        if lane is not None:
+            return self._through_lane(t, lane, as_keys(keys), out, sources, stored)
         miss_idx, hit_rate = self._from_cache(t, keys, out, sources, stored, hit)
         if hit_rate == 1.0:
             return miss_idx if miss_idx is not None else np.empty(0, dtype=np.intp)

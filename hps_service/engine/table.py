@@ -18,7 +18,7 @@ from hps_service.engine.levels import LEVELS
 from hps_service.engine.write_guard import WriteGuard
 from hps_service.rows import RowFormat, row_format
 from hps_service.shm.counters import ThreadSlots
-from hps_service.tiers.base import table_id
+from hps_service.tiers.base import LaneRead, table_id
 
 #: Index of each level's hits in a thread's counts (its misses follow); the defaults come last.
 _LEVEL_INDEX = {level: 2 * i for i, level in enumerate(LEVELS)}
@@ -109,6 +109,8 @@ class ServedTable:
     #: Seconds a row lives after its write (None: for ever); its rows are stored stamped with their write time and
     #: lookups answer older ones with the default (see :mod:`hps_service.engine.ttl`).
     ttl_s: int | None = None
+    #: The volatile tier's compiled pass over the table, once a lookup found it has one (see ``Reader``).
+    lane: LaneRead | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.counters = TableCounters(self.lock)

@@ -19,12 +19,11 @@ Tests move time by replacing :data:`clock`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from hps_service.config import ConstantDefault, DefaultSpec
 from hps_service.engine.defaults import default_rows
 from hps_service.engine.levels import DEFAULT, EXPIRED, LookupResult
 from hps_service.engine.table import ServedTable
@@ -61,12 +60,6 @@ def expired_mask(t: ServedTable, stored: np.ndarray, now: int | None = None) -> 
     return t.format.stamps(stored) < cutoff
 
 
-def _spec(default: Any) -> DefaultSpec:
-    """A table's default as the engine's defaults take it (a colocated reader's table has it as the node store's
-    manifest writes it: a constant is a mapping there)."""
-    return ConstantDefault.model_validate(default) if isinstance(default, Mapping) else default
-
-
 def _refuse_stored(t: ServedTable) -> None:
     raise InvalidArgumentError(f"table {t.name} has ttl_s: its stored rows carry their write time, so it answers "
                                "precision fp32 only (PRECISION_FP32)")
@@ -81,7 +74,7 @@ def _answer(t: ServedTable, keys: np.ndarray, words: np.ndarray, held: np.ndarra
     fill = (~held | expired) if defaults else expired
     if fill.any():
         at = np.flatnonzero(fill)
-        out[at] = default_rows(_spec(t.default), keys[at], t.dim)
+        out[at] = default_rows(t.default, keys[at], t.dim)
         n_expired = int(np.count_nonzero(expired))
         if n_expired:
             sources[expired] = EXPIRED
@@ -113,7 +106,10 @@ def lookup_held(read_held: Read, t: ServedTable, keys: np.ndarray, out: np.ndarr
     held = np.ones(keys.shape[0], dtype=bool)
     held[missing] = False
     words[missing] = 0  # not read: decoded as zeros, then left to the caller
-    _answer(t, keys, words, held, out, sources, defaults=False)
+    defaulted = held & (sources == DEFAULT)  # a key a complete table does not hold: its default, not a stored row
+    _answer(t, keys, words, held & ~defaulted, out, sources, defaults=False)
+    if defaulted.any():
+        out[defaulted] = default_rows(t.default, keys[defaulted], t.dim)
     return missing
 
 

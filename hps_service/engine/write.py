@@ -294,11 +294,17 @@ class Writer:
         progress: Callable[[int], None] | None = None,
     ) -> int:
         """Bulk-load rows into the persistent tier (its ``bulk_import``: all or nothing, never older than a stored
-        row), then drop their keys from L2 and L1, which read them through again. Returns rows written."""
+        row), then drop their keys from L2 and L1, which read them through again. Into a complete volatile table
+        (see :mod:`hps_service.tiers.hashmap.complete`) the rows stored are written instead, and the table is
+        complete again if they fit. Returns rows written."""
         if not tier_can(self.persistent, TierCapability.BULK_IMPORT):
             raise UnavailableError("import needs a persistent tier that bulk-loads (persistent.type rocksdb)")
         keys = as_keys(keys)
         with t.guard.writing(keys):
+            complete = self.volatile is not None and self.volatile.is_complete(t.id)
+            if self.volatile is not None:
+                self.volatile.lose_complete(t.id)  # until the rows are in L2, a miss reads L3
+            token = self.volatile.complete_token(t.id) if self.volatile is not None else 0
             stored = t.format.encode(as_rows(vectors, keys.shape[0], t.dim, f"import into {t.id}"), ttl.now_s())
             written = int(self.persistent.bulk_import(t.id, keys, stored, version=version, progress=progress))
             versions = np.full(keys.shape[0], version, np.int64)
@@ -307,10 +313,22 @@ class Writer:
             for start in range(0, keys.shape[0], INVALIDATE_CHUNK):
                 chunk = keys[start : start + INVALIDATE_CHUNK]
                 if self.volatile is not None:
-                    self.volatile.delete(t.id, chunk)
+                    if complete:
+                        self._store_in_volatile(t, chunk)
+                    else:
+                        self.volatile.delete(t.id, chunk)
                 if t.cache is not None:
                     t.cache.invalidate(chunk)
+            if complete and self.volatile is not None:
+                self.volatile.mark_complete(t.id, token)  # refused when the rows did not fit (an eviction)
         return written
+
+    def _store_in_volatile(self, t: ServedTable, keys: np.ndarray) -> None:
+        """Write into L2 the rows L3 stores for ``keys`` now (an import's, or the newer ones it kept)."""
+        assert self.volatile is not None and self.persistent is not None
+        got = self.persistent.get(t.id, keys)
+        if got.found.any():
+            self.volatile.put(t.id, keys[got.found], got.vectors[got.found], got.versions[got.found])
     def apply_changes(
         self, changes: Sequence[tuple[ServedTable, TableWrite]], positions: Positions | None = None
     ) -> list[WriteResult]:

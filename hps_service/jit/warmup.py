@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 #: What each kernel-owning module runs to warm its kernels: name -> "module:function" (a function of no arguments).
 WARM_UPS: dict[str, str] = {
     "key dedup (keys)": "hps_service.keys:warm_up_kernels",
-    "hash map tier": "hps_service.tiers.hashmap.tier:warm_up_kernels",
+    "hash map tier": "hps_service.tiers.hashmap.warmup:warm_up_kernels",
     "L1 cache, CPU kernels": "hps_service.cache.set_assoc:warm_up_kernels",
     "L1 cache, serving paths": "hps_service.cache.factory:warm_up_table_cache",
     "node store and its readers": "hps_service.node.kernel_warmup:warm_up_kernels",

@@ -44,6 +44,7 @@ from hps_service.engine.levels import LookupResult
 from hps_service.engine.read import Reader
 from hps_service.engine.versions import resolve
 from hps_service.errors import HPSError
+from hps_service.jit.views import read_only_view
 from hps_service.keys import unique_with_inverse
 from hps_service.node.reader_tiers import SharedVolatile
 from hps_service.node.shared_tables import table_over_store
@@ -75,7 +76,10 @@ class _Table:
         self.reader = Reader(volatile, None, max_batch_keys=0)
         # L1 read straight into the answer by a Rows call (None: its reads need the reader's expiry check or decode)
         l1 = self.served.shared_l1
-        self.l1_fp32 = l1 if self.served.ttl_s is None and self.served.format.identity else None
+        plain = self.served.ttl_s is None and self.served.format.identity
+        self.l1_fp32 = l1 if plain else None
+        #: Without L1, the hash map's compiled pass, read straight into the answer by a Rows call (as L1 is).
+        self.lane = volatile.lane(self.served.id) if plain and l1 is None and volatile is not None else None
 
 
 def _one(call: Lookup, table: str) -> pb.LookupRequest:
@@ -283,7 +287,29 @@ class ColocatedTransport:
             if miss is not None:
                 self._fetch_misses(call.model, call.table, t, keys, local, miss, call)
             return local.vectors
+        if t is not None and t.lane is not None and n:
+            out = np.empty((n, t.served.dim), dtype=np.float32) if call.out is None else check_out(call.out, n,
+                                                                                                    t.served.dim)
+            sources, miss_idx = self._lane_scratch(n)
+            if t.lane(keys if not keys.flags.writeable else read_only_view(keys), out, sources, miss_idx)[0] == n:
+                return out
+            local, miss = self._read_local(t, keys, out)
+            if miss is not None:
+                self._fetch_misses(call.model, call.table, t, keys, local, miss, call)
+            return local.vectors
         return self._lookup(call.as_lookup())[call.table].vectors
+
+    def _lane_scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """This thread's sources and miss indices for the compiled pass over batches of ``n`` keys (a few sizes
+        kept; nothing keeps them past the call)."""
+        lanes: dict[int, tuple[np.ndarray, np.ndarray]] = getattr(self._scratch, "lanes", None) or {}
+        got = lanes.get(n)
+        if got is None:
+            if len(lanes) >= SCRATCH_SIZES:
+                lanes.clear()
+            got = lanes[n] = (np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.intp))
+            self._scratch.lanes = lanes
+        return got
 
     def _hit_mask(self, n: int) -> np.ndarray:
         """This thread's hit mask for batches of ``n`` keys (a few sizes kept): a lookup's L1 read fills it, and

@@ -14,6 +14,7 @@ from hps_service.node.store.l3_events import L3Announcer, l3_events
 from hps_service.shm import changes, counters, queue
 from hps_service.tiers.hashmap import seqlock as hk
 from hps_service.tiers.hashmap.index import EMPTY
+from hps_service.tiers.hashmap.reader import TableArrays, TableReader
 from hps_service.tiers.hashmap.stamps import stamp_halves
 
 
@@ -38,6 +39,10 @@ def warm_up_kernels() -> None:
                     read_only_view(writable_meta[:, 1]), read_only_view(stamp_halves(writable_meta)[0]),
                     read_only_view(keys), np.flatnonzero(found | True), out, versions, found, row_ids)
     hk.stamp_reads(stamp_halves(writable_meta)[1], row_ids, hk.tick(ctrl), False)
+    sources = np.empty(3, np.uint8)
+    for stamps in (stamp_halves(writable_meta)[1], None):  # the compiled pass of a worker, then of a LocalClient
+        lane = TableReader(TableArrays(ctrl, writable_meta, rows, stamps, index, 0), lambda gen: index, False).lane()
+        lane(_read_only(keys.copy()), out, sources, row_ids)
     req = counters.RequestCounters(counters.new_counters(1, counters.REQ_FIELDS), 0)
     req.finish(req.begin(), 0, 0, 0.001)
     req.observe_keys(3)

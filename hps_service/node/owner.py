@@ -24,6 +24,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hps_service.cache import build_table_cache
+from hps_service.cache.enabled import l1_enabled
 from hps_service.cache.protocol import FetchBelow, TableCache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig, ModelConfig
@@ -79,7 +80,8 @@ class OwnerEngine(LookupEngine):
         volatile, persistent = open_tiers(config.volatile, config.persistent, store.volatile_placement(),
                                           on_write=self._l3_written,
                                           file_events=L3Announcer(store.header))
-        super().__init__(volatile, persistent, cache_factory=self._cache_factory if config.cache.enabled else None,
+        l1 = l1_enabled(config.cache, config.volatile)
+        super().__init__(volatile, persistent, cache_factory=self._cache_factory if l1 else None,
                          max_batch_keys=config.server.max_batch_keys)
 
     # ---- tables -------------------------------------------------------------------------------

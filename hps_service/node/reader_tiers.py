@@ -20,7 +20,7 @@ from hps_service.errors import UnavailableError
 from hps_service.keys import as_keys
 from hps_service.node.store.view import StoreView
 from hps_service.shm.changes import ChangeRing
-from hps_service.tiers.base import ReadTier, Rows, TierCapability, TierStats
+from hps_service.tiers.base import LaneRead, ReadTier, Rows, TierCapability, TierStats
 from hps_service.tiers.rocksdb.tier import RocksDBTier
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,10 @@ class SharedVolatile(ReadTier):
             found.fill(False)
             return 0
         return reader.fill(keys, positions, out, versions, found)
+
+    def lane(self, table: str) -> LaneRead | None:
+        reader = self._view().volatile(table)
+        return None if reader is None else reader.lane()
 
     def close(self) -> None:
         return None

@@ -41,6 +41,7 @@ from hps_service.server.grpc_server import build_grpc_server
 from hps_service.server.grpc_service import EmbeddingServicer
 from hps_service.server.health import HealthServicer
 from hps_service.server.metrics import ServerMetrics
+from hps_service.server.native_front import serve_behind
 from hps_service.server.tls import grpc_server_credentials
 from hps_service.shm.counters import RequestCounters
 
@@ -140,11 +141,16 @@ def worker_main(config: HPSConfig, store_path: str, worker: int, port: int, wake
         server = serving.server
         address = f"{config.server.host}:{port}"
         tls = config.server.tls
-        bound = (server.add_secure_port(address, grpc_server_credentials(tls)) if tls is not None
-                 else server.add_insecure_port(address))
+        if config.server.front == "native":
+            bound = serve_behind(serving, config, servicer, address)
+        else:
+            bound = (server.add_secure_port(address, grpc_server_credentials(tls)) if tls is not None
+                     else server.add_insecure_port(address))
         if bound != port:
             raise UnavailableError(f"worker {worker} cannot bind gRPC to {address}")
         server.start()
+        if serving.front is not None:
+            serving.front.start()
     except Exception:
         log.exception("gRPC worker %d failed to start", worker)
         status[worker, ns.W_STATE] = ns.W_FAILED

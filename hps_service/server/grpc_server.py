@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
@@ -75,7 +75,21 @@ class HandlerPool(futures.ThreadPoolExecutor):
         return wait_all_idle((self,), settle_s, timeout_s)
 
 
-def wait_all_idle(pools: tuple[HandlerPool, ...], settle_s: float, timeout_s: float) -> bool:
+class Idle(Protocol):
+    """What a drain waits on: a pool of handler threads, or a native front (``server.front: native``)."""
+
+    def is_idle(self, settle_s: float) -> bool: ...
+
+
+class Front(Idle, Protocol):
+    """A front that serves the port in place of the grpcio server, which then listens behind it."""
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def wait_all_idle(pools: tuple[Idle, ...], settle_s: float, timeout_s: float) -> bool:
     """Block until every pool :meth:`~HandlerPool.is_idle` at once (or ``timeout_s`` passed; False then)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -125,6 +139,8 @@ class ServingGrpc:
     server: grpc.Server
     pool: HandlerPool
     streams: HandlerPool | None = None
+    #: ``server.front: native``: what serves the port; the grpcio server is behind it (stopped after it).
+    front: Front | None = None
 
     def drain_and_stop(self, gate: ServingGate, grace_s: float) -> None:
         """Stop serving within ``grace_s``, losing no call and no answer.
@@ -136,9 +152,15 @@ class ServingGrpc:
         then gets a TCP reset in place of the answer's tail. Then the gate refuses lookups and the server stops (its
         GOAWAY sends clients' new calls elsewhere) with what is left of ``grace_s`` for calls still running."""
         deadline = time.monotonic() + grace_s
-        pools = (self.pool,) if self.streams is None else (self.pool, self.streams)
+        pools: tuple[Idle, ...] = (self.pool,) if self.streams is None else (self.pool, self.streams)
+        if self.front is not None:
+            pools += (self.front,)
         wait_all_idle(pools, DRAIN_SETTLE_S, min(grace_s / 3, 2.0))
         gate.close(DRAINING)
+        left = max(0.0, deadline - time.monotonic())
+        if self.front is not None:  # the gate refuses its new lookups now: let those in flight answer, then close
+            wait_all_idle((self.front,), 0.0, left)
+            self.front.close()
         left = max(0.0, deadline - time.monotonic())
         self.server.stop(left).wait(left + 0.5)
 

@@ -67,6 +67,16 @@ def add_embedding_service(servicer: EmbeddingServicer, server: grpc.Server | Reg
     server.add_registered_method_handlers(service, handlers)
 
 
+def refusal(err: Exception) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    """The status code, message and trailing metadata a failed call answers with: a domain error's own, else
+    INTERNAL (logged, never a stack trace to the caller)."""
+    if isinstance(err, HPSError):
+        # a limit of the request: no replica would take it
+        return status_for(err), str(err), NO_RETRY if isinstance(err, ResourceExhaustedError) else ()
+    log.error("unexpected error serving a lookup", exc_info=err)
+    return grpc.StatusCode.INTERNAL, "internal error; see the server log", ()
+
+
 def _model_info(engine: ReadEngine, name: str) -> pb.ModelInfo:
     m = engine.model(name)
     return pb.ModelInfo(name=m.name, tables=[pb.TableInfo(name=t.name, dim=t.dim) for t in m.tables])
@@ -188,17 +198,15 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
         return buf.finish()
 
     def _abort(self, context: grpc.ServicerContext, err: Exception) -> None:
-        if isinstance(err, HPSError):
-            if isinstance(err, ResourceExhaustedError):  # a limit of the request: no replica would take it
-                context.set_trailing_metadata(NO_RETRY)
-            context.abort(status_for(err), str(err))
-        log.exception("unexpected error serving a lookup")
-        context.abort(grpc.StatusCode.INTERNAL, "internal error; see the server log")
+        code, message, trailers = refusal(err)
+        if trailers:
+            context.set_trailing_metadata(trailers)
+        context.abort(code, message)
 
-    def _serve_one(self, method: str, request: pb.LookupRequest, context: grpc.ServicerContext,
-                   principal: Principal | None = None) -> bytes:
+    def serve_one(self, method: str, request: pb.LookupRequest, context: grpc.ServicerContext,
+                  principal: Principal | None = None) -> bytes:
         """Check the caller (``principal``, else from ``context``) and the deadline, answer, count and time the
-        request; errors become status codes."""
+        request; raises what :func:`refusal` turns into a status (counted so)."""
         with self.metrics.observe(method) as status:
             try:
                 if self.auth is not None:
@@ -206,8 +214,16 @@ class EmbeddingServicer(pb_grpc.EmbeddingServiceServicer):
                 return self.lookup(request, context, status)
             except Exception as err:  # translated to a status code, never a stack trace to the caller
                 status[0] = status_for(err).name if isinstance(err, HPSError) else grpc.StatusCode.INTERNAL.name
-                self._abort(context, err)
-                raise  # unreachable: abort raises
+                raise
+
+    def _serve_one(self, method: str, request: pb.LookupRequest, context: grpc.ServicerContext,
+                   principal: Principal | None = None) -> bytes:
+        """:meth:`serve_one`, its errors as status codes."""
+        try:
+            return self.serve_one(method, request, context, principal)
+        except Exception as err:
+            self._abort(context, err)
+            raise  # unreachable: abort raises
 
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> bytes:
         return self._serve_one("Lookup", request, context)

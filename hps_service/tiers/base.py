@@ -191,6 +191,10 @@ class MissedWrites:
         return np.unique(np.concatenate(parts)) if parts else np.empty(0, dtype=np.int64)
 
 
+#: ``lane(keys, out, sources, miss) -> (hits, complete)``: a tier's compiled pass over one table (:meth:`ReadTier.lane`).
+LaneRead = Callable[[np.ndarray, np.ndarray, np.ndarray, np.ndarray], tuple[int, bool]]
+
+
 class ReadTier(ABC):
     """Reads of a batch key-value store of versioned embedding rows: what a process that does not own the store
     (a node's worker) has of it."""
@@ -220,6 +224,11 @@ class ReadTier(ABC):
         hit = np.flatnonzero(found)
         out[positions[hit]] = got.vectors[inverse[hit]]
         return int(hit.shape[0])
+
+    def lane(self, table: str) -> LaneRead | None:
+        """The compiled pass over ``table`` from a lookup's keys to its answer's rows (see
+        :mod:`hps_service.tiers.hashmap.lane`), or None where the tier has none (then :meth:`fill`)."""
+        return None
 
     def healthy(self) -> bool:
         """Whether the tier can currently serve (used by readiness)."""
@@ -306,6 +315,24 @@ class Tier(ReadTier):
     def set_metadata(self, key: str, value: bytes | None) -> bool:
         """Store (or with None remove) an entry durably; False where the store keeps no metadata."""
         return False
+
+    def complete_token(self, table: str) -> int:
+        """How often ``table`` lost its complete state so far (see :mod:`hps_service.tiers.hashmap.complete`): what
+        :meth:`mark_complete` compares with. Tiers that are never complete answer 0."""
+        return 0
+
+    def mark_complete(self, table: str, token: int) -> bool:
+        """Declare that the tier holds every stored row of ``table``, unless it lost that state since ``token`` was
+        taken; whether it is complete now. Tiers that cannot be complete answer False."""
+        return False
+
+    def is_complete(self, table: str) -> bool:
+        """Whether the tier holds every stored row of ``table`` now (:meth:`mark_complete`)."""
+        return False
+
+    def lose_complete(self, table: str) -> None:
+        """Before something that may leave a stored row out of the tier (an import, a conversion's switch): the
+        table is no longer complete."""
 
     def take_missed_writes(self, table: str) -> np.ndarray:
         """Keys whose puts or deletes could not reach the store and that it may now serve stale: the engine

@@ -154,16 +154,19 @@ def table_stats(server: EmbeddedServer) -> dict[str, Any]:
     return models[server.model]["tables"][server.table]
 
 
-def start_node(server: EmbeddedServer, workers: int, store: Path | None) -> None:
-    """``hps serve`` with ``workers`` worker processes, every row in L1 and the hash map; returns once L1 is warm."""
-    server.overrides["server"] = {"workers": workers, **({"local": {"enabled": True, "path": str(store)}}
-                                                         if store is not None else {})}
+def start_node(server: EmbeddedServer, workers: int, store: Path | None, **server_keys: Any) -> None:
+    """``hps serve`` with ``workers`` worker processes (and ``server_keys``), every row in the hash map, and in L1
+    when it has one; returns once L1 is warm, or without L1 once the table is complete in the hash map."""
+    server.overrides["server"] = {"workers": workers, **server_keys, **(
+        {"local": {"enabled": True, "path": str(store)}} if store is not None else {})}
     server.start(timeout=600)
     deadline = time.monotonic() + 900
     while True:
         stats = table_stats(server)
-        if stats["cache"]["rows"] >= 0.999 * server.rows and stats["volatile"]["rows"] >= server.rows:
+        cache, volatile = stats["cache"], stats["volatile"]
+        if volatile["rows"] >= server.rows and (cache["rows"] >= 0.999 * server.rows if cache["enabled"]
+                                                 else volatile.get("complete")):
             return
         if time.monotonic() > deadline:
-            raise TimeoutError(f"L1 not warm after 900 s: {stats['cache']}")
+            raise TimeoutError(f"L1 not warm or the table not complete after 900 s: {cache}, {volatile}")
         time.sleep(0.5)

@@ -75,6 +75,29 @@ async def serve_aio(port: int, payload: bytes, shared: bool = False) -> None:
     await server.stop(1)
 
 
+def serve_native(port: int, payload: bytes, shared: bool = False) -> None:
+    """pygrpc-native's front (HTTP/2 and gRPC in Rust, outside the GIL): one Python thread takes the calls in batches,
+    parses each request and answers the fixed payload, until SIGTERM/SIGINT."""
+    import pygrpc_native as native
+
+    front = native.NativeGrpcFront(f"127.0.0.1:{port}", [(LOOKUP_METHOD, False)], io_threads=2, reuse_port=shared)
+    front.start()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"floor (native) on 127.0.0.1:{port}", flush=True)
+    parse = pb.LookupRequest.FromString
+    while not stop.is_set():
+        events = front.recv_batch(64, 100)
+        if events is None:
+            break
+        for kind, call_id, _method, request, _key in events:
+            if kind == native.EVENT_CALL:
+                parse(request)
+                front.respond(call_id, payload)
+    front.close()
+
+
 def serve_sync(port: int, payload: bytes, workers: int, shared: bool = False) -> None:
     """Thread-pool grpc server (the kind hps-service runs) until SIGTERM/SIGINT."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=_SHARED_PORT if shared else _OPTIONS)
@@ -135,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", dest="tables", action="append")
     p.add_argument("--batch", type=int, default=1024)
     p.add_argument("--dim", type=int, default=64)
-    p.add_argument("--mode", choices=("aio", "sync"), default="aio")
+    p.add_argument("--mode", choices=("aio", "sync", "native"), default="aio")
     p.add_argument("--workers", type=int, default=8, help="sync mode: server threads (per process)")
     p.add_argument("--processes", type=int, default=1, help="server processes sharing the port (SO_REUSEPORT)")
     args = p.parse_args(argv)
@@ -144,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     def serve(shared: bool) -> None:
         if args.mode == "aio":
             asyncio.run(serve_aio(args.port, payload, shared))
+        elif args.mode == "native":
+            serve_native(args.port, payload, shared)
         else:
             serve_sync(args.port, payload, args.workers, shared)
 

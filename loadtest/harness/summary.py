@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
+from loadtest.benchmarks import served
 from loadtest.harness import cli
 
 
@@ -18,26 +19,7 @@ def ratio_table(res: dict[str, Any]) -> cli.RatioTable:
             r["ratio_lookup"], cli.at_least(0.5))
     g = res.get("grpc")
     if g:
-        o = g["ours"]
-        row("2. gRPC b1024 vs floor (best of aio/thread pool)",
-            f"{o['keys_per_s'] / 1e6:.2f} M keys/s p99 {o['p99_ms']:.1f} ms",
-            f"{g['floor_best_keys_per_s'] / 1e6:.2f} M keys/s", g["ratio_vs_floor"], cli.at_least(0.7))
-        if g.get("floor_sync"):
-            row("   vs thread-pool floor (our server's kind)", "", f"{g['floor_sync']['keys_per_s'] / 1e6:.2f} M keys/s "
-                f"p99 {g['floor_sync']['p99_ms']:.1f} ms", g["ratio_vs_floor_same_kind"])
-        for name, key in (("server", "server_cpu_ms_per_call"), ("client", "client_cpu_ms_per_call")):
-            floor_cpu = g["floor_sync"][key] if g.get("floor_sync") else None
-            if o[key] is not None and floor_cpu:
-                cpu = o[key] / floor_cpu  # ours over the floor's: issue 29's server target is <= 2x
-                row(f"   {name} CPU per call, ours vs thread-pool floor", f"{o[key]:.2f} ms", f"{floor_cpu:.2f} ms",
-                    cpu, cli.at_most(2) if name == "server" else "-")
-        if g.get("redis"):
-            rd = g["redis"]
-            row("2. gRPC b1024 vs Redis Cluster MGET/node", f"p99 {o['p99_ms']:.1f} ms",
-                f"{rd['keys_per_s'] / 1e6:.2f} M keys/s p99 {rd['p99_ms']:.1f} ms", g["ratio_vs_redis"],
-                cli.at_least(1.2))
-        else:
-            row("2. gRPC vs Redis Cluster", "", "not run (no redis-server)", None, cli.at_least(1.2))
+        served.rows(g, row)
     l3 = res.get("l3")
     if l3:
         row("3. L3 miss path vs rocksdict multi-get", f"{l3['ours_ms']:.2f} ms", f"{l3['raw_ms']:.2f} ms",

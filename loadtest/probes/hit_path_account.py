@@ -57,7 +57,7 @@ def measure(batch: int, dim: int, rows: int, calls: int) -> list[tuple[str, floa
             None,
             server={"host": "127.0.0.1", "grpc_port": free_port(), "http_port": 0, "workers": 0,
                     "max_batch_keys": max(batch, 4096)},
-            cache={"backend": "numpy", "capacity": rows, "warm_start": False},
+            cache={"enabled": True, "backend": "numpy", "capacity": rows, "warm_start": False},
             volatile={"type": "hashmap", "capacity_rows": rows},
             persistent={"type": "rocksdb", "path": str(Path(tmp) / "rocksdb"), "block_cache_mb": 8},
             models=[{"name": MODEL, "tables": [{"name": TABLE, "dim": dim}]}],

@@ -71,7 +71,7 @@ def test_every_panel_query_returns_data_from_a_real_prometheus(kafka_broker, tmp
     grpc_port, http_port = free_port(), free_port()
     cfg = write_config(tmp_path / "c.yaml", {
         "server": {"grpc_port": grpc_port, "http_port": http_port},
-        "cache": {"backend": "numpy", "capacity": 64, "min_rows": 64, "admit_after_misses": 1},
+        "cache": {"enabled": True, "backend": "numpy", "capacity": 64, "min_rows": 64, "admit_after_misses": 1},
         "volatile": {"type": "hashmap", "capacity_rows": 200},
         "persistent": {"type": "rocksdb", "path": str(tmp_path / "db"), "block_cache_mb": 8},
         "updates": {"type": "kafka", "brokers": kafka_broker.bootstrap, "topic_prefix": PREFIX, "group": "dash-0"},

@@ -17,7 +17,7 @@ DIM = 8
 def test_a_new_versions_l1_warms_from_the_hot_keys_of_the_version_served_now(tmp_path: Path) -> None:
     model = ModelConfig(name="m", tables=[TableConfig(name="item", dim=DIM)])
     engine = build_engine(HPSConfig(
-        cache={"backend": "numpy", "capacity": 256, "warm_start": True},
+        cache={"enabled": True, "backend": "numpy", "capacity": 256, "warm_start": True},
         volatile={"type": "hashmap", "capacity_rows": 50_000},
         persistent={"type": "rocksdb", "path": str(tmp_path / "db"), "block_cache_mb": 8},
         models=[model],

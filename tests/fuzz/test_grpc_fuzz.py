@@ -1,7 +1,10 @@
 """Hypothesis fuzz of the gRPC API of a real `hps serve` process: random key bytes, empty and oversized batches,
 unknown names, many tables per request, raw bytes that are no protobuf, oversized messages, and requests exactly at
 and one past each limit (keys, tables, message bytes). Every answer is OK or a client error (never INTERNAL/UNKNOWN),
-the server keeps serving, and its memory stays bounded."""
+the server keeps serving, and its memory stays bounded. The server runs the default ``cache.enabled: auto`` (no L1
+on a CPU) over tables whose stored rows (some keys, the int64 edges among them) all fit the hash map: lookups go
+through the compiled pass and the complete state (issue 52), and every row answered is the key's stored row or the
+default, whatever the key bytes."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from hypothesis import strategies as st
 
 from hps_service.proto.hps.v1 import embedding_pb2 as pb
 from hps_service.proto.hps.v1 import embedding_pb2_grpc as pb_grpc
+from hps_service.tiers.rocksdb.tier import RocksDBTier
 from tests.faults.support import rss_bytes
 from tests.helpers import ServerProcess, free_port, write_config
 
@@ -23,6 +27,13 @@ MAX_KEYS = 4096
 MAX_TABLES = 8
 MAX_MESSAGE = 256 << 10
 DIMS = {"item": 16, "user": 4}
+#: Keys with a stored row in both tables: some small ones and the int64 edges.
+STORED = np.concatenate([np.arange(-300, 300, dtype=np.int64), [-(2**63), -(2**63) + 1, 2**63 - 2, 2**63 - 1]])
+
+
+def stored_rows(keys: np.ndarray, dim: int) -> np.ndarray:
+    """The row stored for each key: its low bits and the column, never all zeros (the default)."""
+    return ((keys % 997).astype(np.float32)[:, None] + 1000.0 + np.arange(dim, dtype=np.float32)[None, :])
 CLIENT_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.NOT_FOUND,
@@ -33,8 +44,9 @@ CLIENT_ERRORS = {
 class Fuzzed:
     """The running server and a channel to it."""
 
-    def __init__(self, server: ServerProcess) -> None:
+    def __init__(self, server: ServerProcess, http_port: int) -> None:
         self.server = server
+        self.http = f"http://127.0.0.1:{http_port}"
         self.channel = grpc.insecure_channel(
             server.target, options=[("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         )
@@ -49,9 +61,14 @@ class Fuzzed:
 @pytest.fixture(scope="module")
 def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
     tmp: Path = tmp_path_factory.mktemp("fuzz")
-    grpc_port = free_port()
+    grpc_port, http_port = free_port(), free_port()
+    db = RocksDBTier(tmp / "db", block_cache_mb=8)
+    for name, dim in DIMS.items():
+        db.create_table(f"demo.{name}", dim)
+        db.bulk_import(f"demo.{name}", STORED, stored_rows(STORED, dim), version=1)
+    db.close()
     cfg = write_config(tmp / "c.yaml", {
-        "server": {"grpc_port": grpc_port, "http_port": free_port(), "workers": 2, "max_batch_keys": MAX_KEYS,
+        "server": {"grpc_port": grpc_port, "http_port": http_port, "workers": 2, "max_batch_keys": MAX_KEYS,
                    "max_tables_per_request": MAX_TABLES, "max_message_bytes": MAX_MESSAGE},
         "cache": {"backend": "numpy", "capacity": 2048},
         "volatile": {"type": "hashmap", "capacity_rows": 100_000},
@@ -59,7 +76,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fuzzed]:
         "models": [{"name": "demo", "tables": [{"name": n, "dim": d} for n, d in DIMS.items()]}],
     })
     with ServerProcess(cfg, grpc_port) as server:
-        f = Fuzzed(server)
+        f = Fuzzed(server, http_port)
         yield f
         f.channel.close()
         print(f"\ngRPC fuzz status codes: {f.codes}")
@@ -71,7 +88,12 @@ def _check_answer(request: pb.LookupRequest, response: pb.LookupResponse) -> Non
         n = len(asked.keys) // 8
         assert answer.count == n and answer.dim == DIMS[asked.table]
         assert len(answer.vectors) == n * answer.dim * 4 and len(answer.sources) == n
-        assert np.isfinite(np.frombuffer(answer.vectors, dtype="<f4")).all()
+        keys = np.frombuffer(asked.keys, dtype="<i8")
+        rows = np.frombuffer(answer.vectors, dtype="<f4").reshape(n, answer.dim)
+        sources = np.frombuffer(answer.sources, dtype=np.uint8)
+        held = np.isin(keys, STORED)
+        np.testing.assert_array_equal(rows[held], stored_rows(keys[held], answer.dim))
+        assert not rows[~held].any() and (sources[~held] == 4).all() and np.isin(sources[held], (2, 3)).all()
 
 
 names = st.one_of(st.just("demo"), st.sampled_from(["demo", "item", ""]), st.text(max_size=70))
@@ -85,7 +107,9 @@ tables = st.builds(
 well_formed_tables = st.builds(
     pb.TableKeys,
     table=st.sampled_from(list(DIMS)),
-    keys=st.binary(max_size=2048).map(lambda b: b[: len(b) // 8 * 8]),
+    keys=st.one_of(st.binary(max_size=2048).map(lambda b: b[: len(b) // 8 * 8]),
+                   st.lists(st.one_of(st.sampled_from(STORED.tolist()), st.integers(-(2**63), 2**63 - 1)),
+                            max_size=600).map(lambda ks: np.array(ks, dtype="<i8").tobytes())),
 )
 requests = st.one_of(
     st.builds(pb.LookupRequest, model=names, tables=st.lists(tables, max_size=MAX_TABLES + 4),
@@ -186,3 +210,12 @@ def test_requests_at_and_one_past_each_limit(fuzzed: Fuzzed) -> None:
             fuzzed.stub.Lookup(request, timeout=30)
         assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value.details()
         assert limit in refused.value.details(), (limit, refused.value.details())
+
+
+def test_the_tables_were_complete_without_l1(fuzzed: Fuzzed) -> None:
+    """What the fuzz above read through: the compiled pass (no L1) over complete tables."""
+    import httpx
+
+    tables = httpx.get(f"{fuzzed.http}/v1/stats", timeout=30).json()["models"]["demo"]["tables"]
+    for name in DIMS:
+        assert not tables[name]["cache"]["enabled"] and tables[name]["volatile"]["complete"] == 1, tables[name]

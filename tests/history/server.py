@@ -1,7 +1,8 @@
 """``hps serve`` for the history checker, started, SIGKILLed and restarted as a user's would be.
 
 The default configuration reaches the hierarchy's edges (issue 27): a tiny memtable and write-ahead-log bound, so
-RocksDB flushes all through the run; a hash map holding a twentieth of the keys and a small L1, so the workers read
+RocksDB flushes all through the run; a hash map holding a twentieth of the keys and a small L1 (kept: on a CPU
+``cache.enabled: auto`` would leave it out), so the workers read
 RocksDB through their secondary instances; a small change ring, so large batches lap it; two gRPC worker processes and
 the shared store at a path LocalClient readers map; snapshots uploaded to the snapshot store when one is given.
 """
@@ -73,7 +74,7 @@ class HistoryServer:
             "server": {"grpc_port": self.grpc_port, "http_port": self.http_port, "admin_token": TOKEN,
                        "max_batch_keys": 4096, "grace_period_s": 10, "workers": 2,
                        "local": {"enabled": True, "path": str(self.local_path)}},
-            "cache": {"backend": "numpy", "capacity": 256, "ways": 8},
+            "cache": {"enabled": True, "backend": "numpy", "capacity": 256, "ways": 8},
             "volatile": {"type": "hashmap", "capacity_rows": VOLATILE_ROWS},
             "persistent": {"type": "rocksdb", "path": str(self.db), "block_cache_mb": 8,
                            "write_buffer_mb": WRITE_BUFFER_MB, "max_total_wal_mb": MAX_TOTAL_WAL_MB,

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.history.complete import CompleteWatch
 from tests.history.faults import Faults, ring_laps
 from tests.history.model import History, Violation, check, check_tiers_agree
 from tests.history.report import report, stored_versions, topic_log
@@ -35,27 +36,38 @@ def _violations(history: History, passes: dict[str, np.ndarray], stored: np.ndar
 
 
 def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replica: bool = True,
-                kill_owner_at: tuple[float, ...] = (0.5,)) -> str:
-    """One run; returns its report (asserts no violation)."""
+                kill_owner_at: tuple[float, ...] = (0.5,), complete: bool = False) -> str:
+    """One run; returns its report (asserts no violation). ``complete``: the default ``cache.enabled: auto`` (no L1:
+    the compiled pass) and a hash map that holds the keys the run picks from until it widens them (see
+    :func:`test_history_of_a_complete_table_has_no_violation`)."""
     model = f"h{uuid.uuid4().hex[:10]}"
     store = f"s3://{s3_server.new_bucket()}/h"
     snapshots = {"snapshot_store": store, "snapshot_interval_s": SNAPSHOT_INTERVAL_S}
+    lane = {"cache": {"enabled": "auto"}, "volatile": {"capacity_rows": COMPLETE_ROWS}} if complete else {}
     primary = HistoryServer(workdir / "primary", broker, model=model, env=s3_server.env, name="primary",
-                            overrides={"persistent": snapshots})
+                            overrides={"persistent": snapshots, **lane})
     second = HistoryServer(workdir / "replica", broker, model=model, env=s3_server.env, name="replica",
                            overrides={"persistent": {"snapshot_store": store}, "server": {
-                               "workers": 1, "local": {"enabled": False}}}) if replica else None
+                               "workers": 1, "local": {"enabled": False}}, **lane}) if replica else None
     keys = key_space(2000)
     began = time.monotonic()
     primary.start()
     phases = {"start": time.monotonic() - began}
-    workload = Workload(primary, keys)
+    workload = Workload(primary, keys, **({"import_every_s": 2.0} if complete else {}))
+    workload.reach = NARROW_REACH if complete else 1.0
     faults = Faults(workload, primary, second, seconds, kill_owner_at=kill_owner_at,
                     replica_at=0.15 if replica else None)
+    watch = CompleteWatch(primary, lambda: sum(w.via == "import" and w.ack is not None
+                                               for w in workload.history.writes)) if complete else None
+    widened_at = float("inf")
     try:
         workload.start()
         threads = faults.start()
-        workload.stopped.wait(seconds)
+        if watch is not None:
+            watch.start()
+            if not workload.stopped.wait(WIDEN_AT * seconds):
+                widened_at, workload.reach = time.monotonic(), 1.0  # new keys past the hash map's rows: evictions
+        workload.stopped.wait(seconds - (time.monotonic() - began - phases["start"]))
         for thread in threads:
             thread.join(300)
         phases["workload"] = time.monotonic() - began - phases["start"]
@@ -76,6 +88,9 @@ def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replic
     edges = {"flushes": primary.flushes() + (second.flushes() if second is not None else 0), "ring laps": laps,
              "crashes": len(faults.crashes), "lulls with a snapshot": workload.lulls,
              "calls failed while a server was down": workload.failed_calls}
+    if watch is not None:
+        watch.stop()
+        edges.update(watch.summary(widened_at))
     text = report(workload.history, violations, workload.t0, edges)
     text += "".join(f"\n  {c}" for c in faults.crashes)
     text += "\nseconds: " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
@@ -101,9 +116,15 @@ def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replic
     assert len(faults.crashes) == len(kill_owner_at) + replica, faults.crashes
     assert not replica or workload.replica_reads, "the replica was never read"
     assert not violations and not replica_violations and not workload.unlogged_writes, text
+    if complete:  # every event the complete state goes through happened while the readers read
+        assert edges["starts complete"] == len(kill_owner_at) + 1, text  # each start, once its preload ended
+        assert edges["imports kept complete"] >= 1 and edges["losses with evictions after widening"] >= 1, text
     return text
 
 
+#: The complete-table run: a hash map of this many rows, the keys picked from the first ``NARROW_REACH`` of the
+#: 2000 (1100: they fit) until ``WIDEN_AT`` of the run, then from all of them (they do not: evictions).
+COMPLETE_ROWS, NARROW_REACH, WIDEN_AT = 1300, 0.55, 0.6
 SECONDS = float(os.environ.get("HPS_HISTORY_SECONDS", "40"))
 LONG_SECONDS = float(os.environ.get("HPS_HISTORY_LONG_SECONDS", "360"))
 
@@ -111,6 +132,14 @@ LONG_SECONDS = float(os.environ.get("HPS_HISTORY_LONG_SECONDS", "360"))
 @pytest.mark.timeout(SECONDS + 400)
 def test_history_has_no_violation(kafka_broker, s3_server, tmp_path: Path) -> None:
     run_history(kafka_broker.bootstrap, s3_server, tmp_path, SECONDS)
+
+
+@pytest.mark.timeout(SECONDS + 400)
+def test_history_of_a_complete_table_has_no_violation(kafka_broker, s3_server, tmp_path: Path) -> None:
+    """The complete state (issue 52) under the same writers, readers and faults, without L1 (the default on a CPU):
+    the table is complete from its empty start, imports that fit keep it, the owner's restart loses it until the
+    preload ends, and widening the keys past the hash map's rows loses it by evictions; every read stays right."""
+    run_history(kafka_broker.bootstrap, s3_server, tmp_path, SECONDS, kill_owner_at=(0.3,), complete=True)
 
 
 @pytest.mark.long

@@ -2,7 +2,8 @@
 configuration: a tiny hash map and L1, so rows come from RocksDB through the workers' secondaries) while versions are
 added, dropped, added again and retired, the model's table is converted between formats and the model replaced, and
 the label ``production`` switches; writers put and delete, readers look up through gRPC, LocalClient and REST. Every
-read is checked by the rules of :mod:`tests.history.lifecycle`; no worker may die.
+read is checked by the rules of :mod:`tests.history.lifecycle`; no worker may die. It runs again without L1 (the
+default on a CPU), where every table is complete (issue 52) and the conversions lose that state.
 
 ``make test`` runs it for HPS_LIFECYCLE_HISTORY_SECONDS (default 30 s); ``make history`` for
 HPS_LIFECYCLE_LONG_SECONDS (default 240 s) after the main check.
@@ -24,19 +25,27 @@ from tests.history.server import HistoryServer
 from tests.history.workload import key_space
 
 
-def run_lifecycle(workdir: Path, seconds: float) -> str:
+def run_lifecycle(workdir: Path, seconds: float, l1: bool = True) -> str:
+    """One run; ``l1`` False: the default ``cache.enabled: auto`` (the compiled pass), whose hash map holds the 96
+    keys: every version's table is complete once loaded, and each conversion loses it until the copy's preload."""
     model = f"life{uuid.uuid4().hex[:8]}"
-    server = HistoryServer(workdir, "", model=model, overrides={"updates": {"type": "disabled"}}, models=[
+    overrides: dict = {"updates": {"type": "disabled"}}
+    if not l1:
+        overrides["cache"] = {"enabled": "auto"}
+    server = HistoryServer(workdir, "", model=model, overrides=overrides, models=[
         {"name": model, "keep_versions": KEEP_VERSIONS,
          "tables": [{"name": "t", "dim": DIM, "default": {"constant": DEFAULT_VALUE}}]}])
     server.start()
     workload = LifecycleWorkload(server, key_space(96))
     threads = workload.threads()
     began = time.monotonic()
+    complete_seen = 0
     try:
         for th in threads:
             th.start()
-        workload.stop.wait(seconds)
+        while not workload.stop.wait(0.25) and time.monotonic() - began < seconds:
+            table = httpx.get(f"{server.http}/v1/stats", timeout=30).json()["models"][model]["tables"]["t"]
+            complete_seen += bool(table["volatile"].get("complete"))
         workload.stop.set()
         for th in threads:
             th.join(120)
@@ -61,11 +70,16 @@ def run_lifecycle(workdir: Path, seconds: float) -> str:
     assert not violations, text
     assert events.re_adds and events.drops and events.switches and events.replaces, text
     assert events.conversions or seconds < 20, text
+    assert l1 or complete_seen, "the model's table was never complete"
     return text
 
 
 def test_lifecycle_keeps_the_history_rules(tmp_path: Path) -> None:
     run_lifecycle(tmp_path, float(os.environ.get("HPS_LIFECYCLE_HISTORY_SECONDS", "30")))
+
+
+def test_lifecycle_of_complete_tables_keeps_the_history_rules(tmp_path: Path) -> None:
+    run_lifecycle(tmp_path, float(os.environ.get("HPS_LIFECYCLE_HISTORY_SECONDS", "30")), l1=False)
 
 
 @pytest.mark.long

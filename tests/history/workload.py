@@ -103,6 +103,7 @@ class Workload:
         self._in_flight_lock = threading.Lock()
         # a skew: a quarter of the picks go to the first 5% of the keys (hot, cached), the rest spread out
         self._hot = max(8, keys.shape[0] // 20)
+        self.reach = 1.0  # the share of the keys picked from (the first ones): a run may widen it midway
 
     # ---- outages ---------------------------------------------------------------------------------
     @contextmanager
@@ -192,8 +193,9 @@ class Workload:
 
     # ---- key picking -----------------------------------------------------------------------------
     def _pick(self, rng: random.Random, n: int) -> np.ndarray:
+        reach = max(self._hot, int(self.reach * self.keys.shape[0]))
         hot = [rng.randrange(self._hot) for _ in range(n // 4)]
-        cold = [rng.randrange(self.keys.shape[0]) for _ in range(n - len(hot))]
+        cold = [rng.randrange(reach) for _ in range(n - len(hot))]
         return np.unique(self.keys[np.array(hot + cold, dtype=np.int64)])
 
     def _guard(self, fn: Callable[[random.Random], None], name: str, seed: int) -> threading.Thread:

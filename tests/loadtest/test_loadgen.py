@@ -28,7 +28,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HPSServer
     config = load_config(
         None,
         server={"host": "127.0.0.1", "grpc_port": free_port(), "http_port": 0, "grpc_workers": 4},
-        cache={"capacity": 0.2},
+        cache={"enabled": True, "capacity": 0.2},  # every level reports a hit rate
         volatile={"type": "hashmap", "capacity_rows": 100_000},
         persistent={"type": "rocksdb", "path": str(tmp / "rocksdb"), "block_cache_mb": 8},
         models=[{"name": "demo", "tables": [{"name": "item", "dim": DIM}, {"name": "user", "dim": DIM}]}],

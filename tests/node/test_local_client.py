@@ -50,7 +50,7 @@ class LocalServer:
                        "uds_path": str(workdir / f"{store.name}.sock")},
             # L1 smaller than the table (the warm start drops rows once sets fill, so admission then asks for 15
             # recent misses: nothing the test does moves rows into L1), the hash map holds every row
-            "cache": {"backend": "numpy", "capacity": 16384, "admit_after_misses": 15},
+            "cache": {"enabled": True, "backend": "numpy", "capacity": 16384, "admit_after_misses": 15},
             "volatile": {"type": "hashmap", "capacity_rows": 100_000},
             "persistent": {"type": "rocksdb", "path": str(workdir / "db"), "block_cache_mb": 8},
             "models": [{"name": "m", "tables": [{"name": "item", "dim": DIM}]}],

@@ -106,7 +106,7 @@ def start_node(tmp_path: Path, workers: int = 2, rows: int = ROWS, dim: int = DI
     config = {
         "server": {"grpc_port": grpc_port, "http_port": http_port, "admin_token": TOKEN, "workers": workers,
                    "grace_period_s": 5},
-        "cache": {"backend": "numpy", "capacity": 4096, "admit_after_misses": 1},
+        "cache": {"enabled": True, "backend": "numpy", "capacity": 4096, "admit_after_misses": 1},
         "volatile": {"type": "hashmap", "capacity_rows": 100_000},
         "persistent": {"type": "rocksdb", "path": str(db), "block_cache_mb": 8},
         "models": [{"name": "m", "tables": [{"name": "item", "dim": dim}]}],

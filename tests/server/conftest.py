@@ -30,7 +30,7 @@ def server_config(tmp: Path, token: str | None = TOKEN, **server: Any) -> HPSCon
         None,
         server={"host": "127.0.0.1", "grpc_port": free_port(), "http_port": 0, "admin_token": token,
                 "grpc_workers": 4, "max_batch_keys": 4096, **server},
-        cache={"capacity": 4096},
+        cache={"enabled": True, "capacity": 4096},  # the servers these tests run keep an L1
         volatile={"type": "hashmap", "capacity_rows": 100_000},
         persistent={"type": "rocksdb", "path": str(tmp / "rocksdb"), "block_cache_mb": 8},
         models=[{"name": "demo", "tables": [{"name": "item", "dim": ITEM_DIM},

@@ -90,7 +90,8 @@ def test_grpc_and_rest_answer_expired_rows_with_the_default(tmp_path: Path, monk
 
 def test_a_colocated_reader_answers_the_expired_rows_it_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The rows are in the hash map, so LocalClient answers them itself (by this process's clock): expired ones
-    with the default and EXPIRED, the others as stored; a key it does not hold goes to the server."""
+    with the default and EXPIRED, the others as stored; a key it does not hold answers the default (the table is
+    complete once preloaded, or the server says so), never EXPIRED (a complete table's default is no stored row)."""
     store = Path(tempfile.mkdtemp(prefix="hps-ttl-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     try:
         config = ttl_config(tmp_path, workers=1, local={"enabled": True, "path": str(store)})

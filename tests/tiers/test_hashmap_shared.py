@@ -55,6 +55,7 @@ def reader_main(path: str, writable: bool, n_keys: int, dim: int) -> None:
     newest = np.zeros(n_keys + 1, dtype=np.int64)
     rng = np.random.default_rng(os.getpid())
     reader.get(keys[:8])  # compiled (or loaded from numba's cache) before the clock starts
+    lane = reader.lane()
     print("ready", flush=True)
     reads = missing = torn = backwards = 0
     stop = Path(path) / "stop"
@@ -62,7 +63,18 @@ def reader_main(path: str, writable: bool, n_keys: int, dim: int) -> None:
     while not last:
         last = stop.exists()
         batch = rng.choice(keys, min(256, n_keys))
-        if reads % 2:  # a lookup's holes: rows written in place at some positions of a larger answer
+        if reads % 3 == 2:  # the compiled pass: every key, rows straight into the answer, misses listed
+            answer = np.full((batch.shape[0], dim), -1.0, dtype=np.float32)
+            sources, miss = np.zeros(batch.shape[0], np.uint8), np.empty(batch.shape[0], np.int64)
+            ro = batch.copy()
+            ro.flags.writeable = False
+            hits, _ = lane(ro, answer, sources, miss)
+            found = np.ones(batch.shape[0], bool)
+            found[miss[: batch.shape[0] - hits]] = False
+            torn += int(np.count_nonzero((sources == 2) != found))
+            versions = np.where(found, answer[:, 0].astype(np.int64) - batch * 1000, 0)
+            got = Rows(vectors=answer, versions=versions, found=found)
+        elif reads % 3:  # a lookup's holes: rows written in place at some positions of a larger answer
             holes = np.flatnonzero(rng.random(batch.shape[0]) < 0.5)
             answer = np.full((batch.shape[0], dim), -1.0, dtype=np.float32)
             versions, found = np.empty(holes.shape[0], np.int64), np.empty(holes.shape[0], bool)
@@ -81,7 +93,7 @@ def reader_main(path: str, writable: bool, n_keys: int, dim: int) -> None:
         backwards += int(np.count_nonzero(got.versions < newest[batch]))
         np.maximum.at(newest, batch, got.versions)
     print(json.dumps({"reads": reads, "missing": missing, "torn": torn, "backwards": backwards,
-                      "retries": reader.retries, "remaps": len(remaps) - 1}))
+                      "retries": reader.retries, "remaps": len(remaps) - 1, "lane_retries": reader.lane_retries}))
 
 
 def _start_reader(region: Region, n_keys: int, dim: int) -> subprocess.Popen:
@@ -175,4 +187,107 @@ def test_overlapped_reads_are_detected_and_rerun(tmp_path: Path) -> None:
     assert read(a.index_gen) == hk.READ_OVERLAPPED
     hk.seq_end(a.ctrl)
     assert read(a.index_gen) == 10
+    tier.close()
+
+
+def test_the_compiled_pass_refuses_an_overlapped_read_and_an_old_index(tmp_path: Path) -> None:
+    """The compiled pass, as the sequence-lock read: an odd or changed sequence, or a replaced index, is refused."""
+    from hps_service.tiers.hashmap.lane import lane_kernel
+
+    region = Region(tmp_path / "store", writable=True)
+    tier = HashMapTier(1000, allocator=region.allocator("volatile"))
+    tier.create_table(TABLE, 16)
+    keys = np.arange(1, 11, dtype=np.int64)
+    tier.put(TABLE, keys, _rows(keys, np.ones(10, np.int64), 16), np.ones(10, np.int64))
+    a = tier.table_arrays(TABLE)
+    out, sources, miss = np.empty((10, 16), np.float32), np.empty(10, np.uint8), np.empty(10, np.int64)
+
+    def read(gen: int) -> tuple[int, bool]:
+        owner, readers = stamp_halves(a.meta)
+        return lane_kernel(a.ctrl, a.ctrl, a.meta[:, 0], owner, a.rows, readers, False, True, a.index, np.int64(gen),
+                           keys, out, sources, miss)
+
+    assert read(a.index_gen) == (10, False) and (sources == 2).all()
+    np.testing.assert_array_equal(out, _rows(keys, np.ones(10, np.int64), 16))
+    assert read(a.index_gen + 1)[0] == hk.READ_REMAP
+    hk.seq_begin(a.ctrl)
+    assert read(a.index_gen)[0] == hk.READ_OVERLAPPED
+    hk.seq_end(a.ctrl)
+    assert tier.mark_complete(TABLE, tier.complete_token(TABLE))
+    assert read(a.index_gen) == (10, True)
+    tier.close()
+
+
+def complete_reader_main(path: str, n_keys: int, dim: int, capacity: int) -> None:
+    """Child process: the compiled pass over the reader keys until ``stop`` appears; a pass that says the table is
+    complete must hold every reader key (the writer stored them all and never deletes one: a key is only missing
+    after an eviction, which loses the state in the same write)."""
+    region = Region(Path(path), writable=True)
+    prefix = f"volatile/{TABLE}"
+    ctrl = region.open(f"{prefix}/ctrl", (hk.CTRL_LEN,), np.int64)
+    meta = region.open(f"{prefix}/meta", (capacity, 3), np.int64)
+    rows = region.open(f"{prefix}/rows", (capacity, dim), np.float32, writable=False)
+
+    def open_index(gen: int) -> np.ndarray:
+        name = f"{prefix}/index.{gen}"
+        return region.open(name, ((region.path / name).stat().st_size // 4,), np.int32, writable=False)
+
+    gen = int(ctrl[hk.CTRL_INDEX_GEN])
+    reader = TableReader(TableArrays(ctrl, meta, rows, stamp_halves(meta)[1], open_index(gen), gen), open_index,
+                         lfu=False)
+    lane = reader.lane()
+    batch = 16  # short passes: one fits between two writes of the owner
+    batches = np.arange(1, n_keys + 1, dtype=np.int64).reshape(-1, batch)
+    batches.flags.writeable = False
+    out, sources, miss = np.empty((batch, dim), np.float32), np.empty(batch, np.uint8), np.empty(batch, np.int64)
+    print("ready", flush=True)
+    seen = {"reads": 0, "complete": 0, "incomplete": 0, "complete_but_missing": 0, "torn": 0}
+    stop = Path(path) / "stop"
+    while not stop.exists():
+        for keys in batches:
+            hits, complete = lane(keys, out, sources, miss)
+            seen["reads"] += 1
+            seen["complete" if complete else "incomplete"] += 1
+            seen["complete_but_missing"] += int(complete and hits < batch)
+            held = sources == 2
+            versions = out[:, 0].astype(np.int64) - keys * 1000
+            seen["torn"] += int(np.count_nonzero(held & ((out != out[:, :1]).any(axis=1) | (versions < 1))))
+            sources.fill(0)
+    print(json.dumps(seen))
+
+
+def test_a_reader_never_sees_a_complete_table_without_a_row_it_stored(tmp_path: Path) -> None:
+    """The writer stores the reader's keys and marks the table complete, then overflows it with other keys (an
+    eviction takes some of the reader's): a reader in another process that sees the table complete always finds
+    every one of its keys, and it sees both states."""
+    dim, n, capacity = 8, 608, 1000
+    region = Region(tmp_path / "store", writable=True)
+    tier = HashMapTier(capacity, allocator=region.allocator("volatile"), evict_fraction=0.2)
+    tier.create_table(TABLE, dim)
+    keys = np.arange(1, n + 1, dtype=np.int64)
+    tier.put(TABLE, keys, _rows(keys, np.ones(n, np.int64), dim), np.ones(n, np.int64))
+    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); from tests.tiers.test_hashmap_shared import "
+              f"complete_reader_main; complete_reader_main({str(region.path)!r}, {n}, {dim}, {capacity})")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready", proc.stderr
+    lost = 0
+    next_new = 10_000_000
+    for version in range(2, 802):
+        token = tier.complete_token(TABLE)
+        tier.put(TABLE, keys, _rows(keys, np.full(n, version), dim), np.full(n, version, np.int64))
+        assert tier.mark_complete(TABLE, token)
+        time.sleep(0.0002)
+        fresh = np.arange(next_new, next_new + 500, dtype=np.int64)
+        next_new += 500
+        tier.put(TABLE, fresh, _rows(fresh, np.ones(500, np.int64), dim), np.ones(500, np.int64))  # evicts
+        lost += not tier.is_complete(TABLE)
+        tier.delete(TABLE, fresh)
+    (region.path / "stop").touch()
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    seen = json.loads(out.strip().splitlines()[-1])
+    assert lost == 800 and tier.stats(TABLE).extra["complete_lost"] == 800
+    assert seen["complete_but_missing"] == 0 and seen["torn"] == 0, seen
+    assert seen["complete"] and seen["incomplete"], seen
     tier.close()

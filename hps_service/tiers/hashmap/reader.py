@@ -10,8 +10,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from hps_service.jit.views import read_only_view
-from hps_service.tiers.base import Rows, check_positions
+from hps_service.tiers.base import LaneRead, Rows, check_positions
 from hps_service.tiers.hashmap import seqlock
+from hps_service.tiers.hashmap.lane import Lane
 from hps_service.tiers.hashmap.stamps import stamp_halves
 
 
@@ -50,6 +51,24 @@ class TableReader:
         self._versions = read_only_view(arrays.meta[:, 1])
         self._stamps = read_only_view(stamp_halves(arrays.meta)[0])
         self.retries = 0
+        self._lane: Lane | None = None
+
+    def lane(self) -> LaneRead:
+        """The compiled pass over the table (:mod:`.lane`): lock-free, hits stamped unless this reader is
+        read-only."""
+        if self._lane is None:
+            a = self.arrays
+            self._lane = Lane(a.ctrl, a.meta, a.rows, a.reader_stamps, stamp_halves(a.meta)[0], self._lfu,
+                              self._mapped_index, self._remap)
+        return self._lane.read
+
+    @property
+    def lane_retries(self) -> int:
+        """Compiled passes run again because a write overlapped them."""
+        return self._lane.retries if self._lane is not None else 0
+
+    def _mapped_index(self) -> tuple[np.ndarray, int]:
+        return self.arrays.index, self.arrays.index_gen
 
     def get(self, keys: np.ndarray) -> Rows:
         """Rows of ``keys`` as of one state of the table (see ``seqlock.read_rows_at``)."""

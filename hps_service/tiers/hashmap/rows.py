@@ -140,8 +140,8 @@ def put_rows(
     written: np.ndarray,
     clock: np.int64,
     lfu: bool,
-) -> tuple[np.int64, int]:
-    """Upsert rows in batch order; returns (new row count, tombstones replaced by rows).
+) -> tuple[np.int64, int, int]:
+    """Upsert rows in batch order; returns (new row count, tombstones replaced by rows, new keys refused for room).
 
     A stored row with a newer version is kept; a tombstone is kept unless the offered version is newer than
     it. New keys are appended while fewer than ``row_limit`` rows are held; the rest are not written.
@@ -150,6 +150,7 @@ def put_rows(
     dim = rows.shape[1]
     n = n_rows
     revived = 0
+    full = 0
     for i in range(query.size):
         key = query[i]
         pos, ok = probe(index, keys, key, mask)
@@ -169,6 +170,7 @@ def put_rows(
         else:
             if n >= row_limit:
                 written[i] = False
+                full += 1
                 continue
             r = n
             n += 1
@@ -180,7 +182,7 @@ def put_rows(
             rows[r, d] = vectors[i, d]
         versions[r] = offered_versions[i]
         written[i] = True
-    return n, revived
+    return n, revived, full
 
 
 @njit(cache=True, nogil=True)

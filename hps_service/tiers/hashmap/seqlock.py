@@ -20,8 +20,9 @@ from hps_service.tiers.hashmap.rows import prefetch_row
 from hps_service.tiers.hashmap.stamps import counted, live
 
 #: Indices into a table's control array (int64): the sequence on its own 64-byte line (the writer bumps it for
-#: every change; readers only load it), then what readers need to map the index, and the table clock.
-CTRL_SEQ, CTRL_INDEX_GEN, CTRL_INDEX_LEN, CTRL_CLOCK = 0, 8, 9, 16
+#: every change; readers only load it), then what readers need to map the index and whether the table is complete
+#: (:mod:`.complete`), and the table clock.
+CTRL_SEQ, CTRL_INDEX_GEN, CTRL_INDEX_LEN, CTRL_COMPLETE, CTRL_CLOCK = 0, 8, 9, 10, 16
 CTRL_LEN = 24
 #: :func:`read_rows_at` results other than a hit count.
 READ_OVERLAPPED = -1

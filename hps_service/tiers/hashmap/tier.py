@@ -27,6 +27,7 @@ from hps_service.jit.views import read_only_view
 from hps_service.keys import as_keys
 from hps_service.shm.region import NamedAllocator, anonymous
 from hps_service.tiers.base import (
+    LaneRead,
     Rows,
     Tier,
     TierCapability,
@@ -39,6 +40,8 @@ from hps_service.tiers.hashmap import index as index_ops
 from hps_service.tiers.hashmap import rows as row_ops
 from hps_service.tiers.hashmap import seqlock
 from hps_service.tiers.hashmap import stamps as stamps_ops
+from hps_service.tiers.hashmap.complete import Completeness
+from hps_service.tiers.hashmap.lane import Lane
 from hps_service.tiers.hashmap.layout import CTRL, META, META_WORDS, PARTS, ROWS, index_name, part_name
 from hps_service.tiers.hashmap.reader import TableArrays
 from hps_service.tiers.hashmap.stamps import stamp_halves
@@ -48,8 +51,12 @@ from hps_service.tiers.placement import Release
 def _no_release(_name: str) -> None:
     return None
 
+
+def _no_remap() -> None:
+    """The owner reads its own index, never an older generation of it."""
+
 #: Rows a new table's index is sized for before it first doubles.
-_INITIAL_ROWS = 1024
+INITIAL_ROWS = 1024
 #: The index has at least this many slots per allocated row (load factor at most 0.7 when full).
 _INDEX_SLOTS_PER_ROW = 1.0 / 0.7
 
@@ -92,6 +99,7 @@ class _Table:
         self._alloc = alloc
         self._release = release
         self.ctrl = alloc(part_name(name, CTRL), (seqlock.CTRL_LEN,), np.int64)
+        self.complete = Completeness(self.ctrl)
         # Key, version and the two int32 stamps of a row share one cache line: a lookup misses once for all.
         self.meta = alloc(part_name(name, META), (max_rows, META_WORDS), np.int64)
         self.keys = self.meta[:, 0]
@@ -100,7 +108,10 @@ class _Table:
         self.stamps, self.reader_stamps = stamp_halves(self.meta)
         self.rows = alloc(part_name(name, ROWS), (max_rows, dim), np.float32)
         self.index_gen = 0
-        self.index = self._new_index(_index_size(min(_INITIAL_ROWS, max_rows)))
+        self.index = self._new_index(_index_size(min(INITIAL_ROWS, max_rows)))
+        self._index_view: tuple[np.ndarray, int] | None = None
+        #: The compiled pass over the table (made at its first lookup).
+        self.lane: Lane | None = None
         self.index.fill(index_ops.EMPTY)
         self._publish_index()
         #: Rows the index takes at a load of at most 0.7 (never more than the storage).
@@ -109,6 +120,13 @@ class _Table:
     def _new_index(self, size: int) -> np.ndarray:
         self.index_gen += 1
         return self._alloc(index_name(self.name, self.index_gen), (size,), np.int32)
+
+    def read_index(self) -> tuple[np.ndarray, int]:
+        """The index as the compiled pass reads it (a read-only view) and its generation (callers hold ``lock``)."""
+        view = self._index_view
+        if view is None or view[1] != self.index_gen:
+            view = self._index_view = (read_only_view(self.index), self.index_gen)
+        return view
 
     def _publish_index(self) -> None:
         """Point readers at the current index (callers hold the sequence lock or nobody reads yet)."""
@@ -292,6 +310,40 @@ class HashMapTier(Tier):
             return int(row_ops.get_rows_at(t.index, t.keys, t.rows, t.versions, t.stamps, read_only_view(keys),
                                            positions, out, versions, found, t.tick(), self._lfu))
 
+    def lane(self, table: str) -> LaneRead:
+        """The compiled pass over ``table`` (:mod:`.lane`), run with its lock held: hits stamped as :meth:`get`
+        stamps them, and whether the table is complete."""
+        t = self._table(table)
+        lane = t.lane
+        if lane is None:
+            lane = t.lane = Lane(t.ctrl, t.meta, t.rows, t.stamps, t.stamps, self._lfu, t.read_index, _no_remap)
+
+        def read(keys: np.ndarray, out: np.ndarray, sources: np.ndarray, miss: np.ndarray) -> tuple[int, bool]:
+            if self._tables.get(table) is not t:  # dropped since (a caller that kept the pass reads the table anew)
+                raise NotFoundError(f"volatile hashmap tier has no table {table!r}")
+            with t.lock:
+                return lane.read(keys, out, sources, miss)
+
+        return read
+
+    def complete_token(self, table: str) -> int:
+        t = self._table(table)
+        with t.lock:
+            return t.complete.token()
+
+    def mark_complete(self, table: str, token: int) -> bool:
+        t = self._table(table)
+        with t.lock:
+            return t.complete.mark(token)
+
+    def is_complete(self, table: str) -> bool:
+        return self._table(table).complete.held
+
+    def lose_complete(self, table: str) -> None:
+        t = self._table(table)
+        with t.lock:
+            t.complete.lose()
+
     def put(self, table: str, keys: np.ndarray, vectors: np.ndarray, versions: np.ndarray) -> np.ndarray:
         """Upsert rows unless the stored version is newer; evicts by policy when the table is full.
 
@@ -306,11 +358,13 @@ class HashMapTier(Tier):
             self._make_room(t, query)
             clock = t.tick()
             with t.changing():
-                n, revived = row_ops.put_rows(
+                n, revived, full = row_ops.put_rows(
                     t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(t.n_rows),
                     np.int64(min(t.capacity, t.row_capacity)),
                     query, vecs, vers, written, clock, self._lfu,
                 )  # fmt: skip
+                if full:  # rows the persistent tier may store and this table does not hold
+                    t.complete.lose(in_section=True)
             t.set_rows(int(n))
             t.n_tombstones -= int(revived)
         return written
@@ -340,6 +394,7 @@ class HashMapTier(Tier):
         victims = np.sort(victims)[::-1].copy()
         t.n_tombstones -= int(np.count_nonzero(t.stamps[victims] < 0))
         with t.changing():
+            t.complete.lose(in_section=True)
             kept = row_ops.evict_rows(t.index, t.keys, t.rows, t.versions, t.stamps, t.reader_stamps, np.int64(n), victims)
         t.set_rows(int(kept))
         t.evictions += count
@@ -392,7 +447,8 @@ class HashMapTier(Tier):
             held, tombstones, memory, evictions = t.n_rows, t.n_tombstones, t.memory_bytes(), t.evictions
         raw_row_bytes = t.dim * 4
         extra: dict[str, float] = {"memory_bytes": int(memory), "raw_row_bytes": raw_row_bytes,
-                                   "tombstones": int(tombstones)}
+                                   "tombstones": int(tombstones), "complete": int(t.complete.held),
+                                   "complete_lost": t.complete.lost}
         if held:
             extra["bytes_per_row"] = memory / held
             extra["memory_ratio"] = memory / (held * raw_row_bytes)
@@ -432,29 +488,3 @@ class HashMapTier(Tier):
         for t in tables:
             t.drop()
 
-
-def warm_up_kernels() -> None:
-    """Compile (or load) every kernel of the tier with the argument types the engine passes: a table that grows
-    its index and evicts, gets, puts (new, replacing, refused), versioned and unversioned deletes, each with writable
-    and read-only inputs (the tier passes both to its kernels read-only: see hps_service.jit.views)."""
-    from hps_service.jit.warmup import read_only
-
-    tier = HashMapTier(capacity_rows=_INITIAL_ROWS * 2)
-    try:
-        tier.create_table("warm.up", 2)
-        for variant in (np.asarray, read_only):
-            keys = np.arange(_INITIAL_ROWS * 3, dtype=np.int64)
-            for lo in range(0, keys.shape[0], _INITIAL_ROWS):
-                chunk = keys[lo : lo + _INITIAL_ROWS]
-                ones = np.ones((chunk.shape[0], 2), np.float32)
-                tier.put("warm.up", variant(chunk), variant(ones), variant(np.full(chunk.shape[0], 2, np.int64)))
-            few = variant(keys[-4:])
-            tier.get("warm.up", few)
-            tier.fill("warm.up", few, np.arange(4), np.empty((4, 2), np.float32), np.empty(4, np.int64),
-                      np.empty(4, np.bool_))
-            tier.put("warm.up", few, variant(np.ones((4, 2), np.float32)), variant(np.ones(4, np.int64)))
-            tier.delete("warm.up", few[:2], variant(np.full(2, 3, np.int64)))
-            tier.delete("warm.up", few[2:])
-            tier.scan_keys("warm.up", 4)
-    finally:
-        tier.close()
