@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 
 from hps_service.cache import FetchBelow, TableCache, build_table_cache
-from hps_service.cache.enabled import l1_enabled
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig
+from hps_service.engine.l1_choice import l1_enabled
 from hps_service.engine.table import CacheFactory, ServedTable
 from hps_service.tiers.base import Tier
 

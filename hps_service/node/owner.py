@@ -24,11 +24,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hps_service.cache import build_table_cache
-from hps_service.cache.enabled import l1_enabled
 from hps_service.cache.protocol import FetchBelow, TableCache
 from hps_service.cache.table_cache import WarmKeys
 from hps_service.config import HPSConfig, ModelConfig
 from hps_service.engine import LEVELS, LookupEngine, ServedTable
+from hps_service.engine.l1_choice import l1_enabled
 from hps_service.engine.l1_sizing import plan_l1
 from hps_service.engine.promote import promote
 from hps_service.engine.registry import described

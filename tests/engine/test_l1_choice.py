@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from hps_service.cache.backend import device_status
-from hps_service.cache.enabled import l1_enabled
 from hps_service.config import ConfigError, load_config
+from hps_service.engine.l1_choice import l1_enabled
 from hps_service.engine.levels import CACHE, VOLATILE
 from hps_service.serve.build import build_engine
 
