@@ -407,12 +407,16 @@ class LookupEngine(Engine):
 
     def stats(self) -> dict[str, Any]:
         """The ``/v1/stats`` shape: ``{"models": {M: {"tables": {T: {level: {...}}}}}}``."""
-        return {
-            "models": {
-                m: {"tables": {name: table_stats(t, self.volatile, self.persistent) for name, t in tables.items()}}
-                for m, tables in self.registry.tables().items()
-            }
-        }
+        models: dict[str, Any] = {}
+        for m, tables in self.registry.tables().items():
+            shown = models[m] = {"tables": {}}
+            for name, t in tables.items():
+                try:
+                    shown["tables"][name] = self.table_stats(m, name)
+                except NotFoundError:  # dropped since the tables were listed: gone, not an error of the stats
+                    if self.registry.tables().get(m, {}).get(name) is t:
+                        raise
+        return {"models": models}
 
     def healthy(self) -> dict[str, bool]:
         """Reachability of each enabled tier."""

@@ -231,10 +231,6 @@ class OwnerEngine(LookupEngine):
         out["default"]["hits"] = int(out["default"]["hits"] or 0) + int(sums[TABLE_DEFAULTS])
         return out
 
-    def stats(self) -> dict[str, Any]:
-        return {"models": {m: {"tables": {name: self.table_stats(m, name) for name in tables}}
-                           for m, tables in self.registry.tables().items()}}
-
 
 def _default_json(default: Any) -> Any:
     return default.model_dump() if hasattr(default, "model_dump") else default

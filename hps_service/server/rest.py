@@ -348,8 +348,8 @@ def create_app(ctx: AdminContext) -> FastAPI:
     @app.get("/v1/cache", tags=["cache"], summary="L1 cache stats of every table (the caller may read)",
              operation_id="listCacheStats", response_model=rm.CacheStats, responses=answers(*INTERNAL))
     def cache_stats(request: Request) -> dict[str, Any]:
-        models = {m.name: {"tables": {t.name: engine.table_stats(m.name, t.name)["cache"] for t in m.tables}}
-                  for m in engine.models()}
+        models = {m: {"tables": {t: s["cache"] for t, s in entry["tables"].items()}}
+                  for m, entry in engine.stats()["models"].items()}  # a table dropped meanwhile is left out
         return {"models": visible_models(models, caller_of(request.state))}
 
     @app.get("/v1/cache/{model}/{table}", tags=["cache"], summary="L1 cache stats of one table",

@@ -186,3 +186,17 @@ def test_lookups_take_no_table_lock(engine: LookupEngine) -> None:
     stats = engine.table_stats("m", "t")
     assert stats["cache"]["hits"] == 32 and stats["cache"]["misses"] == 32 + 32
     assert stats["volatile"]["hits"] == 64
+
+
+def test_stats_taken_while_a_model_is_dropped_leave_it_out(engine: LookupEngine,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The stats list the tables, then a drop frees one before its figures are read: /v1/stats answers without it
+    (it answered 404 for the whole node while a version was dropped)."""
+    engine.register_model(ModelConfig(name="gone", tables=[TableConfig(name="t", dim=DIM)]))
+    listed = engine.registry.tables()
+    engine.unregister_model("gone")
+    current = engine.registry.tables
+    calls = iter([listed])
+    monkeypatch.setattr(engine.registry, "tables", lambda: next(calls, None) or current())
+    stats = engine.stats()
+    assert stats["models"]["gone"]["tables"] == {} and "t" in stats["models"]["m"]["tables"]
