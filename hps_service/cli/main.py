@@ -268,10 +268,11 @@ def stats(
         table.add_column(column, justify="left" if column in ("model.table", "level") else "right")
     for model, m in sorted(data.get("models", {}).items()):
         for name, t in sorted(m.get("tables", {}).items()):
-            for i, level in enumerate(level for level in ("cache", "volatile", "persistent") if level in t):
+            # the levels this table has (an L1 off, as cache.enabled auto leaves it on a CPU, is not shown)
+            shown = [level for level in ("cache", "volatile", "persistent") if t.get(level, {}).get("enabled", False)
+                     or (level in t and "enabled" not in t[level])]
+            for i, level in enumerate(shown):
                 s = t[level]
-                if not s.get("enabled", True):
-                    continue
                 rate = s.get("hit_rate")
                 table.add_row(f"{model}.{name}" if i == 0 else "", level,
                               "-" if rate is None else f"{rate:.1%}", *(_count(s.get(k)) for k in
