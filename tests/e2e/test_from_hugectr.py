@@ -85,11 +85,17 @@ def test_a_multi_model_ps_json_with_a_redis_cluster_serves_through_the_cluster(r
     with srv, HPSClient(srv.target) as client:
         _check_rows(client, tables)
         keys = tables[("ranker", "sparse_embedding0")][0]
-        # the rows read from RocksDB were promoted into the cluster, which answers them now
+        # the rows the worker read from RocksDB are offered to the owner, which promotes them into the cluster in
+        # the background: the cluster holds them all soon after
+        def volatile() -> dict:
+            stats = httpx.get(f"{http}/v1/stats", timeout=5).json()
+            return stats["models"]["ranker"]["tables"]["sparse_embedding0"]["volatile"]
+
+        deadline = time.monotonic() + 20
+        while volatile()["rows"] < keys.size and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert volatile()["rows"] >= keys.size, volatile()
         assert sum(redis_cluster_clean.client(i).dbsize() for i in range(3)) > 0
-        stats = httpx.get(f"{http}/v1/stats", timeout=5).json()
-        volatile = stats["models"]["ranker"]["tables"]["sparse_embedding0"]["volatile"]
-        assert volatile["rows"] >= keys.size, volatile
         assert srv.stop() == 0
 
 

@@ -44,7 +44,9 @@ def run_lifecycle(workdir: Path, seconds: float, l1: bool = True) -> str:
         for th in threads:
             th.start()
         while not workload.stop.wait(0.25) and time.monotonic() - began < seconds:
-            table = httpx.get(f"{server.http}/v1/stats", timeout=30).json()["models"][model]["tables"]["t"]
+            answer = httpx.get(f"{server.http}/v1/stats", timeout=30)
+            assert answer.status_code == 200, answer.text  # a table dropped meanwhile is left out, not a 404
+            table = answer.json()["models"][model]["tables"]["t"]
             complete_seen += bool(table["volatile"].get("complete"))
         workload.stop.set()
         for th in threads:
@@ -59,6 +61,9 @@ def run_lifecycle(workdir: Path, seconds: float, l1: bool = True) -> str:
             f"served before), {events.drops} drops, {events.retired} retired by keep_versions, {events.conversions} "
             f"conversions, {events.replaces} replaces, {events.switches} label switches; refused: {events.refused}; "
             f"worker restarts: {node['restarts']}; {len(violations)} violations")
+    errors = [line for line in server.log_path.read_text().splitlines() if " ERROR " in line]
+    if errors:
+        text += "\nthe server logged errors:\n" + "\n".join(errors[:10])
     for inc, v in violations[:10]:
         text += f"\nVIOLATION key {v.key}: {v.rule}: {v.detail}" + (f" at {v.at:.3f}" if v.at else "")
         if inc is not None:

@@ -32,7 +32,7 @@ def make_engine(path, model: str, tables: dict[str, int] | None = None, cache_ro
     """The server's engine (NumPy L1 cache, hash map L2, RocksDB L3 at ``path``) serving ``model``."""
     tables = tables or {TABLE: DIM}
     config = HPSConfig(
-        cache={"backend": "numpy", "capacity": cache_rows, "warm_start": False},
+        cache={"enabled": True, "backend": "numpy", "capacity": cache_rows, "warm_start": False},
         volatile={"type": "hashmap", "capacity_rows": 1_000_000},
         persistent={"type": "rocksdb", "path": str(path), "block_cache_mb": 8},
         models=[ModelConfig(name=model, tables=[TableConfig(name=t, dim=d) for t, d in tables.items()])],
