@@ -201,7 +201,7 @@ loadtest: install-dev
 soak: install-dev
 	$(PY) -m loadtest.soak $(SOAK_ARGS)
 
-# The history checkers of tests/history for 10 minutes (make test runs each for 30-40 s): the main one for
+# The history checkers of tests/history for 10 minutes (make test runs each for 25-30 s): the main one for
 # HPS_HISTORY_LONG_SECONDS (360), then the lifecycle's for HPS_LIFECYCLE_LONG_SECONDS (240); every violation with its
 # key's history.
 history: install-dev test-deps

@@ -48,11 +48,14 @@ def _migrate(fixture: str, tmp_path: Path, patch: Callable[[dict], None] | None 
     return config, ps, tables
 
 
+ADMIN_TOKEN = "hugectr-admin-token-0001"
+
+
 def _server(config: Path) -> tuple[ServerProcess, str]:
     """``hps serve`` of the converted config on free ports (one worker process), not started yet; and its REST URL."""
     grpc_port, http_port = free_port(), free_port()
     env = {"HPS_SERVER__GRPC_PORT": str(grpc_port), "HPS_SERVER__HTTP_PORT": str(http_port),
-           "HPS_SERVER__WORKERS": "1"}
+           "HPS_SERVER__WORKERS": "1", "HPS_ADMIN_TOKEN": ADMIN_TOKEN}
     return ServerProcess(config, grpc_port, env=env), f"http://127.0.0.1:{http_port}"
 
 
@@ -86,15 +89,21 @@ def test_a_multi_model_ps_json_with_a_redis_cluster_serves_through_the_cluster(r
         _check_rows(client, tables)
         keys = tables[("ranker", "sparse_embedding0")][0]
         # the rows the worker read from RocksDB are offered to the owner, which promotes them into the cluster in
-        # the background: the cluster holds them all soon after
+        # the background; a promotion is best effort (an offer the busy owner cannot take, a write past the
+        # cluster's socket timeout, is dropped), and once L1 holds a row no read goes below it to offer it again:
+        # L1 is cleared so that the next read does
         def volatile() -> dict:
             stats = httpx.get(f"{http}/v1/stats", timeout=5).json()
             return stats["models"]["ranker"]["tables"]["sparse_embedding0"]["volatile"]
 
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while volatile()["rows"] < keys.size and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert volatile()["rows"] >= keys.size, volatile()
+            time.sleep(0.5)
+            cleared = httpx.post(f"{http}/v1/cache/ranker/sparse_embedding0/clear", timeout=5,
+                                 headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+            assert cleared.status_code == 200, cleared.text
+            client.lookup("ranker", "sparse_embedding0", keys)
+        assert volatile()["rows"] >= keys.size, (volatile(), srv.log()[-3000:])
         assert sum(redis_cluster_clean.client(i).dbsize() for i in range(3)) > 0
         assert srv.stop() == 0
 

@@ -50,7 +50,7 @@ def test_round_robin_over_one_name_and_a_rolling_restart_under_load(tmp_path: Pa
         cfg = write_config(tmp_path / f"r{i}.yaml", {
             "server": {"host": host, "grpc_port": grpc_port, "http_port": http_port, "admin_token": TOKEN,
                        "grace_period_s": 5, "max_connection_age_s": 3, "max_connection_age_grace_s": 2,
-                       "grpc_workers": 2},
+                       "workers": 1, "grpc_workers": 2},
             "cache": {"capacity": 1024},
             "persistent": {"type": "rocksdb", "path": str(tmp_path / f"db{i}"), "block_cache_mb": 8},
             "models": [{"name": "demo", "tables": [{"name": "item", "dim": DIM}]}],

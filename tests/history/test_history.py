@@ -125,7 +125,7 @@ def run_history(broker: str, s3_server, workdir: Path, seconds: float, *, replic
 #: The complete-table run: a hash map of this many rows, the keys picked from the first ``NARROW_REACH`` of the
 #: 2000 (1100: they fit) until ``WIDEN_AT`` of the run, then from all of them (they do not: evictions).
 COMPLETE_ROWS, NARROW_REACH, WIDEN_AT = 1300, 0.55, 0.6
-SECONDS = float(os.environ.get("HPS_HISTORY_SECONDS", "40"))
+SECONDS = float(os.environ.get("HPS_HISTORY_SECONDS", "25"))
 LONG_SECONDS = float(os.environ.get("HPS_HISTORY_LONG_SECONDS", "360"))
 
 
