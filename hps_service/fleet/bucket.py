@@ -41,7 +41,7 @@ from hps_service.fleet.manifests import (
     file_target,
     uploaded_files,
 )
-from hps_service.fleet.s3_files import s3_client
+from hps_service.fleet.s3_files import s3_client, s3_errors
 
 log = logging.getLogger(__name__)
 
@@ -128,15 +128,8 @@ class SnapshotBucket:
         return "/".join(p for p in (self.prefix, *parts) if p)
 
     def _call(self, what: str, fn: Callable[..., Any], **kwargs: Any) -> Any:
-        try:
+        with s3_errors(f"{what} failed at {self.url}", f"{what}: not found in {self.url}"):
             return fn(**kwargs)
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code", "")
-            if code in ("NoSuchKey", "404", "NotFound"):
-                raise NotFoundError(f"{what}: not found in {self.url}") from None
-            raise UnavailableError(f"{what} failed at {self.url}: {exc}") from None
-        except BotoCoreError as exc:
-            raise UnavailableError(f"{what} failed at {self.url}: {exc}") from None
 
     # ---- write ----------------------------------------------------------------------------------
     def upload(self, model: str, source: Path, description: dict[str, Any],

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -57,17 +59,29 @@ def checked_name(name: str, what: str) -> str:
     return name
 
 
+#: The S3 error codes of an object that is not there.
+MISSING = frozenset({"404", "NoSuchKey", "NotFound"})
+
+
+@contextmanager
+def s3_errors(failed: str, not_found: str, missing: frozenset[str] = MISSING) -> Iterator[None]:
+    """boto3's errors as the domain's: NotFoundError(``not_found``) for an error code in ``missing``, else
+    UnavailableError naming what ``failed`` and the store's error."""
+    try:
+        yield
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code", "") in missing:
+            raise NotFoundError(not_found) from None
+        raise UnavailableError(f"{failed}: {exc}") from None
+    except BotoCoreError as exc:
+        raise UnavailableError(f"{failed}: {exc}") from None
+
+
 def download(client: Any, bucket: str, key: str, dest: Path) -> None:
     """Stream one object to ``dest``; NotFoundError when there is none, UnavailableError when the store fails."""
-    try:
+    with s3_errors(f"cannot download s3://{bucket}/{key}", f"s3://{bucket}/{key} does not exist",
+                   frozenset({"404", "NoSuchKey", "NoSuchBucket"})):
         client.download_file(bucket, key, str(dest), Config=_TRANSFER)
-    except ClientError as exc:
-        code = exc.response.get("Error", {}).get("Code", "")
-        if code in ("404", "NoSuchKey", "NoSuchBucket"):
-            raise NotFoundError(f"s3://{bucket}/{key} does not exist") from None
-        raise UnavailableError(f"cannot download s3://{bucket}/{key}: {exc}") from None
-    except BotoCoreError as exc:
-        raise UnavailableError(f"cannot download s3://{bucket}/{key}: {exc}") from None
 
 
 def download_rows(url: str, dest: Path, client: Any | None = None) -> Path:
